@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# Each creates .venv if absent and installs what it needs.
+# A GPU user keeps a CUDA build with e.g. `make demo TORCH="torch==2.5.1"`.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.sailfin-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-slow test-all bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev,examples]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m sailfin train examples/digits/config.yaml
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# pytest exits 5 when no test carries the mark; that is not a failure.
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+test-all: test test-slow
+
+bench: $(STAMP)
+	$(PY) benchmarks/overhead.py
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

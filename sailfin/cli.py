@@ -1,0 +1,68 @@
+"""``sailfin train CONFIG.yaml [--section.key value ...]``: parse, build, fit, close."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+import yaml
+
+from .config import ConfigError, load_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sailfin", description="sailfin training library")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a recipe from a YAML config",
+                           description="Train a recipe. Overrides: --trainer.epochs 3, "
+                                       "--trainer.backend=sp, --module.init_args.lr 0.1")
+    train.add_argument("config", help="the run's YAML config")
+    train.add_argument("--print-config", action="store_true",
+                       help="print the resolved config and exit")
+    return parser
+
+
+def train_command(config: str, overrides: Sequence[str], print_config: bool) -> int:
+    # class_path names resolve from the working directory, as with `python -m`.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    cfg = load_config(config, overrides)
+    if print_config:
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return 0
+    from .trainer import Trainer
+    from .utils.seed import seed_everything
+
+    seed_everything(cfg.trainer.seed)  # the same initial weights on every run (and rank)
+    module = cfg.build()
+    summary = Trainer(module, cfg.trainer).train()
+    print(f"done: {summary['global_step']} steps, {summary['samples_seen']} samples in "
+          f"{summary['train_seconds']:.1f} s; outputs in {cfg.trainer.output_dir}")
+    for name, value in _flatten(summary["val"]).items():
+        print(f"validation {name}: {value:.4f}" if isinstance(value, float)
+              else f"validation {name}: {value}")
+    return 0
+
+
+def _flatten(metrics: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}/"))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    try:
+        if args.command == "train":
+            return train_command(args.config, rest, args.print_config)
+    except ConfigError as exc:
+        print(f"sailfin: config error: {exc}", file=sys.stderr)
+        return 2
+    return 1

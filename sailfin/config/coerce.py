@@ -1,0 +1,152 @@
+"""Typed conversion of YAML values and command-line strings into dataclass fields.
+
+Only the types the schema uses are supported: bool, int, float, str, Optional[T],
+list[T], Literal[...], nested dataclasses and plain dicts. Anything else is a
+programming error in the schema, reported as such.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Literal, Union
+
+import yaml
+
+from .errors import ConfigError, suggest, unknown_key
+
+
+def type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        return " or ".join(type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        return f"list of {type_name(item)}"
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def parse_cli_value(text: str, tp: Any) -> Any:
+    """Parse a command-line string for a field of type ``tp``.
+
+    Strings stay as typed (``sp-amp``, ``007``) unless the field accepts
+    something else too; everything else is read as YAML (``null``, ``1e-3``,
+    ``[stdout, jsonl]``, ``-5``).
+    """
+    if tp is str:
+        return text
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"could not parse {text!r}: {exc}") from None
+
+
+def coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against ``tp`` and convert where it is lossless."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(value, arg, key)
+            except ConfigError as exc:
+                errors.append(exc)
+        raise _wrong(key, value, tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value in allowed:
+            return value
+        raise ConfigError(
+            f"config key '{key}' got {value!r}{suggest(str(value), map(str, allowed))}; "
+            f"expected one of: {', '.join(map(str, allowed))}"
+        )
+    if origin is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        if isinstance(value, tuple):
+            value = list(value)
+        if isinstance(value, str) and item is str:
+            value = [value]  # `--trainer.writers stdout` means a list of one
+        if not isinstance(value, list):
+            raise _wrong(key, value, tp)
+        return [coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise _wrong(key, value, tp)
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise _wrong(key, value, tp)
+        return build_dataclass(tp, value, prefix=key + ".")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _wrong(key, value, tp)
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)  # 1e3 written in YAML
+        raise _wrong(key, value, tp)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise _wrong(key, value, tp)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise _wrong(key, value, tp)
+    raise TypeError(f"sailfin config schema uses an unsupported type {tp!r} for '{key}'")
+
+
+def _wrong(key: str, value: Any, tp: Any) -> ConfigError:
+    return ConfigError(
+        f"config key '{key}' got {value!r} ({type(value).__name__}); expected {type_name(tp)}"
+    )
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def build_dataclass(cls: type, values: dict, prefix: str = "") -> Any:
+    """Build ``cls`` from a dict, rejecting unknown keys with a suggestion."""
+    types_ = field_types(cls)
+    aliases: dict[str, str] = getattr(cls, "_aliases", {})
+    kwargs: dict[str, Any] = {}
+    for raw_key, value in values.items():
+        key = aliases.get(raw_key, raw_key)
+        if key not in types_:
+            raise unknown_key(str(raw_key), list(types_) + list(aliases), prefix)
+        if key in kwargs:
+            raise ConfigError(
+                f"config key '{prefix}{key}' is given twice (once as '{raw_key}'); keep one"
+            )
+        kwargs[key] = coerce(value, types_[key], prefix + key)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{prefix.rstrip('.') or cls.__name__}: {exc}") from None

@@ -1,0 +1,230 @@
+"""Load a run config from YAML and dotted command-line overrides.
+
+A run config has three sections::
+
+    data:    {class_path: pkg.module.MyData,   init_args: {...}}
+    module:  {class_path: pkg.module.MyModule, init_args: {...}}   # also receives data=
+    trainer: {epochs: 3, train_batch_size: 64, ...}
+
+Overrides are ``--trainer.backend sp-amp`` or ``--trainer.backend=sp-amp``; their
+types come from the schema, or for ``init_args`` from the class's signature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import yaml
+
+from .coerce import build_dataclass, coerce, field_types, parse_cli_value
+from .errors import ConfigError, suggest, unknown_key
+from .trainer import TrainerArguments
+
+SECTIONS = ("data", "module", "trainer")
+COMPONENT_KEYS = ("class_path", "init_args")
+
+
+@dataclass
+class ComponentSpec:
+    """``class_path`` plus ``init_args``: how to build a user's class."""
+
+    class_path: str = ""
+    init_args: dict = field(default_factory=dict)
+
+    def resolve(self, section: str) -> type:
+        module_name, _, attr = self.class_path.rpartition(".")
+        if not module_name:
+            raise ConfigError(
+                f"{section}.class_path must be 'package.module.ClassName', got {self.class_path!r}")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ConfigError(
+                f"{section}.class_path: cannot import module '{module_name}' ({exc}); "
+                "check the name and that its directory is on PYTHONPATH") from None
+        try:
+            return getattr(module, attr)
+        except AttributeError:
+            names = [n for n in dir(module) if not n.startswith("_")]
+            raise ConfigError(
+                f"{section}.class_path: module '{module_name}' has no '{attr}'"
+                f"{suggest(attr, names)}") from None
+
+
+@dataclass
+class RunConfig:
+    """A whole run: the user's data and module classes and the trainer settings.
+
+    Example::
+
+        cfg = sailfin.load_config("config.yaml", ["--trainer.epochs", "5"])
+        module = cfg.build()
+        sailfin.Trainer(module, cfg.trainer).train()
+    """
+
+    data: Optional[ComponentSpec] = None
+    module: ComponentSpec = field(default_factory=ComponentSpec)
+    trainer: TrainerArguments = field(default_factory=TrainerArguments)
+
+    def build(self):
+        """Instantiate the data interface (if any) and the module, passing ``data=``."""
+        data = None
+        if self.data is not None:
+            data = _instantiate(self.data, "data")
+        extra = {"data": data} if data is not None else {}
+        return _instantiate(self.module, "module", extra)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _instantiate(spec: ComponentSpec, section: str, extra: Optional[dict] = None) -> Any:
+    cls = spec.resolve(section)
+    kwargs = _check_init_args(cls, spec.init_args, section)
+    if extra:
+        params = inspect.signature(cls).parameters
+        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        for name, value in extra.items():
+            if name in params or takes_kwargs:
+                kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _check_init_args(cls: type, init_args: dict, section: str) -> dict:
+    """Reject init_args the class does not take; convert values to annotated types."""
+    params = inspect.signature(cls).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return dict(init_args)
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # annotations that do not evaluate: leave the values as given
+        hints = {}
+    out = {}
+    for key, value in init_args.items():
+        if key not in params or key == "self":
+            choices = [p for p in params if p not in ("self", "data")]
+            raise unknown_key(key, choices, f"{section}.init_args.")
+        tp = hints.get(key)
+        out[key] = coerce(value, tp, f"{section}.init_args.{key}") if tp is not None else value
+    return out
+
+
+def load_config(path: Optional[str | os.PathLike] = None,
+                overrides: Sequence[str] = ()) -> RunConfig:
+    """Read a YAML run config and apply ``--section.key value`` overrides."""
+    raw: dict = {}
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                raw = yaml.safe_load(fh) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must hold a mapping with sections "
+                              f"{', '.join(SECTIONS)}; got {type(raw).__name__}")
+    for key, text in parse_overrides(overrides):
+        apply_override(raw, key, text)
+    return from_dict(raw)
+
+
+def from_dict(raw: dict) -> RunConfig:
+    for key in raw:
+        if key not in SECTIONS:
+            raise unknown_key(str(key), SECTIONS, "")
+    kwargs: dict[str, Any] = {}
+    for name in ("data", "module"):
+        if raw.get(name) is not None:
+            kwargs[name] = _component(raw[name], name)
+    if "module" not in kwargs:
+        kwargs["module"] = ComponentSpec()
+    trainer = raw.get("trainer") or {}
+    if not isinstance(trainer, dict):
+        raise ConfigError(f"config section 'trainer' must be a mapping, got {trainer!r}")
+    kwargs["trainer"] = build_dataclass(TrainerArguments, trainer, prefix="trainer.")
+    return RunConfig(**kwargs)
+
+
+def _component(value: Any, name: str) -> ComponentSpec:
+    if not isinstance(value, dict):
+        raise ConfigError(f"config section '{name}' must be a mapping with class_path and "
+                          f"init_args, got {value!r}")
+    spec = build_dataclass(ComponentSpec, value, prefix=name + ".")
+    if not spec.class_path:
+        raise ConfigError(f"config section '{name}' needs class_path: package.module.ClassName")
+    return spec
+
+
+def parse_overrides(argv: Sequence[str]) -> list[tuple[str, str]]:
+    """``['--a.b', '1', '--c=2']`` -> ``[('a.b', '1'), ('c', '2')]``."""
+    out = []
+    i = 0
+    argv = list(argv)
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"expected an override like --trainer.epochs 3, got {arg!r}")
+        body = arg[2:]
+        if "=" in body:
+            key, text = body.split("=", 1)
+        else:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"override --{body} needs a value (--{body} VALUE)")
+            key, text = body, argv[i + 1]
+            i += 1
+        out.append((key, text))
+        i += 1
+    return out
+
+
+def apply_override(raw: dict, dotted: str, text: str) -> None:
+    """Set ``raw[a][b][c] = value`` for ``a.b.c``, typed by the schema."""
+    parts = dotted.split(".")
+    if parts[0] not in SECTIONS:
+        raise unknown_key(parts[0], SECTIONS, "")
+    tp = _type_at(parts)
+    node = raw
+    for part in parts[:-1]:
+        nxt = node.get(part)
+        if nxt is None:
+            nxt = node[part] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"cannot set --{dotted}: '{part}' is {nxt!r}, not a section")
+        node = nxt
+    node[parts[-1]] = parse_cli_value(text, tp)
+
+
+def _type_at(parts: list[str]) -> Any:
+    """The schema type for a dotted key, validating every level on the way."""
+    section = parts[0]
+    if section == "trainer":
+        cls: Any = TrainerArguments
+    else:
+        cls = ComponentSpec
+    prefix = section + "."
+    for i, part in enumerate(parts[1:], start=1):
+        if cls is None:
+            return Any
+        if dataclasses.is_dataclass(cls):
+            types_ = field_types(cls)
+            aliases = getattr(cls, "_aliases", {})
+            part = aliases.get(part, part)
+            if part not in types_:
+                raise unknown_key(part, list(types_) + list(aliases), prefix)
+            cls = types_[part]
+            if section != "trainer" and part == "init_args":
+                return Any  # typed later against the class's signature
+        else:
+            return Any
+        prefix += part + "."
+    if dataclasses.is_dataclass(cls) and len(parts) > 1:
+        raise ConfigError(f"--{'.'.join(parts)} is a section; set one of its keys: "
+                          f"{', '.join(field_types(cls))}")
+    return cls

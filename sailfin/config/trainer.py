@@ -1,0 +1,73 @@
+"""The ``trainer:`` section of a config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .errors import ConfigError
+
+WRITERS = ("stdout", "jsonl")
+
+
+@dataclass
+class TrainerArguments:
+    """Everything the trainer needs to know, typed and validated.
+
+    Example::
+
+        args = TrainerArguments(epochs=3, train_batch_size=64, micro_batch_size=32)
+        Trainer(module, args).train()
+    """
+
+    epochs: int = 1
+    max_steps: Optional[int] = None
+    """Stop after this many optimizer steps in all (null: no cap)."""
+    max_train_steps_per_epoch: Optional[int] = None
+    train_batch_size: int = 32
+    """GLOBAL batch: the samples behind one optimizer step, over all devices."""
+    micro_batch_size: Optional[int] = None
+    """Samples per device per forward (memory limit). Null: the global batch over the world size."""
+    val_batch_size: Optional[int] = None
+    """Per-device validation batch. Null: the micro batch size."""
+    drop_last: bool = False
+    """Drop an epoch's last, smaller global batch instead of stepping on it."""
+    shuffle: bool = True
+    backend: str = "sp"
+    device: str = "auto"
+    """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda``, ``cuda:1``..."""
+    seed: int = 42
+    output_dir: str = "outputs"
+    max_grad_norm: Optional[float] = None
+    """Clip the global gradient norm to this value (null: no clipping)."""
+    log_every_n_steps: int = 10
+    val_every_n_epochs: int = 1
+    """Validate after every N-th epoch and after the last (0: only when asked)."""
+    writers: list[str] = field(default_factory=lambda: ["stdout", "jsonl"])
+
+    # PyMarlin's names for the same settings.
+    _aliases = {"gpu_batch_size_limit": "micro_batch_size"}
+
+    def __post_init__(self) -> None:
+        positive = ["epochs", "train_batch_size", "log_every_n_steps"]
+        optional_positive = ["max_steps", "max_train_steps_per_epoch", "micro_batch_size",
+                             "val_batch_size"]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        for name in optional_positive:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"trainer.{name} must be >= 1 or null, got {value}")
+        if self.val_every_n_epochs < 0:
+            raise ConfigError(
+                f"trainer.val_every_n_epochs must be >= 0, got {self.val_every_n_epochs}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ConfigError(
+                f"trainer.max_grad_norm must be > 0 or null (no clipping), got {self.max_grad_norm}")
+        for i, name in enumerate(self.writers):
+            if name not in WRITERS:
+                from .errors import suggest
+                raise ConfigError(
+                    f"trainer.writers[{i}] is '{name}'{suggest(name, WRITERS)}; "
+                    f"available writers: {', '.join(WRITERS)}")

@@ -1,0 +1,130 @@
+"""The batch plan: which global positions form each optimizer step, per rank.
+
+``train_batch_size`` is the GLOBAL batch G. With micro batch m and world W the
+plan accumulates A = G / (m * W) micro-batches per step. Step k of an epoch
+consumes global positions ``[k*G, min((k+1)*G, N))``; inside a step the
+positions split contiguously and as evenly as possible over the ranks, and each
+rank cuts its share into micro-batches of m (the last one may be short).
+
+Only the last step of an epoch can be short. Each micro-batch's mean loss is
+weighted by ``count * W / n_step``: DDP averages gradients over W ranks, so the
+summed gradient equals the mean-loss gradient of one process over the whole
+step, whatever W, m and A are. A rank whose share of a short step is empty
+(fewer samples than ranks) runs one padding sample with weight 0, so every
+rank still takes part in the gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+from ..config.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One forward/backward of a step on one rank."""
+
+    count: int        # real samples in it (0 for a padding micro-batch)
+    weight: float     # multiply the micro-batch's mean loss by this
+    last: bool        # the last micro-batch of the step on this rank (sync gradients)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Accumulation arithmetic for one global batch over ``world_size`` devices.
+
+    Example::
+
+        plan = BatchPlan.create(global_batch=64, micro_batch=16, world_size=2)
+        plan.accumulation            # 2
+        plan.steps_in_epoch(1000)    # 16 (the 16th step has 40 samples)
+    """
+
+    global_batch: int
+    micro_batch: int
+    world_size: int
+    accumulation: int
+    drop_last: bool = False
+    max_steps_per_epoch: Optional[int] = None
+
+    @classmethod
+    def create(cls, global_batch: int, micro_batch: Optional[int], world_size: int,
+               drop_last: bool = False, max_steps_per_epoch: Optional[int] = None
+               ) -> "BatchPlan":
+        if world_size < 1:
+            raise ConfigError(f"world size must be >= 1, got {world_size}")
+        if micro_batch is None:
+            if global_batch % world_size:
+                raise ConfigError(
+                    f"trainer.train_batch_size={global_batch} does not split over "
+                    f"{world_size} devices; set trainer.micro_batch_size or use a global "
+                    f"batch that is a multiple of {world_size}")
+            micro_batch = global_batch // world_size
+        per_step = micro_batch * world_size
+        if global_batch % per_step:
+            raise ConfigError(
+                f"trainer.train_batch_size={global_batch} is not a multiple of "
+                f"micro_batch_size x world_size = {micro_batch} x {world_size} = {per_step}: "
+                f"{_suggestions(global_batch, micro_batch, world_size)}")
+        return cls(global_batch, micro_batch, world_size, global_batch // per_step,
+                   drop_last, max_steps_per_epoch)
+
+    def steps_in_epoch(self, num_samples: int) -> int:
+        full, rest = divmod(num_samples, self.global_batch)
+        steps = full + (1 if rest and not self.drop_last else 0)
+        if self.max_steps_per_epoch is not None:
+            steps = min(steps, self.max_steps_per_epoch)
+        return steps
+
+    def step_positions(self, step: int, num_samples: int) -> tuple[int, int]:
+        """Global positions ``[start, stop)`` of step ``step`` in the epoch order."""
+        start = step * self.global_batch
+        return start, min(start + self.global_batch, num_samples)
+
+    def rank_positions(self, step: int, num_samples: int, rank: int) -> tuple[int, int, bool]:
+        """This rank's ``[start, stop)`` of a step, and whether it is one padding sample."""
+        start, stop = self.step_positions(step, num_samples)
+        lo, hi = _split(stop - start, self.world_size, rank)
+        if lo == hi:  # fewer samples than ranks: pad with the step's first sample
+            return start, start + 1, True
+        return start + lo, start + hi, False
+
+    def micro_batches(self, step: int, num_samples: int, rank: int) -> tuple[MicroBatch, ...]:
+        """The micro-batches this rank runs for ``step``."""
+        start, stop = self.step_positions(step, num_samples)
+        return _micro_batches(self.micro_batch, self.world_size, stop - start, rank)
+
+
+def _split(n: int, parts: int, i: int) -> tuple[int, int]:
+    """Part ``i`` of ``range(n)`` cut into ``parts`` contiguous, balanced pieces."""
+    base, extra = divmod(n, parts)
+    lo = i * base + min(i, extra)
+    return lo, lo + base + (1 if i < extra else 0)
+
+
+@lru_cache(maxsize=256)
+def _micro_batches(micro: int, world: int, n_step: int, rank: int) -> tuple[MicroBatch, ...]:
+    lo, hi = _split(n_step, world, rank)
+    if lo == hi:
+        return (MicroBatch(count=1, weight=0.0, last=True),)
+    share = hi - lo
+    count = math.ceil(share / micro)
+    sizes = [micro] * (count - 1) + [share - micro * (count - 1)]
+    return tuple(MicroBatch(c, c * world / n_step, i == count - 1) for i, c in enumerate(sizes))
+
+
+def _suggestions(global_batch: int, micro: int, world: int) -> str:
+    micros = [m for m in range(1, min(global_batch // world, 4 * micro) + 1)
+              if global_batch % (m * world) == 0]
+    near = sorted(micros, key=lambda m: (abs(m - micro), -m))[:3]
+    lower = global_batch - global_batch % (micro * world)
+    upper = lower + micro * world
+    parts = []
+    if near:
+        parts.append(f"micro_batch_size {' or '.join(map(str, sorted(near)))}")
+    parts.append(f"train_batch_size {' or '.join(str(x) for x in (lower, upper) if x > 0)}")
+    return "use " + ", or ".join(parts)

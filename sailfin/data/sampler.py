@@ -1,0 +1,86 @@
+"""Samplers that follow the batch plan and resume at any step.
+
+The order of epoch ``e`` is a pure function of (dataset length, seed, e): it
+does not depend on the world size, the micro batch or the worker count, so a
+run resumed on another world size continues the same order.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from .plan import BatchPlan, _split
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
+    """Global sample order of an epoch (positions -> dataset indices)."""
+    if not shuffle:
+        return np.arange(num_samples)
+    # Its own generator: drawing from torch's global RNG here would change the
+    # random stream the recipe sees (dropout, augmentation) and break resume.
+    return np.random.default_rng([seed, epoch]).permutation(num_samples)
+
+
+class ResumableSampler(torch.utils.data.Sampler[int]):
+    """This rank's dataset indices for the steps ``[start_step, steps_in_epoch)``.
+
+    Example::
+
+        sampler = ResumableSampler(len(ds), plan, rank=0, seed=42)
+        sampler.set_epoch(3, start_step=10)     # resume in the middle of epoch 3
+        loader = DataLoader(ds, batch_size=plan.micro_batch, sampler=sampler)
+    """
+
+    def __init__(self, num_samples: int, plan: BatchPlan, rank: int = 0, seed: int = 0,
+                 shuffle: bool = True) -> None:
+        if num_samples < 1:
+            raise ValueError("the training dataset is empty")
+        if not 0 <= rank < plan.world_size:
+            raise ValueError(f"rank {rank} is outside world size {plan.world_size}")
+        self.num_samples = num_samples
+        self.plan = plan
+        self.rank = rank
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.start_step = 0
+
+    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+        self.epoch = epoch
+        self.start_step = start_step
+
+    @property
+    def steps_in_epoch(self) -> int:
+        return self.plan.steps_in_epoch(self.num_samples)
+
+    def _ranges(self):
+        for step in range(self.start_step, self.steps_in_epoch):
+            lo, hi, _ = self.plan.rank_positions(step, self.num_samples, self.rank)
+            yield lo, hi
+
+    def __iter__(self) -> Iterator[int]:
+        order = epoch_order(self.num_samples, self.seed, self.epoch, self.shuffle)
+        for lo, hi in self._ranges():
+            yield from order[lo:hi].tolist()
+
+    def __len__(self) -> int:
+        return sum(hi - lo for lo, hi in self._ranges())
+
+
+class EvalSampler(torch.utils.data.Sampler[int]):
+    """A contiguous, in-order share of the dataset: rank r's outputs come before rank r+1's.
+
+    No padding: concatenating every rank's outputs in rank order gives dataset order.
+    """
+
+    def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1) -> None:
+        self.lo, self.hi = _split(num_samples, world_size, rank)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.lo, self.hi))
+
+    def __len__(self) -> int:
+        return self.hi - self.lo

@@ -1,0 +1,5 @@
+"""Rank discovery and collectives."""
+
+from .env import DistEnv
+
+__all__ = ["DistEnv"]

@@ -1,0 +1,225 @@
+"""The user's pieces: DataProcessor, DataInterface and ModuleInterface.
+
+These keep PyMarlin's names and signatures, so a PyMarlin recipe moves over
+by changing its imports (see docs/migrating-from-pymarlin.md).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+Batch = Any
+TrainStepOutput = Union[torch.Tensor, tuple]
+
+
+class DataProcessor:
+    """One step of preprocessing (read, clean, tokenize, write shards).
+
+    Subclasses implement :meth:`process`; :meth:`multi_process_data` runs it over
+    many inputs in a process pool, and with ``node_rank``/``num_nodes`` takes only
+    this node's contiguous share of the inputs.
+
+    Example::
+
+        class Tokenize(DataProcessor):
+            def process(self, path):
+                return count_tokens(path)
+
+        counts = Tokenize().multi_process_data(paths, process_count=4)
+    """
+
+    def __init__(self, node_rank: int = 0, num_nodes: int = 1) -> None:
+        _check_node_split(node_rank, num_nodes)
+        self.node_rank = node_rank
+        self.num_nodes = num_nodes
+
+    def process(self, *args: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must implement process(*args)")
+
+    def analyze(self) -> Any:
+        """Optional: summarise what :meth:`process` did (counts, histograms...)."""
+        return None
+
+    def process_data(self, *args: Any) -> Any:
+        """Run :meth:`process` then :meth:`analyze`; return what process returned."""
+        result = self.process(*args)
+        self.analyze()
+        return result
+
+    def node_share(self, inputs: Sequence[Any], node_rank: Optional[int] = None,
+                   num_nodes: Optional[int] = None) -> list:
+        """This node's contiguous part of ``inputs`` (balanced, order kept)."""
+        node_rank = self.node_rank if node_rank is None else node_rank
+        num_nodes = self.num_nodes if num_nodes is None else num_nodes
+        _check_node_split(node_rank, num_nodes)
+        inputs = list(inputs)
+        base, extra = divmod(len(inputs), num_nodes)
+        start = node_rank * base + min(node_rank, extra)
+        stop = start + base + (1 if node_rank < extra else 0)
+        return inputs[start:stop]
+
+    def multi_process_data(self, inputs: Iterable[Any], process_count: int = 1,
+                           node_rank: Optional[int] = None, num_nodes: Optional[int] = None,
+                           mp_context: Optional[str] = None) -> list:
+        """Run :meth:`process` on each input (a tuple is spread as ``*args``).
+
+        Returns the results in input order for this node's share. With
+        ``process_count=1`` everything runs in this process. The processor is
+        pickled to the workers, so it must be defined at module level.
+        """
+        if process_count < 1:
+            raise ValueError(f"process_count must be >= 1, got {process_count}")
+        share = self.node_share(list(inputs), node_rank, num_nodes)
+        args = [x if isinstance(x, tuple) else (x,) for x in share]
+        if process_count == 1 or len(args) <= 1:
+            results = [self.process(*a) for a in args]
+        else:
+            ctx = multiprocessing.get_context(mp_context) if mp_context else None
+            workers = min(process_count, len(args))
+            chunk = max(1, len(args) // (workers * 4))
+            with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+                results = list(pool.map(_call_process, [self] * len(args), args,
+                                        chunksize=chunk))
+        self.analyze()
+        return results
+
+
+def _call_process(processor: DataProcessor, args: tuple) -> Any:
+    return processor.process(*args)
+
+
+def _check_node_split(node_rank: int, num_nodes: int) -> None:
+    if num_nodes < 1 or not 0 <= node_rank < num_nodes:
+        raise ValueError(f"need 0 <= node_rank < num_nodes, got node_rank={node_rank}, "
+                         f"num_nodes={num_nodes}")
+
+
+class DataInterface:
+    """Gives the trainer its datasets.
+
+    Implement :meth:`get_train_dataset` and either :meth:`get_val_dataset` (one
+    validation set) or :meth:`get_val_datasets` (name -> dataset).
+
+    Example::
+
+        class Digits(DataInterface):
+            def get_train_dataset(self): return self.train
+            def get_val_dataset(self): return self.val
+    """
+
+    def get_train_dataset(self, *args: Any, **kwargs: Any) -> torch.utils.data.Dataset:
+        raise NotImplementedError(f"{type(self).__name__} must implement get_train_dataset()")
+
+    def get_val_dataset(self, *args: Any, **kwargs: Any) -> Optional[torch.utils.data.Dataset]:
+        return None
+
+    def get_val_datasets(self, *args: Any, **kwargs: Any) -> dict[str, torch.utils.data.Dataset]:
+        """Name -> dataset. The default wraps :meth:`get_val_dataset` as ``{"val": ...}``."""
+        ds = self.get_val_dataset(*args, **kwargs)
+        return {} if ds is None else {"val": ds}
+
+
+class ModuleInterface(nn.Module):
+    """A training recipe: the model plus how to optimize, train and validate it.
+
+    Required: :meth:`get_optimizers_schedulers`, :meth:`train_step`, and (to
+    validate) :meth:`val_step`. If the module has a ``data`` attribute holding a
+    :class:`DataInterface`, the default dataloader methods use it.
+
+    Example::
+
+        class Classifier(ModuleInterface):
+            def __init__(self, data, lr=0.1):
+                super().__init__()
+                self.data, self.lr = data, lr
+                self.net = nn.Linear(64, 10)
+
+            def get_optimizers_schedulers(self, estimated_global_steps_per_epoch, epochs):
+                return [torch.optim.SGD(self.parameters(), lr=self.lr)], []
+
+            def train_step(self, global_step, batch, device):
+                x, y = (t.to(device) for t in batch)
+                return nn.functional.cross_entropy(self.net(x), y)
+
+            def val_step(self, global_step, batch, device):
+                x, y = (t.to(device) for t in batch)
+                return {"pred": self.net(x).argmax(1), "label": y}
+
+            def on_end_val_epoch(self, global_step, outputs, key="val"):
+                return {"accuracy": (outputs["pred"] == outputs["label"]).float().mean().item()}
+    """
+
+    # -- required -------------------------------------------------------
+    def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: int, epochs: int
+                                  ) -> tuple[list[torch.optim.Optimizer], list]:
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement get_optimizers_schedulers("
+            "estimated_global_steps_per_epoch, epochs) -> (optimizers, schedulers)")
+
+    def train_step(self, global_step: int, batch: Batch, device: torch.device
+                   ) -> TrainStepOutput:
+        """Return the MEAN loss over ``batch``, or ``(loss, {name: scalar tensor})``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement train_step()")
+
+    def val_step(self, global_step: int, batch: Batch, device: torch.device
+                 ) -> dict[str, torch.Tensor]:
+        """Return a dict of tensors whose first dimension is the batch."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has validation data but no val_step(); implement it")
+
+    # -- data -------------------------------------------------------------
+    def get_train_dataloader(self, sampler: Callable[[Any], Any], batch_size: int
+                             ) -> torch.utils.data.DataLoader:
+        """Build the train loader. ``sampler(dataset)`` makes sailfin's sampler.
+
+        Override to set ``collate_fn``, ``num_workers``... but keep
+        ``batch_size=batch_size, sampler=sampler(dataset)``: sailfin plans which
+        samples form each optimizer step.
+        """
+        ds = self._data().get_train_dataset()
+        return torch.utils.data.DataLoader(ds, batch_size=batch_size, sampler=sampler(ds))
+
+    def get_val_dataloaders(self, sampler: Callable[[Any], Any], batch_size: int
+                            ) -> dict[str, torch.utils.data.DataLoader]:
+        """Name -> loader. Keep ``batch_size`` and ``sampler(dataset)`` as given."""
+        return {
+            name: torch.utils.data.DataLoader(ds, batch_size=batch_size, sampler=sampler(ds))
+            for name, ds in self._data().get_val_datasets().items()
+        }
+
+    def _data(self) -> DataInterface:
+        data = getattr(self, "data", None)
+        if data is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} has no 'data' attribute: store the DataInterface as "
+                "self.data, or override get_train_dataloader/get_val_dataloaders")
+        return data
+
+    # -- callbacks (all optional) ---------------------------------------------
+    def on_begin_train_epoch(self, global_step: int, epoch: int) -> None: ...
+
+    def on_end_train_step(self, global_step: int, loss: torch.Tensor,
+                          stats: Optional[dict]) -> None: ...
+
+    def on_end_backward(self, global_step: int, loss: torch.Tensor) -> None:
+        """After all micro-batches of a step ran backward, before clipping and stepping."""
+
+    def on_end_train_epoch(self, global_step: int, epoch: int) -> None: ...
+
+    def on_end_val_epoch(self, global_step: int, outputs: dict[str, Any], key: str = "val"
+                         ) -> Optional[dict[str, float]]:
+        """Turn the gathered validation outputs (dataset order) into metrics to log."""
+        return None
+
+    def on_end_train(self, global_step: int) -> None: ...
+
+    # -- state carried in checkpoints ----------------------------------------
+    def get_state(self) -> dict:
+        return {}
+
+    def update_state(self, state: dict) -> None: ...

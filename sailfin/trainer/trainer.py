@@ -1,0 +1,295 @@
+"""The training loop. It owns the loop; the backend supplies each step's pieces."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any, Iterable, Mapping, Optional
+
+import torch
+
+from ..backends import build_backend
+from ..config.trainer import TrainerArguments
+from ..data.plan import BatchPlan
+from ..data.sampler import EvalSampler, ResumableSampler
+from ..distributed import DistEnv
+from ..interfaces import ModuleInterface
+from ..logging import Writer, Writers, build_writers
+from ..utils.seed import seed_everything
+from .callbacks import Callback
+from .outputs import save_final_weights, write_json_atomic
+from .validation import merge_outputs
+
+
+class Trainer:
+    """Trains a :class:`ModuleInterface` as ``args`` says.
+
+    Example::
+
+        args = TrainerArguments(epochs=3, train_batch_size=64, micro_batch_size=32)
+        Trainer(MyModule(data=MyData()), args).train()
+    """
+
+    def __init__(self, module: ModuleInterface, args: Optional[TrainerArguments] = None, *,
+                 dist: Optional[DistEnv] = None, backend: Any = None,
+                 writers: Optional[Iterable[Writer]] = None,
+                 callbacks: Iterable[Callback] = ()) -> None:
+        self.module = module
+        self.args = args or TrainerArguments()
+        self.dist = dist or DistEnv.from_environ()
+        self.backend = backend if backend is not None else build_backend(self.args, self.dist)
+        self._writers = writers
+        self.callbacks: list[Callback] = list(callbacks)
+        # Counters: together with the seed they say where the data order stands.
+        self.global_step = 0      # optimizer steps done
+        self.epoch = 0
+        self.step_in_epoch = 0    # optimizer steps done in the current epoch
+        self.samples_seen = 0
+        self.last_val_metrics: dict[str, dict[str, float]] = {}
+        self.train_seconds = 0.0
+        self._is_setup = False
+        self._last_val_step = -1
+
+    # -- the run ---------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        """Train for ``args.epochs`` (or until ``args.max_steps``); return the summary."""
+        self.setup()
+        args = self.args
+        self._notify("on_train_start")
+        try:
+            while self.epoch < args.epochs and not self._reached_max_steps():
+                started = time.perf_counter()
+                finished_epoch = self._train_epoch()
+                self.train_seconds += time.perf_counter() - started
+                if not finished_epoch:
+                    break
+                if self._should_validate(self.epoch):
+                    self.validate()
+                self.epoch += 1
+                self.step_in_epoch = 0
+                self._notify("on_epoch_end")
+            if args.val_every_n_epochs and self._last_val_step != self.global_step:
+                self.validate()  # stopped early by max_steps: report the final model
+            self.module.on_end_train(self.global_step)
+            summary = self._finish()
+            self._notify("on_train_end")
+            return summary
+        finally:
+            self.writers.close()
+
+    def setup(self) -> None:
+        """Place the module, build the batch plan, loaders, optimizers and writers."""
+        if self._is_setup:
+            return
+        args, dist = self.args, self.dist
+        seed_everything(args.seed + dist.rank)  # per-rank streams (dropout) differ
+        self.plan = BatchPlan.create(args.train_batch_size, args.micro_batch_size,
+                                     dist.world_size, args.drop_last,
+                                     args.max_train_steps_per_epoch)
+        self.backend.setup(self.module)
+        self.device = self.backend.device
+        self.train_loader, self.train_sampler = self._build_train_loader()
+        self.num_train_samples = self.train_sampler.num_samples
+        self.steps_per_epoch = self.plan.steps_in_epoch(self.num_train_samples)
+        self.val_loaders = self._build_val_loaders()
+        optimizers, schedulers = self.module.get_optimizers_schedulers(
+            self.steps_per_epoch, args.epochs)
+        self.optimizers = _as_list(optimizers, "optimizers")
+        self.schedulers = _as_list(schedulers, "schedulers")
+        if not self.optimizers:
+            raise ValueError("get_optimizers_schedulers returned no optimizer")
+        self.writers = self._build_writers()
+        self._params = [p for p in self.module.parameters() if p.requires_grad]
+        self._is_setup = True
+
+    # -- one epoch -------------------------------------------------------------
+    def _train_epoch(self) -> bool:
+        """Run the rest of the current epoch; False if max_steps stopped it early."""
+        module, backend, plan = self.module, self.backend, self.plan
+        args, rank, n = self.args, self.dist.rank, self.num_train_samples
+        optimizers, schedulers = self.optimizers, self.schedulers
+        log_every, max_norm = args.log_every_n_steps, args.max_grad_norm
+        max_steps = args.max_steps if args.max_steps is not None else math.inf
+        step_callbacks = [c for c in self.callbacks
+                          if type(c).on_step_end is not Callback.on_step_end]
+
+        self.train_sampler.set_epoch(self.epoch, self.step_in_epoch)
+        module.train()
+        module.on_begin_train_epoch(self.global_step, self.epoch)
+        batches = iter(self.train_loader)
+        self._log_clock = (time.perf_counter(), self.samples_seen)
+        for step in range(self.step_in_epoch, self.steps_per_epoch):
+            if self.global_step >= max_steps:
+                return False
+            step_loss, stats = None, None
+            for micro in plan.micro_batches(step, n, rank):
+                batch = next(batches)
+                out = backend.train_step(module, self.global_step, batch, micro.last)
+                loss, stats = (out[0], out[1]) if type(out) is tuple else (out, None)
+                if micro.weight != 1.0:
+                    # Weight by the micro-batch's share of the step: the summed
+                    # gradient is the one-big-batch gradient even for short batches.
+                    loss = loss * micro.weight
+                backend.backward(loss)
+                step_loss = loss if step_loss is None else step_loss.detach() + loss.detach()
+            module.on_end_backward(self.global_step, step_loss)
+            if max_norm is not None:
+                backend.clip_grad_norm(self._params, optimizers, max_norm)
+            if backend.optimizer_step(optimizers):
+                for scheduler in schedulers:  # a skipped (non-finite) step keeps the schedule
+                    scheduler.step()
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            self.global_step += 1
+            self.step_in_epoch = step + 1
+            start, stop = plan.step_positions(step, n)
+            self.samples_seen += stop - start
+            module.on_end_train_step(self.global_step, step_loss, stats)
+            if self.global_step % log_every == 0:
+                self._log_train(step_loss, stats)
+            for callback in step_callbacks:
+                callback.on_step_end(self)
+        module.on_end_train_epoch(self.global_step, self.epoch)
+        return True
+
+    def _log_train(self, step_loss: torch.Tensor, stats: Optional[Mapping[str, Any]]) -> None:
+        # The only host-device sync of the loop, once every log_every_n_steps.
+        loss = self.backend.all_reduce_mean(step_loss.detach()).item()
+        now = time.perf_counter()
+        then, seen = self._log_clock
+        self._log_clock = (now, self.samples_seen)
+        metrics: dict[str, float] = {"loss": loss,
+                                     "lr": self.optimizers[0].param_groups[0]["lr"]}
+        if stats:
+            metrics.update({k: _scalar(v) for k, v in stats.items()})
+        if now > then:
+            metrics["samples_per_second"] = (self.samples_seen - seen) / (now - then)
+        self.writers.log_metrics(metrics, self.global_step, self.epoch, "train")
+
+    # -- validation --------------------------------------------------------------
+    def validate(self) -> dict[str, dict[str, float]]:
+        """Run every validation set; return name -> metrics (also logged)."""
+        self.setup()
+        results: dict[str, dict[str, float]] = {}
+        if not self.val_loaders:
+            return results
+        was_training = self.module.training
+        self.module.eval()
+        with torch.no_grad():
+            for name, loader in self.val_loaders.items():
+                local = merge_outputs([self.backend.val_step(self.module, self.global_step, b)
+                                       for b in loader])
+                outputs = self.backend.gather_outputs(local)
+                metrics = self.module.on_end_val_epoch(self.global_step, outputs, name) or {}
+                metrics = {k: _scalar(v) for k, v in metrics.items()}
+                results[name] = metrics
+                if metrics:
+                    event = dict(metrics)
+                    if len(self.val_loaders) > 1:
+                        event = {"dataset": name, **event}
+                    self.writers.log_metrics(event, self.global_step, self.epoch, "val")
+        self.module.train(was_training)
+        self.writers.flush()
+        self.last_val_metrics = results
+        self._last_val_step = self.global_step
+        self._notify("on_validation_end", results)
+        return results
+
+    # -- building pieces -----------------------------------------------------------
+    def _build_train_loader(self) -> tuple[Any, ResumableSampler]:
+        made: list[ResumableSampler] = []
+
+        def sampler(dataset: Any) -> ResumableSampler:
+            s = ResumableSampler(len(dataset), self.plan, self.dist.rank, self.args.seed,
+                                 self.args.shuffle)
+            made.append(s)
+            return s
+
+        loader = self.module.get_train_dataloader(sampler, self.plan.micro_batch)
+        if not made:
+            raise ValueError(
+                "get_train_dataloader did not call sampler(dataset): build the loader with "
+                "DataLoader(dataset, batch_size=batch_size, sampler=sampler(dataset)) so "
+                "sailfin decides which samples form each optimizer step")
+        if getattr(loader, "batch_size", None) != self.plan.micro_batch or getattr(
+                loader, "drop_last", False):
+            raise ValueError(
+                f"get_train_dataloader must use batch_size={self.plan.micro_batch} (the "
+                f"batch_size argument) and drop_last=False; got batch_size="
+                f"{getattr(loader, 'batch_size', None)}, drop_last="
+                f"{getattr(loader, 'drop_last', None)}. Use trainer.drop_last instead.")
+        return loader, made[-1]
+
+    def _build_val_loaders(self) -> dict[str, Any]:
+        def sampler(dataset: Any) -> EvalSampler:
+            return EvalSampler(len(dataset), self.dist.rank, self.dist.world_size)
+
+        batch = self.args.val_batch_size or self.plan.micro_batch
+        try:
+            loaders = self.module.get_val_dataloaders(sampler, batch)
+        except NotImplementedError:
+            if type(self.module).get_val_dataloaders is not ModuleInterface.get_val_dataloaders:
+                raise
+            return {}  # no data attribute: the recipe has no validation data
+        if loaders is None:
+            return {}
+        if not isinstance(loaders, Mapping):
+            loaders = {"val": loaders}
+        return dict(loaders)
+
+    def _build_writers(self) -> Writer:
+        if not self.dist.is_main:
+            return Writers()  # only rank 0 writes logs
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        if self._writers is not None:
+            return Writers(self._writers)
+        return build_writers(self.args.writers, self.args.output_dir)
+
+    # -- end of run ----------------------------------------------------------------------
+    def _finish(self) -> dict[str, Any]:
+        summary = {
+            "global_step": self.global_step,
+            "epoch": self.epoch,
+            "samples_seen": self.samples_seen,
+            "train_seconds": round(self.train_seconds, 4),
+            "samples_per_second": (self.samples_seen / self.train_seconds
+                                   if self.train_seconds > 0 else None),
+            "world_size": self.dist.world_size,
+            "val": _flat_val(self.last_val_metrics),
+        }
+        if self.dist.is_main:
+            save_final_weights(self.module, self.args.output_dir)
+            write_json_atomic(os.path.join(self.args.output_dir, "summary.json"), summary)
+        return summary
+
+    def _should_validate(self, epoch: int) -> bool:
+        every = self.args.val_every_n_epochs
+        return bool(every) and ((epoch + 1) % every == 0 or epoch + 1 == self.args.epochs)
+
+    def _reached_max_steps(self) -> bool:
+        return self.args.max_steps is not None and self.global_step >= self.args.max_steps
+
+    def _notify(self, event: str, *args: Any) -> None:
+        for callback in self.callbacks:
+            getattr(callback, event)(self, *args)
+
+
+def _as_list(value: Any, what: str) -> list:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def _scalar(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.numel() == 1 else value.tolist()
+    return value
+
+
+def _flat_val(results: dict[str, dict[str, float]]) -> dict[str, Any]:
+    if len(results) == 1:
+        return next(iter(results.values()))
+    return results
