@@ -189,7 +189,7 @@ def apply_override(raw: dict, dotted: str, text: str) -> None:
     parts = dotted.split(".")
     if parts[0] not in SECTIONS:
         raise unknown_key(parts[0], SECTIONS, "")
-    tp = _type_at(parts)
+    tp, parts = _type_at(parts)
     node = raw
     for part in parts[:-1]:
         nxt = node.get(part)
@@ -201,30 +201,30 @@ def apply_override(raw: dict, dotted: str, text: str) -> None:
     node[parts[-1]] = parse_cli_value(text, tp)
 
 
-def _type_at(parts: list[str]) -> Any:
-    """The schema type for a dotted key, validating every level on the way."""
+def _type_at(parts: list[str]) -> tuple[Any, list[str]]:
+    """The schema type for a dotted key and its canonical spelling (aliases resolved)."""
     section = parts[0]
     if section == "trainer":
         cls: Any = TrainerArguments
     else:
         cls = ComponentSpec
     prefix = section + "."
+    canonical = [section]
     for i, part in enumerate(parts[1:], start=1):
-        if cls is None:
-            return Any
-        if dataclasses.is_dataclass(cls):
-            types_ = field_types(cls)
-            aliases = getattr(cls, "_aliases", {})
-            part = aliases.get(part, part)
-            if part not in types_:
-                raise unknown_key(part, list(types_) + list(aliases), prefix)
-            cls = types_[part]
-            if section != "trainer" and part == "init_args":
-                return Any  # typed later against the class's signature
-        else:
-            return Any
+        if not dataclasses.is_dataclass(cls):
+            raise ConfigError(f"--{'.'.join(parts)}: '{prefix.rstrip('.')}' is a value, "
+                              f"not a section; set it with --{prefix.rstrip('.')} VALUE")
+        types_ = field_types(cls)
+        aliases = getattr(cls, "_aliases", {})
+        part = aliases.get(part, part)
+        if part not in types_:
+            raise unknown_key(part, list(types_) + list(aliases), prefix)
+        cls = types_[part]
+        canonical.append(part)
+        if section != "trainer" and part == "init_args":
+            return Any, canonical + parts[i + 1:]  # typed later against the signature
         prefix += part + "."
     if dataclasses.is_dataclass(cls) and len(parts) > 1:
         raise ConfigError(f"--{'.'.join(parts)} is a section; set one of its keys: "
                           f"{', '.join(field_types(cls))}")
-    return cls
+    return cls, canonical

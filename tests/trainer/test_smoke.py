@@ -2,7 +2,7 @@ import json
 
 from sailfin import Trainer
 
-from .recipes import IdData, LinearRecipe, args
+from tests.recipes import IdData, LinearRecipe, args
 
 
 def test_trains_and_writes_outputs(tmp_path):

@@ -1,0 +1,161 @@
+import pytest
+import torch
+
+from sailfin.config import ConfigError
+from sailfin.data import BatchPlan, ResumableSampler, epoch_order
+from sailfin.data.sampler import EvalSampler
+
+
+def test_accumulation_from_global_batch():
+    plan = BatchPlan.create(64, 16, 2)
+    assert plan.accumulation == 2
+    assert BatchPlan.create(64, None, 2).micro_batch == 32
+
+
+def test_indivisible_batch_names_values_that_work():
+    with pytest.raises(ConfigError) as err:
+        BatchPlan.create(100, 16, 1)
+    msg = str(err.value)
+    assert "train_batch_size=100" in msg and "16 x 1 = 16" in msg
+    assert "micro_batch_size" in msg and "train_batch_size 96 or 112" in msg
+    for m in (20, 10, 25):  # each suggestion must actually divide
+        assert BatchPlan.create(100, m, 1)
+    with pytest.raises(ConfigError, match="does not split over 3 devices"):
+        BatchPlan.create(64, None, 3)
+
+
+@pytest.mark.parametrize("n,drop_last,expected", [(100, False, 2), (100, True, 1),
+                                                  (128, False, 2), (127, True, 1)])
+def test_steps_in_epoch(n, drop_last, expected):
+    assert BatchPlan.create(64, 32, 1, drop_last).steps_in_epoch(n) == expected
+
+
+def test_max_steps_per_epoch_caps():
+    assert BatchPlan.create(10, 10, 1, max_steps_per_epoch=3).steps_in_epoch(100) == 3
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("n", [43, 64, 5, 1])
+def test_micro_batches_cover_the_step_and_weights_sum_to_world(world, n):
+    plan = BatchPlan.create(8 * world, 4, world)  # accumulation 2
+    for step in range(plan.steps_in_epoch(n)):
+        start, stop = plan.step_positions(step, n)
+        covered, weight_sum = [], 0.0
+        for rank in range(world):
+            lo, hi, pad = plan.rank_positions(step, n, rank)
+            micros = plan.micro_batches(step, n, rank)
+            assert micros[-1].last and not any(m.last for m in micros[:-1])
+            if pad:
+                assert [m.weight for m in micros] == [0.0]
+                continue
+            assert sum(m.count for m in micros) == hi - lo
+            assert all(m.count <= plan.micro_batch for m in micros)
+            covered.extend(range(lo, hi))
+            weight_sum += sum(m.weight for m in micros)
+        assert covered == list(range(start, stop))
+        # DDP divides the summed gradient by the world size: weights must add to W.
+        assert weight_sum == pytest.approx(world)
+
+
+def test_uneven_last_step_splits_22_21():
+    plan = BatchPlan.create(64, 32, 2)
+    assert [plan.rank_positions(0, 43, r)[:2] for r in range(2)] == [(0, 22), (22, 43)]
+
+
+def test_order_is_a_pure_function_of_seed_and_epoch():
+    a, b = epoch_order(50, 1, 0), epoch_order(50, 1, 0)
+    assert (a == b).all() and sorted(a.tolist()) == list(range(50))
+    assert not (epoch_order(50, 1, 1) == a).all()
+    assert not (epoch_order(50, 2, 0) == a).all()
+    assert epoch_order(5, 1, 0, shuffle=False).tolist() == list(range(5))
+
+
+def _rank_streams(n, world, micro, global_batch, epoch=0, start_step=0, seed=3):
+    plan = BatchPlan.create(global_batch, micro, world)
+    out = []
+    for rank in range(world):
+        s = ResumableSampler(n, plan, rank, seed)
+        s.set_epoch(epoch, start_step)
+        out.append(list(s))
+        assert len(s) == len(out[-1])
+    return plan, out
+
+
+def _steps(plan, stream, n, rank):
+    """Split a rank's stream into (ids, is_padding) per step."""
+    pos, out = 0, []
+    for step in range(plan.steps_in_epoch(n)):
+        lo, hi, pad = plan.rank_positions(step, n, rank)
+        out.append((stream[pos:pos + hi - lo], pad))
+        pos += hi - lo
+    assert pos == len(stream)
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("n", [101, 100, 7])
+def test_exactly_once_per_epoch_across_ranks(world, n):
+    plan, streams = _rank_streams(n, world, 5, 20)
+    ids = [i for r, s in enumerate(streams) for chunk, pad in _steps(plan, s, n, r)
+           if not pad for i in chunk]
+    assert sorted(ids) == list(range(n))
+
+
+@pytest.mark.parametrize("world,micro", [(1, 20), (2, 5), (4, 5), (2, 10)])
+def test_step_k_sees_the_same_samples_whatever_the_world(world, micro):
+    n, g = 101, 20
+    order = epoch_order(n, 3, 0).tolist()
+    plan, streams = _rank_streams(n, world, micro, g)
+    per_rank = [_steps(plan, s, n, r) for r, s in enumerate(streams)]
+    for step in range(plan.steps_in_epoch(n)):
+        got = [i for r in range(world) for i in per_rank[r][step][0]
+               if not per_rank[r][step][1]]
+        assert got == order[step * g:(step + 1) * g]  # contiguous split: rank order = order
+
+
+def test_resume_start_step_yields_the_tail():
+    _, full = _rank_streams(101, 2, 5, 20)
+    _, tail = _rank_streams(101, 2, 5, 20, start_step=3)
+    for r in range(2):
+        assert full[r][-len(tail[r]):] == tail[r]
+        assert len(full[r]) - len(tail[r]) == 3 * 10
+
+
+def test_padding_when_fewer_samples_than_ranks():
+    plan, streams = _rank_streams(3, 4, 1, 4)
+    assert [len(s) for s in streams] == [1, 1, 1, 1]
+    assert plan.micro_batches(0, 3, 3)[0].weight == 0.0
+
+
+def test_eval_sampler_is_contiguous_and_in_order():
+    shares = [list(EvalSampler(10, r, 3)) for r in range(3)]
+    assert shares == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert [list(EvalSampler(1, r, 2)) for r in range(2)] == [[0], []]
+
+
+@pytest.mark.parametrize("world,micro,g", [(1, 4, 12), (2, 4, 24), (3, 2, 36), (2, 16, 32),
+                                           (4, 3, 48)])
+def test_weighted_micro_gradients_equal_the_one_big_batch_gradient(world, micro, g):
+    """Invariant 1 in arithmetic: rank-averaged weighted micro-gradients == full gradient."""
+    torch.manual_seed(0)
+    n = 43  # a short last step, short micro-batches, and (world 4) uneven rank shares
+    plan = BatchPlan.create(g, micro, world)
+    x, y = torch.randn(n, 3), torch.randn(n)
+    w = torch.randn(3, requires_grad=True)
+
+    def grad_of(idx, weight=1.0):
+        w.grad = None
+        (weight * ((x[idx] @ w - y[idx]) ** 2).mean()).backward()
+        return w.grad.clone()
+
+    for step in range(plan.steps_in_epoch(n)):
+        start, stop = plan.step_positions(step, n)
+        full = grad_of(list(range(start, stop)))
+        total = torch.zeros(3)
+        for rank in range(world):
+            lo, hi, pad = plan.rank_positions(step, n, rank)
+            pos = lo
+            for m in plan.micro_batches(step, n, rank):
+                total += grad_of(list(range(pos, pos + m.count)), m.weight)
+                pos += m.count
+        torch.testing.assert_close(total / world, full)  # DDP averages over ranks

@@ -1,0 +1,54 @@
+import pytest
+
+from sailfin import DataInterface, DataProcessor
+
+
+class Square(DataProcessor):
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.analyzed = 0
+
+    def process(self, x, offset=0):
+        return x * x + offset
+
+    def analyze(self):
+        self.analyzed += 1
+
+
+def test_process_data_runs_process_then_analyze():
+    p = Square()
+    assert p.process_data(3) == 9 and p.analyzed == 1
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_multi_process_keeps_input_order(workers):
+    inputs = list(range(20)) + [(3, 100)]
+    out = Square().multi_process_data(inputs, process_count=workers)
+    assert out == [i * i for i in range(20)] + [109]
+
+
+def test_node_split_is_contiguous_and_complete():
+    inputs = list(range(10))
+    shares = [Square(node_rank=r, num_nodes=3).multi_process_data(inputs) for r in range(3)]
+    assert shares == [[0, 1, 4, 9], [16, 25, 36], [49, 64, 81]]
+    assert Square().multi_process_data(inputs, node_rank=2, num_nodes=3) == shares[2]
+
+
+def test_bad_node_split_and_process_count():
+    with pytest.raises(ValueError, match="node_rank=3, num_nodes=3"):
+        Square(node_rank=3, num_nodes=3)
+    with pytest.raises(ValueError, match="process_count must be >= 1"):
+        Square().multi_process_data([1], process_count=0)
+
+
+def test_data_interface_defaults():
+    class One(DataInterface):
+        def get_train_dataset(self):
+            return [1]
+
+        def get_val_dataset(self):
+            return [2]
+
+    assert One().get_val_datasets() == {"val": [2]}
+    with pytest.raises(NotImplementedError, match="get_train_dataset"):
+        DataInterface().get_train_dataset()
