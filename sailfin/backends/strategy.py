@@ -40,6 +40,12 @@ class SingleDevice:
         module.to(self.device)
         self._train_step = module.train_step
         self._val_step = module.val_step
+        if type(self.precision).forward_context is Precision.forward_context:
+            self.train_step = self._train_step_plain  # fp32: no autocast to enter per step
+
+    def _train_step_plain(self, module: torch.nn.Module, global_step: int, batch: Any,
+                          sync: bool = True) -> Any:
+        return self._train_step(global_step, batch, self.device)
 
     def teardown(self) -> None:
         pass

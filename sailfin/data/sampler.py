@@ -63,8 +63,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         order = epoch_order(self.num_samples, self.seed, self.epoch, self.shuffle)
-        for lo, hi in self._ranges():
-            yield from order[lo:hi].tolist()
+        # One list per epoch: cheaper per sample than yielding slice by slice.
+        parts = [order[lo:hi] for lo, hi in self._ranges()]
+        return iter(np.concatenate(parts).tolist() if parts else [])
 
     def __len__(self) -> int:
         return sum(hi - lo for lo, hi in self._ranges())

@@ -63,15 +63,29 @@ def _fmt(value: Any) -> str:
 
 
 class StdoutWriter(Writer):
-    """One readable line per event: ``[train] epoch 0 step 20 | loss 0.4321 | ...``."""
+    """One readable line per event: ``[train] epoch 0 step 20 | loss 0.4321 | ...``.
 
-    def __init__(self, stream: Optional[IO[str]] = None) -> None:
+    Validation lines are flushed at once; training lines at most once a second
+    (a flush is a system call, and a log file or pipe does not need every line
+    the moment it is written).
+    """
+
+    def __init__(self, stream: Optional[IO[str]] = None, flush_seconds: float = 1.0) -> None:
         self.stream = stream
+        self.flush_seconds = flush_seconds
+        self._last_flush = time.monotonic()
 
     def log_metrics(self, metrics, step, epoch, split):
+        stream = self.stream or sys.stdout
         body = " | ".join(f"{k} {_fmt(v)}" for k, v in metrics.items())
-        print(f"[{split}] epoch {epoch} step {step} | {body}", file=self.stream or sys.stdout,
-              flush=True)
+        stream.write(f"[{split}] epoch {epoch} step {step} | {body}\n")
+        now = time.monotonic()
+        if split != "train" or now - self._last_flush >= self.flush_seconds:
+            stream.flush()
+            self._last_flush = now
+
+    def flush(self):
+        (self.stream or sys.stdout).flush()
 
 
 class JsonlWriter(Writer):

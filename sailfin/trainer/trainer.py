@@ -113,6 +113,11 @@ class Trainer:
         max_steps = args.max_steps if args.max_steps is not None else math.inf
         step_callbacks = [c for c in self.callbacks
                           if type(c).on_step_end is not Callback.on_step_end]
+        on_end_backward = _overridden(module, "on_end_backward")
+        on_end_train_step = _overridden(module, "on_end_train_step")
+        # Every step but an epoch's last has the same shape: look it up once.
+        full_steps = n // plan.global_batch
+        full_micros = plan.micro_batches(0, n, rank) if full_steps else ()
 
         self.train_sampler.set_epoch(self.epoch, self.step_in_epoch)
         module.train()
@@ -123,7 +128,8 @@ class Trainer:
             if self.global_step >= max_steps:
                 return False
             step_loss, stats = None, None
-            for micro in plan.micro_batches(step, n, rank):
+            micros = full_micros if step < full_steps else plan.micro_batches(step, n, rank)
+            for micro in micros:
                 batch = next(batches)
                 out = backend.train_step(module, self.global_step, batch, micro.last)
                 loss, stats = (out[0], out[1]) if type(out) is tuple else (out, None)
@@ -133,7 +139,8 @@ class Trainer:
                     loss = loss * micro.weight
                 backend.backward(loss)
                 step_loss = loss if step_loss is None else step_loss.detach() + loss.detach()
-            module.on_end_backward(self.global_step, step_loss)
+            if on_end_backward is not None:
+                on_end_backward(self.global_step, step_loss)
             if max_norm is not None:
                 backend.clip_grad_norm(self._params, optimizers, max_norm)
             if backend.optimizer_step(optimizers):
@@ -143,9 +150,10 @@ class Trainer:
                 opt.zero_grad(set_to_none=True)
             self.global_step += 1
             self.step_in_epoch = step + 1
-            start, stop = plan.step_positions(step, n)
-            self.samples_seen += stop - start
-            module.on_end_train_step(self.global_step, step_loss, stats)
+            self.samples_seen += (plan.global_batch if step < full_steps
+                                  else n - step * plan.global_batch)
+            if on_end_train_step is not None:
+                on_end_train_step(self.global_step, step_loss, stats)
             if self.global_step % log_every == 0:
                 self._log_train(step_loss, stats)
             for callback in step_callbacks:
@@ -273,6 +281,13 @@ class Trainer:
     def _notify(self, event: str, *args: Any) -> None:
         for callback in self.callbacks:
             getattr(callback, event)(self, *args)
+
+
+def _overridden(module: ModuleInterface, name: str) -> Any:
+    """The module's callback if the recipe overrides it, else None (skip the call)."""
+    if getattr(type(module), name, None) is getattr(ModuleInterface, name):
+        return None
+    return getattr(module, name)
 
 
 def _as_list(value: Any, what: str) -> list:

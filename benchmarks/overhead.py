@@ -1,0 +1,219 @@
+"""The trainer's own overhead per step, as a ratio against a hand-written loop.
+
+The same tiny MLP (64 -> 256 -> 256 -> 10, batch 32, SGD) on the same data is
+trained by a plain PyTorch loop and by sailfin's Trainer (default writers),
+interleaved A B, B A, ... so that machine noise and run order hit both alike. The figure is the
+median over pairs of (sailfin steps/s) / (raw steps/s); 1.00 means no overhead.
+
+When installed (`pip install -e .[bench]`), Lightning's Trainer, Lightning
+Fabric and Accelerate run the same model in the same rounds, for comparison.
+
+    python benchmarks/overhead.py [--pairs 9] [--steps 3000] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib.util
+import io
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from sailfin import DataInterface, ModuleInterface, Trainer, TrainerArguments  # noqa: E402
+
+BATCH = 32
+LOG_EVERY = 10
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, 10))
+
+
+def make_data(steps: int) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    n = steps * BATCH
+    return torch.utils.data.TensorDataset(torch.randn(n, 64, generator=g),
+                                          torch.randint(0, 10, (n,), generator=g))
+
+
+# -- A: the hand-written loop -------------------------------------------------------------
+def run_raw(ds) -> float:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=True)
+    start = time.perf_counter()
+    for step, (x, y) in enumerate(loader, 1):
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % LOG_EVERY == 0:
+            print(f"step {step} loss {loss.item():.4f}")
+    return len(loader) / (time.perf_counter() - start)
+
+
+# -- B: sailfin -------------------------------------------------------------------------
+class Data(DataInterface):
+    def __init__(self, ds):
+        self.ds = ds
+
+    def get_train_dataset(self):
+        return self.ds
+
+
+class Recipe(ModuleInterface):
+    def __init__(self, data):
+        super().__init__()
+        self.data = data
+        self.net = make_model()
+
+    def get_optimizers_schedulers(self, estimated_global_steps_per_epoch, epochs):
+        return [torch.optim.SGD(self.parameters(), lr=0.01)], []
+
+    def train_step(self, global_step, batch, device):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
+def run_sailfin(ds, out_dir) -> float:
+    module = Recipe(Data(ds))
+    args = TrainerArguments(epochs=1, train_batch_size=BATCH, log_every_n_steps=LOG_EVERY,
+                            output_dir=out_dir, val_every_n_epochs=0)
+    start = time.perf_counter()
+    summary = Trainer(module, args).train()
+    return summary["global_step"] / (time.perf_counter() - start)
+
+
+# -- optional: other trainers around the same model ------------------------------------
+def run_lightning(ds, out_dir) -> float:
+    import lightning as L
+
+    class LitModel(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = make_model()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.cross_entropy(self.net(x), y)
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    loader = torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=True)
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, log_every_n_steps=LOG_EVERY,
+                        default_root_dir=out_dir)
+    start = time.perf_counter()
+    trainer.fit(LitModel(), loader)
+    return len(loader) / (time.perf_counter() - start)
+
+
+def run_fabric(ds, out_dir) -> float:
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = fabric.setup(model, opt)
+    loader = fabric.setup_dataloaders(
+        torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=True))
+    start = time.perf_counter()
+    for step, (x, y) in enumerate(loader, 1):
+        loss = nn.functional.cross_entropy(model(x), y)
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % LOG_EVERY == 0:
+            print(f"step {step} loss {loss.item():.4f}")
+    return len(loader) / (time.perf_counter() - start)
+
+
+def run_accelerate(ds, out_dir) -> float:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=True)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
+    start = time.perf_counter()
+    steps = 0
+    for step, (x, y) in enumerate(loader, 1):
+        loss = nn.functional.cross_entropy(model(x), y)
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        steps = step
+        if step % LOG_EVERY == 0:
+            print(f"step {step} loss {loss.item():.4f}")
+    return steps / (time.perf_counter() - start)
+
+
+OTHERS = {"lightning": ("lightning", run_lightning), "fabric": ("lightning", run_fabric),
+          "accelerate": ("accelerate", run_accelerate)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (1 keeps the timing steadier)")
+    parser.add_argument("--no-others", action="store_true",
+                        help="skip Lightning/Fabric/Accelerate even when installed")
+    opts = parser.parse_args()
+    torch.set_num_threads(opts.threads)
+    ds = make_data(opts.steps)
+    others = {} if opts.no_others else {
+        name: fn for name, (pkg, fn) in OTHERS.items() if importlib.util.find_spec(pkg)}
+    ratios: dict[str, list[float]] = {"sailfin": [], **{k: [] for k in others}}
+    raw_rates = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(opts.pairs + 1):  # round 0 warms up caches and lazy imports
+            runs = [("raw", lambda: run_raw(ds)),
+                    ("sailfin", lambda: run_sailfin(ds, os.path.join(tmp, f"s{i}")))]
+            runs += [(name, lambda fn=fn, name=name: fn(ds, os.path.join(tmp, f"{name}{i}")))
+                     for name, fn in others.items()]
+            if i % 2:
+                runs.reverse()  # A B, then B A: whoever runs second is not always the same
+            rates = {}
+            sink = io.StringIO()
+            with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+                for name, run in runs:
+                    gc.collect()
+                    rates[name] = run()
+            raw = rates.pop("raw")
+            if i == 0:
+                continue
+            raw_rates.append(raw)
+            for name, rate in rates.items():
+                ratios[name].append(rate / raw)
+            print(f"pair {i}: raw {raw:8.1f} steps/s | " + " | ".join(
+                f"{k} {v / raw:.3f}" for k, v in rates.items()), flush=True)
+    print(f"\nraw loop: median {statistics.median(raw_rates):.1f} steps/s "
+          f"({opts.steps} steps of batch {BATCH}, {opts.threads} thread(s))")
+    for name, values in ratios.items():
+        print(f"{name:>10}: median speed relative to the raw loop = "
+              f"{statistics.median(values):.3f} (min {min(values):.3f}, max {max(values):.3f})")
+    if not others and not opts.no_others:
+        print("(install the bench extra to compare Lightning, Fabric and Accelerate)")
+
+
+if __name__ == "__main__":
+    main()
