@@ -127,4 +127,7 @@ def _suggestions(global_batch: int, micro: int, world: int) -> str:
     if near:
         parts.append(f"micro_batch_size {' or '.join(map(str, sorted(near)))}")
     parts.append(f"train_batch_size {' or '.join(str(x) for x in (lower, upper) if x > 0)}")
+    if global_batch % micro == 0:  # after a resize: the world sizes this batch allows
+        worlds = [w for w in range(1, global_batch // micro + 1) if global_batch % (micro * w) == 0]
+        parts.append(f"a world size of {', '.join(map(str, worlds))}")
     return "use " + ", or ".join(parts)

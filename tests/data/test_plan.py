@@ -159,3 +159,8 @@ def test_weighted_micro_gradients_equal_the_one_big_batch_gradient(world, micro,
                 total += grad_of(list(range(pos, pos + m.count)), m.weight)
                 pos += m.count
         torch.testing.assert_close(total / world, full)  # DDP averages over ranks
+
+
+def test_world_size_that_cannot_realise_the_batch_lists_those_that_can():
+    with pytest.raises(ConfigError, match="a world size of 1, 2, 4$"):
+        BatchPlan.create(64, 16, 3)
