@@ -5,12 +5,32 @@ The trainer owns the loop and calls these methods; a strategy never loops.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+import contextlib
+from typing import Any, ContextManager, Iterable, Optional
 
 import torch
 
 from ..distributed import DistEnv
 from .precision import Precision
+
+_NULL = contextlib.nullcontext()
+
+
+class StepRunner(torch.nn.Module):
+    """Runs the recipe's ``train_step`` through ``nn.Module.__call__``.
+
+    The recipe's step calls its own submodules, not ``forward``; wrappers that
+    do their work in ``forward`` (DDP prepares gradient all-reduce there) would
+    otherwise never see the step. This holds the recipe as its only child, so
+    parameters are the recipe's own.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, global_step: int, batch: Any, device: torch.device) -> Any:
+        return self.module.train_step(global_step, batch, device)
 
 
 class SingleDevice:
@@ -37,11 +57,29 @@ class SingleDevice:
 
     # -- set-up -------------------------------------------------------------
     def setup(self, module: torch.nn.Module) -> None:
+        """Place the module and build what runs its steps.
+
+        ``self.runner`` is the callable that runs one ``train_step``: a
+        :class:`StepRunner` around the recipe, which :meth:`wrap` may put inside
+        a wrapper that must see the step through ``forward`` (DDP).
+        """
         module.to(self.device)
-        self._train_step = module.train_step
+        self.module = module
         self._val_step = module.val_step
+        self.runner = self.wrap(StepRunner(module))
+        if self.runner is not None:
+            return
+        self._train_step = module.train_step
         if type(self.precision).forward_context is Precision.forward_context:
             self.train_step = self._train_step_plain  # fp32: no autocast to enter per step
+
+    def wrap(self, runner: "StepRunner") -> Optional[torch.nn.Module]:
+        """Wrap the step runner for this strategy; None: call the recipe directly."""
+        return None
+
+    def sync_context(self, sync: bool) -> ContextManager:
+        """Context for a micro-batch's forward; ``sync=False`` keeps gradients local."""
+        return _NULL
 
     def _train_step_plain(self, module: torch.nn.Module, global_step: int, batch: Any,
                           sync: bool = True) -> Any:
@@ -55,7 +93,10 @@ class SingleDevice:
                    sync: bool = True) -> Any:
         """Run the recipe's ``train_step``. ``sync=False``: gradients stay local."""
         with self.precision.forward_context():
-            return self._train_step(global_step, batch, self.device)
+            if self.runner is None:
+                return self._train_step(global_step, batch, self.device)
+            with self.sync_context(sync):
+                return self.runner(global_step, batch, self.device)
 
     def val_step(self, module: torch.nn.Module, global_step: int, batch: Any) -> Any:
         with self.precision.forward_context():
