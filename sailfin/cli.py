@@ -37,7 +37,10 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
 
     seed_everything(cfg.trainer.seed)  # the same initial weights on every run (and rank)
     module = cfg.build()
-    summary = Trainer(module, cfg.trainer).train()
+    with Trainer(module, cfg.trainer) as trainer:  # leaves the process group on every path
+        summary = trainer.train()
+    if not trainer.dist.is_main:
+        return 0
     print(f"done: {summary['global_step']} steps, {summary['samples_seen']} samples in "
           f"{summary['train_seconds']:.1f} s; outputs in {cfg.trainer.output_dir}")
     for name, value in _flatten(summary["val"]).items():
@@ -56,12 +59,21 @@ def _flatten(metrics: dict, prefix: str = "") -> dict:
     return out
 
 
+def _recorded(fn):
+    """Under torchrun, a worker's exception is written where the agent reports it."""
+    if "TORCHELASTIC_ERROR_FILE" not in os.environ:
+        return fn
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(fn)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "train":
-            return train_command(args.config, rest, args.print_config)
+            return _recorded(train_command)(args.config, rest, args.print_config)
     except ConfigError as exc:
         print(f"sailfin: config error: {exc}", file=sys.stderr)
         return 2

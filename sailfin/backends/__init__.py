@@ -18,13 +18,35 @@ from .strategy import SingleDevice
 # name -> (strategy, precision)
 ALIASES: dict[str, tuple[str, str]] = {
     "sp": ("single", "fp32"),
+    "ddp": ("ddp", "fp32"),
 }
 
 _PRECISIONS: dict[str, Callable[[TrainerArguments, torch.device], Precision]] = {
     "fp32": lambda args, device: Precision(),
 }
-_STRATEGIES: dict[str, Callable[..., SingleDevice]] = {
-    "single": SingleDevice,
+
+
+def _single(precision: Precision, device: torch.device, dist: DistEnv,
+            args: TrainerArguments) -> SingleDevice:
+    if dist.is_distributed:
+        raise ConfigError(
+            f"trainer.backend '{args.backend}' trains in one process, but this is rank "
+            f"{dist.rank} of {dist.world_size} ({dist.launcher}): every rank would train alone. "
+            "Use trainer.backend ddp (or ddp-amp) under a launcher")
+    return SingleDevice(precision, device, dist)
+
+
+def _ddp(precision: Precision, device: torch.device, dist: DistEnv,
+         args: TrainerArguments) -> SingleDevice:
+    from .ddp import DDPStrategy  # imports torch.distributed pieces only when used
+
+    return DDPStrategy(precision, device, dist, args.distributed)
+
+
+_STRATEGIES: dict[str, Callable[[Precision, torch.device, DistEnv, TrainerArguments],
+                                SingleDevice]] = {
+    "single": _single,
+    "ddp": _ddp,
 }
 
 
@@ -41,6 +63,9 @@ def resolve_device(spec: str, dist: DistEnv) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"trainer.device is {spec!r} but CUDA is not available here; "
                           "use trainer.device auto or cpu")
+    if device.type == "cuda" and device.index is None:
+        # One device per local process: rank r of a node takes GPU r.
+        device = torch.device("cuda", dist.local_rank % torch.cuda.device_count())
     return device
 
 
@@ -51,7 +76,7 @@ def build_backend(args: TrainerArguments, dist: DistEnv) -> SingleDevice:
                           f"is not known; valid backends: {', '.join(ALIASES)}")
     strategy, precision = ALIASES[args.backend]
     device = resolve_device(args.device, dist)
-    return _STRATEGIES[strategy](_PRECISIONS[precision](args, device), device, dist)
+    return _STRATEGIES[strategy](_PRECISIONS[precision](args, device), device, dist, args)
 
 
 __all__ = ["ALIASES", "Precision", "SingleDevice", "build_backend", "resolve_device"]

@@ -124,12 +124,16 @@ class SingleDevice:
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
-    def gather_outputs(self, outputs: list[Any]) -> list[Any]:
-        """Every rank's validation outputs, in rank order (one rank: its own)."""
+    def gather_outputs(self, outputs: dict[str, Any]) -> dict[str, Any]:
+        """Every rank's merged validation outputs, in dataset order (one rank: its own)."""
         return outputs
 
     def barrier(self) -> None:
         pass
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank (one rank: ``obj`` itself)."""
+        return obj
 
     # -- checkpoint state -------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

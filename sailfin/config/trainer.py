@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .distributed import DistArguments
 from .errors import ConfigError
 
 WRITERS = ("stdout", "jsonl")
@@ -44,6 +45,8 @@ class TrainerArguments:
     val_every_n_epochs: int = 1
     """Validate after every N-th epoch and after the last (0: only when asked)."""
     writers: list[str] = field(default_factory=lambda: ["stdout", "jsonl"])
+    distributed: DistArguments = field(default_factory=DistArguments)
+    """Rank discovery and process-group settings (``ddp`` backends)."""
 
     # PyMarlin's names for the same settings.
     _aliases = {"gpu_batch_size_limit": "micro_batch_size"}

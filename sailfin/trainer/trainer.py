@@ -16,6 +16,7 @@ from ..data.sampler import EvalSampler, ResumableSampler
 from ..distributed import DistEnv
 from ..interfaces import ModuleInterface
 from ..logging import Writer, Writers, build_writers
+from ..utils.log import configure_logging
 from ..utils.seed import seed_everything
 from .callbacks import Callback
 from .outputs import save_final_weights, write_json_atomic
@@ -37,7 +38,7 @@ class Trainer:
                  callbacks: Iterable[Callback] = ()) -> None:
         self.module = module
         self.args = args or TrainerArguments()
-        self.dist = dist or DistEnv.from_environ()
+        self.dist = dist or DistEnv.from_config(self.args.distributed)
         self.backend = backend if backend is not None else build_backend(self.args, self.dist)
         self._writers = writers
         self.callbacks: list[Callback] = list(callbacks)
@@ -76,13 +77,26 @@ class Trainer:
             self._notify("on_train_end")
             return summary
         finally:
+            self.writers.flush()  # close() closes them; validate() may still log
+
+    def close(self) -> None:
+        """Close the writers and leave the process group (DDP). Safe to call twice."""
+        if self._is_setup:
             self.writers.close()
+        self.backend.teardown()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def setup(self) -> None:
         """Place the module, build the batch plan, loaders, optimizers and writers."""
         if self._is_setup:
             return
         args, dist = self.args, self.dist
+        configure_logging(dist.rank)
         seed_everything(args.seed + dist.rank)  # per-rank streams (dropout) differ
         self.plan = BatchPlan.create(args.train_batch_size, args.micro_batch_size,
                                      dist.world_size, args.drop_last,
@@ -170,10 +184,23 @@ class Trainer:
         metrics: dict[str, float] = {"loss": loss,
                                      "lr": self.optimizers[0].param_groups[0]["lr"]}
         if stats:
-            metrics.update({k: _scalar(v) for k, v in stats.items()})
+            metrics.update(self._reduce_stats(stats))
         if now > then:
             metrics["samples_per_second"] = (self.samples_seen - seen) / (now - then)
         self.writers.log_metrics(metrics, self.global_step, self.epoch, "train")
+
+    def _reduce_stats(self, stats: Mapping[str, Any]) -> dict[str, Any]:
+        """The recipe's step stats, averaged over ranks (one all-reduce for all tensors)."""
+        tensors = {k: v for k, v in stats.items()
+                   if isinstance(v, torch.Tensor) and v.numel() == 1}
+        out = {k: _scalar(v) for k, v in stats.items() if k not in tensors}
+        if tensors and self.dist.is_distributed:
+            stacked = torch.stack([v.detach().float().reshape(()) for v in tensors.values()])
+            values = self.backend.all_reduce_mean(stacked).tolist()
+            out.update(zip(tensors, values))
+        else:
+            out.update({k: v.item() for k, v in tensors.items()})
+        return out
 
     # -- validation --------------------------------------------------------------
     def validate(self) -> dict[str, dict[str, float]]:

@@ -1,0 +1,74 @@
+"""The ``trainer.distributed:`` section: how this process finds its job."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from .errors import ConfigError
+
+Launcher = Literal["auto", "torchrun", "slurm", "mpi", "manual", "none"]
+
+
+@dataclass
+class DistArguments:
+    """Rank discovery and process-group settings.
+
+    ``launcher: auto`` reads torchrun's, SLURM's or an MPI launcher's variables;
+    ``manual`` takes ``rank``, ``world_size``, ``master_addr`` and
+    ``master_port`` from here (for launchers sailfin does not know).
+
+    Example::
+
+        trainer:
+          backend: ddp
+          distributed: {launcher: manual, rank: 0, world_size: 2,
+                        master_addr: 10.0.0.1, master_port: 29500}
+    """
+
+    launcher: Launcher = "auto"
+    rank: Optional[int] = None
+    world_size: Optional[int] = None
+    local_rank: Optional[int] = None
+    local_world_size: Optional[int] = None
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    comm_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group back end: auto is NCCL on CUDA, gloo on CPU."""
+    timeout_seconds: float = 1800.0
+    """How long a collective or the rendezvous may wait before failing."""
+    find_unused_parameters: bool = False
+    sync_buffers: bool = True
+    """Copy rank 0's buffers (BatchNorm statistics) to every rank before each step's forward."""
+    threads_per_process: Optional[int] = None
+    """CPU intra-op threads per process (null: OMP_NUM_THREADS, else cores / local processes)."""
+
+    def __post_init__(self) -> None:
+        if self.launcher == "manual":
+            missing = [k for k in ("rank", "world_size", "master_addr", "master_port")
+                       if getattr(self, k) is None]
+            if missing:
+                raise ConfigError(
+                    "trainer.distributed.launcher is 'manual' but "
+                    f"{', '.join('trainer.distributed.' + k for k in missing)} "
+                    f"{'is' if len(missing) == 1 else 'are'} not set; set them, or use "
+                    "launcher auto under torchrun, SLURM or MPI")
+        for name in ("world_size", "local_world_size", "threads_per_process"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"trainer.distributed.{name} must be >= 1, got {value}")
+        for name in ("rank", "local_rank"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"trainer.distributed.{name} must be >= 0, got {value}")
+        if (self.rank is not None and self.world_size is not None
+                and self.rank >= self.world_size):
+            raise ConfigError(f"trainer.distributed.rank={self.rank} must be below "
+                              f"world_size={self.world_size}")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ConfigError(
+                f"trainer.distributed.master_port must be a TCP port (1-65535), got "
+                f"{self.master_port}")
+        if self.timeout_seconds <= 0:
+            raise ConfigError(f"trainer.distributed.timeout_seconds must be > 0, got "
+                              f"{self.timeout_seconds}")
