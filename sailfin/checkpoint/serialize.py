@@ -1,0 +1,143 @@
+"""Writing and reading one checkpoint file: torch.save out, ``weights_only`` torch.load in.
+
+Every file is hashed while it is written; the size and SHA-256 go into the
+manifest, and reading checks both before unpickling anything. Loading never
+runs arbitrary unpickling: a file that would need it is refused.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy as copy_module
+import hashlib
+import io
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import CheckpointCorrupt, CheckpointError
+from .storage import Storage
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+          torch.Size)
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """What the manifest records about one file."""
+
+    size: int
+    sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "sha256": self.sha256}
+
+
+class _HashingWriter:
+    """A file-like that hashes and counts what passes through it."""
+
+    def __init__(self, fh: Any) -> None:
+        self.fh = fh
+        self.hash = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.hash.update(view)  # releases the GIL on large buffers (async saves)
+        self.size += len(view)
+        self.fh.write(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def save_object(storage: Storage, path: str, obj: Any) -> FileEntry:
+    """``torch.save`` ``obj`` to ``path``; return its size and hash."""
+    with storage.open_write(path) as fh:
+        writer = _HashingWriter(fh)
+        torch.save(obj, writer)
+    return FileEntry(writer.size, writer.hash.hexdigest())
+
+
+def load_object(storage: Storage, path: str, entry: FileEntry) -> Any:
+    """Read ``path``, check it against the manifest, and load it without arbitrary unpickling."""
+    shown = storage.display(path)
+    try:
+        data = storage.read_bytes(path)
+    except FileNotFoundError:
+        raise CheckpointCorrupt(f"checkpoint file {shown} is missing (the manifest lists it)",
+                                shown) from None
+    if len(data) != entry.size:
+        raise CheckpointCorrupt(f"checkpoint file {shown} has {len(data)} bytes; the manifest "
+                                f"says {entry.size}: it is truncated or was overwritten", shown)
+    if hashlib.sha256(data).hexdigest() != entry.sha256:
+        raise CheckpointCorrupt(f"checkpoint file {shown} does not match its SHA-256 in the "
+                                "manifest: it was altered or damaged after it was saved", shown)
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+        raise CheckpointError(
+            f"checkpoint file {shown} holds Python objects that only arbitrary unpickling could "
+            f"rebuild ({first.strip()}). sailfin loads checkpoints with "
+            "torch.load(weights_only=True) because unpickling can run any code. A recipe's "
+            "get_state() must return tensors and plain Python types (dict, list, tuple, str, "
+            "int, float, bool, None)") from None
+
+
+def check_plain(obj: Any, where: str) -> None:
+    """Refuse, at save time, anything ``weights_only`` loading could not read back."""
+    stack = [(obj, where)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, torch.Tensor) or type(value) in _PLAIN:
+            continue
+        if type(value) in (dict, collections.OrderedDict):
+            for k, v in value.items():
+                if type(k) not in _PLAIN:
+                    raise CheckpointError(f"{path} has a key of type {type(k).__name__}; "
+                                          "checkpoint keys must be str, int, float or bool")
+                stack.append((v, f"{path}[{k!r}]"))
+        elif type(value) in (list, tuple, set, frozenset):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
+        else:
+            raise CheckpointError(
+                f"{path} is a {type(value).__module__}.{type(value).__qualname__}, which a "
+                "checkpoint cannot hold: checkpoints are loaded with torch.load(weights_only="
+                "True), which rebuilds only tensors and plain Python types (dict, list, tuple, "
+                "set, str, int, float, bool, None). Convert it, e.g. to a dict of those")
+
+
+def cpu_copy(obj: Any) -> Any:
+    """A deep copy with every tensor on the CPU, sharing preserved (tied weights stay tied)."""
+    storages: dict[tuple[int, str], torch.UntypedStorage] = {}
+
+    def copy(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return copy_tensor(value.detach())
+        if isinstance(value, dict):
+            out = {k: copy(v) for k, v in value.items()}
+            if isinstance(value, collections.OrderedDict):
+                out = collections.OrderedDict(out)
+                if hasattr(value, "_metadata"):  # module versions, read by load_state_dict
+                    out._metadata = copy_module.deepcopy(value._metadata)  # type: ignore
+            return out
+        if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+            return type(value)(copy(v) for v in value)
+        return value
+
+    def copy_tensor(value: torch.Tensor) -> torch.Tensor:
+        if value.layout is not torch.strided or value.is_quantized:
+            return value.to("cpu", copy=True)
+        storage = value.untyped_storage()
+        key = (storage.data_ptr(), str(value.device))
+        if key not in storages or storage.nbytes() == 0:
+            storages[key] = storage.cpu() if value.device.type != "cpu" else storage.clone()
+        out = torch.empty(0, dtype=value.dtype)
+        out.set_(storages[key], value.storage_offset(), value.size(), value.stride())
+        return out
+
+    return copy(obj)
