@@ -199,6 +199,8 @@ class Trainer:
         self.module.eval()
         with torch.no_grad():
             for name, loader in self.val_loaders.items():
+                # Validating draws nothing from the training's random streams.
+                seed_loader(loader, self.args.seed, self.global_step, self.dist.rank)
                 local = merge_outputs([self.backend.val_step(self.module, self.global_step, b)
                                        for b in loader])
                 outputs = self.backend.gather_outputs(local)
