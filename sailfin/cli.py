@@ -32,12 +32,17 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
     if print_config:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
+    from .checkpoint import CheckpointError
     from .trainer import Trainer
     from .utils.seed import seed_everything
 
     seed_everything(cfg.trainer.seed)  # the same initial weights on every run (and rank)
     module = cfg.build()
-    summary = Trainer(module, cfg.trainer).train()
+    try:
+        summary = Trainer(module, cfg.trainer).train()
+    except CheckpointError as exc:
+        print(f"sailfin: checkpoint error: {exc}", file=sys.stderr)
+        return 2
     print(f"done: {summary['global_step']} steps, {summary['samples_seen']} samples in "
           f"{summary['train_seconds']:.1f} s; outputs in {cfg.trainer.output_dir}")
     for name, value in _flatten(summary["val"]).items():

@@ -186,8 +186,6 @@ class DirectoryCheckpointer(Checkpointer):
         return save_object(self.storage, path, obj)
 
     def _rank_entries(self, staging: str, own: FileEntry) -> dict[str, FileEntry]:
-        import hashlib
-
         entries = {self.rank_file(0): own}
         for rank in range(1, self.dist.world_size):
             path = self.storage.join(staging, self.rank_file(rank))
@@ -198,7 +196,7 @@ class DirectoryCheckpointer(Checkpointer):
                     "from rank 0; put trainer.checkpoint.dir on storage every node shares. "
                     f"On resume, rank {rank} derives new random streams")
                 continue
-            entries[self.rank_file(rank)] = FileEntry(len(data), hashlib.sha256(data).hexdigest())
+            entries[self.rank_file(rank)] = FileEntry.of(data)
         return entries
 
     def commit(self, name: str, staging: str, files: dict[str, FileEntry],

@@ -7,7 +7,7 @@ Example manifest::
 
     {"format": "sailfin-checkpoint/1", "step": 120, "epoch": 2, "step_in_epoch": 20,
      "samples_seen": 3840, "world_size": 2, "seed": 42, "sailfin_version": "0.1.0",
-     "files": {"model.pt": {"size": 4211, "sha256": "..."}, ...}, "config": {...}}
+     "files": {"model.pt": {"size": 4211, "crc32": "8a3f01c2"}, ...}, "config": {...}}
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def decode(data: bytes, shown: str) -> dict[str, Any]:
 
 def files_of(manifest: Mapping[str, Any], shown: str) -> dict[str, FileEntry]:
     try:
-        return {name: FileEntry(int(e["size"]), str(e["sha256"]))
+        return {name: FileEntry(int(e["size"]), int(e["crc32"], 16))
                 for name, e in manifest["files"].items()}
     except (AttributeError, KeyError, TypeError, ValueError):
         raise CheckpointCorrupt(f"checkpoint manifest {shown} has a malformed 'files' "

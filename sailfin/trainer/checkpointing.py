@@ -76,7 +76,9 @@ class CheckpointCallback(Callback):
         started = time.perf_counter()
         trainer.writers.flush()  # metrics.jsonl holds every event up to the saved step
         state = trainer.state_dict()
-        check_plain(state["module_state"], "module.get_state()")
+        for key, value in state.items():  # refuse now what a resume could not load
+            check_plain(value, "module.get_state()" if key == "module_state"
+                        else f"Trainer.state_dict()[{key!r}]")
         snapshot = Snapshot(step=trainer.global_step, facts=manifest_facts(trainer, self, state),
                             shared={"model": state.pop("module"), "trainer": state},
                             rank_state=rng_state(), is_best=self._improved)

@@ -71,8 +71,9 @@ class ScriptedMetric(LinearRecipe):
 class SlowCheckpointer(DirectoryCheckpointer):
     """Pauses after writing model.pt when SAILFIN_TEST_SAVE_PAUSE is set (only for step
     SAILFIN_TEST_SAVE_PAUSE_STEP if set), and first leaves a marker ``saving-<step>`` in
-    SAILFIN_TEST_SAVE_MARKER: a test can kill the process in the middle of a save. Also counts its saves in
-    ``<output>/custom-checkpointer.json`` so a test can see this class was used."""
+    SAILFIN_TEST_SAVE_MARKER: a test can kill the process in the middle of a save. It also
+    records its last save in ``<marker dir>/custom-checkpointer.json``, so a test can see
+    that this class was used."""
 
     def save(self, snapshot):
         marker_dir = os.environ.get("SAILFIN_TEST_SAVE_MARKER")
@@ -109,7 +110,8 @@ class FailingCheckpointer(DirectoryCheckpointer):
 
 
 class CrashAt(Callback):
-    """Raises after optimizer step ``step`` (after that step's saves): an in-process kill."""
+    """Raises after optimizer step ``step``: an in-process kill. Trainer callbacks run
+    before the checkpoint callback, so step ``step`` itself is not saved."""
 
     def __init__(self, step: int) -> None:
         self.step = step

@@ -59,13 +59,13 @@ def test_corrupt_latest_falls_back_and_says_so(tmp_path, capfd):
     data = bytearray(model.read_bytes())
     data[len(data) // 2] ^= 0xFF
     model.write_bytes(bytes(data))
-    with pytest.raises(CheckpointCorrupt, match=f"{model} does not match its SHA-256"):
+    with pytest.raises(CheckpointCorrupt, match=f"{model} does not match its CRC-32"):
         train(tmp_path / "other", epochs=2, resume=str(root / "step-00000006"))
     ref, _ = train(tmp_path / "ref", epochs=2, checkpoint=STEP)
     capfd.readouterr()
     module, trainer = train(tmp_path, epochs=2, checkpoint=STEP)
     err = capfd.readouterr().err
-    assert f"{model} does not match its SHA-256" in err
+    assert f"{model} does not match its CRC-32" in err
     assert "skipped damaged checkpoint(s) step-00000006; falling back to" in err
     assert trainer.resumed_from.name == "step-00000004"
     assert_same_params(params(ref), params(module))

@@ -169,3 +169,18 @@ def test_manifest_describes_the_run(tmp_path):
     weights = torch.load(tmp_path / "checkpoints" / "step-00000003" / "model.pt",
                          weights_only=True)
     assert set(weights) == {"linear.weight", "linear.bias"}
+
+
+def test_cli_reports_checkpoint_errors_without_a_traceback(tmp_path, capsys):
+    from sailfin.cli import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text(f"""
+data: {{class_path: tests.recipes.IdData, init_args: {{n_train: 20, n_val: 0}}}}
+module: {{class_path: tests.recipes.LinearRecipe}}
+trainer: {{train_batch_size: 10, writers: [jsonl], output_dir: {tmp_path / "out"}}}
+""")
+    assert main(["train", str(config)]) == 0
+    assert main(["train", str(config), "--trainer.resume", "never"]) == 2
+    err = capsys.readouterr().err
+    assert "sailfin: checkpoint error: trainer.resume is never, but" in err
