@@ -15,6 +15,7 @@ import copy as copy_module
 import zlib
 import io
 import pickle
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,7 +63,7 @@ class _ChecksumWriter:
 
 
 def save_object(storage: Storage, path: str, obj: Any) -> FileEntry:
-    """``torch.save`` ``obj`` to ``path``; return its size and hash."""
+    """``torch.save`` ``obj`` to ``path``; return its size and checksum."""
     with storage.open_write(path) as fh:
         writer = _ChecksumWriter(fh)
         torch.save(obj, writer)
@@ -72,27 +73,43 @@ def save_object(storage: Storage, path: str, obj: Any) -> FileEntry:
 def load_object(storage: Storage, path: str, entry: FileEntry) -> Any:
     """Read ``path``, check it against the manifest, and load it without arbitrary unpickling."""
     shown = storage.display(path)
+    local = storage.local_path(path)
     try:
-        data = storage.read_bytes(path)
+        if local is not None:  # check it in chunks, then let torch read the file: 1x memory
+            size, crc = _checksum_file(local)
+            source: Any = local
+        else:
+            data = storage.read_bytes(path)
+            size, crc, source = len(data), zlib.crc32(data), io.BytesIO(data)
     except FileNotFoundError:
         raise CheckpointCorrupt(f"checkpoint file {shown} is missing (the manifest lists it)",
                                 shown) from None
-    if len(data) != entry.size:
-        raise CheckpointCorrupt(f"checkpoint file {shown} has {len(data)} bytes; the manifest "
+    if size != entry.size:
+        raise CheckpointCorrupt(f"checkpoint file {shown} has {size} bytes; the manifest "
                                 f"says {entry.size}: it is truncated or was overwritten", shown)
-    if zlib.crc32(data) != entry.crc32:
+    if crc != entry.crc32:
         raise CheckpointCorrupt(f"checkpoint file {shown} does not match its CRC-32 in the "
                                 "manifest: it was altered or damaged after it was saved", shown)
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else ""
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = f" (it needs {found.group(1)})" if found else ""
         raise CheckpointError(
             f"checkpoint file {shown} holds Python objects that only arbitrary unpickling could "
-            f"rebuild ({first.strip()}). sailfin loads checkpoints with "
-            "torch.load(weights_only=True) because unpickling can run any code. A recipe's "
-            "get_state() must return tensors and plain Python types (dict, list, tuple, str, "
-            "int, float, bool, None)") from None
+            f"rebuild{what}. sailfin loads checkpoints with torch.load(weights_only=True) "
+            "because unpickling can run any code. A recipe's get_state() must return tensors "
+            "and plain Python types (dict, list, tuple, set, str, int, float, bool, None)"
+        ) from None
+
+
+def _checksum_file(path: str) -> tuple[int, int]:
+    size, crc = 0, 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(16 << 20):
+            size += len(chunk)
+            crc = zlib.crc32(chunk, crc)
+    return size, crc
 
 
 def check_plain(obj: Any, where: str) -> None:

@@ -43,6 +43,10 @@ class Storage:
         with self.open_read(path) as fh:
             return fh.read()
 
+    def local_path(self, path: str) -> Optional[str]:
+        """The OS path of ``path`` if it is a local file, else None."""
+        return None
+
     def exists(self, path: str) -> bool:
         raise NotImplementedError
 
@@ -90,6 +94,9 @@ class LocalStorage(Storage):
 
     def open_read(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
         return open(path, "rb")
+
+    def local_path(self, path: str) -> Optional[str]:
+        return path
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)

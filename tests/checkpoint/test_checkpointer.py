@@ -105,7 +105,8 @@ def test_files_needing_arbitrary_unpickling_are_refused(tmp_path):
     manifest["files"]["trainer.pt"] = entry.to_json()
     (step / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match="(?s)trainer.pt holds Python objects that only "
-                                              "arbitrary unpickling.*weights_only=True.*get_state"):
+                                              r"arbitrary unpickling could rebuild \(it needs "
+                                              r"uuid.UUID\).*weights_only=True.*get_state"):
         train(tmp_path, epochs=1, checkpoint=STEP)
 
 
