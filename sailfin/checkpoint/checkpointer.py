@@ -20,7 +20,7 @@ import abc
 import re
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ..config.checkpoint import CheckpointArguments
@@ -60,7 +60,6 @@ class Loaded:
     shared: dict[str, Any]
     rank_state: Optional[Any] = None
     """None when the checkpoint has no state for this rank (it ran on fewer ranks)."""
-    notes: list[str] = field(default_factory=list)
 
 
 def say(message: str) -> None:

@@ -109,8 +109,10 @@ def apply(trainer: "Trainer", loaded: Loaded) -> None:
     if trainer.dist.is_main:
         dropped = trim_metrics_log(os.path.join(trainer.args.output_dir, "metrics.jsonl"), step,
                                    bool(manifest.get("validated_at_step")))
+        saved_world, world = manifest["world_size"], trainer.dist.world_size
         say(f"resuming from {loaded.location}: step {step}, epoch {manifest['epoch']}, "
             f"{manifest['step_in_epoch']} steps into it"
+            + (f"; saved on {saved_world} ranks, now {world}" if saved_world != world else "")
             + (f"; dropped {dropped} metrics.jsonl line(s) past that step" if dropped else ""))
 
 
