@@ -30,6 +30,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from sailfin import DataInterface, ModuleInterface, Trainer, TrainerArguments  # noqa: E402
+from sailfin.config import CheckpointArguments  # noqa: E402
 
 BATCH = 32
 LOG_EVERY = 10
@@ -90,7 +91,9 @@ class Recipe(ModuleInterface):
 def run_sailfin(ds, out_dir) -> float:
     module = Recipe(Data(ds))
     args = TrainerArguments(epochs=1, train_batch_size=BATCH, log_every_n_steps=LOG_EVERY,
-                            output_dir=out_dir, val_every_n_epochs=0)
+                            output_dir=out_dir, val_every_n_epochs=0,
+                            # no checkpoints, as Lightning's enable_checkpointing=False below
+                            checkpoint=CheckpointArguments(at_epoch_end=False))
     start = time.perf_counter()
     summary = Trainer(module, args).train()
     return summary["global_step"] / (time.perf_counter() - start)

@@ -18,6 +18,7 @@ from .version import __version__
 _LAZY = {
     "Trainer": "sailfin.trainer",
     "Callback": "sailfin.trainer",
+    "Checkpointer": "sailfin.checkpoint",
     "DataInterface": "sailfin.interfaces",
     "DataProcessor": "sailfin.interfaces",
     "ModuleInterface": "sailfin.interfaces",

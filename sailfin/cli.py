@@ -32,13 +32,18 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
     if print_config:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
+    from .checkpoint import CheckpointError
     from .trainer import Trainer
     from .utils.seed import seed_everything
 
     seed_everything(cfg.trainer.seed)  # the same initial weights on every run (and rank)
     module = cfg.build()
-    with Trainer(module, cfg.trainer) as trainer:  # leaves the process group on every path
-        summary = trainer.train()
+    try:
+        with Trainer(module, cfg.trainer) as trainer:  # leaves the process group on every path
+            summary = trainer.train()
+    except CheckpointError as exc:
+        print(f"sailfin: checkpoint error: {exc}", file=sys.stderr)
+        return 2
     if not trainer.dist.is_main:
         return 0
     print(f"done: {summary['global_step']} steps, {summary['samples_seen']} samples in "

@@ -1,9 +1,10 @@
 """Typed config: dataclass schema, YAML and command-line loading. No torch here."""
 
+from .checkpoint import CheckpointArguments
 from .distributed import DistArguments
 from .errors import ConfigError
 from .loader import ComponentSpec, RunConfig, from_dict, load_config
 from .trainer import TrainerArguments
 
-__all__ = ["ConfigError", "ComponentSpec", "DistArguments", "RunConfig", "TrainerArguments", "from_dict",
-           "load_config"]
+__all__ = ["CheckpointArguments", "ConfigError", "ComponentSpec", "DistArguments",
+           "RunConfig", "TrainerArguments", "from_dict", "load_config"]

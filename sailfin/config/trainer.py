@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .checkpoint import CheckpointArguments, check_resume
 from .distributed import DistArguments
 from .errors import ConfigError
 
@@ -45,6 +46,9 @@ class TrainerArguments:
     val_every_n_epochs: int = 1
     """Validate after every N-th epoch and after the last (0: only when asked)."""
     writers: list[str] = field(default_factory=lambda: ["stdout", "jsonl"])
+    resume: str = "auto"
+    """``auto``: continue from the latest complete checkpoint, if any; ``never``; or a path."""
+    checkpoint: CheckpointArguments = field(default_factory=CheckpointArguments)
     distributed: DistArguments = field(default_factory=DistArguments)
     """Rank discovery and process-group settings (``ddp`` backends)."""
 
@@ -68,6 +72,11 @@ class TrainerArguments:
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ConfigError(
                 f"trainer.max_grad_norm must be > 0 or null (no clipping), got {self.max_grad_norm}")
+        check_resume(self.resume)
+        if isinstance(self.checkpoint, dict):  # TrainerArguments(checkpoint={...}) from Python
+            from .coerce import build_dataclass
+            self.checkpoint = build_dataclass(CheckpointArguments, self.checkpoint,
+                                              prefix="trainer.checkpoint.")
         for i, name in enumerate(self.writers):
             if name not in WRITERS:
                 from .errors import suggest

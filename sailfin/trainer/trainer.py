@@ -10,6 +10,8 @@ from typing import Any, Iterable, Mapping, Optional
 import torch
 
 from ..backends import build_backend
+from ..checkpoint import build_checkpointer, resume
+from ..checkpoint.rng import seed_loader
 from ..config.trainer import TrainerArguments
 from ..data.plan import BatchPlan
 from ..data.sampler import EvalSampler, ResumableSampler
@@ -19,6 +21,7 @@ from ..logging import Writer, Writers, build_writers
 from ..utils.log import configure_logging
 from ..utils.seed import seed_everything
 from .callbacks import Callback
+from .checkpointing import checkpoint_callback
 from .outputs import save_final_weights, write_json_atomic
 from .validation import merge_outputs
 
@@ -77,7 +80,10 @@ class Trainer:
             self._notify("on_train_end")
             return summary
         finally:
-            self.writers.flush()  # close() closes them; validate() may still log
+            try:
+                self.checkpointer.close()  # a background save finishes, or reports its error
+            finally:
+                self.writers.flush()  # close() closes them; validate() may still log
 
     def close(self) -> None:
         """Close the writers and leave the process group (DDP). Safe to call twice."""
@@ -92,7 +98,8 @@ class Trainer:
         self.close()
 
     def setup(self) -> None:
-        """Place the module, build the batch plan, loaders, optimizers and writers."""
+        """Place the module, build the batch plan, loaders, optimizers, checkpointer and
+        writers, and resume from a checkpoint as ``trainer.resume`` says."""
         if self._is_setup:
             return
         args, dist = self.args, self.dist
@@ -113,6 +120,11 @@ class Trainer:
         self.schedulers = _as_list(schedulers, "schedulers")
         if not self.optimizers:
             raise ValueError("get_optimizers_schedulers returned no optimizer")
+        self.checkpointer = build_checkpointer(args, dist, self.backend.barrier)
+        saver = checkpoint_callback(self.checkpointer, args.checkpoint)
+        self.callbacks += [saver] if saver is not None else []
+        # Before the writers open metrics.jsonl: resuming trims events past the checkpoint.
+        self.resumed_from = resume(self, self.checkpointer)
         self.writers = self._build_writers()
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         self._is_setup = True
@@ -136,6 +148,7 @@ class Trainer:
         self.train_sampler.set_epoch(self.epoch, self.step_in_epoch)
         module.train()
         module.on_begin_train_epoch(self.global_step, self.epoch)
+        seed_loader(self.train_loader, args.seed, self.epoch, rank)  # iter() leaves torch's RNG be
         batches = iter(self.train_loader)
         self._log_clock = (time.perf_counter(), self.samples_seen)
         for step in range(self.step_in_epoch, self.steps_per_epoch):
@@ -213,6 +226,8 @@ class Trainer:
         self.module.eval()
         with torch.no_grad():
             for name, loader in self.val_loaders.items():
+                # Validating draws nothing from the training's random streams.
+                seed_loader(loader, self.args.seed, self.global_step, self.dist.rank)
                 local = merge_outputs([self.backend.val_step(self.module, self.global_step, b)
                                        for b in loader])
                 outputs = self.backend.gather_outputs(local)
@@ -230,6 +245,47 @@ class Trainer:
         self._last_val_step = self.global_step
         self._notify("on_validation_end", results)
         return results
+
+    # -- checkpoint state ------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Every stateful piece but the random streams (per rank: ``checkpoint.rng``)."""
+        return {
+            "module": self.module.state_dict(),
+            "module_state": self.module.get_state(),
+            "optimizers": [opt.state_dict() for opt in self.optimizers],
+            "schedulers": [sched.state_dict() for sched in self.schedulers],
+            "backend": self.backend.state_dict(),  # the AMP grad scaler, among others
+            # With the seed, the counters are the data position (no batch is replayed).
+            "counters": {"global_step": self.global_step, "epoch": self.epoch,
+                         "step_in_epoch": self.step_in_epoch, "samples_seen": self.samples_seen,
+                         "train_seconds": self.train_seconds,
+                         "last_val_step": self._last_val_step},
+            "last_val_metrics": self.last_val_metrics,
+            "callbacks": {_state_key(c): c.state_dict() for c in self.callbacks
+                          if callable(getattr(c, "state_dict", None))},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put back what :meth:`state_dict` returned (after :meth:`setup` built the pieces)."""
+        self.module.load_state_dict(state["module"])
+        self.module.update_state(state["module_state"])
+        for kind, mine in (("optimizers", self.optimizers), ("schedulers", self.schedulers)):
+            if len(state[kind]) != len(mine):
+                raise ValueError(f"the checkpoint has {len(state[kind])} {kind}, "
+                                 f"get_optimizers_schedulers returned {len(mine)}")
+            for obj, saved in zip(mine, state[kind]):
+                obj.load_state_dict(saved)
+        self.backend.load_state_dict(state["backend"])
+        counters = state["counters"]
+        self.global_step, self.epoch = counters["global_step"], counters["epoch"]
+        self.step_in_epoch, self.samples_seen = counters["step_in_epoch"], counters["samples_seen"]
+        self.train_seconds = counters["train_seconds"]
+        self._last_val_step = counters["last_val_step"]
+        self.last_val_metrics = state["last_val_metrics"]
+        for callback in self.callbacks:
+            saved = state["callbacks"].get(_state_key(callback))
+            if saved is not None and callable(getattr(callback, "load_state_dict", None)):
+                callback.load_state_dict(saved)
 
     # -- building pieces -----------------------------------------------------------
     def _build_train_loader(self) -> tuple[Any, ResumableSampler]:
@@ -315,6 +371,11 @@ def _overridden(module: ModuleInterface, name: str) -> Any:
     if getattr(type(module), name, None) is getattr(ModuleInterface, name):
         return None
     return getattr(module, name)
+
+
+def _state_key(callback: Callback) -> str:
+    """Where a callback's state sits in a checkpoint: its ``state_key``, else its class name."""
+    return getattr(callback, "state_key", type(callback).__name__)
 
 
 def _as_list(value: Any, what: str) -> list:

@@ -1,0 +1,56 @@
+"""Checkpoints: save every stateful piece, atomically, locally or at any fsspec URL; resume.
+
+The trainer builds a :class:`Checkpointer` from ``trainer.checkpoint`` and
+resumes as ``trainer.resume`` says, before its first step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Callable
+
+from ..config.checkpoint import CheckpointArguments
+from ..config.errors import ConfigError, suggest
+from ..config.trainer import TrainerArguments
+from ..distributed import DistEnv
+from .checkpointer import Checkpointer, DirectoryCheckpointer, Loaded, Snapshot
+from .errors import CheckpointCorrupt, CheckpointError
+from .metrics_log import trim_metrics_log
+from .resume import resume
+
+__all__ = ["CheckpointArguments", "CheckpointCorrupt", "CheckpointError", "Checkpointer",
+           "DirectoryCheckpointer", "Loaded", "Snapshot", "build_checkpointer", "resume",
+           "trim_metrics_log"]
+
+
+def build_checkpointer(args: TrainerArguments, dist: DistEnv,
+                       barrier: Callable[[], None] = lambda: None) -> Checkpointer:
+    """The checkpointer ``args.checkpoint`` asks for, at its ``dir``.
+
+    The default dir is ``<output_dir>/checkpoints``.
+    """
+    ckpt = args.checkpoint
+    location = ckpt.dir or os.path.join(args.output_dir, "checkpoints")
+    cls: type = DirectoryCheckpointer
+    if ckpt.class_path:
+        cls = _resolve(ckpt.class_path)
+    return cls(location, ckpt, dist, barrier)
+
+
+def _resolve(class_path: str) -> type:
+    module_name, _, attr = class_path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"trainer.checkpoint.class_path: cannot import module "
+                          f"'{module_name}' ({exc}); check the name and PYTHONPATH") from None
+    cls = getattr(module, attr, None)
+    if cls is None:
+        names = [n for n in dir(module) if not n.startswith("_")]
+        raise ConfigError(f"trainer.checkpoint.class_path: module '{module_name}' has no "
+                          f"'{attr}'{suggest(attr, names)}")
+    if not (isinstance(cls, type) and issubclass(cls, Checkpointer)):
+        raise ConfigError(f"trainer.checkpoint.class_path {class_path} is not a subclass of "
+                          "sailfin.checkpoint.Checkpointer")
+    return cls

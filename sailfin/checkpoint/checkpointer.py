@@ -1,0 +1,336 @@
+"""Checkpointers: the abstract interface and the default, one directory per save.
+
+Layout of the default checkpointer's directory (local or any fsspec URL)::
+
+    step-00000120/
+        manifest.json           written last: the checkpoint is complete when it exists
+        trainer.pt              model, optimizers, schedulers, counters... (rank 0 writes)
+        rng-rank00000.pt        one per rank: that rank's random streams
+    latest                      name of the newest complete checkpoint (moved last)
+    best                        name of the best checkpoint (with trainer.checkpoint.best_metric)
+
+A local save writes ``.tmp-step-00000120/`` and renames it when complete. On
+an object store (no rename) files go straight to ``step-00000120/`` and the
+manifest, written last, is the commit.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from ..config.checkpoint import CheckpointArguments
+from ..distributed import DistEnv
+from . import manifest as manifests
+from .errors import CheckpointCorrupt, CheckpointError
+from .serialize import FileEntry, cpu_copy, load_object, save_object
+from .storage import Storage, open_storage
+
+_STEP = re.compile(r"^step-(\d+)$")
+_LEFTOVER = re.compile(r"^\.(?:tmp|old)-step-(\d+)")
+
+
+@dataclass
+class Snapshot:
+    """One save as the trainer hands it to a checkpointer, on every rank.
+
+    ``shared`` (file stem -> object) is the same on every rank and rank 0
+    writes it; ``rank_state`` is this rank's own (its random streams).
+    ``facts`` are plain JSON values for the manifest.
+    """
+
+    step: int
+    facts: dict[str, Any]
+    shared: dict[str, Any]
+    rank_state: Any
+    is_best: bool = False
+
+
+@dataclass
+class Loaded:
+    """A checkpoint read back: what :class:`Snapshot` held, for this rank."""
+
+    name: str
+    location: str
+    manifest: dict[str, Any]
+    shared: dict[str, Any]
+    rank_state: Optional[Any] = None
+    """None when the checkpoint has no state for this rank (it ran on fewer ranks)."""
+
+
+def say(message: str) -> None:
+    print(f"sailfin: {message}", file=sys.stderr, flush=True)
+
+
+class Checkpointer(abc.ABC):
+    """Saves and loads checkpoints. Subclass it to keep them elsewhere or in another form.
+
+    Every rank calls :meth:`save` with its :class:`Snapshot` and :meth:`load`
+    to read back; ``barrier()`` waits for every rank. Configure a subclass with
+    ``trainer.checkpoint.class_path``; it is built as
+    ``cls(location, args, dist, barrier)``.
+
+    Example::
+
+        class AnnouncingCheckpointer(DirectoryCheckpointer):
+            def commit(self, name, staging, files, snapshot):
+                super().commit(name, staging, files, snapshot)
+                print("saved", name)
+    """
+
+    def __init__(self, location: str, args: CheckpointArguments, dist: DistEnv,
+                 barrier: Callable[[], None] = lambda: None) -> None:
+        self.location = location
+        self.args = args
+        self.dist = dist
+        self.barrier = barrier
+
+    @abc.abstractmethod
+    def save(self, snapshot: Snapshot) -> None:
+        """Save on every rank; may return before the data is on storage (async saves)."""
+
+    @abc.abstractmethod
+    def latest(self) -> Optional[str]:
+        """The newest complete checkpoint's name, or None."""
+
+    @abc.abstractmethod
+    def load(self, name: str) -> Loaded:
+        """Read a checkpoint (a name from :meth:`latest`, or a path). Raises
+        :class:`CheckpointCorrupt` naming the file when it is damaged."""
+
+    def candidates(self) -> list[str]:
+        """Complete checkpoints, newest first: what ``resume: auto`` tries in turn."""
+        latest = self.latest()
+        return [latest] if latest else []
+
+    def wait(self) -> None:
+        """Block until every save started so far is on storage; raise if one failed."""
+
+    def close(self) -> None:
+        self.wait()
+
+
+class DirectoryCheckpointer(Checkpointer):
+    """The default: one directory per save, atomic commit, keep-last and best.
+
+    Example::
+
+        ckpt = DirectoryCheckpointer("outputs/checkpoints", CheckpointArguments(keep_last=2),
+                                     DistEnv())
+        name = ckpt.latest()            # "step-00000120" or None
+        state = ckpt.load(name).shared["trainer"]
+    """
+
+    def __init__(self, location: str, args: CheckpointArguments, dist: DistEnv,
+                 barrier: Callable[[], None] = lambda: None) -> None:
+        super().__init__(location, args, dist, barrier)
+        self.storage, self.root = open_storage(location, args.storage_options)
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._pending: Optional[tuple[int, Future]] = None
+
+    # -- names ---------------------------------------------------------------
+    @staticmethod
+    def name_for(step: int) -> str:
+        return f"step-{step:08d}"
+
+    def path(self, *parts: str) -> str:
+        return self.storage.join(self.root, *parts)
+
+    @staticmethod
+    def rank_file(rank: int) -> str:
+        return f"rng-rank{rank:05d}.pt"
+
+    # -- saving --------------------------------------------------------------
+    def save(self, snapshot: Snapshot) -> None:
+        self.wait()  # one save in flight at a time; raises if the previous one failed
+        name = self.name_for(snapshot.step)
+        staging = self.path(f".tmp-{name}" if self.storage.atomic_rename else name)
+        self.storage.makedirs(staging)
+        if self.dist.is_main and not self.storage.atomic_rename:
+            # Re-saving a step in place (a run resumed before it): it is incomplete from now on.
+            self.storage.remove(self.storage.join(staging, manifests.MANIFEST))
+        own = self.write_file(self.storage.join(staging, self.rank_file(self.dist.rank)),
+                              snapshot.rank_state)
+        # Every rank's file is on storage before rank 0 commits the checkpoint.
+        self.barrier()
+        if not self.dist.is_main:
+            return
+        if self.args.async_save:
+            # Copy now (the next optimizer step changes the tensors), write in the background.
+            snapshot = Snapshot(snapshot.step, dict(snapshot.facts), cpu_copy(snapshot.shared),
+                                None, snapshot.is_best)
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="sailfin-checkpoint")
+            self._pending = (snapshot.step,
+                             self._executor.submit(self._write_and_commit, name, staging,
+                                                   snapshot, own))
+        else:
+            self._write_and_commit(name, staging, snapshot, own)
+
+    def _write_and_commit(self, name: str, staging: str, snapshot: Snapshot,
+                          own: FileEntry) -> None:
+        files: dict[str, FileEntry] = {}
+        for stem, obj in snapshot.shared.items():
+            files[f"{stem}.pt"] = self.write_file(self.storage.join(staging, f"{stem}.pt"), obj)
+        files.update(self._rank_entries(staging, own))
+        self.commit(name, staging, files, snapshot)
+        self.retain()
+
+    def write_file(self, path: str, obj: Any) -> FileEntry:
+        """Write one file of a checkpoint. Override to throttle, compress or observe writes."""
+        return save_object(self.storage, path, obj)
+
+    def _rank_entries(self, staging: str, own: FileEntry) -> dict[str, FileEntry]:
+        entries = {self.rank_file(0): own}
+        for rank in range(1, self.dist.world_size):
+            path = self.storage.join(staging, self.rank_file(rank))
+            try:
+                data = self.storage.read_bytes(path)
+            except FileNotFoundError:
+                say(f"rank {rank}'s random state {self.storage.display(path)} is not visible "
+                    "from rank 0; put trainer.checkpoint.dir on storage every node shares. "
+                    f"On resume, rank {rank} derives new random streams")
+                continue
+            entries[self.rank_file(rank)] = FileEntry.of(data)
+        return entries
+
+    def commit(self, name: str, staging: str, files: dict[str, FileEntry],
+               snapshot: Snapshot) -> None:
+        """Make the written files a complete checkpoint, then move ``latest`` (and ``best``)."""
+        for leftover in set(self.storage.listdir(staging)) - set(files):
+            self.storage.remove(self.storage.join(staging, leftover))  # from a killed save
+        facts = {**snapshot.facts, "is_best": snapshot.is_best}
+        self.storage.write_bytes(self.storage.join(staging, manifests.MANIFEST),
+                                 manifests.encode(facts, files))
+        if self.storage.atomic_rename:
+            final = self.path(name)
+            if self.storage.exists(final):  # an older save of this step (a run resumed before it)
+                old = self.path(f".old-{name}")
+                self.storage.remove_tree(old)
+                self.storage.rename_dir(final, old)
+                self.storage.rename_dir(staging, final)
+                self.storage.remove_tree(old)
+            else:
+                self.storage.rename_dir(staging, final)
+        self.storage.write_bytes(self.path("latest"), f"{name}\n".encode())
+        if snapshot.is_best:
+            self.storage.write_bytes(self.path("best"), f"{name}\n".encode())
+
+    def wait(self) -> None:
+        if self._pending is None:
+            return
+        step, future = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except Exception as exc:
+            raise CheckpointError(f"the background save of step {step} to "
+                                  f"{self.storage.display(self.root)} failed: {exc}") from exc
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+    # -- what is there ---------------------------------------------------------
+    def complete(self) -> list[tuple[int, str]]:
+        """(step, name) of every checkpoint with a manifest, oldest first."""
+        out = []
+        for entry in self.storage.listdir(self.root):
+            match = _STEP.match(entry)
+            if match and self.storage.exists(self.path(entry, manifests.MANIFEST)):
+                out.append((int(match.group(1)), entry))
+        return sorted(out)
+
+    def pointer(self, which: str) -> Optional[str]:
+        """The checkpoint ``latest`` or ``best`` names, if it is complete."""
+        try:
+            name = self.storage.read_bytes(self.path(which)).decode("utf-8").strip()
+        except (FileNotFoundError, UnicodeDecodeError):
+            return None
+        if _STEP.match(name) and self.storage.exists(self.path(name, manifests.MANIFEST)):
+            return name
+        return None
+
+    def latest(self) -> Optional[str]:
+        found = self.candidates()
+        return found[0] if found else None
+
+    def candidates(self) -> list[str]:
+        names = [name for _, name in reversed(self.complete())]
+        pointed = self.pointer("latest")
+        if pointed is not None:
+            names.remove(pointed)
+            names.insert(0, pointed)
+        return names
+
+    # -- keep-last and best ------------------------------------------------------
+    def retain(self) -> None:
+        """Delete all but the newest ``keep_last``, the best and what ``latest`` names.
+
+        Also removes what killed saves left behind, once a newer save completed.
+        """
+        complete = self.complete()
+        if not complete:
+            return
+        newest = complete[-1][0]
+        keep = {name for _, name in complete}
+        if self.args.keep_last is not None:
+            keep = {name for _, name in complete[-self.args.keep_last:]}
+        keep |= {p for p in (self.pointer("latest"), self.pointer("best")) if p}
+        for _, name in complete:
+            if name not in keep:
+                self.storage.remove_tree(self.path(name))
+        complete_names = {name for _, name in complete}
+        for entry in self.storage.listdir(self.root):
+            match = _LEFTOVER.match(entry) or _STEP.match(entry)
+            if match and entry not in complete_names and int(match.group(1)) < newest:
+                self.storage.remove_tree(self.path(entry))  # an unfinished, superseded save
+
+    # -- loading -------------------------------------------------------------------
+    def load(self, name: str) -> Loaded:
+        storage, where = self._locate(name)
+        shown = storage.display(where)
+        manifest_path = storage.join(where, manifests.MANIFEST)
+        try:
+            raw = storage.read_bytes(manifest_path)
+        except FileNotFoundError:
+            raise CheckpointCorrupt(f"checkpoint {shown} has no {manifests.MANIFEST}: the save "
+                                    "did not finish", storage.display(manifest_path)) from None
+        manifest = manifests.decode(raw, storage.display(manifest_path))
+        files = manifests.files_of(manifest, storage.display(manifest_path))
+        shared = {}
+        for file, entry in files.items():
+            if not file.startswith("rng-rank"):
+                shared[file[:-len(".pt")]] = load_object(storage, storage.join(where, file), entry)
+        own = self.rank_file(self.dist.rank)
+        rank_state = (load_object(storage, storage.join(where, own), files[own])
+                      if own in files else None)
+        return Loaded(name, shown, manifest, shared, rank_state)
+
+    def _locate(self, name: str) -> tuple[Storage, str]:
+        """A checkpoint name in this directory, or a path/URL to a checkpoint or a directory
+        of them (then its newest)."""
+        if _STEP.match(name) and self.storage.exists(self.path(name)):
+            return self.storage, self.path(name)
+        storage, where = open_storage(name, self.args.storage_options)
+        if storage.exists(storage.join(where, manifests.MANIFEST)):
+            return storage, where
+        if not storage.exists(where):
+            raise CheckpointError(f"trainer.resume: {name!r} does not exist; give a checkpoint "
+                                  "directory (one holding manifest.json), a directory of "
+                                  "checkpoints, auto or never")
+        inner = DirectoryCheckpointer(name, self.args, self.dist)
+        newest = inner.latest()
+        if newest is None:
+            raise CheckpointError(f"trainer.resume: {storage.display(where)} holds no complete "
+                                  "checkpoint (no manifest.json in it or in any step-* "
+                                  "directory under it)")
+        return storage, storage.join(where, newest)

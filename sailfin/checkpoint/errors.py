@@ -1,0 +1,18 @@
+"""Checkpoint errors. Each message names the checkpoint or file and says what to do."""
+
+from __future__ import annotations
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or used as it is."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint file is missing, truncated or altered since it was saved.
+
+    ``resume: auto`` falls back to the next older complete checkpoint.
+    """
+
+    def __init__(self, message: str, file: str) -> None:
+        super().__init__(message)
+        self.file = file

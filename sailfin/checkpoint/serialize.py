@@ -1,0 +1,167 @@
+"""Writing and reading one checkpoint file: torch.save out, ``weights_only`` torch.load in.
+
+Every file is checksummed while it is written; its size and CRC-32 go into the
+manifest, and reading checks both before unpickling anything. CRC-32 finds
+truncation and damage at several GB/s, where a cryptographic hash would add
+to every save's stall and protect nothing more: whoever can rewrite a file
+can rewrite the manifest too. Loading never
+runs arbitrary unpickling: a file that would need it is refused.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy as copy_module
+import zlib
+import io
+import pickle
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import CheckpointCorrupt, CheckpointError
+from .storage import Storage
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+          torch.Size)
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """What the manifest records about one file."""
+
+    size: int
+    crc32: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "crc32": f"{self.crc32:08x}"}
+
+    @classmethod
+    def of(cls, data: bytes) -> "FileEntry":
+        return cls(len(data), zlib.crc32(data))
+
+
+class _ChecksumWriter:
+    """A file-like that checksums and counts what passes through it."""
+
+    def __init__(self, fh: Any) -> None:
+        self.fh = fh
+        self.crc32 = 0
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.crc32 = zlib.crc32(view, self.crc32)  # releases the GIL on large buffers
+        self.size += len(view)
+        self.fh.write(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self.fh.flush()
+
+
+def save_object(storage: Storage, path: str, obj: Any) -> FileEntry:
+    """``torch.save`` ``obj`` to ``path``; return its size and checksum."""
+    with storage.open_write(path) as fh:
+        writer = _ChecksumWriter(fh)
+        torch.save(obj, writer)
+    return FileEntry(writer.size, writer.crc32)
+
+
+def load_object(storage: Storage, path: str, entry: FileEntry) -> Any:
+    """Read ``path``, check it against the manifest, and load it without arbitrary unpickling."""
+    shown = storage.display(path)
+    local = storage.local_path(path)
+    try:
+        if local is not None:  # check it in chunks, then let torch read the file: 1x memory
+            size, crc = _checksum_file(local)
+            source: Any = local
+        else:
+            data = storage.read_bytes(path)
+            size, crc, source = len(data), zlib.crc32(data), io.BytesIO(data)
+    except FileNotFoundError:
+        raise CheckpointCorrupt(f"checkpoint file {shown} is missing (the manifest lists it)",
+                                shown) from None
+    if size != entry.size:
+        raise CheckpointCorrupt(f"checkpoint file {shown} has {size} bytes; the manifest "
+                                f"says {entry.size}: it is truncated or was overwritten", shown)
+    if crc != entry.crc32:
+        raise CheckpointCorrupt(f"checkpoint file {shown} does not match its CRC-32 in the "
+                                "manifest: it was altered or damaged after it was saved", shown)
+    try:
+        return torch.load(source, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = f" (it needs {found.group(1)})" if found else ""
+        raise CheckpointError(
+            f"checkpoint file {shown} holds Python objects that only arbitrary unpickling could "
+            f"rebuild{what}. sailfin loads checkpoints with torch.load(weights_only=True) "
+            "because unpickling can run any code. A recipe's get_state() must return tensors "
+            "and plain Python types (dict, list, tuple, set, str, int, float, bool, None)"
+        ) from None
+
+
+def _checksum_file(path: str) -> tuple[int, int]:
+    size, crc = 0, 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(16 << 20):
+            size += len(chunk)
+            crc = zlib.crc32(chunk, crc)
+    return size, crc
+
+
+def check_plain(obj: Any, where: str) -> None:
+    """Refuse, at save time, anything ``weights_only`` loading could not read back."""
+    stack = [(obj, where)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, torch.Tensor) or type(value) in _PLAIN:
+            continue
+        if type(value) in (dict, collections.OrderedDict):
+            for k, v in value.items():
+                if type(k) not in _PLAIN:
+                    raise CheckpointError(f"{path} has a key of type {type(k).__name__}; "
+                                          "checkpoint keys must be str, int, float or bool")
+                stack.append((v, f"{path}[{k!r}]"))
+        elif type(value) in (list, tuple, set, frozenset):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
+        else:
+            raise CheckpointError(
+                f"{path} is a {type(value).__module__}.{type(value).__qualname__}, which a "
+                "checkpoint cannot hold: checkpoints are loaded with torch.load(weights_only="
+                "True), which rebuilds only tensors and plain Python types (dict, list, tuple, "
+                "set, str, int, float, bool, None). Convert it, e.g. to a dict of those")
+
+
+def cpu_copy(obj: Any) -> Any:
+    """A deep copy with every tensor on the CPU, sharing preserved (tied weights stay tied)."""
+    storages: dict[tuple[int, str], torch.UntypedStorage] = {}
+
+    def copy(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return copy_tensor(value.detach())
+        if isinstance(value, dict):
+            out = {k: copy(v) for k, v in value.items()}
+            if isinstance(value, collections.OrderedDict):
+                out = collections.OrderedDict(out)
+                if hasattr(value, "_metadata"):  # module versions, read by load_state_dict
+                    out._metadata = copy_module.deepcopy(value._metadata)  # type: ignore
+            return out
+        if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+            return type(value)(copy(v) for v in value)
+        return value
+
+    def copy_tensor(value: torch.Tensor) -> torch.Tensor:
+        if value.layout is not torch.strided or value.is_quantized:
+            return value.to("cpu", copy=True)
+        storage = value.untyped_storage()
+        key = (storage.data_ptr(), str(value.device))
+        if key not in storages or storage.nbytes() == 0:
+            storages[key] = storage.cpu() if value.device.type != "cpu" else storage.clone()
+        out = torch.empty(0, dtype=value.dtype)
+        out.set_(storages[key], value.storage_offset(), value.size(), value.stride())
+        return out
+
+    return copy(obj)

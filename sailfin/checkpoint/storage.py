@@ -1,0 +1,207 @@
+"""Where checkpoint files live: a local directory, or any fsspec URL.
+
+Local files are fsynced and directories renamed into place, so a crash leaves
+either the old state or the new one. Object stores have no rename; there a
+checkpoint is complete when its manifest exists (written last), and a single
+object write (``latest``) replaces the old object at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import shutil
+from typing import BinaryIO, Iterator, Optional
+
+from ..config.checkpoint import is_url
+
+
+class Storage:
+    """The few file operations checkpoints need. Paths are strings this storage made."""
+
+    atomic_rename: bool = False
+
+    def join(self, *parts: str) -> str:
+        raise NotImplementedError
+
+    def display(self, path: str) -> str:
+        """The path as the user would write it (for messages)."""
+        return path
+
+    def open_write(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        raise NotImplementedError
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Replace ``path`` with ``data`` in one step: a reader sees the old or the new file."""
+        raise NotImplementedError
+
+    def open_read(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        raise NotImplementedError
+
+    def read_bytes(self, path: str) -> bytes:
+        with self.open_read(path) as fh:
+            return fh.read()
+
+    def local_path(self, path: str) -> Optional[str]:
+        """The OS path of ``path`` if it is a local file, else None."""
+        return None
+
+    def exists(self, path: str) -> bool:
+        raise NotImplementedError
+
+    def size(self, path: str) -> int:
+        raise NotImplementedError
+
+    def listdir(self, path: str) -> list[str]:
+        """Names directly under ``path``; empty when it does not exist."""
+        raise NotImplementedError
+
+    def makedirs(self, path: str) -> None:
+        raise NotImplementedError
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot rename directories")
+
+    def remove(self, path: str) -> None:
+        raise NotImplementedError
+
+    def remove_tree(self, path: str) -> None:
+        raise NotImplementedError
+
+
+class LocalStorage(Storage):
+    """A local (or mounted shared) directory."""
+
+    atomic_rename = True
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+    @contextlib.contextmanager
+    def open_write(self, path: str) -> Iterator[BinaryIO]:
+        with open(path, "wb") as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())  # on disk before the rename that publishes it
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with self.open_write(tmp) as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+        _fsync_dir(os.path.dirname(path))
+
+    def open_read(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        return open(path, "rb")
+
+    def local_path(self, path: str) -> Optional[str]:
+        return path
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def size(self, path: str) -> int:
+        return os.path.getsize(path)
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        os.rename(src, dst)
+        _fsync_dir(os.path.dirname(dst))  # the rename itself survives a power cut
+
+    def remove(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+    def remove_tree(self, path: str) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class FsspecStorage(Storage):
+    """Any fsspec file system: ``s3://``, ``gs://``, ``az://``, ``memory://``..."""
+
+    def __init__(self, url: str, storage_options: Optional[dict] = None) -> None:
+        try:
+            import fsspec
+        except ImportError:
+            raise ImportError(f"checkpoint dir {url!r} is a URL, which needs fsspec: "
+                              "pip install 'sailfin[remote]'") from None
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        except ImportError as exc:  # the protocol's own package (s3fs, gcsfs...) is missing
+            raise ImportError(f"checkpoint dir {url!r}: {exc}. For s3:// install "
+                              "'sailfin[remote]'; other stores need their fsspec package "
+                              "(gcsfs, adlfs...)") from None
+
+    def join(self, *parts: str) -> str:
+        return posixpath.join(*parts)
+
+    def display(self, path: str) -> str:
+        return self.fs.unstrip_protocol(path)
+
+    def open_write(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        return self.fs.open(path, "wb")
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        self.fs.pipe_file(path, data)  # one PUT: the object is replaced whole
+
+    def open_read(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
+        return self.fs.open(path, "rb")
+
+    def exists(self, path: str) -> bool:
+        self.fs.invalidate_cache(path)
+        return self.fs.exists(path)
+
+    def size(self, path: str) -> int:
+        self.fs.invalidate_cache(path)
+        return int(self.fs.size(path))
+
+    def listdir(self, path: str) -> list[str]:
+        # Listings are cached by some file systems (s3fs); another rank or process
+        # may have written since, so always ask the store.
+        self.fs.invalidate_cache(path)
+        try:
+            entries = self.fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(posixpath.basename(e.rstrip("/")) for e in entries)
+
+    def makedirs(self, path: str) -> None:
+        self.fs.makedirs(path, exist_ok=True)
+
+    def remove(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(path)
+
+    def remove_tree(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(path, recursive=True)
+        self.fs.invalidate_cache(path)
+
+
+def open_storage(location: str, storage_options: Optional[dict] = None) -> tuple[Storage, str]:
+    """The storage for a directory or URL, and the root path inside it."""
+    if is_url(location):
+        storage = FsspecStorage(location, storage_options)
+        return storage, storage.root.rstrip("/")
+    if location.startswith("file://"):
+        location = location[len("file://"):]
+    return LocalStorage(), os.path.abspath(location)
+
+
+def _fsync_dir(path: str) -> None:
+    if not hasattr(os, "O_DIRECTORY"):
+        return  # Windows cannot open a directory to fsync it
+    fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

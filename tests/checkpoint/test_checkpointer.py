@@ -1,0 +1,299 @@
+"""The default checkpointer: atomic commit, damage detection, keep-last and best, async, fsspec."""
+
+import json
+import os
+import uuid
+
+import pytest
+import torch
+
+from sailfin import Trainer
+from sailfin.checkpoint import CheckpointCorrupt, CheckpointError, DirectoryCheckpointer
+from sailfin.config import CheckpointArguments, ConfigError, load_config
+from sailfin.distributed import DistEnv
+from tests.checkpoint.helpers import (Crash, CrashAt, FailingCheckpointer, ScriptedMetric,
+                                      assert_same_params, metric_lines, params)
+from tests.recipes import IdData, LinearRecipe, args
+
+STEP = {"every_n_steps": 2, "at_epoch_end": False}
+
+
+def train(tmp, module=None, callbacks=(), **kw):
+    module = module or LinearRecipe(IdData(40, 6), dropout=0.2, momentum=0.9)
+    trainer = Trainer(module, args(tmp, **kw), callbacks=list(callbacks))
+    try:
+        trainer.train()
+    except Crash:
+        pass
+    return module, trainer
+
+
+def names(ckpt_dir):
+    return sorted(os.listdir(ckpt_dir))
+
+
+# -- never damaged ---------------------------------------------------------------------
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_that_fails_midway_leaves_the_previous_one(tmp_path, async_save, monkeypatch):
+    monkeypatch.setattr(FailingCheckpointer, "fail_step", 4)
+    path = "tests.checkpoint.helpers.FailingCheckpointer"
+    ckpt = {**STEP, "class_path": path, "async_save": async_save}
+    with pytest.raises(CheckpointError if async_save else OSError, match="No space left"):
+        train(tmp_path, epochs=2, checkpoint=ckpt)
+    root = tmp_path / "checkpoints"
+    assert names(root) == [".tmp-step-00000004", "latest", "step-00000002"]
+    assert not (root / ".tmp-step-00000004" / "manifest.json").exists()
+    assert (root / "latest").read_text().strip() == "step-00000002"
+    monkeypatch.setattr(FailingCheckpointer, "fail_step", -1)
+    ref, _ = train(tmp_path / "ref", epochs=2, checkpoint=STEP)
+    module, trainer = train(tmp_path, epochs=2, checkpoint=ckpt)
+    assert trainer.resumed_from.name == "step-00000002"
+    assert_same_params(params(ref), params(module))
+    assert ".tmp-step-00000004" not in names(root)  # cleaned once a newer save completed
+
+
+def test_corrupt_latest_falls_back_and_says_so(tmp_path, capfd):
+    train(tmp_path, epochs=2, callbacks=[CrashAt(7)], checkpoint=STEP)
+    root = tmp_path / "checkpoints"
+    model = root / "step-00000006" / "model.pt"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    model.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match=f"{model} does not match its CRC-32"):
+        train(tmp_path / "other", epochs=2, resume=str(root / "step-00000006"))
+    ref, _ = train(tmp_path / "ref", epochs=2, checkpoint=STEP)
+    capfd.readouterr()
+    module, trainer = train(tmp_path, epochs=2, checkpoint=STEP)
+    err = capfd.readouterr().err
+    assert f"{model} does not match its CRC-32" in err
+    assert "skipped damaged checkpoint(s) step-00000006; falling back to" in err
+    assert trainer.resumed_from.name == "step-00000004"
+    assert_same_params(params(ref), params(module))
+    assert metric_lines(tmp_path) == metric_lines(tmp_path / "ref")
+
+
+def test_truncated_file_and_broken_manifest(tmp_path, capfd):
+    train(tmp_path, epochs=2, callbacks=[CrashAt(7)], checkpoint={**STEP, "keep_last": None})
+    root = tmp_path / "checkpoints"
+    trainer_pt = root / "step-00000006" / "trainer.pt"
+    trainer_pt.write_bytes(trainer_pt.read_bytes()[:100])
+    (root / "step-00000004" / "manifest.json").write_text('{"format": "sailfin-checkp')
+    ref, _ = train(tmp_path / "ref", epochs=2, checkpoint=STEP)
+    module, trainer = train(tmp_path, epochs=2, checkpoint=STEP)
+    err = capfd.readouterr().err
+    assert f"{trainer_pt} has 100 bytes; the manifest says" in err
+    assert "manifest.json is not valid JSON" in err
+    assert trainer.resumed_from.name == "step-00000002"
+    assert_same_params(params(ref), params(module))
+
+
+def test_every_checkpoint_damaged_is_an_error(tmp_path):
+    train(tmp_path, epochs=1, callbacks=[CrashAt(3)], checkpoint=STEP)
+    os.remove(tmp_path / "checkpoints" / "step-00000002" / "rng-rank00000.pt")
+    with pytest.raises(CheckpointError, match="every checkpoint in .* is damaged"):
+        train(tmp_path, epochs=1, checkpoint=STEP)
+
+
+def test_files_needing_arbitrary_unpickling_are_refused(tmp_path):
+    """A checkpoint whose file holds a pickled class is refused even with a valid hash."""
+    train(tmp_path, epochs=1, callbacks=[CrashAt(3)], checkpoint=STEP)
+    ckpt = DirectoryCheckpointer(str(tmp_path / "checkpoints"), CheckpointArguments(),
+                                 DistEnv())
+    step = tmp_path / "checkpoints" / "step-00000002"
+    entry = ckpt.write_file(str(step / "trainer.pt"), {"payload": uuid.UUID(int=7)})
+    manifest = json.loads((step / "manifest.json").read_text())
+    manifest["files"]["trainer.pt"] = entry.to_json()
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="(?s)trainer.pt holds Python objects that only "
+                                              r"arbitrary unpickling could rebuild \(it needs "
+                                              r"uuid.UUID\).*weights_only=True.*get_state"):
+        train(tmp_path, epochs=1, checkpoint=STEP)
+
+
+def test_get_state_with_objects_is_refused_at_save(tmp_path):
+    class Objects(LinearRecipe):
+        def get_state(self):
+            return {"ok": [1, 2.0, torch.ones(2)], "bad": uuid.UUID(int=1)}
+
+    with pytest.raises(CheckpointError, match=r"module.get_state\(\)\['bad'\] is a uuid.UUID.*"
+                                              "weights_only"):
+        train(tmp_path, Objects(IdData(40, 0)), checkpoint=STEP)
+    assert not (tmp_path / "checkpoints" / "latest").exists()
+
+
+# -- keep-last and best -----------------------------------------------------------------
+def test_keep_last_and_best(tmp_path):
+    """Four epochs of 2 steps; scores 5, 1, 3, 4: the best is epoch 1 (step 4)."""
+    module = ScriptedMetric(IdData(40, 6), scores=[5.0, 1.0, 3.0, 4.0])
+    ckpt = {"every_n_steps": 1, "keep_last": 2, "best_metric": "score", "best_mode": "min"}
+    _, trainer = train(tmp_path, module, epochs=4, train_batch_size=20, micro_batch_size=20,
+                       checkpoint=ckpt)
+    root = tmp_path / "checkpoints"
+    assert names(root) == ["best", "latest", "step-00000004", "step-00000007", "step-00000008"]
+    assert (root / "best").read_text().strip() == "step-00000004"
+    manifest = json.loads((root / "step-00000004" / "manifest.json").read_text())
+    assert manifest["is_best"] and manifest["best"] == {"metric": "score", "mode": "min",
+                                                        "value": 1.0, "step": 4}
+    assert manifest["validated_at_step"]
+    # The best carries over a resume: a later, worse score does not replace it.
+    module = ScriptedMetric(IdData(40, 6), scores=[5.0, 1.0, 3.0, 4.0, 2.0])
+    train(tmp_path, module, epochs=5, train_batch_size=20, micro_batch_size=20,
+          checkpoint=ckpt)
+    assert (root / "best").read_text().strip() == "step-00000004"
+    assert names(root) == ["best", "latest", "step-00000004", "step-00000009", "step-00000010"]
+
+
+def test_best_max_mode_saves_on_improvement_only(tmp_path):
+    module = ScriptedMetric(IdData(40, 6), scores=[0.5, 0.4, 0.9])
+    ckpt = {"at_epoch_end": False, "best_metric": "val/score", "best_mode": "max",
+            "keep_last": None}
+    train(tmp_path, module, epochs=3, train_batch_size=20, micro_batch_size=20,
+          checkpoint=ckpt)
+    root = tmp_path / "checkpoints"
+    assert names(root) == ["best", "latest", "step-00000002", "step-00000006"]
+    assert (root / "best").read_text().strip() == "step-00000006"
+
+
+def test_unknown_best_metric_names_the_available_ones(tmp_path):
+    with pytest.raises(CheckpointError, match="best_metric 'acc' is not among the validation "
+                                              "metrics of this run: val/mse, val/count"):
+        train(tmp_path, epochs=1, checkpoint={"best_metric": "acc"})
+
+
+# -- async -----------------------------------------------------------------------------------
+def same(a, b, path="") -> None:
+    """Equal structure and bit-identical tensors; wall-clock times aside."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            if k != "train_seconds":
+                same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+def test_async_save_gives_the_same_checkpoints(tmp_path):
+    ref, ref_trainer = train(tmp_path / "sync", epochs=2, checkpoint=STEP)
+    module, trainer = train(tmp_path / "async", epochs=2, checkpoint={**STEP, "async": True})
+    saver = [c for c in trainer.callbacks if hasattr(c, "stall_seconds")][0]
+    assert len(saver.stall_seconds) == 4
+    for step in ("step-00000006", "step-00000008"):
+        for file in ("model.pt", "trainer.pt", "rng-rank00000.pt"):
+            a = torch.load(tmp_path / "sync" / "checkpoints" / step / file, weights_only=True)
+            b = torch.load(tmp_path / "async" / "checkpoints" / step / file, weights_only=True)
+            same(a, b, f"{step}/{file}")
+    # Resuming from an async checkpoint is exact too.
+    train(tmp_path / "async2", epochs=2, callbacks=[CrashAt(5)],
+          checkpoint={**STEP, "async": True})
+    resumed, _ = train(tmp_path / "async2", epochs=2, checkpoint={**STEP, "async": True})
+    assert_same_params(params(ref), params(resumed))
+
+
+def test_async_copy_keeps_tied_weights_tied(tmp_path):
+    from sailfin.checkpoint.serialize import cpu_copy
+
+    emb = torch.nn.Embedding(5, 3)
+    head = torch.nn.Linear(3, 5, bias=False)
+    head.weight = emb.weight
+    state = torch.nn.ModuleDict({"emb": emb, "head": head}).state_dict()
+    copy = cpu_copy(state)
+    assert copy["emb.weight"].untyped_storage().data_ptr() == \
+        copy["head.weight"].untyped_storage().data_ptr()
+    assert copy["emb.weight"].untyped_storage().data_ptr() != \
+        state["emb.weight"].untyped_storage().data_ptr()
+    assert copy._metadata == state._metadata
+
+
+# -- fsspec ------------------------------------------------------------------------------------
+def test_memory_url_round_trip(tmp_path):
+    pytest.importorskip("fsspec")
+    import fsspec
+
+    url = f"memory://sailfin-test-{uuid.uuid4().hex}/ckpt"
+    ckpt = {**STEP, "dir": url}
+    ref, _ = train(tmp_path / "ref", epochs=2, checkpoint=STEP)
+    train(tmp_path / "run", epochs=2, callbacks=[CrashAt(5)], checkpoint=ckpt)
+    fs = fsspec.filesystem("memory")
+    root = url[len("memory://"):]
+    assert fs.cat(f"{root}/latest").decode().strip() == "step-00000004"
+    try:
+        module, trainer = train(tmp_path / "run", epochs=2, checkpoint=ckpt)
+        assert trainer.resumed_from.location.endswith(f"{root}/step-00000004")
+        assert_same_params(params(ref), params(module))
+        assert metric_lines(tmp_path / "run") == metric_lines(tmp_path / "ref")
+    finally:
+        fs.rm(root.split("/")[0], recursive=True)
+
+
+def test_remote_save_without_manifest_is_incomplete(tmp_path, monkeypatch):
+    """Object stores have no rename: files go in place, and no manifest means incomplete."""
+    pytest.importorskip("fsspec")
+    import fsspec
+
+    monkeypatch.setattr(FailingCheckpointer, "fail_step", 4)
+    url = f"memory://sailfin-test-{uuid.uuid4().hex}"
+    ckpt = {**STEP, "dir": url, "class_path": "tests.checkpoint.helpers.FailingCheckpointer"}
+    fs = fsspec.filesystem("memory")
+    root = url[len("memory://"):]
+    try:
+        with pytest.raises(OSError):
+            train(tmp_path, epochs=2, checkpoint=ckpt)
+        assert fs.exists(f"{root}/step-00000004/model.pt")
+        assert not fs.exists(f"{root}/step-00000004/manifest.json")
+        monkeypatch.setattr(FailingCheckpointer, "fail_step", -1)
+        module, trainer = train(tmp_path, epochs=2, checkpoint=ckpt)
+        assert trainer.resumed_from.name == "step-00000002"
+        assert fs.exists(f"{root}/step-00000004/manifest.json")  # saved again, completely
+    finally:
+        fs.rm(root, recursive=True)
+
+
+# -- configuration ---------------------------------------------------------------------------------
+def test_custom_checkpointer_from_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("SAILFIN_TEST_SAVE_MARKER", str(tmp_path))
+    cfg = load_config(None, ["--module.class_path", "tests.recipes.LinearRecipe",
+                             "--data.class_path", "tests.recipes.IdData",
+                             "--trainer.output_dir", str(tmp_path / "out"),
+                             "--trainer.writers", "[jsonl]",
+                             "--trainer.checkpoint.class_path",
+                             "tests.checkpoint.helpers.SlowCheckpointer"])
+    trainer = Trainer(cfg.build(), cfg.trainer)
+    trainer.train()
+    assert type(trainer.checkpointer).__name__ == "SlowCheckpointer"
+    used = json.loads((tmp_path / "custom-checkpointer.json").read_text())
+    assert used == {"class": "SlowCheckpointer", "last_step": trainer.global_step}
+
+
+def test_checkpoint_config_keys():
+    cfg = load_config(None, ["--module.class_path", "x.Y", "--trainer.checkpoint.every_n_steps",
+                             "50", "--trainer.checkpoint.async", "true",
+                             "--trainer.checkpoint.dir", "s3://bucket/run",
+                             "--trainer.resume", "never"])
+    ckpt = cfg.trainer.checkpoint
+    assert ckpt.every_n_steps == 50 and ckpt.async_save and ckpt.dir == "s3://bucket/run"
+    assert cfg.trainer.resume == "never"
+    with pytest.raises(ConfigError, match="'trainer.checkpoint.every_n_step'.*did you mean "
+                                          "'every_n_steps'"):
+        load_config(None, ["--trainer.checkpoint.every_n_step", "5"])
+    with pytest.raises(ConfigError, match="keep_last must be >= 1 or null, got 0"):
+        load_config(None, ["--trainer.checkpoint.keep_last", "0"])
+    with pytest.raises(ConfigError, match="best_mode' got 'maximum'.*expected one of: min, max"):
+        load_config(None, ["--trainer.checkpoint.best_mode", "maximum"])
+    with pytest.raises(ConfigError, match="storage_options are for a URL dir"):
+        load_config(None, ["--trainer.checkpoint.storage_options", "{anon: true}"])
+    with pytest.raises(ConfigError, match="not a subclass of sailfin.checkpoint.Checkpointer"):
+        train_args = args("unused", checkpoint={"class_path": "tests.recipes.IdData"})
+        from sailfin.checkpoint import build_checkpointer
+        build_checkpointer(train_args, DistEnv())
+
+
+def test_no_trigger_no_checkpoints(tmp_path):
+    _, trainer = train(tmp_path, epochs=2, checkpoint={"at_epoch_end": False})
+    assert not (tmp_path / "checkpoints").exists()
+    assert not any(hasattr(c, "stall_seconds") for c in trainer.callbacks)
