@@ -9,7 +9,8 @@ reported on its own), then the four take turns, ``--rounds`` times, in an
 order that reverses every round (A B C D, D C B A, ...) so machine noise hits
 all alike. Figures are medians over rounds; ratios are against fp32 eager in
 the same round. The line "compile pays ..." says after how many steps the
-compile time is won back, or that it is not.
+compile time is won back, or that it is not. Compilation starts from an empty
+inductor cache (``--warm-cache`` keeps yours), so its time is a first run's.
 
 Memory: at a long context (``--long-context``, default 512) the char_lm step
 runs with and without ``activation_checkpointing: [Block]``; the bytes of
@@ -204,10 +205,17 @@ def main() -> None:
     parser.add_argument("--workloads", default="char_lm,digits")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled configs")
     parser.add_argument("--long-context", type=int, default=512)
+    parser.add_argument("--warm-cache", action="store_true",
+                        help="keep inductor's on-disk cache (default: a fresh one, so the "
+                             "compile time is what a first run pays)")
     opts = parser.parse_args()
+    cache = None if opts.warm_cache else tempfile.TemporaryDirectory()
+    if cache is not None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache.name
     torch.set_num_threads(opts.threads)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
-    print(f"torch {torch.__version__}; {os.cpu_count()} CPUs")
+    print(f"torch {torch.__version__}; {os.cpu_count()} CPUs; inductor cache: "
+          f"{'warm (kept)' if opts.warm_cache else 'cold (fresh directory)'}")
     with tempfile.TemporaryDirectory() as out:
         for name in opts.workloads.split(","):
             if name not in WORKLOADS:
@@ -215,6 +223,8 @@ def main() -> None:
             bench_workload(name, opts.rounds, out, not opts.no_compile)
     if opts.long_context:
         bench_checkpointing(opts.long_context, max(3, opts.rounds))
+    if cache is not None:
+        cache.cleanup()
 
 
 if __name__ == "__main__":
