@@ -5,6 +5,7 @@ PyMarlin's backend names are aliases for compositions.
 
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 import torch
@@ -12,39 +13,50 @@ import torch
 from ..config.errors import ConfigError, suggest
 from ..config.trainer import TrainerArguments
 from ..distributed import DistEnv
+from .amp import MixedPrecision
 from .precision import Precision
-from .strategy import SingleDevice
+from .strategy import Execution, SingleDevice
 
 # name -> (strategy, precision)
 ALIASES: dict[str, tuple[str, str]] = {
     "sp": ("single", "fp32"),
+    "sp-amp": ("single", "amp"),
+    "sp-amp-apex": ("single", "amp"),
     "ddp": ("ddp", "fp32"),
+    "ddp-amp": ("ddp", "amp"),
+}
+
+# Names kept for PyMarlin configs whose meaning changed: printed once when chosen.
+NOTICES: dict[str, str] = {
+    "sp-amp-apex": "sailfin: trainer.backend sp-amp-apex runs PyTorch's native AMP "
+                   "(Apex is not used); it is the same as sp-amp",
 }
 
 _PRECISIONS: dict[str, Callable[[TrainerArguments, torch.device], Precision]] = {
     "fp32": lambda args, device: Precision(),
+    "amp": lambda args, device: MixedPrecision(args.amp_dtype, device),  # bf16 or fp16
 }
 
 
 def _single(precision: Precision, device: torch.device, dist: DistEnv,
-            args: TrainerArguments) -> SingleDevice:
+            args: TrainerArguments, execution: Execution) -> SingleDevice:
     if dist.is_distributed:
         raise ConfigError(
             f"trainer.backend '{args.backend}' trains in one process, but this is rank "
             f"{dist.rank} of {dist.world_size} ({dist.launcher}): every rank would train alone. "
             "Use trainer.backend ddp (or ddp-amp) under a launcher")
-    return SingleDevice(precision, device, dist)
+    return SingleDevice(precision, device, dist, execution)
 
 
 def _ddp(precision: Precision, device: torch.device, dist: DistEnv,
-         args: TrainerArguments) -> SingleDevice:
+         args: TrainerArguments, execution: Execution) -> SingleDevice:
     from .ddp import DDPStrategy  # imports torch.distributed pieces only when used
 
-    return DDPStrategy(precision, device, dist, args.distributed)
+    return DDPStrategy(precision, device, dist, args.distributed, execution)
 
 
-_STRATEGIES: dict[str, Callable[[Precision, torch.device, DistEnv, TrainerArguments],
-                                SingleDevice]] = {
+_STRATEGIES: dict[str, Callable[[Precision, torch.device, DistEnv, TrainerArguments,
+                                 Execution], SingleDevice]] = {
     "single": _single,
     "ddp": _ddp,
 }
@@ -75,8 +87,18 @@ def build_backend(args: TrainerArguments, dist: DistEnv) -> SingleDevice:
         raise ConfigError(f"trainer.backend '{args.backend}'{suggest(args.backend, ALIASES)} "
                           f"is not known; valid backends: {', '.join(ALIASES)}")
     strategy, precision = ALIASES[args.backend]
+    if precision == "fp32" and args.amp_dtype != "auto":
+        amp = [name for name, (_, p) in ALIASES.items() if p == "amp"]
+        raise ConfigError(f"trainer.amp_dtype is {args.amp_dtype} but trainer.backend "
+                          f"{args.backend} runs in float32; use a mixed-precision backend "
+                          f"({', '.join(amp)}) or remove amp_dtype")
+    if args.backend in NOTICES and dist.is_main:
+        print(NOTICES[args.backend], file=sys.stderr)
     device = resolve_device(args.device, dist)
-    return _STRATEGIES[strategy](_PRECISIONS[precision](args, device), device, dist, args)
+    execution = Execution(args.compile, args.compile_mode, tuple(args.activation_checkpointing))
+    return _STRATEGIES[strategy](_PRECISIONS[precision](args, device), device, dist, args,
+                                 execution)
 
 
-__all__ = ["ALIASES", "Precision", "SingleDevice", "build_backend", "resolve_device"]
+__all__ = ["ALIASES", "Execution", "MixedPrecision", "Precision", "SingleDevice",
+           "build_backend", "resolve_device"]

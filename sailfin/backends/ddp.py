@@ -24,7 +24,7 @@ from ..distributed.collectives import all_reduce_mean, gather_outputs
 from ..distributed.process_group import (comm_backend_for, destroy_process_group,
                                          init_process_group, launch_hint)
 from .precision import Precision
-from .strategy import _NULL, SingleDevice, StepRunner
+from .strategy import _NULL, Execution, SingleDevice, StepRunner
 
 log = logging.getLogger("sailfin")
 
@@ -49,8 +49,9 @@ class DDPStrategy(SingleDevice):
 
     def __init__(self, precision: Precision, device: torch.device,
                  dist_env: Optional[DistEnv] = None,
-                 options: Optional[DistArguments] = None) -> None:
-        super().__init__(precision, device, dist_env)
+                 options: Optional[DistArguments] = None,
+                 execution: Optional[Execution] = None) -> None:
+        super().__init__(precision, device, dist_env, execution)
         self.options = options or DistArguments()
         if not self.dist.launched:
             raise ConfigError(

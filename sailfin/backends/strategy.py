@@ -6,14 +6,31 @@ The trainer owns the loop and calls these methods; a strategy never loops.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, ContextManager, Iterable, Optional
 
 import torch
 
 from ..distributed import DistEnv
+from .checkpointing import apply_activation_checkpointing
+from .compile import compile_in_place, explain_failures
 from .precision import Precision
 
 _NULL = contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How a step's graph runs, whatever the strategy and precision.
+
+    Example::
+
+        Execution(compile=True, activation_checkpointing=("Block",))
+    """
+
+    compile: bool = False
+    compile_mode: str = "default"
+    activation_checkpointing: tuple[str, ...] = ()
 
 
 class StepRunner(torch.nn.Module):
@@ -46,10 +63,12 @@ class SingleDevice:
     strategy = "single"
 
     def __init__(self, precision: Precision, device: torch.device,
-                 dist: Optional[DistEnv] = None) -> None:
+                 dist: Optional[DistEnv] = None, execution: Optional[Execution] = None) -> None:
         self.precision = precision
         self.device = device
         self.dist = dist or DistEnv()
+        self.execution = execution or Execution()
+        self.checkpointed: list[str] = []  # submodules whose activations are recomputed
 
     @property
     def name(self) -> str:
@@ -61,13 +80,27 @@ class SingleDevice:
 
         ``self.runner`` is the callable that runs one ``train_step``: a
         :class:`StepRunner` around the recipe, which :meth:`wrap` may put inside
-        a wrapper that must see the step through ``forward`` (DDP).
+        a wrapper that must see the step through ``forward`` (DDP). Order:
+        checkpointing first (compilation and wrappers see the checkpointed
+        forwards), then compilation of the runner, then :meth:`wrap` (PyTorch
+        compiles the module inside DDP, not DDP itself).
         """
         module.to(self.device)
         self.module = module
         self._val_step = module.val_step
-        self.runner = self.wrap(StepRunner(module))
+        ex = self.execution
+        if ex.activation_checkpointing:
+            self.checkpointed = apply_activation_checkpointing(module, ex.activation_checkpointing)
+        runner = StepRunner(module)
+        if ex.compile:
+            compile_in_place(runner, ex.compile_mode)
+        self.runner = self.wrap(runner)
+        if self.runner is None and ex.compile:
+            self.runner = runner
         if self.runner is not None:
+            self._run = self.runner
+            if ex.compile:
+                self._run = explain_failures(self.runner, type(module).__name__)
             return
         self._train_step = module.train_step
         if type(self.precision).forward_context is Precision.forward_context:
@@ -96,7 +129,7 @@ class SingleDevice:
             if self.runner is None:
                 return self._train_step(global_step, batch, self.device)
             with self.sync_context(sync):
-                return self.runner(global_step, batch, self.device)
+                return self._run(global_step, batch, self.device)
 
     def val_step(self, module: torch.nn.Module, global_step: int, batch: Any) -> Any:
         with self.precision.forward_context():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional, get_args, get_type_hints
 
 from .checkpoint import CheckpointArguments, check_resume
 from .distributed import DistArguments
@@ -36,6 +36,17 @@ class TrainerArguments:
     """Drop an epoch's last, smaller global batch instead of stepping on it."""
     shuffle: bool = True
     backend: str = "sp"
+    amp_dtype: Literal["auto", "bfloat16", "float16"] = "auto"
+    """Autocast type of the ``*-amp`` backends. auto: bfloat16 where the device supports it
+    (CPU included), else float16 (with loss scaling)."""
+    compile: bool = False
+    """Run ``train_step`` through ``torch.compile`` (compiled once, at the first step)."""
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune",
+                          "max-autotune-no-cudagraphs"] = "default"
+    activation_checkpointing: list[str] = field(default_factory=list)
+    """Class names of submodules whose activations are recomputed in backward, not stored."""
+    on_nonfinite: Literal["stop", "skip", "warn"] = "stop"
+    """What a NaN/inf loss does: stop the run, skip that optimizer step, or warn and go on."""
     device: str = "auto"
     """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda``, ``cuda:1``..."""
     seed: int = 42
@@ -77,6 +88,14 @@ class TrainerArguments:
             from .coerce import build_dataclass
             self.checkpoint = build_dataclass(CheckpointArguments, self.checkpoint,
                                               prefix="trainer.checkpoint.")
+        hints = get_type_hints(type(self))
+        for name in ("amp_dtype", "compile_mode", "on_nonfinite"):  # also when built in Python
+            allowed = get_args(hints[name])
+            if getattr(self, name) not in allowed:
+                from .errors import suggest
+                value = str(getattr(self, name))
+                raise ConfigError(f"trainer.{name} is {value!r}{suggest(value, allowed)}; "
+                                  f"expected one of: {', '.join(allowed)}")
         for i, name in enumerate(self.writers):
             if name not in WRITERS:
                 from .errors import suggest

@@ -70,6 +70,11 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     def __len__(self) -> int:
         return sum(hi - lo for lo, hi in self._ranges())
 
+    def step_indices(self, epoch: int, step: int) -> list[int]:
+        """Dataset indices of every rank's samples in optimizer step ``step`` of ``epoch``."""
+        lo, hi = self.plan.step_positions(step, self.num_samples)
+        return epoch_order(self.num_samples, self.seed, epoch, self.shuffle)[lo:hi].tolist()
+
 
 class EvalSampler(torch.utils.data.Sampler[int]):
     """A contiguous, in-order share of the dataset: rank r's outputs come before rank r+1's.

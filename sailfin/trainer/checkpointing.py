@@ -74,6 +74,7 @@ class CheckpointCallback(Callback):
         if trainer.global_step == self._saved_step and not self._improved:
             return
         started = time.perf_counter()
+        trainer.nonfinite.check()  # never save weights a non-finite loss already spoiled
         trainer.writers.flush()  # metrics.jsonl holds every event up to the saved step
         state = trainer.state_dict()
         for key, value in state.items():  # refuse now what a resume could not load

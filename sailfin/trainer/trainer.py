@@ -22,6 +22,7 @@ from ..utils.log import configure_logging
 from ..utils.seed import seed_everything
 from .callbacks import Callback
 from .checkpointing import checkpoint_callback
+from .nonfinite import NonFiniteGuard
 from .outputs import save_final_weights, write_json_atomic
 from .validation import merge_outputs
 
@@ -65,6 +66,7 @@ class Trainer:
             while self.epoch < args.epochs and not self._reached_max_steps():
                 started = time.perf_counter()
                 finished_epoch = self._train_epoch()
+                self.nonfinite.check()  # a deferred guard reads the epoch's last losses
                 self.train_seconds += time.perf_counter() - started
                 if not finished_epoch:
                     break
@@ -126,6 +128,9 @@ class Trainer:
         # Before the writers open metrics.jsonl: resuming trims events past the checkpoint.
         self.resumed_from = resume(self, self.checkpointer)
         self.writers = self._build_writers()
+        self.nonfinite = NonFiniteGuard(args.on_nonfinite, self.device, dist.world_size,
+                                        self.backend.all_reduce_mean,
+                                        getattr(self.train_sampler, "step_indices", None))
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         self._is_setup = True
 
@@ -141,6 +146,7 @@ class Trainer:
                           if type(c).on_step_end is not Callback.on_step_end]
         on_end_backward = _overridden(module, "on_end_backward")
         on_end_train_step = _overridden(module, "on_end_train_step")
+        observe = self.nonfinite.observe
         # Every step but an epoch's last has the same shape: look it up once.
         full_steps = n // plan.global_batch
         full_micros = plan.micro_batches(0, n, rank) if full_steps else ()
@@ -168,11 +174,12 @@ class Trainer:
                 step_loss = loss if step_loss is None else step_loss.detach() + loss.detach()
             if on_end_backward is not None:
                 on_end_backward(self.global_step, step_loss)
-            if max_norm is not None:
-                backend.clip_grad_norm(self._params, optimizers, max_norm)
-            if backend.optimizer_step(optimizers):
-                for scheduler in schedulers:  # a skipped (non-finite) step keeps the schedule
-                    scheduler.step()
+            if observe(step_loss, self.global_step, self.epoch, step):  # False: skip the step
+                if max_norm is not None:
+                    backend.clip_grad_norm(self._params, optimizers, max_norm)
+                if backend.optimizer_step(optimizers):
+                    for scheduler in schedulers:  # a skipped (non-finite) step keeps the schedule
+                        scheduler.step()
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
             self.global_step += 1
@@ -190,6 +197,7 @@ class Trainer:
 
     def _log_train(self, step_loss: torch.Tensor, stats: Optional[Mapping[str, Any]]) -> None:
         # The only host-device sync of the loop, once every log_every_n_steps.
+        self.nonfinite.check()
         loss = self.backend.all_reduce_mean(step_loss.detach()).item()
         now = time.perf_counter()
         then, seen = self._log_clock
@@ -198,6 +206,8 @@ class Trainer:
                                      "lr": self.optimizers[0].param_groups[0]["lr"]}
         if stats:
             metrics.update(self._reduce_stats(stats))
+        if self.nonfinite.count:
+            metrics["nonfinite_steps"] = self.nonfinite.count
         if now > then:
             metrics["samples_per_second"] = (self.samples_seen - seen) / (now - then)
         self.writers.log_metrics(metrics, self.global_step, self.epoch, "train")
@@ -347,6 +357,7 @@ class Trainer:
             "samples_per_second": (self.samples_seen / self.train_seconds
                                    if self.train_seconds > 0 else None),
             "world_size": self.dist.world_size,
+            "nonfinite_steps": self.nonfinite.count,
             "val": _flat_val(self.last_val_metrics),
         }
         if self.dist.is_main:

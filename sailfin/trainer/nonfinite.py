@@ -1,0 +1,138 @@
+"""What a NaN or infinite loss does to a run (``trainer.on_nonfinite``).
+
+* ``stop`` (default): the run ends with :class:`NonFiniteLossError`, naming the
+  step, its epoch and the dataset indices of the step's samples.
+* ``skip``: the step's gradients are dropped: no optimizer step, no scheduler
+  step; the step's samples still count as consumed. Counted and logged.
+* ``warn``: a warning, counted and logged; the step runs as usual.
+
+Cost. On one CPU process the loss is read on the host each step (a read, not a
+device sync) and ``stop`` ends the run before the bad step touches the
+weights. On an accelerator, or across processes, ``stop`` and ``warn`` keep the
+losses on the device and read them where the loop syncs anyway: every
+``log_every_n_steps``, at the end of each epoch and before a checkpoint is
+written, so the default adds no per-step sync; the step named is still exact,
+but the weights have had the steps since then applied. ``skip`` must know
+before the optimizer steps, so it reads every step's loss: one host-device
+sync per step (and, across processes, one small all-reduce, so every rank
+skips the same steps).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+
+class NonFiniteLossError(RuntimeError):
+    """A step's loss was NaN or infinite and ``trainer.on_nonfinite`` is ``stop``."""
+
+    def __init__(self, message: str, global_step: int, epoch: int, step_in_epoch: int,
+                 sample_indices: Optional[list[int]]) -> None:
+        super().__init__(message)
+        self.global_step = global_step
+        self.epoch = epoch
+        self.step_in_epoch = step_in_epoch
+        self.sample_indices = sample_indices
+
+
+class NonFiniteLossWarning(RuntimeWarning):
+    """A step's loss was NaN or infinite (``on_nonfinite: warn`` or ``skip``)."""
+
+
+SampleLookup = Callable[[int, int], list[int]]  # (epoch, step in epoch) -> dataset indices
+
+
+class NonFiniteGuard:
+    """Watches each step's loss for the trainer.
+
+    Example::
+
+        guard = NonFiniteGuard("stop", torch.device("cpu"))
+        if guard.observe(step_loss, global_step, epoch, step):   # False: skip this step
+            optimizer.step()
+        guard.check()                                           # at the loop's sync points
+    """
+
+    def __init__(self, policy: str, device: torch.device, world_size: int = 1,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+                 samples: Optional[SampleLookup] = None, defer: Optional[bool] = None) -> None:
+        if policy not in ("stop", "skip", "warn"):
+            raise ValueError(f"on_nonfinite must be stop, skip or warn, got {policy!r}")
+        self.policy = policy
+        self.count = 0  # non-finite steps seen so far
+        self._world_size = world_size
+        self._reduce = reduce
+        self._samples = samples
+        if defer is None:  # reading a CPU loss in one process costs no sync
+            defer = policy != "skip" and (device.type != "cpu" or world_size > 1)
+        if defer and policy == "skip":
+            raise ValueError("on_nonfinite=skip must read each loss before the optimizer step")
+        self.deferred = defer
+        self._pending: list[torch.Tensor] = []
+        self._first: tuple[int, int, int] = (0, 0, 0)  # global step, epoch, step of pending[0]
+        self.observe = self._observe_deferred if defer else self._observe_now
+
+    # -- per step ---------------------------------------------------------------------
+    def _observe_now(self, loss: torch.Tensor, global_step: int, epoch: int, step: int) -> bool:
+        """True: go on with the optimizer step; False: skip it."""
+        value = loss.detach()
+        if self._world_size > 1:  # every rank must take the same decision
+            value = self._reduce(value.clone())
+        value = value.item()  # a host-device sync on accelerators: skip mode only
+        if math.isfinite(value):
+            return True
+        self._found(value, global_step, epoch, step, applied=False)
+        return self.policy == "warn"
+
+    def _observe_deferred(self, loss: torch.Tensor, global_step: int, epoch: int,
+                          step: int) -> bool:
+        if not self._pending:
+            self._first = (global_step, epoch, step)
+        self._pending.append(loss.detach())  # no kernel, no sync: read in check()
+        return True
+
+    # -- at sync points ----------------------------------------------------------------
+    def check(self) -> None:
+        """Read the losses observed since the last check (a deferred guard only)."""
+        if not self._pending:
+            return
+        losses = torch.stack([t.float().reshape(()) for t in self._pending])
+        self._pending = []
+        if self._world_size > 1:
+            losses = self._reduce(losses)  # NaN or inf anywhere stays non-finite in the mean
+        values = losses.tolist()
+        global_step, epoch, step = self._first
+        for i, value in enumerate(values):
+            if not math.isfinite(value):
+                self._found(value, global_step + i, epoch, step + i,
+                            applied=True, steps_after=len(values) - i - 1)
+
+    def _found(self, value: float, global_step: int, epoch: int, step: int, applied: bool,
+               steps_after: int = 0) -> None:
+        self.count += 1
+        where = (f"the loss of train_step at global_step={global_step} (epoch {epoch}, "
+                 f"step {step} of the epoch, counted from 0) is {value}")
+        indices = self._samples(epoch, step) if self._samples is not None else None
+        if self.policy == "stop":
+            if indices is None:
+                samples = "the step's samples are not known for this data source"
+            else:
+                shown = ", ".join(map(str, indices[:32]))
+                more = f", ... ({len(indices)} in all)" if len(indices) > 32 else ""
+                samples = f"its samples are dataset indices [{shown}{more}]"
+            if applied:
+                state = (f"the weights were updated by that step and {steps_after} after it: "
+                         "do not keep them")
+            else:
+                state = "the weights are as they were before that step"
+            raise NonFiniteLossError(
+                f"{where}; {samples}; {state}. Set trainer.on_nonfinite to skip (drop such "
+                "steps) or warn (carry on) if these steps are expected.",
+                global_step, epoch, step, indices)
+        action = "skipped that step" if self.policy == "skip" else "carrying on"
+        warnings.warn(f"{where}; {action} (on_nonfinite={self.policy}; {self.count} so far)",
+                      NonFiniteLossWarning, stacklevel=3)
