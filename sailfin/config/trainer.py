@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
 from .errors import ConfigError
 
-WRITERS = ("stdout", "jsonl")
+WRITERS = ("stdout", "jsonl", "csv", "tensorboard", "mlflow")
 
 
 @dataclass
@@ -44,6 +44,22 @@ class TrainerArguments:
     val_every_n_epochs: int = 1
     """Validate after every N-th epoch and after the last (0: only when asked)."""
     writers: list[str] = field(default_factory=lambda: ["stdout", "jsonl"])
+    """Where metrics go: any of stdout, jsonl, csv, tensorboard, mlflow (rank 0 only)."""
+    mlflow_tracking_uri: Optional[str] = None
+    """MLflow store. Null: MLFLOW_TRACKING_URI if set, else sqlite:///<output_dir>/mlflow.db."""
+    mlflow_experiment: str = "sailfin"
+    progress: Literal["auto", "bar", "lines", "none"] = "auto"
+    """``bar`` (a terminal progress bar), ``lines`` (plain periodic lines), ``none``;
+    ``auto``: a bar when stderr is a terminal, else lines."""
+    progress_interval: float = 30.0
+    """Seconds between plain progress lines (``lines`` mode)."""
+    best_metric: Optional[str] = None
+    """Validation metric whose best value (and step) the summary reports, e.g.
+    ``accuracy`` or ``test/accuracy`` with several validation sets. Null: ``loss`` if
+    validation reports one."""
+    best_mode: Literal["min", "max"] = "min"
+    profile_steps: Optional[list[int]] = None
+    """``[start, end]``: record a torch profiler trace of optimizer steps start..end."""
 
     # PyMarlin's names for the same settings.
     _aliases = {"gpu_batch_size_limit": "micro_batch_size"}
@@ -71,3 +87,16 @@ class TrainerArguments:
                 raise ConfigError(
                     f"trainer.writers[{i}] is '{name}'{suggest(name, WRITERS)}; "
                     f"available writers: {', '.join(WRITERS)}")
+        if len(set(self.writers)) != len(self.writers):
+            raise ConfigError(f"trainer.writers lists a writer twice: {self.writers}")
+        if not self.progress_interval > 0:
+            raise ConfigError(
+                f"trainer.progress_interval must be > 0 seconds, got {self.progress_interval}")
+        if self.best_metric is None and self.best_mode != "min":
+            raise ConfigError("trainer.best_mode is set but trainer.best_metric is null: "
+                              "name the validation metric, e.g. best_metric: accuracy")
+        steps = self.profile_steps
+        if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+            raise ConfigError(
+                f"trainer.profile_steps must be [start, end] with 1 <= start <= end "
+                f"(optimizer steps, counted from 1), got {steps}")

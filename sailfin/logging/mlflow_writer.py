@@ -1,0 +1,128 @@
+"""The MLflow writer: params and metrics to an MLflow tracking store.
+
+Imported only when ``mlflow`` is in ``trainer.writers`` (extra:
+``pip install 'sailfin[mlflow]'``). Azure ML reads MLflow: inside an Azure ML
+job ``MLFLOW_TRACKING_URI`` is already set and the run appears there.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+import time
+from typing import Any, Mapping, Optional
+
+from mlflow.entities import Metric, Param
+from mlflow.tracking import MlflowClient
+
+from .destination import check_directory
+from .writers import Writer, WriterError
+
+KEY = "trainer.mlflow_tracking_uri"
+_MAX_METRICS_PER_BATCH = 1000  # MLflow's limits for one log_batch call
+_MAX_PARAMS_PER_BATCH = 100
+_MAX_PARAM_CHARS = 6000
+
+
+def default_tracking_uri(output_dir: str) -> str:
+    """``MLFLOW_TRACKING_URI`` if set, else a SQLite store in the output directory."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or (
+        "sqlite:///" + os.path.abspath(os.path.join(output_dir, "mlflow.db")))
+
+
+class MlflowWriter(Writer):
+    """One MLflow run per training run: trainer settings as params, metrics by step.
+
+    The store is ``tracking_uri``, else ``MLFLOW_TRACKING_URI``, else
+    ``sqlite:///<output_dir>/mlflow.db`` (MLflow's plain-file store is frozen
+    upstream; SQLite is its supported local store). Metrics are named
+    ``<split>/<name>`` like TensorBoard's tags, buffered, and sent in batches
+    every ``flush_seconds``, at each validation and at close.
+
+    Example::
+
+        w = MlflowWriter("outputs/run1")            # -> outputs/run1/mlflow.db
+        w.log_hparams({"trainer.epochs": 3})
+        w.log_metrics({"loss": 0.5}, step=10, epoch=0, split="train")
+        w.close()   # then: mlflow ui --backend-store-uri sqlite:///outputs/run1/mlflow.db
+    """
+
+    name = "mlflow"
+
+    def __init__(self, output_dir: str, tracking_uri: Optional[str] = None,
+                 experiment: str = "sailfin", run_name: Optional[str] = None,
+                 flush_seconds: float = 10.0) -> None:
+        self.tracking_uri = tracking_uri or default_tracking_uri(output_dir)
+        self.flush_seconds = flush_seconds
+        self._pending: list[Metric] = []
+        self._last_flush = time.monotonic()
+        self.run_id: Optional[str] = None
+        local = self.tracking_uri.startswith("sqlite:///")
+        if local:
+            check_directory(os.path.dirname(self.tracking_uri[len("sqlite:///"):]) or ".",
+                            self.name, KEY)
+        try:
+            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+            found = self._client.get_experiment_by_name(experiment)
+            if found is not None:
+                experiment_id = found.experiment_id
+            else:
+                # Artifacts next to the database, not in the working directory.
+                artifacts = (os.path.join(os.path.abspath(output_dir), "mlartifacts")
+                             if local else None)
+                experiment_id = self._client.create_experiment(
+                    experiment, artifact_location=artifacts)
+            run = self._client.create_run(
+                experiment_id, run_name=run_name or os.path.basename(
+                    os.path.abspath(output_dir)))
+            self.run_id = run.info.run_id
+        except Exception as exc:  # noqa: BLE001 - any store failure: say which and where
+            raise WriterError(
+                f"the mlflow writer cannot start a run at {self.tracking_uri}: "
+                f"{type(exc).__name__}: {exc}; check {KEY} (null: "
+                "MLFLOW_TRACKING_URI or a SQLite file in trainer.output_dir)") from None
+
+    def log_metrics(self, metrics, step, epoch, split):
+        dataset = metrics.get("dataset")
+        prefix = f"{split}/{dataset}/" if isinstance(dataset, str) else f"{split}/"
+        now_ms = int(time.time() * 1000)
+        for key, value in metrics.items():
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                continue
+            self._pending.append(Metric(prefix + key, float(value), now_ms, step))
+        now = time.monotonic()
+        if (len(self._pending) >= _MAX_METRICS_PER_BATCH
+                or now - self._last_flush >= self.flush_seconds):
+            self.flush()
+
+    def log_hparams(self, hparams: Mapping[str, Any]) -> None:
+        params = [Param(str(k)[:250], _param_text(v)) for k, v in hparams.items()]
+        for i in range(0, len(params), _MAX_PARAMS_PER_BATCH):
+            self._send(params=params[i:i + _MAX_PARAMS_PER_BATCH])
+
+    def flush(self):
+        self._last_flush = time.monotonic()
+        while self._pending:
+            batch = self._pending[:_MAX_METRICS_PER_BATCH]
+            self._send(metrics=batch)
+            del self._pending[:len(batch)]
+
+    def close(self):
+        if self.run_id is None:
+            return
+        try:
+            self.flush()
+        finally:
+            run_id, self.run_id = self.run_id, None
+            self._client.set_terminated(run_id, "FINISHED")
+
+    def _send(self, metrics: Optional[list] = None, params: Optional[list] = None) -> None:
+        try:
+            self._client.log_batch(self.run_id, metrics=metrics or [], params=params or [])
+        except Exception as exc:  # noqa: BLE001
+            raise WriterError(f"the mlflow writer could not log to {self.tracking_uri} "
+                              f"(run {self.run_id}): {type(exc).__name__}: {exc}") from None
+
+
+def _param_text(value: Any) -> str:
+    return str(value)[:_MAX_PARAM_CHARS]
