@@ -15,9 +15,10 @@ from ..data.plan import BatchPlan
 from ..data.sampler import EvalSampler, ResumableSampler
 from ..distributed import DistEnv
 from ..interfaces import ModuleInterface
-from ..logging import Writer, Writers, build_writers
+from ..logging import Writer
 from ..utils.seed import seed_everything
 from .callbacks import Callback
+from .observe import build_observers
 from .outputs import save_final_weights, write_json_atomic
 from .validation import merge_outputs
 
@@ -34,12 +35,14 @@ class Trainer:
     def __init__(self, module: ModuleInterface, args: Optional[TrainerArguments] = None, *,
                  dist: Optional[DistEnv] = None, backend: Any = None,
                  writers: Optional[Iterable[Writer]] = None,
-                 callbacks: Iterable[Callback] = ()) -> None:
+                 callbacks: Iterable[Callback] = (),
+                 hparams: Optional[Mapping[str, Any]] = None) -> None:
         self.module = module
         self.args = args or TrainerArguments()
         self.dist = dist or DistEnv.from_environ()
         self.backend = backend if backend is not None else build_backend(self.args, self.dist)
         self._writers = writers
+        self._hparams = hparams  # logged by the writers; default: the trainer settings
         self.callbacks: list[Callback] = list(callbacks)
         # Counters: together with the seed they say where the data order stands.
         self.global_step = 0      # optimizer steps done
@@ -72,7 +75,7 @@ class Trainer:
             if args.val_every_n_epochs and self._last_val_step != self.global_step:
                 self.validate()  # stopped early by max_steps: report the final model
             self.module.on_end_train(self.global_step)
-            summary = self._finish()
+            summary = self.summary = self._finish()
             self._notify("on_train_end")
             return summary
         finally:
@@ -99,7 +102,10 @@ class Trainer:
         self.schedulers = _as_list(schedulers, "schedulers")
         if not self.optimizers:
             raise ValueError("get_optimizers_schedulers returned no optimizer")
-        self.writers = self._build_writers()
+        # Writers and progress (rank 0), profiler, run statistics: errors surface here.
+        observers = build_observers(args, dist, self._writers, self._hparams, self.callbacks)
+        self.writers, self._observers = observers.writers, observers
+        self.callbacks.extend(observers.callbacks)
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         self._is_setup = True
 
@@ -246,14 +252,6 @@ class Trainer:
             loaders = {"val": loaders}
         return dict(loaders)
 
-    def _build_writers(self) -> Writer:
-        if not self.dist.is_main:
-            return Writers()  # only rank 0 writes logs
-        os.makedirs(self.args.output_dir, exist_ok=True)
-        if self._writers is not None:
-            return Writers(self._writers)
-        return build_writers(self.args.writers, self.args.output_dir)
-
     # -- end of run ----------------------------------------------------------------------
     def _finish(self) -> dict[str, Any]:
         summary = {
@@ -265,6 +263,7 @@ class Trainer:
                                    if self.train_seconds > 0 else None),
             "world_size": self.dist.world_size,
             "val": _flat_val(self.last_val_metrics),
+            **self._observers.summary_fields(self.device),  # best, peak_memory
         }
         if self.dist.is_main:
             save_final_weights(self.module, self.args.output_dir)
