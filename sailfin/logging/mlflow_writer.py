@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import numbers
 import os
+import queue
+import threading
 import time
+import warnings
 from typing import Any, Mapping, Optional
 
 from mlflow.entities import Metric, Param
@@ -22,6 +25,7 @@ KEY = "trainer.mlflow_tracking_uri"
 _MAX_METRICS_PER_BATCH = 1000  # MLflow's limits for one log_batch call
 _MAX_PARAMS_PER_BATCH = 100
 _MAX_PARAM_CHARS = 6000
+CLOSE_TIMEOUT_SECONDS = 300.0
 
 
 def default_tracking_uri(output_dir: str) -> str:
@@ -36,8 +40,11 @@ class MlflowWriter(Writer):
     The store is ``tracking_uri``, else ``MLFLOW_TRACKING_URI``, else
     ``sqlite:///<output_dir>/mlflow.db`` (MLflow's plain-file store is frozen
     upstream; SQLite is its supported local store). Metrics are named
-    ``<split>/<name>`` like TensorBoard's tags, buffered, and sent in batches
-    every ``flush_seconds``, at each validation and at close.
+    ``<split>/<name>`` like TensorBoard's tags, buffered, and handed every
+    ``flush_seconds`` (and at each validation) to a background thread that
+    sends them: a store write takes about a third of a millisecond per value,
+    which a training step must not wait for. ``close`` waits until everything
+    is sent; a failed send is raised by the next call, naming the store.
 
     Example::
 
@@ -57,6 +64,10 @@ class MlflowWriter(Writer):
         self._pending: list[Metric] = []
         self._last_flush = time.monotonic()
         self.run_id: Optional[str] = None
+        self._queue: "queue.Queue[Optional[list]]" = queue.Queue()
+        self._error: Optional[WriterError] = None  # set by the sender thread
+        self._reported = False
+        self._sender: Optional[threading.Thread] = None
         local = self.tracking_uri.startswith("sqlite:///")
         if local:
             check_directory(os.path.dirname(self.tracking_uri[len("sqlite:///"):]) or ".",
@@ -81,6 +92,9 @@ class MlflowWriter(Writer):
                 f"the mlflow writer cannot start a run at {self.tracking_uri}: "
                 f"{type(exc).__name__}: {exc}; check {KEY} (null: "
                 "MLFLOW_TRACKING_URI or a SQLite file in trainer.output_dir)") from None
+        self._sender = threading.Thread(target=self._send_loop, name="sailfin-mlflow",
+                                        daemon=True)
+        self._sender.start()
 
     def log_metrics(self, metrics, step, epoch, split):
         dataset = metrics.get("dataset")
@@ -96,16 +110,18 @@ class MlflowWriter(Writer):
             self.flush()
 
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:
+        # Sent now, in this thread: a store that refuses them fails before training.
         params = [Param(str(k)[:250], _param_text(v)) for k, v in hparams.items()]
         for i in range(0, len(params), _MAX_PARAMS_PER_BATCH):
-            self._send(params=params[i:i + _MAX_PARAMS_PER_BATCH])
+            self._send([], params[i:i + _MAX_PARAMS_PER_BATCH])
 
     def flush(self):
+        """Hand the buffered values to the sender thread (does not wait for the store)."""
+        self._raise_send_error()
         self._last_flush = time.monotonic()
-        while self._pending:
-            batch = self._pending[:_MAX_METRICS_PER_BATCH]
-            self._send(metrics=batch)
-            del self._pending[:len(batch)]
+        if self._pending:
+            self._queue.put(self._pending)
+            self._pending = []
 
     def close(self):
         if self.run_id is None:
@@ -113,15 +129,48 @@ class MlflowWriter(Writer):
         try:
             self.flush()
         finally:
-            run_id, self.run_id = self.run_id, None
-            self._client.set_terminated(run_id, "FINISHED")
+            self._queue.put(None)  # the sender stops after what is queued
+            if self._sender is not None:
+                self._sender.join(CLOSE_TIMEOUT_SECONDS)
+                if self._sender.is_alive():
+                    warnings.warn(f"the mlflow writer is still sending to {self.tracking_uri}"
+                                  f" after {CLOSE_TIMEOUT_SECONDS:.0f} s; the run may miss "
+                                  "its last metrics", stacklevel=2)
+            status = "FINISHED" if self._error is None else "FAILED"
+            try:
+                self._client.set_terminated(self.run_id, status)
+            except Exception as exc:  # noqa: BLE001
+                self._error = self._error or WriterError(
+                    f"the mlflow writer could not end run {self.run_id} at "
+                    f"{self.tracking_uri}: {type(exc).__name__}: {exc}")
+            self.run_id = None
+        self._raise_send_error()
 
-    def _send(self, metrics: Optional[list] = None, params: Optional[list] = None) -> None:
+    # -- the sender thread ----------------------------------------------------------------
+    def _send_loop(self) -> None:
+        while True:
+            metrics = self._queue.get()
+            if metrics is None:
+                return
+            if self._error is not None:
+                continue  # already failed: drain, the main thread reports it
+            try:
+                for i in range(0, len(metrics), _MAX_METRICS_PER_BATCH):
+                    self._send(metrics[i:i + _MAX_METRICS_PER_BATCH], [])
+            except WriterError as exc:
+                self._error = exc
+
+    def _send(self, metrics: list, params: list) -> None:
         try:
-            self._client.log_batch(self.run_id, metrics=metrics or [], params=params or [])
+            self._client.log_batch(self.run_id, metrics=metrics, params=params)
         except Exception as exc:  # noqa: BLE001
             raise WriterError(f"the mlflow writer could not log to {self.tracking_uri} "
                               f"(run {self.run_id}): {type(exc).__name__}: {exc}") from None
+
+    def _raise_send_error(self) -> None:
+        if self._error is not None and not self._reported:
+            self._reported = True  # once: the run goes on without MLflow after that
+            raise self._error
 
 
 def _param_text(value: Any) -> str:

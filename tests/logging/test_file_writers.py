@@ -148,3 +148,24 @@ def test_missing_extra_names_the_pip_extra(tmp_path, monkeypatch, name, package,
     with pytest.raises(ModuleNotFoundError, match=rf"the {name} writer needs the '{package}' "
                                                   rf"package: pip install 'sailfin\[{name}\]'"):
         build_writers([name], str(tmp_path))
+
+
+def test_mlflow_store_failure_during_training_is_reported_and_the_run_marked(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    (w,) = build_writers(["mlflow"], str(tmp_path)).writers
+    run_id = w.run_id
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("database is locked")
+
+    real = w._client.log_batch
+    w._client.log_batch = broken  # the store starts failing mid-run
+    w.log_metrics({"loss": 1.0}, 1, 0, "train")
+    w.flush()  # queued; sent (and failing) in the background
+    with pytest.raises(WriterError, match=r"mlflow writer could not log to sqlite:///.*"
+                                          r"RuntimeError: database is locked"):
+        w.close()
+    w._client.log_batch = real
+    assert not w._sender.is_alive()
+    assert MlflowClient(tracking_uri=w.tracking_uri).get_run(run_id).info.status == "FAILED"
