@@ -102,6 +102,8 @@ class Progress(Writer, Callback):
         self._step_rate: Optional[float] = None           # lines mode: steps/s, moving
         self._start = 0.0
         self._start_samples = 0
+        self._start_train_seconds = 0.0
+        self._epoch_started = 0.0
         self._total = 0
         self._epochs = 1
         self._next_line = 0.0
@@ -123,6 +125,8 @@ class Progress(Writer, Callback):
         self._total, self._epochs = total, args.epochs
         self._start = time.perf_counter()
         self._start_samples = trainer.samples_seen
+        self._start_train_seconds = trainer.train_seconds
+        self._epoch_started = self._start
         self._trainer = trainer
         self._last_line = (self._start, trainer.global_step)
         self._next_line = self._start + self.interval
@@ -155,6 +159,7 @@ class Progress(Writer, Callback):
                 self._print_line(trainer, now)
 
     def on_epoch_end(self, trainer: "Trainer") -> None:
+        self._epoch_started = time.perf_counter()
         if self._bar is not None:
             self._bar.set_description_str(self._epoch_text(trainer), refresh=False)
 
@@ -198,7 +203,11 @@ class Progress(Writer, Callback):
         return trainer.samples_seen if trainer is not None else self._start_samples
 
     def _average_rate(self, samples_seen: int, now: float) -> Optional[float]:
-        elapsed = now - self._start
+        """Samples per second of training time since the start (validation excluded,
+        as in summary.json): the trainer's finished epochs plus this one so far."""
+        trainer = self._trainer
+        done = trainer.train_seconds - self._start_train_seconds if trainer is not None else 0.0
+        elapsed = done + (now - self._epoch_started)
         return (samples_seen - self._start_samples) / elapsed if elapsed > 0 else None
 
     def _values_text(self, samples_seen: int, now: float) -> str:
