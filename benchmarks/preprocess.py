@@ -2,9 +2,10 @@
 
 The job is CPU-bound text processing: split the Python standard library's
 top-level modules (about 170 files, 4-5 MB of code, comments and docstrings;
-each file three times by default, about 14 MB) into sentences and words, counting
-sentences, words and distinct words per file. Each round runs 1 process and 2 processes, interleaved (A B, then B A),
-and checks both give the same answer; the figure is the median over rounds of
+each file three times by default, about 14 MB) into sentences and words,
+counting sentences, words and distinct words per file. Each round runs 1
+process and 2 processes, interleaved (A B, then B A), and checks both give
+the same answer; the figure is the median over rounds of
 (time with 1 process) / (time with 2 processes). On an idle machine with two
 free cores the ceiling is 2.0.
 

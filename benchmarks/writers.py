@@ -75,6 +75,7 @@ class _FakeTrainer:
 
     def __init__(self, steps: int) -> None:
         self.steps_per_epoch, self.global_step, self.samples_seen, self.epoch = steps, 0, 0, 0
+        self.train_seconds = 0.0
 
 
 def per_call_costs(calls: int, tmp: str, devnull) -> dict[str, float]:

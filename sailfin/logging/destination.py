@@ -10,17 +10,20 @@ from .writers import WriterError
 _PROBE_BYTES = 64 * 1024
 
 
-def check_directory(directory: str, writer: str, key: str = "trainer.output_dir") -> None:
+def check_directory(directory: str, writer: str, key: str = "trainer.output_dir",
+                    who: "str | None" = None) -> None:
     """Create ``directory`` if needed and prove a file can be written there.
 
     Writes, syncs and removes a small probe file, so a path through a file, a
     read-only or permission-denied directory, a full disk or an exhausted quota
-    all raise :class:`WriterError` naming ``writer``, the path and ``key``.
+    all raise :class:`WriterError` naming ``writer`` (or ``who``), the path and
+    ``key``.
     """
+    who = who or f"the {writer} writer"
     probe = os.path.join(directory, f".sailfin-write-probe-{os.getpid()}")
     blocker = _file_in_the_way(directory)
     if blocker is not None:
-        raise WriterError(f"the {writer} writer cannot write to {directory}: {blocker} is a "
+        raise WriterError(f"{who} cannot write to {directory}: {blocker} is a "
                           f"file, not a directory; change {key}")
     try:
         os.makedirs(directory, exist_ok=True)
@@ -31,7 +34,7 @@ def check_directory(directory: str, writer: str, key: str = "trainer.output_dir"
         finally:
             os.close(fd)
     except OSError as exc:
-        raise destination_error(writer, directory, exc, key) from None
+        raise destination_error(writer, directory, exc, key, who) from None
     finally:
         try:
             os.remove(probe)
@@ -39,9 +42,10 @@ def check_directory(directory: str, writer: str, key: str = "trainer.output_dir"
             pass
 
 
-def destination_error(writer: str, path: str, exc: OSError, key: str) -> WriterError:
+def destination_error(writer: str, path: str, exc: OSError, key: str,
+                      who: "str | None" = None) -> WriterError:
     reason = exc.strerror or str(exc)
-    error = WriterError(f"the {writer} writer cannot write to {path}: {reason}; "
+    error = WriterError(f"{who or f'the {writer} writer'} cannot write to {path}: {reason}; "
                         f"fix the path or free space on its disk, or change {key}")
     error.errno = exc.errno
     return error

@@ -10,6 +10,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from ..config.trainer import TrainerArguments
 from ..distributed import DistEnv
+from ..logging.destination import check_directory
 from ..logging.writers import Writer, Writers, build_writers
 from .callbacks import Callback
 from .profiler import StepProfiler
@@ -45,7 +46,8 @@ def build_observers(args: TrainerArguments, dist: DistEnv,
     progress: Optional[Progress] = None
     built = Writers()
     if dist.is_main:
-        os.makedirs(args.output_dir, exist_ok=True)
+        # summary.json and the final weights go here: fail now, not after training.
+        check_directory(args.output_dir, "output", who="sailfin (summary.json, final weights)")
         if args.progress != "none":
             progress = Progress(args.progress, interval=args.progress_interval)
         if writers is not None:

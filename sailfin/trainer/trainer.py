@@ -51,6 +51,7 @@ class Trainer:
         self.samples_seen = 0
         self.last_val_metrics: dict[str, dict[str, float]] = {}
         self.train_seconds = 0.0
+        self.summary: Optional[dict[str, Any]] = None  # set when train() finishes
         self._is_setup = False
         self._last_val_step = -1
 

@@ -125,3 +125,19 @@ def test_profile_range_past_the_end_keeps_what_ran(tmp_path, capsys):
                                                    progress="none")).train()
     assert "[profile] steps 2-3: trace" in capsys.readouterr().out
     assert (tmp_path / "profile" / "trace_rank0.json").stat().st_size > 0
+
+
+def test_cli_reports_an_unwritable_destination_before_training(tmp_path, capsys):
+    from sailfin.cli import main
+
+    (tmp_path / "file").write_text("")
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "data: {class_path: tests.recipes.IdData, init_args: {n_train: 20, n_val: 0}}\n"
+        "module: {class_path: tests.recipes.LinearRecipe}\n"
+        f"trainer: {{writers: [csv], output_dir: {tmp_path / 'file' / 'out'}}}\n")
+    assert main(["train", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert (f"sailfin: sailfin (summary.json, final weights) cannot write to "
+            f"{tmp_path / 'file' / 'out'}") in err
+    assert "is a file, not a directory; change trainer.output_dir" in err
