@@ -94,3 +94,15 @@ def test_corrupt_line_names_file_and_line(tmp_path):
                                             'garbage\n{"step": 2, "split": "train"}\n')
     with pytest.raises(ReportError, match=r"metrics.jsonl:2 is not a sailfin metrics record"):
         load_run(str(tmp_path))
+
+
+def test_several_validation_sets_get_a_chart_each(tmp_path):
+    events = [{"step": 5, "epoch": 0, "split": "train", "loss": 1.0},
+              {"step": 5, "epoch": 0, "split": "val", "dataset": "dev", "acc": 0.5},
+              {"step": 5, "epoch": 0, "split": "val", "dataset": "test", "acc": 0.4},
+              {"step": 9, "epoch": 1, "split": "val", "dataset": "dev", "acc": 0.7}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    written = render([str(tmp_path)], dpi=60)
+    assert {p.rsplit("/", 1)[1] for p in written} >= {"val_dev_acc.png", "val_test_acc.png"}
+    assert load_run(str(tmp_path)).val["dev/acc"] == ([5, 9], [0.5, 0.7])
+    assert "dev/acc 0.7, test/acc 0.4" in (tmp_path / "report" / "report.md").read_text()
