@@ -34,6 +34,8 @@ test-all: test test-slow
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/writers.py
+	$(PY) benchmarks/preprocess.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -264,8 +264,9 @@ class _AboveBar:
 
     def write(self, text: str) -> int:
         bar = self._progress._bar
-        if bar is None:
-            return sys.stdout.write(text)
+        isatty = getattr(sys.stdout, "isatty", None)
+        if bar is None or not (isatty and isatty()):
+            return sys.stdout.write(text)  # stdout goes to a file: the bar is not in its way
         with bar.external_write_mode(file=sys.stdout):
             n = sys.stdout.write(text)
             sys.stdout.flush()  # before the bar is redrawn, or the line lands after it
