@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import IO, Any, Callable, Optional, Union
+from typing import IO, Any, Callable, Union
 
 from .writers import Writer
 
