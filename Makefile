@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sailfin-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-slow test-all bench clean
+.PHONY: demo report test test-slow test-all bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml Makefile
 
 demo: $(STAMP)
 	$(PY) -m sailfin train examples/digits/config.yaml
+
+# Charts of the demo run (after `make demo`): outputs/digits/report/
+report: $(STAMP)
+	$(PY) -m sailfin report outputs/digits
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
@@ -30,6 +34,8 @@ test-all: test test-slow
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/writers.py
+	$(PY) benchmarks/preprocess.py
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 import yaml
 
 from .config import ConfigError, load_config
+from .logging.writers import WriterError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,6 +22,15 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="the run's YAML config")
     train.add_argument("--print-config", action="store_true",
                        help="print the resolved config and exit")
+    report = sub.add_parser("report", help="charts and a summary of a run's metrics",
+                            description="PNG charts (loss, validation metrics, lr, "
+                                        "throughput vs step) and report.md from "
+                                        "OUTPUT_DIR/metrics.jsonl")
+    report.add_argument("output_dir", help="a run's trainer.output_dir")
+    report.add_argument("--compare", nargs="+", default=[], metavar="DIR",
+                        help="overlay these runs' output directories")
+    report.add_argument("--out", help="where to write (default: OUTPUT_DIR/report)")
+    report.add_argument("--dpi", type=int, default=100, help="PNG resolution")
     return parser
 
 
@@ -39,7 +49,8 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
     seed_everything(cfg.trainer.seed)  # the same initial weights on every run (and rank)
     module = cfg.build()
     try:
-        with Trainer(module, cfg.trainer) as trainer:  # leaves the process group on every path
+        # The context manager leaves the process group on every path.
+        with Trainer(module, cfg.trainer, hparams=cfg.to_dict()) as trainer:
             summary = trainer.train()
     except CheckpointError as exc:
         print(f"sailfin: checkpoint error: {exc}", file=sys.stderr)
@@ -76,10 +87,18 @@ def _recorded(fn):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
+    if args.command == "report":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        from .report import report_command
+        return report_command(args.output_dir, args.compare, args.out, args.dpi)
     try:
         if args.command == "train":
             return _recorded(train_command)(args.config, rest, args.print_config)
     except ConfigError as exc:
         print(f"sailfin: config error: {exc}", file=sys.stderr)
+        return 2
+    except WriterError as exc:  # a writer cannot write where the config says
+        print(f"sailfin: {exc}", file=sys.stderr)
         return 2
     return 1

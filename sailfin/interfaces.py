@@ -6,7 +6,9 @@ by changing its imports (see docs/migrating-from-pymarlin.md).
 
 from __future__ import annotations
 
+import math
 import multiprocessing
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -69,8 +71,16 @@ class DataProcessor:
         """Run :meth:`process` on each input (a tuple is spread as ``*args``).
 
         Returns the results in input order for this node's share. With
-        ``process_count=1`` everything runs in this process. The processor is
-        pickled to the workers, so it must be defined at module level.
+        ``process_count=1`` everything runs in this process. Each worker gets
+        the processor once, when it starts (not with every input: a processor
+        holding a vocabulary would otherwise be pickled over and over), and
+        takes inputs in chunks of about 1/8 of its share, so uneven inputs
+        still balance. Workers start by ``fork`` where the platform offers it
+        safely (Linux): ``spawn``/``forkserver`` (Python 3.14's Linux default)
+        re-import the parent's main module, torch included, in every worker.
+        Pass ``mp_context="spawn"`` if the parent runs threads that fork would
+        copy in a bad state. The processor must be picklable for spawn, and
+        state that :meth:`process` sets on ``self`` stays in the worker.
         """
         if process_count < 1:
             raise ValueError(f"process_count must be >= 1, got {process_count}")
@@ -79,18 +89,35 @@ class DataProcessor:
         if process_count == 1 or len(args) <= 1:
             results = [self.process(*a) for a in args]
         else:
-            ctx = multiprocessing.get_context(mp_context) if mp_context else None
+            ctx = multiprocessing.get_context(mp_context or _default_start_method())
             workers = min(process_count, len(args))
-            chunk = max(1, len(args) // (workers * 4))
-            with ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-                results = list(pool.map(_call_process, [self] * len(args), args,
-                                        chunksize=chunk))
+            chunk = math.ceil(len(args) / (workers * 8))
+            with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_set_worker_processor,
+                                     initargs=(self,)) as pool:
+                results = list(pool.map(_call_worker_processor, args, chunksize=chunk))
         self.analyze()
         return results
 
 
-def _call_process(processor: DataProcessor, args: tuple) -> Any:
-    return processor.process(*args)
+# The processor of this worker process, set once when the worker starts.
+_worker_processor: Optional[DataProcessor] = None
+
+
+def _set_worker_processor(processor: DataProcessor) -> None:
+    global _worker_processor
+    _worker_processor = processor
+
+
+def _call_worker_processor(args: tuple) -> Any:
+    assert _worker_processor is not None, "worker started without its processor"
+    return _worker_processor.process(*args)
+
+
+def _default_start_method() -> str:
+    # fork is cheap and keeps the parent's imports; macOS frameworks are not fork-safe.
+    if sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods():
+        return "fork"
+    return multiprocessing.get_start_method(allow_none=False)
 
 
 def _check_node_split(node_rank: int, num_nodes: int) -> None:

@@ -52,3 +52,34 @@ def test_data_interface_defaults():
     assert One().get_val_datasets() == {"val": [2]}
     with pytest.raises(NotImplementedError, match="get_train_dataset"):
         DataInterface().get_train_dataset()
+
+
+class CountingPickles(DataProcessor):
+    """Counts how often it is pickled (in this, the parent, process)."""
+
+    pickled = 0
+
+    def __init__(self):
+        super().__init__()
+        self.table = list(range(10_000))  # the kind of state a tokenizer carries
+
+    def __getstate__(self):
+        type(self).pickled += 1
+        return self.__dict__
+
+    def process(self, x):
+        return self.table[x] * 2
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_workers_get_the_processor_once_not_per_chunk(start_method):
+    import multiprocessing
+
+    if start_method not in multiprocessing.get_all_start_methods():
+        pytest.skip(f"{start_method} is not available here")
+    CountingPickles.pickled = 0
+    out = CountingPickles().multi_process_data(range(200), process_count=2,
+                                               mp_context=start_method)
+    assert out == [2 * x for x in range(200)]
+    # fork: inherited, never pickled; spawn: once per worker (was: once per chunk).
+    assert CountingPickles.pickled <= (0 if start_method == "fork" else 2)

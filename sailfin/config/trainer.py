@@ -9,7 +9,7 @@ from .checkpoint import CheckpointArguments, check_resume
 from .distributed import DistArguments
 from .errors import ConfigError
 
-WRITERS = ("stdout", "jsonl")
+WRITERS = ("stdout", "jsonl", "csv", "tensorboard", "mlflow")
 
 
 @dataclass
@@ -57,6 +57,17 @@ class TrainerArguments:
     val_every_n_epochs: int = 1
     """Validate after every N-th epoch and after the last (0: only when asked)."""
     writers: list[str] = field(default_factory=lambda: ["stdout", "jsonl"])
+    """Where metrics go: any of stdout, jsonl, csv, tensorboard, mlflow (rank 0 only)."""
+    mlflow_tracking_uri: Optional[str] = None
+    """MLflow store. Null: MLFLOW_TRACKING_URI if set, else sqlite:///<output_dir>/mlflow.db."""
+    mlflow_experiment: str = "sailfin"
+    progress: Literal["auto", "bar", "lines", "none"] = "auto"
+    """``bar`` (a terminal progress bar), ``lines`` (plain periodic lines), ``none``;
+    ``auto``: a bar when stderr is a terminal, else lines."""
+    progress_interval: float = 30.0
+    """Seconds between plain progress lines (``lines`` mode)."""
+    profile_steps: Optional[list[int]] = None
+    """``[start, end]``: record a torch profiler trace of optimizer steps start..end."""
     resume: str = "auto"
     """``auto``: continue from the latest complete checkpoint, if any; ``never``; or a path."""
     checkpoint: CheckpointArguments = field(default_factory=CheckpointArguments)
@@ -102,3 +113,13 @@ class TrainerArguments:
                 raise ConfigError(
                     f"trainer.writers[{i}] is '{name}'{suggest(name, WRITERS)}; "
                     f"available writers: {', '.join(WRITERS)}")
+        if len(set(self.writers)) != len(self.writers):
+            raise ConfigError(f"trainer.writers lists a writer twice: {self.writers}")
+        if not self.progress_interval > 0:
+            raise ConfigError(
+                f"trainer.progress_interval must be > 0 seconds, got {self.progress_interval}")
+        steps = self.profile_steps
+        if steps is not None and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+            raise ConfigError(
+                f"trainer.profile_steps must be [start, end] with 1 <= start <= end "
+                f"(optimizer steps, counted from 1), got {steps}")

@@ -1,31 +1,46 @@
-"""Writers: where logged metrics go. A base that does nothing, and a list of them.
+"""Writers: where logged metrics go. A base that does nothing, a list that
+forwards to each, and :func:`build_writers`, which makes the ones a config names.
 
-Only rank 0 builds writers. Each opens what it writes at start-up, so a bad
-path fails before training starts, not hours in.
+Only rank 0 builds writers. Each checks its destination when it is built, so
+a bad path, a read-only directory or a full disk fails before training starts,
+not hours in. Heavy back ends (TensorBoard, MLflow) are imported only when
+chosen.
 """
 
 from __future__ import annotations
 
-import json
-import math
+import importlib
 import os
-import sys
-import time
-from typing import IO, Any, Iterable, Mapping, Optional
+from typing import IO, Any, Callable, Iterable, Mapping, Optional
+
+
+class WriterError(OSError):
+    """A writer cannot write where it was told to; the message names the writer,
+    the destination and the config key to change."""
 
 
 class Writer:
-    """Receives logged events. Subclass and override what you need."""
+    """Receives logged events. Subclass and override what you need.
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int, epoch: int,
+    Example::
+
+        class PrintLoss(Writer):
+            def log_metrics(self, metrics, step, epoch, split):
+                if "loss" in metrics:
+                    print(step, metrics["loss"])
+
+        Trainer(module, args, writers=[PrintLoss()]).train()
+    """
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int, epoch: int,
                     split: str) -> None:
-        pass
+        """``metrics``: name -> value; a validation event with several validation
+        sets also carries ``"dataset": name``."""
 
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:
-        pass
+        """Called once before training with the run's flattened settings."""
 
-    def flush(self) -> None:
-        pass
+    def flush(self) -> None: ...
 
     def close(self) -> None:
         self.flush()
@@ -50,89 +65,76 @@ class Writers(Writer):
             w.flush()
 
     def close(self):
+        # Close every writer even if one fails, then report the first failure.
+        error: Optional[BaseException] = None
         for w in self.writers:
-            w.close()
+            try:
+                w.close()
+            except Exception as exc:  # noqa: BLE001 - re-raised below
+                error = error or exc
+        if error is not None:
+            raise error
 
 
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        if value != 0 and abs(value) < 1e-3:
-            return f"{value:.3e}"
-        return f"{value:.1f}" if abs(value) >= 1000 else f"{value:.4f}"
-    return str(value)
+# name -> (module, factory name, pip extra or None). Modules are imported when chosen.
+WRITER_MODULES: dict[str, tuple[str, str, Optional[str]]] = {
+    "stdout": ("sailfin.logging.stdout", "StdoutWriter", None),
+    "jsonl": ("sailfin.logging.jsonl", "JsonlWriter", None),
+    "csv": ("sailfin.logging.csv_writer", "CsvWriter", None),
+    "tensorboard": ("sailfin.logging.tensorboard_writer", "TensorBoardWriter", "tensorboard"),
+    "mlflow": ("sailfin.logging.mlflow_writer", "MlflowWriter", "mlflow"),
+}
 
 
-class StdoutWriter(Writer):
-    """One readable line per event: ``[train] epoch 0 step 20 | loss 0.4321 | ...``.
+def build_writers(names: Iterable[str], output_dir: str, *,
+                  stdout: Optional[Callable[[], IO[str]]] = None,
+                  run_name: Optional[str] = None,
+                  mlflow_tracking_uri: Optional[str] = None,
+                  mlflow_experiment: str = "sailfin") -> Writers:
+    """The writers named in ``trainer.writers``.
 
-    Validation lines are flushed at once; training lines at most once a second
-    (a flush is a system call, and a log file or pipe does not need every line
-    the moment it is written).
+    ``stdout`` returns the stream the stdout writer prints to (a progress bar
+    passes one that prints above the bar). Writers already built are closed
+    if a later one fails.
+
+    Example::
+
+        writers = build_writers(["stdout", "jsonl", "csv"], "outputs/run1")
     """
-
-    def __init__(self, stream: Optional[IO[str]] = None, flush_seconds: float = 1.0) -> None:
-        self.stream = stream
-        self.flush_seconds = flush_seconds
-        self._last_flush = time.monotonic()
-
-    def log_metrics(self, metrics, step, epoch, split):
-        stream = self.stream or sys.stdout
-        body = " | ".join(f"{k} {_fmt(v)}" for k, v in metrics.items())
-        stream.write(f"[{split}] epoch {epoch} step {step} | {body}\n")
-        now = time.monotonic()
-        if split != "train" or now - self._last_flush >= self.flush_seconds:
-            stream.flush()
-            self._last_flush = now
-
-    def flush(self):
-        (self.stream or sys.stdout).flush()
-
-
-class JsonlWriter(Writer):
-    """``metrics.jsonl``: one JSON object per event with step, epoch and split.
-
-    Lines are buffered and flushed at least every ``flush_seconds`` and at close.
-    Non-finite floats are written as null (JSON has no NaN).
-    """
-
-    def __init__(self, path: str | os.PathLike, flush_seconds: float = 2.0) -> None:
-        self.path = os.fspath(path)
-        try:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            self._fh = open(self.path, "a", encoding="utf-8")
-        except OSError as exc:
-            raise OSError(f"jsonl writer cannot open {self.path}: {exc.strerror}; "
-                          "check trainer.output_dir") from None
-        self.flush_seconds = flush_seconds
-        self._last_flush = time.monotonic()
-
-    def log_metrics(self, metrics, step, epoch, split):
-        record = {"step": step, "epoch": epoch, "split": split}
-        for k, v in metrics.items():
-            record[k] = None if isinstance(v, float) and not math.isfinite(v) else v
-        self._fh.write(json.dumps(record) + "\n")
-        now = time.monotonic()
-        if now - self._last_flush >= self.flush_seconds:
-            self.flush()
-            self._last_flush = now
-
-    def flush(self):
-        if not self._fh.closed:
-            self._fh.flush()
-
-    def close(self):
-        if not self._fh.closed:
-            self._fh.close()
+    built: list[Writer] = []
+    try:
+        for name in names:
+            if name not in WRITER_MODULES:  # the config rejects these first
+                raise ValueError(f"unknown writer {name!r}; available: "
+                                 f"{', '.join(WRITER_MODULES)}")
+            cls = writer_class(name)
+            if name == "stdout":
+                built.append(cls(stream=stdout))
+            elif name == "jsonl":
+                built.append(cls(os.path.join(output_dir, "metrics.jsonl")))
+            elif name == "csv":
+                built.append(cls(os.path.join(output_dir, "metrics.csv")))
+            elif name == "tensorboard":
+                built.append(cls(os.path.join(output_dir, "tensorboard")))
+            else:
+                built.append(cls(output_dir, tracking_uri=mlflow_tracking_uri,
+                                 experiment=mlflow_experiment, run_name=run_name))
+    except BaseException:
+        Writers(built).close()
+        raise
+    return Writers(built)
 
 
-def build_writers(names: Iterable[str], output_dir: str) -> Writers:
-    """Writers named in ``trainer.writers``; heavy ones are imported only when chosen."""
-    writers: list[Writer] = []
-    for name in names:
-        if name == "stdout":
-            writers.append(StdoutWriter())
-        elif name == "jsonl":
-            writers.append(JsonlWriter(os.path.join(output_dir, "metrics.jsonl")))
-        else:  # the config already rejected unknown names
-            raise ValueError(f"unknown writer {name!r}")
-    return Writers(writers)
+def writer_class(name: str) -> type:
+    """Import the module of writer ``name``; a missing extra names what to install."""
+    module_name, attr, extra = WRITER_MODULES[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if extra is None or exc.name == module_name:
+            raise
+        raise ModuleNotFoundError(
+            f"the {name} writer needs the '{(exc.name or '?').split('.')[0]}' package: "
+            f"pip install "
+            f"'sailfin[{extra}]' (or remove {name} from trainer.writers)") from None
+    return getattr(module, attr)

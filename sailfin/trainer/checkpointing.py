@@ -13,6 +13,7 @@ from ..checkpoint import CheckpointError, Checkpointer, Snapshot
 from ..checkpoint.rng import rng_state
 from ..checkpoint.serialize import check_plain
 from ..config.checkpoint import CheckpointArguments
+from ..config.errors import suggest
 from ..version import __version__
 from .callbacks import Callback
 
@@ -131,10 +132,12 @@ def pick_metric(metrics: Mapping[str, Mapping[str, float]], name: str) -> Option
     else:
         raise CheckpointError(f"trainer.checkpoint.best_metric {name!r} is ambiguous with "
                               f"{len(metrics)} validation sets; name one of: "
-                              f"{', '.join(available)}")
+                              f"{', '.join(sorted(available))}")
     if metric not in values:
         raise CheckpointError(f"trainer.checkpoint.best_metric {name!r} is not among the "
-                              f"validation metrics of this run: {', '.join(available)}")
+                              f"validation metrics of this run"
+                              f"{suggest(name, available + list(values))}: "
+                              f"{', '.join(sorted(available))}")
     value = values[metric]
     return float(value.item() if isinstance(value, torch.Tensor) else value)
 

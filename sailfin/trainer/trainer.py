@@ -17,12 +17,15 @@ from ..data.plan import BatchPlan
 from ..data.sampler import EvalSampler, ResumableSampler
 from ..distributed import DistEnv
 from ..interfaces import ModuleInterface
-from ..logging import Writer, Writers, build_writers
+from ..logging import Writer
+from ..logging.destination import check_directory
 from ..utils.log import configure_logging
 from ..utils.seed import seed_everything
 from .callbacks import Callback
 from .checkpointing import checkpoint_callback
 from .nonfinite import NonFiniteGuard
+from .observe import build_observers
+from .run_stats import RunStats, peak_memory
 from .outputs import save_final_weights, write_json_atomic
 from .validation import merge_outputs
 
@@ -39,12 +42,14 @@ class Trainer:
     def __init__(self, module: ModuleInterface, args: Optional[TrainerArguments] = None, *,
                  dist: Optional[DistEnv] = None, backend: Any = None,
                  writers: Optional[Iterable[Writer]] = None,
-                 callbacks: Iterable[Callback] = ()) -> None:
+                 callbacks: Iterable[Callback] = (),
+                 hparams: Optional[Mapping[str, Any]] = None) -> None:
         self.module = module
         self.args = args or TrainerArguments()
         self.dist = dist or DistEnv.from_config(self.args.distributed)
         self.backend = backend if backend is not None else build_backend(self.args, self.dist)
         self._writers = writers
+        self._hparams = hparams  # logged by the writers; default: the trainer settings
         self.callbacks: list[Callback] = list(callbacks)
         # Counters: together with the seed they say where the data order stands.
         self.global_step = 0      # optimizer steps done
@@ -53,6 +58,7 @@ class Trainer:
         self.samples_seen = 0
         self.last_val_metrics: dict[str, dict[str, float]] = {}
         self.train_seconds = 0.0
+        self.summary: Optional[dict[str, Any]] = None  # set when train() finishes
         self._is_setup = False
         self._last_val_step = -1
 
@@ -78,7 +84,7 @@ class Trainer:
             if args.val_every_n_epochs and self._last_val_step != self.global_step:
                 self.validate()  # stopped early by max_steps: report the final model
             self.module.on_end_train(self.global_step)
-            summary = self._finish()
+            summary = self.summary = self._finish()
             self._notify("on_train_end")
             return summary
         finally:
@@ -122,12 +128,21 @@ class Trainer:
         self.schedulers = _as_list(schedulers, "schedulers")
         if not self.optimizers:
             raise ValueError("get_optimizers_schedulers returned no optimizer")
+        if dist.is_main:
+            # summary.json, weights, metrics and (by default) checkpoints go here:
+            # fail now, not after training.
+            check_directory(args.output_dir, "output",
+                            who="sailfin (summary.json, final weights, checkpoints)")
         self.checkpointer = build_checkpointer(args, dist, self.backend.barrier)
         saver = checkpoint_callback(self.checkpointer, args.checkpoint)
-        self.callbacks += [saver] if saver is not None else []
+        self.run_stats = RunStats(args.checkpoint.best_metric, args.checkpoint.best_mode)
+        self.callbacks += [self.run_stats] + ([saver] if saver is not None else [])
         # Before the writers open metrics.jsonl: resuming trims events past the checkpoint.
         self.resumed_from = resume(self, self.checkpointer)
-        self.writers = self._build_writers()
+        # Writers and progress (rank 0), profiler: destination errors surface here.
+        observers = build_observers(args, dist, self._writers, self._hparams, self.callbacks)
+        self.writers = observers.writers
+        self.callbacks.extend(observers.callbacks)
         self.nonfinite = NonFiniteGuard(args.on_nonfinite, self.device, dist.world_size,
                                         self.backend.all_reduce_mean,
                                         getattr(self.train_sampler, "step_indices", None))
@@ -339,14 +354,6 @@ class Trainer:
             loaders = {"val": loaders}
         return dict(loaders)
 
-    def _build_writers(self) -> Writer:
-        if not self.dist.is_main:
-            return Writers()  # only rank 0 writes logs
-        os.makedirs(self.args.output_dir, exist_ok=True)
-        if self._writers is not None:
-            return Writers(self._writers)
-        return build_writers(self.args.writers, self.args.output_dir)
-
     # -- end of run ----------------------------------------------------------------------
     def _finish(self) -> dict[str, Any]:
         summary = {
@@ -359,6 +366,8 @@ class Trainer:
             "world_size": self.dist.world_size,
             "nonfinite_steps": self.nonfinite.count,
             "val": _flat_val(self.last_val_metrics),
+            "best": self.run_stats.best,
+            "peak_memory": peak_memory(self.device),
         }
         if self.dist.is_main:
             save_final_weights(self.module, self.args.output_dir)

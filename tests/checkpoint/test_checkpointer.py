@@ -156,7 +156,7 @@ def test_best_max_mode_saves_on_improvement_only(tmp_path):
 
 def test_unknown_best_metric_names_the_available_ones(tmp_path):
     with pytest.raises(CheckpointError, match="best_metric 'acc' is not among the validation "
-                                              "metrics of this run: val/mse, val/count"):
+                                              "metrics of this run: val/count, val/mse"):
         train(tmp_path, epochs=1, checkpoint={"best_metric": "acc"})
 
 

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from sailfin.logging import JsonlWriter, StdoutWriter, Writer, Writers, build_writers
+from sailfin.logging import (JsonlWriter, StdoutWriter, Writer, WriterError, Writers,
+                             build_writers)
 
 
 def test_stdout_line_format():
@@ -25,7 +26,8 @@ def test_jsonl_records_and_non_finite_values(tmp_path):
 
 def test_jsonl_bad_path_fails_at_construction(tmp_path):
     (tmp_path / "f").write_text("")
-    with pytest.raises(OSError, match="jsonl writer cannot open .*check trainer.output_dir"):
+    with pytest.raises(WriterError, match="the jsonl writer cannot write to .*/f: .*/f is a "
+                                          "file, not a directory; change trainer.output_dir"):
         JsonlWriter(tmp_path / "f" / "metrics.jsonl")
 
 

@@ -1,0 +1,55 @@
+"""The stdout writer: one readable line per logged event."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import IO, Any, Callable, Union
+
+from .writers import Writer
+
+
+def format_value(value: Any) -> str:
+    """Short, aligned-enough text for a metric: 4 decimals, scientific when tiny."""
+    if isinstance(value, float):
+        if value != 0 and abs(value) < 1e-3:
+            return f"{value:.3e}"
+        return f"{value:.1f}" if abs(value) >= 1000 else f"{value:.4f}"
+    return str(value)
+
+
+class StdoutWriter(Writer):
+    """One readable line per event: ``[train] epoch 0 step 20 | loss 0.4321 | ...``.
+
+    Validation lines are flushed at once; training lines at most once a second
+    (a flush is a system call, and a log file or pipe does not need every line
+    the moment it is written). ``stream`` is a file, or a function returning
+    one (looked up at each write, so a progress bar can print above itself).
+
+    Example::
+
+        Trainer(module, args, writers=[StdoutWriter()]).train()
+    """
+
+    def __init__(self, stream: Union[IO[str], Callable[[], IO[str]], None] = None,
+                 flush_seconds: float = 1.0) -> None:
+        self.stream = stream
+        self.flush_seconds = flush_seconds
+        self._last_flush = time.monotonic()
+
+    def _stream(self) -> IO[str]:
+        if self.stream is None:
+            return sys.stdout
+        return self.stream() if callable(self.stream) else self.stream
+
+    def log_metrics(self, metrics, step, epoch, split):
+        stream = self._stream()
+        body = " | ".join(f"{k} {format_value(v)}" for k, v in metrics.items())
+        stream.write(f"[{split}] epoch {epoch} step {step} | {body}\n")
+        now = time.monotonic()
+        if split != "train" or now - self._last_flush >= self.flush_seconds:
+            stream.flush()
+            self._last_flush = now
+
+    def flush(self):
+        self._stream().flush()

@@ -1,0 +1,70 @@
+"""The TensorBoard writer: scalars and hyper-parameters in TensorBoard event files.
+
+Imported only when ``tensorboard`` is in ``trainer.writers`` (extra:
+``pip install 'sailfin[tensorboard]'``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from typing import Any, Mapping
+
+from torch.utils.tensorboard import SummaryWriter
+
+from .destination import check_directory, destination_error
+from .writers import Writer
+
+
+class TensorBoardWriter(Writer):
+    """Event files under ``log_dir`` (``<output_dir>/tensorboard``).
+
+    Scalars are tagged ``<split>/<name>`` (``train/loss``, ``val/accuracy``;
+    ``val/<dataset>/<name>`` with several validation sets); hyper-parameters go
+    to TensorBoard's HParams tab. TensorBoard's own writer queues events and
+    writes them from a background thread, flushed every ``flush_seconds`` and
+    at close, so a step never waits for the disk.
+
+    Example::
+
+        w = TensorBoardWriter("outputs/run1/tensorboard")
+        w.log_metrics({"loss": 0.5}, step=10, epoch=0, split="train")
+        w.close()   # then: tensorboard --logdir outputs/run1/tensorboard
+    """
+
+    name = "tensorboard"
+
+    def __init__(self, log_dir: str | os.PathLike, flush_seconds: float = 10.0) -> None:
+        self.log_dir = os.fspath(log_dir)
+        check_directory(self.log_dir, self.name)
+        try:
+            self._tb = SummaryWriter(self.log_dir, max_queue=100, flush_secs=flush_seconds)
+        except OSError as exc:
+            raise destination_error(self.name, self.log_dir, exc, "trainer.output_dir") from None
+        self._closed = False
+
+    def log_metrics(self, metrics, step, epoch, split):
+        dataset = metrics.get("dataset")
+        prefix = f"{split}/{dataset}/" if isinstance(dataset, str) else f"{split}/"
+        for key, value in metrics.items():
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                continue
+            self._tb.add_scalar(prefix + key, float(value), global_step=step)
+
+    def log_hparams(self, hparams: Mapping[str, Any]) -> None:
+        # HParams takes bool, int, float and str; None and lists become text.
+        clean = {k: v if isinstance(v, (bool, int, float, str)) and not (
+            isinstance(v, float) and not math.isfinite(v)) else str(v)
+            for k, v in hparams.items()}
+        # run_name="." keeps the hparams in this run's directory, not a timestamped one.
+        self._tb.add_hparams(clean, {}, run_name=".")
+
+    def flush(self):
+        if not self._closed:
+            self._tb.flush()
+
+    def close(self):
+        if not self._closed:
+            self._closed = True
+            self._tb.close()

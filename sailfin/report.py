@@ -1,0 +1,233 @@
+"""``sailfin report OUTPUT_DIR [--compare DIR ...]``: charts and a Markdown
+summary from a run's ``metrics.jsonl`` (and ``summary.json`` when present).
+
+Writes into ``OUTPUT_DIR/report/`` (or ``--out``): one PNG per chart (training
+loss, each validation metric, learning rate, throughput, all against the
+optimizer step), ``overview.png`` with all of them, and ``report.md``. With
+``--compare`` every chart overlays the runs. Needs matplotlib
+(``pip install 'sailfin[report]'``), imported only here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+# Training values that are not charted on their own.
+_TRAIN_SKIP = {"step", "epoch", "split", "dataset"}
+
+
+class ReportError(ValueError):
+    """A run directory cannot be read; the message names the file and what to do."""
+
+
+@dataclass
+class Run:
+    """One run's logged series: name -> (steps, values)."""
+
+    name: str
+    path: str
+    train: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+    val: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def load_run(path: str, name: Optional[str] = None) -> Run:
+    """Read ``<path>/metrics.jsonl`` (required) and ``<path>/summary.json`` (optional)."""
+    metrics = os.path.join(path, "metrics.jsonl")
+    if not os.path.isfile(metrics):
+        raise ReportError(f"{metrics} not found: is {path} a sailfin output_dir? The "
+                          "report reads the jsonl writer's file (keep jsonl in trainer.writers)")
+    run = Run(name or _run_name(path), path)
+    with open(metrics, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                event = json.loads(line)
+                split, step = event["split"], int(event["step"])
+            except (ValueError, KeyError, TypeError):
+                if line.endswith("\n"):
+                    raise ReportError(f"{metrics}:{number} is not a sailfin metrics record "
+                                      f"(JSON with step and split): {line[:80]!r}") from None
+                break  # a last line cut short by a crash: chart what was written
+            series = run.train if split == "train" else run.val
+            prefix = f"{event['dataset']}/" if split != "train" and isinstance(
+                event.get("dataset"), str) else ""
+            for key, value in event.items():
+                if key in _TRAIN_SKIP or isinstance(value, bool) or not isinstance(
+                        value, (int, float)):
+                    continue
+                steps, values = series.setdefault(prefix + key, ([], []))
+                # A resumed or restarted run appends to the same file: the later
+                # record of a step replaces the earlier ones from there on.
+                while steps and steps[-1] >= step:
+                    steps.pop()
+                    values.pop()
+                steps.append(step)
+                values.append(float(value))
+    if not run.train and not run.val:
+        raise ReportError(f"{metrics} holds no metrics yet; report after some logged steps")
+    summary = os.path.join(path, "summary.json")
+    if os.path.isfile(summary):
+        with open(summary, encoding="utf-8") as fh:
+            run.summary = json.load(fh)
+    return run
+
+
+def _run_name(path: str) -> str:
+    return os.path.basename(os.path.normpath(os.path.abspath(path)))
+
+
+def charts(runs: Sequence[Run]) -> list[tuple[str, str, str, list[tuple[str, str]]]]:
+    """(file stem, title, y label, [(split, key)]) for each chart the runs can fill."""
+    out = []
+    def have(split: str, key: str) -> bool:
+        return any(key in (r.train if split == "train" else r.val) for r in runs)
+
+    if have("train", "loss") or have("val", "loss"):
+        out.append(("loss", "Loss", "loss", [("train", "loss"), ("val", "loss")]))
+    val_keys = sorted({k for r in runs for k in r.val} - {"loss"})
+    for key in val_keys:
+        stem = "val_" + "".join(c if c.isalnum() else "_" for c in key)
+        out.append((stem, f"Validation {key}", key, [("val", key)]))
+    if have("train", "lr"):
+        out.append(("lr", "Learning rate", "lr", [("train", "lr")]))
+    if have("train", "samples_per_second"):
+        out.append(("throughput", "Throughput", "samples/s", [("train", "samples_per_second")]))
+    return out
+
+
+def _plot(ax: Any, runs: Sequence[Run], title: str, ylabel: str,
+          series: list[tuple[str, str]]) -> None:
+    colors = [f"C{i % 10}" for i in range(len(runs))]
+    for run, color in zip(runs, colors):
+        for split, key in series:
+            data = (run.train if split == "train" else run.val).get(key)
+            if not data:
+                continue
+            steps, values = data
+            label = run.name if len(series) == 1 else f"{run.name} {split}"
+            if len(runs) == 1:
+                label = split if len(series) > 1 else None
+            style = dict(linestyle="-", marker=None) if split == "train" else dict(
+                linestyle="--", marker="o", markersize=3)
+            ax.plot(steps, [v if math.isfinite(v) else float("nan") for v in values],
+                    color=color, label=label, **style)
+    ax.set_title(title)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+
+
+def _save(fig: Any, path: str, dpi: int) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    fig.savefig(tmp, dpi=dpi, format="png")
+    os.replace(tmp, path)
+
+
+def render(dirs: Sequence[str], out_dir: Optional[str] = None, dpi: int = 100) -> list[str]:
+    """Render the charts and report.md for ``dirs[0]`` (overlaying the others).
+
+    Returns the paths written. Example::
+
+        render(["outputs/digits"])                       # -> outputs/digits/report/
+        render(["outputs/a", "outputs/b"], "cmp", dpi=80)
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError("sailfin report needs matplotlib: "
+                                  "pip install 'sailfin[report]'") from None
+    runs = _named([load_run(d) for d in dirs])
+    out_dir = out_dir or os.path.join(dirs[0], "report")
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    specs = charts(runs)
+    for stem, title, ylabel, series in specs:
+        fig = Figure(figsize=(6.4, 4.0), layout="constrained")
+        _plot(fig.subplots(), runs, title, ylabel, series)
+        path = os.path.join(out_dir, f"{stem}.png")
+        _save(fig, path, dpi)
+        written.append(path)
+    cols = 2 if len(specs) > 1 else 1
+    rows = math.ceil(len(specs) / cols)
+    fig = Figure(figsize=(5.0 * cols, 3.2 * rows), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    for ax, (stem, title, ylabel, series) in zip(axes, specs):
+        _plot(ax, runs, title, ylabel, series)
+    for ax in axes[len(specs):]:
+        ax.set_visible(False)
+    fig.suptitle("sailfin: " + " vs ".join(r.name for r in runs))
+    overview = os.path.join(out_dir, "overview.png")
+    _save(fig, overview, dpi)
+    written.append(overview)
+    md = os.path.join(out_dir, "report.md")
+    tmp = f"{md}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(markdown(runs, [os.path.basename(p) for p in written]))
+    os.replace(tmp, md)
+    written.append(md)
+    return written
+
+
+def _named(runs: list[Run]) -> list[Run]:
+    """Give runs with the same directory name their parent's name too."""
+    names = [r.name for r in runs]
+    for run in runs:
+        if names.count(run.name) > 1:
+            parent = os.path.basename(os.path.dirname(os.path.abspath(run.path)))
+            run.name = f"{parent}/{run.name}"
+    return runs
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def markdown(runs: Sequence[Run], images: Sequence[str]) -> str:
+    """The report's text: one table row per run, then the charts."""
+    lines = [f"# Training report: {' vs '.join(r.name for r in runs)}", ""]
+    lines += ["| run | steps | samples | train time (s) | samples/s | best | final validation "
+              "| peak RSS (MiB) |", "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: |"]
+    for run in runs:
+        s = run.summary
+        best = s.get("best")
+        best_text = (f"{best['metric']} {_fmt(best['value'])} ({best['mode']}) at step "
+                     f"{best['step']}" if best else "–")
+        final = ", ".join(f"{k} {_fmt(v[1][-1])}" for k, v in sorted(run.val.items())) or "–"
+        rss = (s.get("peak_memory") or {}).get("cpu_rss_bytes")
+        steps = s.get("global_step", max((st[-1] for st, _ in run.train.values()), default=None))
+        lines.append(f"| {run.name} | {_fmt(steps)} | {_fmt(s.get('samples_seen'))} | "
+                     f"{_fmt(s.get('train_seconds'))} | {_fmt(s.get('samples_per_second'))} | "
+                     f"{best_text} | {final} | {_fmt(rss / 2**20 if rss else None)} |")
+    lines.append("")
+    if any(not r.summary for r in runs):
+        lines += ["Runs without summary.json (still running, or stopped early) show only "
+                  "what metrics.jsonl holds.", ""]
+    lines += [f"![{os.path.splitext(name)[0]}]({name})" for name in images]
+    return "\n".join(lines) + "\n"
+
+
+def report_command(output_dir: str, compare: Sequence[str] = (), out: Optional[str] = None,
+                   dpi: int = 100) -> int:
+    """The CLI's ``report`` subcommand; returns the exit status."""
+    import sys
+
+    try:
+        written = render([output_dir, *compare], out, dpi)
+    except ReportError as exc:
+        print(f"sailfin report: {exc}", file=sys.stderr)
+        return 2
+    print(f"report: {len(written)} files in {os.path.dirname(written[0])}: "
+          + ", ".join(os.path.basename(p) for p in written))
+    return 0

@@ -1,0 +1,146 @@
+"""The progress display: a bar in a terminal (a real pseudo-terminal), plain
+lines in a pipe, and the summary at the end."""
+
+import io
+import json
+import os
+import re
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from sailfin import Trainer
+from sailfin.trainer.progress import Progress, resolve_mode, summary_text
+from tests.recipes import IdData, LinearRecipe, args
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CONFIG = """
+data: {class_path: tests.recipes.IdData, init_args: {n_train: 400, n_val: 20}}
+module: {class_path: tests.recipes.LinearRecipe, init_args: {lr: 0.05}}
+trainer: {epochs: 3, train_batch_size: 10, log_every_n_steps: 10, writers: [stdout, jsonl],
+          output_dir: OUT, checkpoint: {best_metric: mse}, progress_interval: 0.001}
+"""
+
+
+def write_config(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(CONFIG.replace("OUT", str(tmp_path / "out")))
+    return path
+
+
+def sailfin_cmd(config):
+    return [sys.executable, "-m", "sailfin", "train", str(config)]
+
+
+def read_until_exit(fd, proc, timeout):
+    """Everything the child writes to ``fd`` until it exits (or the timeout)."""
+    out = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+        elif proc.poll() is not None:
+            break
+    return out.decode("utf-8", "replace")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
+def test_bar_in_a_terminal(tmp_path):
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 120, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k != "TERM"}
+    proc = subprocess.Popen(sailfin_cmd(write_config(tmp_path)), stdin=slave, stdout=slave,
+                            stderr=slave, cwd=ROOT, env=env, start_new_session=True)
+    os.close(slave)
+    try:
+        out = read_until_exit(master, proc, timeout=120)
+        assert proc.wait(timeout=30) == 0, out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait(timeout=10)
+        os.close(master)
+    frames = out.split("\r")
+    bars = [f for f in frames if re.match(r"epoch \d/3 +\d+%\|", f)]
+    assert len(bars) >= 3, out  # redrawn in place, not one line per step
+    final = [f for f in bars if "120/120" in f][-1]
+    assert final.startswith("epoch 3/3 100%|")
+    assert re.search(r"loss [\d.]+, lr [\d.e+-]+, [\d.]+k? samples/s \(avg [\d.]+k?\)", final)
+    assert "[progress]" not in out  # no plain lines in a terminal
+    # The stdout writer's lines are printed above the bar, whole.
+    assert "\r\n[val] epoch 2 step 120 | mse" in out.replace("\r\r", "\r") or re.search(
+        r"\r *\r\[val\] epoch 2 step 120 \| mse [\d.]+ \| count 20\r\n", out), out
+    assert re.search(r"summary: 120 steps, 1,200 samples in [\d.]+ s .* \| best mse [\d.]+ "
+                     r"\(min\) at step \d+ \| peak memory [\d,]+ MiB RSS", out), out
+
+
+def test_plain_lines_in_a_pipe(tmp_path):
+    proc = subprocess.run(sailfin_cmd(write_config(tmp_path)), cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "\r" not in proc.stdout + proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[progress]")]
+    assert lines[0] == ("[progress] training 120 steps (3 epoch(s) of 40), global batch 10, "
+                        "world size 1")
+    steps = [int(re.match(r"\[progress\] step (\d+)/120", line).group(1)) for line in lines[1:]]
+    assert len(steps) >= 3 and steps == sorted(steps) and steps[-1] == 120
+    assert re.fullmatch(r"\[progress\] step 120/120 \(100%\) \| epoch 3/3 \| loss [\d.]+ \| "
+                        r"lr [\d.e+-]+ \| [\d.]+k? samples/s \(avg [\d.]+k?\) \| elapsed "
+                        r"0:00:\d\d \| ETA 0:00:00", lines[-1].replace(", ", " | ")), lines[-1]
+    assert any(re.search(r"ETA 0:00:\d\d$", line) for line in lines[1:-1])
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary_text(summary) in proc.stdout
+
+
+def test_lines_are_periodic_and_read_no_tensor(tmp_path):
+    """Lines come from the logged values; between logs nothing is read from the model."""
+    buf = io.StringIO()
+    progress = Progress("lines", interval=1e-9, line_stream=buf)
+    module = LinearRecipe(IdData(50, 10))
+    Trainer(module, args(tmp_path, epochs=2, log_every_n_steps=5, progress="none"),
+            callbacks=[progress]).train()
+    lines = buf.getvalue().splitlines()
+    assert lines[0].startswith("[progress] training 10 steps (2 epoch(s) of 5)")
+    body = [line for line in lines if line.startswith("[progress] step")]
+    assert [int(line.split()[2].split("/")[0]) for line in body][:10] == list(range(1, 11))
+    assert "loss" not in body[0]  # step 1: nothing logged yet, nothing synced to show
+    assert "loss" in body[4] and "lr 4.50e-02" in body[4]  # logged at step 5
+    assert lines[-1].startswith("summary: 10 steps, 100 samples")
+
+
+def test_bar_mode_on_a_terminal_like_stream(tmp_path):
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Tty()
+    assert resolve_mode("auto", stream) == "bar"
+    assert resolve_mode("auto", io.StringIO()) == "lines"
+    progress = Progress("auto", bar_stream=stream, line_stream=io.StringIO())
+    Trainer(LinearRecipe(IdData(50, 10)), args(tmp_path, epochs=2, log_every_n_steps=5,
+                                               progress="none"), callbacks=[progress]).train()
+    assert "\r" in stream.getvalue() and "10/10" in stream.getvalue()
+
+
+def test_bar_without_tqdm_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    assert resolve_mode("auto", type("T", (), {"isatty": lambda self: True})()) == "lines"
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'sailfin\[progress\]'"):
+        Progress("bar")
