@@ -94,6 +94,19 @@ def test_more_ranks_than_samples_in_the_last_step(tmp_path):
     assert ranks[1]["val"]["val"]["count"] == 3
 
 
+def test_ddp_amp_composes_ddp_with_mixed_precision(tmp_path):
+    """ddp-amp (bf16 on CPU) over 2 processes lands where sp-amp does with one."""
+    data = {"n_train": 64, "n_val": 0}
+    trainer = {"epochs": 2, "train_batch_size": 16, "micro_batch_size": 8}
+    ref = single(tmp_path, data, {**trainer, "micro_batch_size": 16, "backend": "sp-amp"})
+    ranks = ddp(tmp_path, data, {**trainer, "backend": "ddp-amp"})
+    assert ranks[0]["summary"]["global_step"] == 8
+    for a, b in zip(ranks[0]["trace"], ranks[1]["trace"]):
+        assert torch.equal(a, b)
+    for key, value in ref.state_dict().items():  # bf16 rounding differs with the batch split
+        torch.testing.assert_close(ranks[0]["params"][key], value, rtol=0.05, atol=0.02)
+
+
 def test_non_tensor_validation_outputs_are_gathered_in_order(tmp_path):
     data = {"n_train": 20, "n_val": 11}
     trainer = {"epochs": 1, "train_batch_size": 10, "micro_batch_size": 5,

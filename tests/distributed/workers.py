@@ -72,7 +72,8 @@ def train(rank: int, world: int, dist_args, out: Path, data: dict, trainer: dict
     else:
         module = LinearRecipe(IdData(**data), **recipe)
     trace, counter = ParamTrace(), CountAllReduce()
-    a = args(out / "run", backend="ddp", distributed=dist_args, **trainer)
+    trainer = {"backend": "ddp", **trainer}
+    a = args(out / "run", distributed=dist_args, **trainer)
     with Trainer(module, a, callbacks=[trace, counter]) as t:
         summary = t.train()
         val = t.validate()
