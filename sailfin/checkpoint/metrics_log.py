@@ -48,3 +48,26 @@ def trim_metrics_log(path: str, step: int, validated: bool) -> int:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     return dropped
+
+
+def last_logged_step(path: str) -> "int | None":
+    """The largest ``step`` of a complete event in ``metrics.jsonl`` (None: no events).
+
+    After a crash it says how far the run had come: the steps between the
+    checkpoint and this one are lost (at least; training events are logged
+    every ``log_every_n_steps``).
+    """
+    last = None
+    try:
+        with open(path, "rb") as fh:
+            for line in fh:
+                if not line.endswith(b"\n"):
+                    break  # a torn last line
+                try:
+                    step = int(json.loads(line)["step"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+                last = step if last is None else max(last, step)
+    except FileNotFoundError:
+        return None
+    return last

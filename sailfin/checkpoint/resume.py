@@ -14,7 +14,7 @@ import torch
 
 from .checkpointer import Checkpointer, Loaded, say
 from .errors import CheckpointCorrupt, CheckpointError
-from .metrics_log import trim_metrics_log
+from .metrics_log import last_logged_step, trim_metrics_log
 from .rng import derive_rng, restore_rng
 
 if TYPE_CHECKING:
@@ -107,12 +107,18 @@ def apply(trainer: "Trainer", loaded: Loaded) -> None:
     for note in notes:
         say(f"resume: {note}")
     if trainer.dist.is_main:
-        dropped = trim_metrics_log(os.path.join(trainer.args.output_dir, "metrics.jsonl"), step,
-                                   bool(manifest.get("validated_at_step")))
+        metrics = os.path.join(trainer.args.output_dir, "metrics.jsonl")
+        reached = last_logged_step(metrics)
+        dropped = trim_metrics_log(metrics, step, bool(manifest.get("validated_at_step")))
         saved_world, world = manifest["world_size"], trainer.dist.world_size
-        say(f"resuming from {loaded.location}: step {step}, epoch {manifest['epoch']}, "
+        restart = trainer.dist.restart_count
+        say((f"restart {restart} ({trainer.dist.launcher}): " if restart else "")
+            + f"resuming from {loaded.location}: step {step}, epoch {manifest['epoch']}, "
             f"{manifest['step_in_epoch']} steps into it"
-            + (f"; saved on {saved_world} ranks, now {world}" if saved_world != world else "")
+            + (f"; world size {saved_world} -> {world}" if saved_world != world
+               else f"; world size {world}" if restart else "")
+            + (f"; at least {reached - step} step(s) lost (the run had logged step "
+               f"{reached})" if reached is not None and reached > step else "")
             + (f"; dropped {dropped} metrics.jsonl line(s) past that step" if dropped else ""))
 
 

@@ -11,7 +11,7 @@ one of two workers twice per run: 3 of 3 runs with env:// failed or hung,
 4 of 4 with a per-attempt namespace finished.
 
 So sailfin joins the agent's store itself and gives each attempt its own key
-namespace: ``sailfin/<run id>/attempt-<restart count>``.
+namespace: ``sailfin/<run id>/attempt-<restart count>-world-<world size>``.
 """
 
 from __future__ import annotations
@@ -23,10 +23,17 @@ import torch.distributed as dist
 
 
 def attempt_prefix(environ: Mapping[str, str]) -> str:
-    """The key namespace of this restart attempt of this torchrun job."""
+    """The key namespace of this rendezvous round of this torchrun job.
+
+    torchrun counts restarts after failures (TORCHELASTIC_RESTART_COUNT) but
+    not the new rounds it starts when a node joins; those change the world
+    size instead. Within one restart count the world only grows, so the pair
+    names every round once.
+    """
     run_id = environ.get("TORCHELASTIC_RUN_ID", "none")
     restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"sailfin/{run_id}/attempt-{restart}"
+    world = environ.get("WORLD_SIZE", "0")
+    return f"sailfin/{run_id}/attempt-{restart}-world-{world}"
 
 
 def torchrun_store(environ: Mapping[str, str], rank: int, world_size: int,
@@ -40,7 +47,7 @@ def torchrun_store(environ: Mapping[str, str], rank: int, world_size: int,
         host, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
     except (KeyError, ValueError):
         raise RuntimeError("torchrun did not set MASTER_ADDR/MASTER_PORT; start the job with "
-                           "torchrun, or set trainer.dist for another launcher") from None
+                           "torchrun, or set trainer.distributed for another launcher") from None
     agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(host, port, world_size, is_master=not agent_store and rank == 0,
                           timeout=timeout, wait_for_workers=False)

@@ -20,8 +20,10 @@ def jsonable(value: Any) -> Any:
 class JsonlWriter(Writer):
     """``metrics.jsonl``: one JSON object per event with step, epoch and split.
 
-    Lines are buffered and flushed at least every ``flush_seconds`` and at close.
-    Non-finite floats are written as null (JSON has no NaN).
+    Each event reaches the operating system as it is logged (one write every
+    ``log_every_n_steps``), so a killed process loses none: a resumed run
+    reads from it how far the run had come. ``flush_seconds`` > 0 batches
+    writes instead. Non-finite floats are written as null (JSON has no NaN).
 
     Example::
 
@@ -32,7 +34,7 @@ class JsonlWriter(Writer):
 
     name = "jsonl"
 
-    def __init__(self, path: str | os.PathLike, flush_seconds: float = 2.0) -> None:
+    def __init__(self, path: str | os.PathLike, flush_seconds: float = 0.0) -> None:
         self.path = os.fspath(path)
         check_directory(os.path.dirname(self.path) or ".", self.name)
         try:

@@ -9,6 +9,10 @@ test instead of hanging it.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
+import subprocess
+from collections import defaultdict
 import socket
 import time
 import traceback
@@ -69,3 +73,34 @@ def run_ranks(fn: Callable, world: int, out: Path, timeout: float = 120,
 
 def errors(out: Path) -> dict[int, str]:
     return {int(f.stem.split("-")[1]): f.read_text() for f in out.glob("error-*.txt")}
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (torchrun starts its workers in sessions of their own,
+    so killing the agent's process group would leave them running)."""
+    children: dict[int, list[int]] = defaultdict(list)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children[ppid].append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` and everything below it, then reap it."""
+    if proc.poll() is None:
+        for pid in [proc.pid, *descendants(proc.pid)]:  # listed before the parent dies
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    proc.wait()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from sailfin.distributed.elastic import attempt_prefix
+from tests.distributed.harness import kill_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -16,7 +17,10 @@ def test_attempt_prefix_changes_with_restart_and_run():
     a = attempt_prefix({"TORCHELASTIC_RUN_ID": "r1", "TORCHELASTIC_RESTART_COUNT": "0"})
     b = attempt_prefix({"TORCHELASTIC_RUN_ID": "r1", "TORCHELASTIC_RESTART_COUNT": "1"})
     c = attempt_prefix({"TORCHELASTIC_RUN_ID": "r2", "TORCHELASTIC_RESTART_COUNT": "0"})
-    assert len({a, b, c}) == 3
+    # A node joining starts a new round with the same restart count and a larger world.
+    d = attempt_prefix({"TORCHELASTIC_RUN_ID": "r1", "TORCHELASTIC_RESTART_COUNT": "0",
+                        "WORLD_SIZE": "4"})
+    assert len({a, b, c, d}) == 4
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, seconds: float) -> None:
@@ -45,8 +49,6 @@ def test_workers_killed_twice_rejoin_through_the_per_attempt_store(tmp_path):
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
         out, _ = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_tree(proc)
     assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
     assert [(tmp_path / f"done-{r}").read_text() for r in (0, 1)] == ["2", "2"]

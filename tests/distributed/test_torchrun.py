@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from sailfin.cli import main
-from tests.distributed.harness import free_port
+from tests.distributed.harness import free_port, kill_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,9 +49,7 @@ def finish(procs: list[subprocess.Popen], timeout: float = 180) -> list[tuple[in
             results.append((p.returncode, out.decode(errors="replace")))
     finally:
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+            kill_tree(p)
     return results
 
 
