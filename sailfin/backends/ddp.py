@@ -8,6 +8,7 @@ the collectives real.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import logging
 import os
@@ -103,7 +104,11 @@ class DDPStrategy(SingleDevice):
 
     def teardown(self) -> None:
         if self._owns_group:
+            # DDP holds the process group: drop it first, so that the group is
+            # destroyed now, while the interpreter is whole, not during exit.
+            self.ddp = self.runner = self._run = None
             destroy_process_group()
+            gc.collect()
             self._owns_group = False
 
     # -- collectives -------------------------------------------------------------------
