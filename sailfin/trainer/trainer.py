@@ -173,6 +173,10 @@ class Trainer:
             metrics.update({k: _scalar(v) for k, v in stats.items()})
         if now > then:
             metrics["samples_per_second"] = (self.samples_seen - seen) / (now - then)
+        # Unreadable samples a dataset skipped (on_error: skip), counted over its workers.
+        skipped = getattr(getattr(self.train_loader, "dataset", None), "skipped_samples", 0)
+        if skipped:
+            metrics["skipped_samples"] = skipped
         self.writers.log_metrics(metrics, self.global_step, self.epoch, "train")
 
     # -- validation --------------------------------------------------------------
@@ -209,8 +213,9 @@ class Trainer:
         made: list[ResumableSampler] = []
 
         def sampler(dataset: Any) -> ResumableSampler:
+            # A dataset with its own epoch order (sharded data) keeps its reads local.
             s = ResumableSampler(len(dataset), self.plan, self.dist.rank, self.args.seed,
-                                 self.args.shuffle)
+                                 self.args.shuffle, order=getattr(dataset, "epoch_order", None))
             made.append(s)
             return s
 
