@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 import yaml
 
+from . import shard_cli
 from .config import ConfigError, load_config
 
 
@@ -21,6 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="the run's YAML config")
     train.add_argument("--print-config", action="store_true",
                        help="print the resolved config and exit")
+    shard_cli.add_parser(sub)
     return parser
 
 
@@ -62,6 +64,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "train":
             return train_command(args.config, rest, args.print_config)
+        if args.command == "shard":
+            return shard_cli.run(args, rest)
     except ConfigError as exc:
         print(f"sailfin: config error: {exc}", file=sys.stderr)
         return 2
