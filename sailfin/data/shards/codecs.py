@@ -114,8 +114,44 @@ def decoder_for(ext: str, mode: str) -> Decoder:
     return bytes
 
 
+_NPY_MAGIC = b"\x93NUMPY"
+_npy_headers: dict[bytes, tuple[np.dtype, tuple, str, int]] = {}
+
+
 def _decode_npy(data: bytes) -> np.ndarray:
-    return np.load(io.BytesIO(data), allow_pickle=False)
+    """``np.load(..., allow_pickle=False)`` without re-parsing a header seen before.
+
+    The samples of one field share their header (same dtype and shape), and
+    parsing it is most of ``np.load``'s cost for small arrays.
+    """
+    if data[:6] != _NPY_MAGIC or data[6:8] not in (b"\x01\x00", b"\x02\x00"):
+        return np.load(io.BytesIO(data), allow_pickle=False)  # numpy names the problem
+    start = 10 if data[6] == 1 else 12
+    end = start + int.from_bytes(data[8:start], "little")
+    header = data[start:end]
+    known = _npy_headers.get(header)
+    if known is None:
+        known = _parse_npy_header(data[:end])
+        if len(_npy_headers) < 1024:  # a handful of fields in practice; bounded anyway
+            _npy_headers[header] = known
+    dtype, shape, order, count = known
+    if len(data) - end < count * dtype.itemsize:
+        raise ValueError(f"the array needs {count * dtype.itemsize} bytes after its header, "
+                         f"the member has {len(data) - end}")
+    # A copy: frombuffer over bytes is read-only, and torch wants writable arrays.
+    return np.frombuffer(data, dtype, count, end).reshape(shape, order=order).copy()
+
+
+def _parse_npy_header(head: bytes) -> tuple[np.dtype, tuple, str, int]:
+    buf = io.BytesIO(head)
+    major, _ = np.lib.format.read_magic(buf)
+    read = (np.lib.format.read_array_header_1_0 if major == 1
+            else np.lib.format.read_array_header_2_0)
+    shape, fortran, dtype = read(buf)
+    if dtype.hasobject:
+        raise ValueError("the array holds Python objects, which need pickle: refused "
+                         "(store numeric arrays)")
+    return dtype, tuple(shape), "F" if fortran else "C", int(np.prod(shape, dtype=np.int64))
 
 
 def _decode_int(data: bytes) -> int:
