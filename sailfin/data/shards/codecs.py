@@ -179,7 +179,7 @@ def _image_decoder(fmt: str, as_array: bool) -> Decoder:
         if not as_array:
             image.load()
             return image
-        return np.asarray(image)
+        return np.array(image)  # writable (asarray's view of PIL's bytes is read-only)
 
     return decode
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import multiprocessing
 import os
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +13,7 @@ import numpy as np
 import torch
 
 from .codecs import DECODE_MODES, Decoder, decoder_for
+from .counter import SharedCounter
 from .errors import ShardError, where
 from .index import Row, ShardIndex
 from .indexing import check_size, load_index
@@ -80,8 +80,8 @@ class ShardDataset(torch.utils.data.Dataset):
             raise ShardError(f"the {len(self.urls)} shard(s) from {self.urls[0]} on hold no "
                              "samples (members need a key and an extension: 000123.png)")
         self._check_cache_limit()
-        # Shared memory: DataLoader workers count into it, the trainer reads it.
-        self._skipped = multiprocessing.Value("q", 0) if on_error == "skip" else None
+        # DataLoader workers count into it; the trainer reads it in the main process.
+        self._skipped = SharedCounter() if on_error == "skip" else None
         self._reset_process_state()
 
     # -- size and order ---------------------------------------------------------------------
@@ -139,9 +139,7 @@ class ShardDataset(torch.utils.data.Dataset):
         except ShardError as exc:
             if self._skipped is None:
                 raise
-            with self._skipped.get_lock():
-                self._skipped.value += 1
-                count = self._skipped.value
+            count = self._skipped.add()
             log.warning("skipped sample (%d so far): %s", count, exc)
             return None
         return sample if self.transform is None else self.transform(sample)

@@ -130,3 +130,31 @@ def test_on_error_typo_is_rejected_with_a_suggestion(tmp_path):
     write_shards(tmp_path, [1])
     with pytest.raises(ValueError, match="did you mean 'skip'"):
         ShardDataset(str(tmp_path), on_error="skp")
+
+
+def test_skip_counts_are_shared_with_copies_and_removed_with_the_dataset(tmp_path):
+    import gc
+    import pickle
+
+    paths = write_shards(tmp_path, [4])
+    _corrupt(paths[0], int(index_of(paths[0]).offsets[1]))  # sample 0's x.npy
+    ds = ShardDataset(paths[0], fields=("cls", "x.npy"), on_error="skip")
+    copy = pickle.loads(pickle.dumps(ds))  # what a spawned worker receives
+    assert copy[0] is None and ds.skipped_samples == 1
+    counter_file = ds._skipped.path
+    del ds, copy
+    gc.collect()
+    assert not os.path.exists(counter_file)
+
+
+@pytest.mark.slow
+def test_skip_counts_from_spawned_workers(tmp_path):
+    paths = write_shards(tmp_path, [4, 4])
+    _corrupt(paths[1], int(index_of(paths[1]).offsets[3]))  # sample 5's x.npy
+    ds = ShardDataset(str(tmp_path), fields=("cls", "x.npy"), on_error="skip")
+    plan = BatchPlan.create(4, 4, 1)
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=4, sampler=ResumableSampler(len(ds), plan, order=ds.epoch_order),
+        num_workers=2, multiprocessing_context="spawn", timeout=120)
+    assert sorted(i for batch in loader for i in batch[0].tolist()) == [0, 1, 2, 3, 4, 6, 7]
+    assert ds.skipped_samples == 1
