@@ -65,6 +65,8 @@ class ShardDataset(torch.utils.data.Dataset):
             raise ValueError("shuffle_window and max_open_shards must be >= 1")
         self.urls = expand_urls(urls, allow_pipe)
         self.decode = decode
+        if isinstance(fields, str):
+            fields = (fields,)
         self.fields = tuple(fields) if fields is not None else None
         self.transform = transform
         self.shuffle = shuffle
