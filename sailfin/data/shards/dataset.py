@@ -208,6 +208,20 @@ class ShardDataset(torch.utils.data.Dataset):
         self.__dict__.update(state)
         self._reset_process_state()
 
+    def close(self) -> None:
+        """Close the shard files this process has open (a later read opens them again)."""
+        fds, self._fds = self._fds, OrderedDict()
+        for fd in fds.values():
+            os.close(fd)
+
+    def __del__(self) -> None:
+        # In a forked worker these are its own inherited copies: closing them is right.
+        for fd in getattr(self, "_fds", {}).values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
     def _rows(self, shard: int) -> list[Row]:
         rows = self._row_cache.get(shard)
         if rows is None:
@@ -241,8 +255,10 @@ class ShardDataset(torch.utils.data.Dataset):
         url, index = self.urls[shard], self.indexes[shard]
         if kind(url) == "local":
             return os.open(local_path(url), os.O_RDONLY)
-        path = self.cache.fetch(url)
-        fd = os.open(path, os.O_RDONLY)
+        try:
+            fd = os.open(self.cache.fetch(url), os.O_RDONLY)
+        except FileNotFoundError:  # evicted by another process between fetch and open
+            fd = os.open(self.cache.fetch(url), os.O_RDONLY)
         try:
             check_size(index, os.fstat(fd).st_size, url, "(downloaded or cached index)",
                        self._skipped is not None)

@@ -193,6 +193,8 @@ class ShardCache:
                 break
             if path != keep:
                 _unlink(path)
+                # The lock only saves duplicate downloads (renames keep them safe).
+                _unlink(path + ".lock")
                 total -= size
 
 

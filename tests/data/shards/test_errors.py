@@ -22,7 +22,15 @@ def load_all(ds, workers=0, micro=4):
     sampler = ResumableSampler(len(ds), plan, 0, seed=0, order=ds.epoch_order)
     loader = torch.utils.data.DataLoader(ds, batch_size=micro, sampler=sampler,
                                          num_workers=workers)
-    return [i for batch in loader for i in batch[0].tolist()]
+    batches = iter(loader)
+    try:
+        return [i for batch in batches for i in batch[0].tolist()]
+    finally:
+        # When a worker's error propagates, the traceback keeps this iterator alive and
+        # its workers would be shut down whenever the garbage collector gets to it
+        # (racing multiprocessing's queue teardown); shut them down now instead.
+        if workers:
+            batches._shutdown_workers()
 
 
 def index_of(path):

@@ -195,3 +195,8 @@ def test_the_dataset_pickles_without_its_open_files(tmp_path):
     assert ds[4] == (4,)  # opens a descriptor
     clone = pickle.loads(pickle.dumps(ds))
     assert clone._fds == {} and clone[5] == (5,) and len(clone) == 6
+    (fd,) = ds._fds.values()
+    ds.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    assert ds[0] == (0,)  # reopens
