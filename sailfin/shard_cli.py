@@ -27,11 +27,13 @@ def add_parser(sub: Any) -> None:
                     "shards with indexes into OUT_DIR.")
     shard.add_argument("src", metavar="SRC_DIR")
     shard.add_argument("out", metavar="OUT_DIR")
-    shard.add_argument("--samples-per-shard", type=int, default=1000)
+    shard.add_argument("--samples-per-shard", type=int, default=1000, metavar="N",
+                       help="samples in each shard (the last may have fewer); default 1000")
     shard.add_argument("--prefix", default="shard", help="shard names: PREFIX-000000.tar ...")
     shard.add_argument("--shuffle", type=int, default=None, metavar="SEED",
                        help="shuffle the samples with this seed before sharding")
-    shard.add_argument("--processes", type=int, default=1)
+    shard.add_argument("--processes", type=int, default=1, metavar="P",
+                       help="write with P processes (the same shards as with one)")
     shard.add_argument("--overwrite", action="store_true",
                        help="replace shards already in OUT_DIR with the same prefix")
 

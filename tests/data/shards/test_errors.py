@@ -7,7 +7,6 @@ import logging
 import os
 import tarfile
 
-import numpy as np
 import pytest
 import torch
 

@@ -115,6 +115,13 @@ def test_window_order_is_a_pure_permutation():
     assert sum(1 for x, y in zip(runs, runs[1:]) if x != y) == 3  # 4 non-empty shards
 
 
+def test_a_shard_dataset_is_an_ordered_dataset(shards):
+    from sailfin.data.sampler import OrderedDataset
+
+    assert isinstance(dataset(shards), OrderedDataset)
+    assert not isinstance(torch.utils.data.TensorDataset(torch.zeros(3)), OrderedDataset)
+
+
 def test_trainer_shuffle_false_gives_the_natural_order(shards):
     ds = dataset(shards)
     plan = BatchPlan.create(GLOBAL, 3, 1)
