@@ -15,7 +15,7 @@ import torch
 from .codecs import DECODE_MODES, Decoder, decoder_for
 from .counter import SharedCounter
 from .errors import ShardError, where
-from .index import Row, ShardIndex
+from .index import ShardIndex, Table
 from .indexing import check_size, load_index
 from .order import window_order
 from .remote import ShardCache
@@ -130,7 +130,7 @@ class ShardDataset(torch.utils.data.Dataset):
 
     def _read(self, shard: int, j: int) -> Any:
         try:
-            key, lo, hi, members = self._rows(shard)[j]
+            key, lo, hi, members = self._table(shard).sample(j)
             fd = self._fd(shard)
             buf = os.pread(fd, hi - lo, lo)
             if len(buf) != hi - lo:
@@ -193,14 +193,14 @@ class ShardDataset(torch.utils.data.Dataset):
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
         self._fds: OrderedDict[int, int] = OrderedDict()
-        self._row_cache: OrderedDict[int, list[Row]] = OrderedDict()
+        self._tables: OrderedDict[int, Table] = OrderedDict()
         self._failed: dict[int, ShardError] = {}
         self._decoders: dict[str, Decoder] = {}
 
     def __getstate__(self) -> dict:
         # Open descriptors do not travel to spawned workers; each opens its own.
         state = self.__dict__.copy()
-        for name in ("_fds", "_row_cache", "_failed", "_decoders"):
+        for name in ("_fds", "_tables", "_failed", "_decoders"):
             state.pop(name)
         return state
 
@@ -222,13 +222,13 @@ class ShardDataset(torch.utils.data.Dataset):
             except OSError:
                 pass
 
-    def _rows(self, shard: int) -> list[Row]:
-        rows = self._row_cache.get(shard)
-        if rows is None:
-            rows = self._row_cache[shard] = self.indexes[shard].rows()
-            if len(self._row_cache) > 2 * self.max_open_shards:
-                self._row_cache.popitem(last=False)
-        return rows
+    def _table(self, shard: int) -> Table:
+        table = self._tables.get(shard)
+        if table is None:
+            table = self._tables[shard] = self.indexes[shard].table()
+            if len(self._tables) > 2 * self.max_open_shards:
+                self._tables.popitem(last=False)
+        return table
 
     def _fd(self, shard: int) -> int:
         if self._pid != os.getpid():  # a forked worker: the parent's descriptors stay its own

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import numpy as np
 
@@ -36,8 +36,8 @@ VERSION = 1
 INDEX_SUFFIX = ".idx"
 
 # One sample as the reader uses it: (key, first byte, end byte,
-# ((ext, start, stop) relative to the first byte, ...)).
-Row = tuple[str, int, int, tuple[tuple[str, int, int], ...]]
+# [(ext, start, stop) relative to the first byte, ...]).
+Row = tuple[str, int, int, list[tuple[str, int, int]]]
 
 
 @dataclass
@@ -132,19 +132,29 @@ class ShardIndex:
             raise ValueError("a member ends past tar_bytes")
 
     # -- what the reader needs ------------------------------------------------------------
-    def rows(self) -> list[Row]:
-        """Every sample as a :data:`Row` (plain Python values: cheap to use per sample)."""
-        starts = self.member_start.tolist()
-        offsets, sizes, ids = self.offsets.tolist(), self.sizes.tolist(), self.ext_ids.tolist()
+    def table(self) -> "Table":
+        """The index as plain Python lists: indexing them per sample is cheaper than numpy."""
         exts = self.exts
-        rows: list[Row] = []
-        for j, key in enumerate(self.keys):
-            a, b = starts[j], starts[j + 1]
-            lo = offsets[a]
-            hi = offsets[b - 1] + sizes[b - 1]
-            rows.append((key, lo, hi, tuple(
-                (exts[ids[m]], offsets[m] - lo, offsets[m] - lo + sizes[m]) for m in range(a, b))))
-        return rows
+        return Table(self.keys, self.member_start.tolist(), self.offsets.tolist(),
+                     self.sizes.tolist(), [exts[i] for i in self.ext_ids.tolist()])
+
+
+class Table(NamedTuple):
+    """One shard's index, unpacked for reading (see :meth:`ShardIndex.table`)."""
+
+    keys: list[str]
+    starts: list[int]    # sample j owns members [starts[j], starts[j + 1])
+    offsets: list[int]
+    sizes: list[int]
+    exts: list[str]      # per member
+
+    def sample(self, j: int) -> Row:
+        """Sample ``j``: key, byte range, and its members relative to the range's start."""
+        a, b = self.starts[j], self.starts[j + 1]
+        offsets, sizes, exts = self.offsets, self.sizes, self.exts
+        lo = offsets[a]
+        return (self.keys[j], lo, offsets[b - 1] + sizes[b - 1],
+                [(exts[m], offsets[m] - lo, offsets[m] - lo + sizes[m]) for m in range(a, b)])
 
 
 def split_name(name: str) -> tuple[str, str]:
