@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 import yaml
 
+from . import shard_cli
 from .config import ConfigError, load_config
 from .logging.writers import WriterError
 
@@ -31,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="overlay these runs' output directories")
     report.add_argument("--out", help="where to write (default: OUTPUT_DIR/report)")
     report.add_argument("--dpi", type=int, default=100, help="PNG resolution")
+    shard_cli.add_parser(sub)
     return parser
 
 
@@ -95,6 +97,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "train":
             return _recorded(train_command)(args.config, rest, args.print_config)
+        if args.command == "shard":
+            return shard_cli.run(args, rest)
     except ConfigError as exc:
         print(f"sailfin: config error: {exc}", file=sys.stderr)
         return 2

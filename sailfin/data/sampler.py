@@ -7,7 +7,7 @@ run resumed on another world size continues the same order.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator, Optional, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -24,8 +24,28 @@ def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -
     return np.random.default_rng([seed, epoch]).permutation(num_samples)
 
 
+EpochOrder = Callable[[int, int], np.ndarray]
+
+
+@runtime_checkable
+class OrderedDataset(Protocol):
+    """A dataset that chooses its own epoch order (a sharded one reads shard by shard).
+
+    ``epoch_order(seed, epoch)`` returns a permutation of ``range(len(dataset))``
+    that depends on nothing else (not the world size, not the workers).
+    """
+
+    def __len__(self) -> int: ...
+
+    def epoch_order(self, seed: int, epoch: int) -> np.ndarray: ...
+
+
 class ResumableSampler(torch.utils.data.Sampler[int]):
     """This rank's dataset indices for the steps ``[start_step, steps_in_epoch)``.
+
+    ``order(seed, epoch)``, when given, replaces the default permutation (an
+    :class:`OrderedDataset`'s ``epoch_order``); ``shuffle=False`` still means
+    the natural order.
 
     Example::
 
@@ -35,7 +55,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     """
 
     def __init__(self, num_samples: int, plan: BatchPlan, rank: int = 0, seed: int = 0,
-                 shuffle: bool = True) -> None:
+                 shuffle: bool = True, order: Optional[EpochOrder] = None) -> None:
         if num_samples < 1:
             raise ValueError("the training dataset is empty")
         if not 0 <= rank < plan.world_size:
@@ -45,6 +65,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         self.rank = rank
         self.seed = seed
         self.shuffle = shuffle
+        self.order = order
         self.epoch = 0
         self.start_step = 0
 
@@ -61,8 +82,19 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
             lo, hi, _ = self.plan.rank_positions(step, self.num_samples, self.rank)
             yield lo, hi
 
+    def epoch_order(self) -> np.ndarray:
+        """Positions -> dataset indices for the current epoch."""
+        if self.order is None or not self.shuffle:
+            return epoch_order(self.num_samples, self.seed, self.epoch, self.shuffle)
+        order = np.asarray(self.order(self.seed, self.epoch))
+        if order.shape != (self.num_samples,):
+            raise ValueError(f"the dataset's epoch_order returned {order.shape[0]} positions "
+                             f"for {self.num_samples} samples; it must be a permutation of "
+                             "range(len(dataset))")
+        return order
+
     def __iter__(self) -> Iterator[int]:
-        order = epoch_order(self.num_samples, self.seed, self.epoch, self.shuffle)
+        order = self.epoch_order()
         # One list per epoch: cheaper per sample than yielding slice by slice.
         parts = [order[lo:hi] for lo, hi in self._ranges()]
         return iter(np.concatenate(parts).tolist() if parts else [])

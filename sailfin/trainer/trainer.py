@@ -225,6 +225,10 @@ class Trainer:
             metrics["nonfinite_steps"] = self.nonfinite.count
         if now > then:
             metrics["samples_per_second"] = (self.samples_seen - seen) / (now - then)
+        # Unreadable samples a dataset skipped (on_error: skip), counted over its workers.
+        skipped = getattr(getattr(self.train_loader, "dataset", None), "skipped_samples", 0)
+        if skipped:
+            metrics["skipped_samples"] = skipped
         self.writers.log_metrics(metrics, self.global_step, self.epoch, "train")
 
     def _reduce_stats(self, stats: Mapping[str, Any]) -> dict[str, Any]:
@@ -317,8 +321,9 @@ class Trainer:
         made: list[ResumableSampler] = []
 
         def sampler(dataset: Any) -> ResumableSampler:
+            # A dataset with its own epoch order (sharded data) keeps its reads local.
             s = ResumableSampler(len(dataset), self.plan, self.dist.rank, self.args.seed,
-                                 self.args.shuffle)
+                                 self.args.shuffle, order=getattr(dataset, "epoch_order", None))
             made.append(s)
             return s
 

@@ -1,0 +1,186 @@
+"""The shard index: where each sample's members lie in a tar.
+
+A shard ``shard-000000.tar`` has its index beside it as ``shard-000000.tar.idx``,
+a small JSON document::
+
+    {"format": "sailfin-shard-index", "version": 1,
+     "tar_bytes": 1546240,            # size of the tar the index describes
+     "exts": ["cls", "png"],          # the distinct member extensions
+     "keys": ["000000", ...],         # one key per sample, in file order
+     "members": [2, 2, ...],          # members per sample
+     "ext_ids": [0, 1, 0, 1, ...],    # per member: its extension (into "exts")
+     "offsets": [512, 1536, ...],     # per member: byte offset of its data
+     "sizes": [1, 873, ...]}          # per member: data size in bytes
+
+Members are grouped into samples as WebDataset does: a member ``dir/000123.x.npy``
+has key ``dir/000123`` and extension ``x.npy`` (everything after the first dot of
+the base name), and consecutive members with the same key form one sample. A
+sample's members are therefore contiguous, so one positional read of
+``[offset of its first member, end of its last)`` fetches the whole sample.
+Members without an extension are not part of any sample.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterable, NamedTuple
+
+import numpy as np
+
+from .tarformat import Member, scan
+
+FORMAT = "sailfin-shard-index"
+VERSION = 1
+INDEX_SUFFIX = ".idx"
+
+# One sample as the reader uses it: (key, first byte, end byte,
+# [(ext, start, stop) relative to the first byte, ...]).
+Row = tuple[str, int, int, list[tuple[str, int, int]]]
+
+
+@dataclass
+class ShardIndex:
+    """The samples of one shard and the byte ranges of their members.
+
+    Example::
+
+        index = ShardIndex.from_members(tarformat.scan(fd, size), size)
+        index.num_samples, index.keys[0]
+        index.save("shard-000000.tar.idx")
+    """
+
+    tar_bytes: int
+    exts: tuple[str, ...]
+    keys: list[str]
+    member_start: np.ndarray   # int64, num_samples + 1: sample j owns members [s[j], s[j+1])
+    ext_ids: np.ndarray        # int32 per member
+    offsets: np.ndarray        # int64 per member
+    sizes: np.ndarray          # int64 per member
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.keys)
+
+    @classmethod
+    def from_members(cls, members: Iterable[Member], tar_bytes: int) -> "ShardIndex":
+        exts: dict[str, int] = {}
+        keys: list[str] = []
+        counts: list[int] = []
+        ext_ids: list[int] = []
+        offsets: list[int] = []
+        sizes: list[int] = []
+        for m in members:
+            key, ext = split_name(m.name)
+            if not ext:
+                continue
+            if not keys or keys[-1] != key:
+                keys.append(key)
+                counts.append(0)
+            counts[-1] += 1
+            ext_ids.append(exts.setdefault(ext, len(exts)))
+            offsets.append(m.offset)
+            sizes.append(m.size)
+        return cls._build(tar_bytes, tuple(exts), keys, counts, ext_ids, offsets, sizes)
+
+    @classmethod
+    def _build(cls, tar_bytes: int, exts: tuple[str, ...], keys: list[str], counts,
+               ext_ids, offsets, sizes) -> "ShardIndex":
+        start = np.zeros(len(keys) + 1, dtype=np.int64)
+        np.cumsum(np.asarray(counts, dtype=np.int64), out=start[1:])
+        return cls(int(tar_bytes), exts, list(keys), start,
+                   np.asarray(ext_ids, dtype=np.int32), np.asarray(offsets, dtype=np.int64),
+                   np.asarray(sizes, dtype=np.int64))
+
+    # -- the file beside the shard ------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps({
+            "format": FORMAT, "version": VERSION, "tar_bytes": self.tar_bytes,
+            "exts": list(self.exts), "keys": self.keys,
+            "members": np.diff(self.member_start).tolist(), "ext_ids": self.ext_ids.tolist(),
+            "offsets": self.offsets.tolist(), "sizes": self.sizes.tolist(),
+        }, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str) -> "ShardIndex":
+        try:
+            doc = json.loads(text)
+            if doc.get("format") != FORMAT:
+                raise ValueError(f"not a {FORMAT} document")
+            if doc.get("version") != VERSION:
+                raise ValueError(f"version {doc.get('version')} (this sailfin reads {VERSION})")
+            index = cls._build(doc["tar_bytes"], tuple(doc["exts"]), doc["keys"],
+                               doc["members"], doc["ext_ids"], doc["offsets"], doc["sizes"])
+            index._check()
+            return index
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"shard index {where} is unreadable ({exc}); delete it and "
+                             "sailfin re-indexes the shard on the next run") from None
+
+    def save(self, path: str) -> None:
+        """Write atomically: a crash leaves the old index or none, never half of one."""
+        write_atomic(path, self.to_json().encode())
+
+    def _check(self) -> None:
+        n = len(self.offsets)
+        if not (len(self.ext_ids) == len(self.sizes) == n == self.member_start[-1]):
+            raise ValueError("member arrays disagree in length")
+        if n and (self.ext_ids.max() >= len(self.exts) or self.ext_ids.min() < 0):
+            raise ValueError("an extension id is out of range")
+        if n and int((self.offsets + self.sizes).max()) > self.tar_bytes:
+            raise ValueError("a member ends past tar_bytes")
+
+    # -- what the reader needs ------------------------------------------------------------
+    def table(self) -> "Table":
+        """The index as plain Python lists: indexing them per sample is cheaper than numpy."""
+        exts = self.exts
+        return Table(self.keys, self.member_start.tolist(), self.offsets.tolist(),
+                     self.sizes.tolist(), [exts[i] for i in self.ext_ids.tolist()])
+
+
+class Table(NamedTuple):
+    """One shard's index, unpacked for reading (see :meth:`ShardIndex.table`)."""
+
+    keys: list[str]
+    starts: list[int]    # sample j owns members [starts[j], starts[j + 1])
+    offsets: list[int]
+    sizes: list[int]
+    exts: list[str]      # per member
+
+    def sample(self, j: int) -> Row:
+        """Sample ``j``: key, byte range, and its members relative to the range's start."""
+        a, b = self.starts[j], self.starts[j + 1]
+        offsets, sizes, exts = self.offsets, self.sizes, self.exts
+        lo = offsets[a]
+        return (self.keys[j], lo, offsets[b - 1] + sizes[b - 1],
+                [(exts[m], offsets[m] - lo, offsets[m] - lo + sizes[m]) for m in range(a, b)])
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """``dir/000123.x.npy`` -> (``dir/000123``, ``x.npy``): WebDataset's key and extension."""
+    slash = name.rfind("/") + 1
+    dot = name.find(".", slash)
+    if dot < 0:
+        return name, ""
+    return name[:dot], name[dot + 1:]
+
+
+def index_file(fd: int, size: int) -> ShardIndex:
+    """Index the tar open at ``fd`` by scanning its headers (raises TarFormatError)."""
+    return ShardIndex.from_members(scan(fd, size), size)
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` to a temporary name in the same directory, then rename over ``path``."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

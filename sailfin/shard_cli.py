@@ -1,0 +1,92 @@
+"""``sailfin shard SRC_DIR OUT_DIR``: a directory tree of files -> tar shards with indexes.
+
+Files are grouped into samples by their path without extension, as WebDataset
+does: ``cats/0001.jpg`` and ``cats/0001.cls`` form sample ``cats/0001``. Member
+bytes are copied as they are. Samples go in key order, or shuffled with
+``--shuffle SEED`` (do that when the tree is sorted by class: a shard then mixes
+classes, and the training shuffle, which mixes only a window of shards, sees
+every class in every window). With ``--processes P`` the shards are written in
+parallel by a DataProcessor, each process writing its own run of shard numbers;
+the result is the same as with one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Sequence
+
+
+
+def add_parser(sub: Any) -> None:
+    shard = sub.add_parser(
+        "shard", help="write a directory tree of files as tar shards",
+        description="Group the files under SRC_DIR by path without extension "
+                    "(a/0001.jpg + a/0001.cls = sample a/0001) and write them as tar "
+                    "shards with indexes into OUT_DIR.")
+    shard.add_argument("src", metavar="SRC_DIR")
+    shard.add_argument("out", metavar="OUT_DIR")
+    shard.add_argument("--samples-per-shard", type=int, default=1000, metavar="N",
+                       help="samples in each shard (the last may have fewer); default 1000")
+    shard.add_argument("--prefix", default="shard", help="shard names: PREFIX-000000.tar ...")
+    shard.add_argument("--shuffle", type=int, default=None, metavar="SEED",
+                       help="shuffle the samples with this seed before sharding")
+    shard.add_argument("--processes", type=int, default=1, metavar="P",
+                       help="write with P processes (the same shards as with one)")
+    shard.add_argument("--overwrite", action="store_true",
+                       help="replace shards already in OUT_DIR with the same prefix")
+
+
+def run(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    if extra:
+        print(f"sailfin shard: unexpected arguments {' '.join(extra)}", file=sys.stderr)
+        return 2
+    if args.samples_per_shard < 1 or args.processes < 1:
+        print("sailfin shard: --samples-per-shard and --processes must be >= 1",
+              file=sys.stderr)
+        return 2
+    if not os.path.isdir(args.src):
+        print(f"sailfin shard: {args.src} is not a directory", file=sys.stderr)
+        return 2
+    existing = _existing(args.out, args.prefix)
+    if existing and not args.overwrite:
+        print(f"sailfin shard: {args.out} already holds {len(existing)} '{args.prefix}' "
+              "shard(s); pass --overwrite to replace them, or choose another OUT_DIR or "
+              "--prefix", file=sys.stderr)
+        return 2
+    for name in existing:
+        os.unlink(os.path.join(args.out, name))
+    from .data.shards.tree import WriteShards, group_files
+
+    samples, loose = group_files(args.src)
+    if not samples:
+        print(f"sailfin shard: no files with an extension under {args.src}", file=sys.stderr)
+        return 2
+    if args.shuffle is not None:
+        import numpy as np
+
+        order = np.random.default_rng(args.shuffle).permutation(len(samples))
+        samples = [samples[i] for i in order]
+    per = args.samples_per_shard
+    # Chunks of whole shards: process p starts at shard number (first sample) / per.
+    total_shards = -(-len(samples) // per)
+    chunk = -(-total_shards // args.processes) * per
+    jobs = [(start // per, samples[start:start + chunk])
+            for start in range(0, len(samples), chunk)]
+    writer = WriteShards(args.src, args.out, per, args.prefix)
+    written = writer.multi_process_data(jobs, process_count=args.processes)
+    shards = [path for paths in written for path in paths]
+    print(f"wrote {len(samples)} samples into {len(shards)} shard(s) in {args.out}: "
+          f"{os.path.basename(shards[0])} .. {os.path.basename(shards[-1])}")
+    if loose:
+        print(f"skipped {loose} file(s) without an extension (no field name)")
+    return 0
+
+
+def _existing(out: str, prefix: str) -> list[str]:
+    if not os.path.isdir(out):
+        return []
+    return sorted(n for n in os.listdir(out)
+                  if n.startswith(prefix + "-") and n.endswith((".tar", ".tar.idx")))
+
