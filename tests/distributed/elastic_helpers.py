@@ -11,6 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Optional
 
+from tests.distributed.elastic_recipe import write_id_shards
 from tests.distributed.harness import kill_tree
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,11 +35,22 @@ trainer:
 STEPS_PER_EPOCH, EPOCHS = 12, 2
 
 
-def write_config(tmp: Path, name: str, every: int = 3, step_seconds: float = 0.15) -> Path:
+def write_config(tmp: Path, name: str, every: int = 3, step_seconds: float = 0.15,
+                 data: str = "map") -> Path:
+    """A run's config; ``data="shards"`` streams the same samples from uneven tar shards."""
     path = tmp / f"{name}.yaml"
-    path.write_text(CONFIG.replace("RECORDS", str(tmp / name / "records"))
-                    .replace("RUN", str(tmp / name / "run"))
-                    .replace("STEP_SECONDS", str(step_seconds)).replace("EVERY", str(every)))
+    text = (CONFIG.replace("RECORDS", str(tmp / name / "records"))
+            .replace("RUN", str(tmp / name / "run"))
+            .replace("STEP_SECONDS", str(step_seconds)).replace("EVERY", str(every)))
+    if data == "shards":
+        shards = tmp / name / "shards"
+        write_id_shards(str(shards))
+        text = text.replace(
+            "{class_path: tests.recipes.IdData, init_args: {n_train: 96, n_val: 10}}",
+            "{class_path: tests.distributed.elastic_recipe.ShardIdData, "
+            f"init_args: {{shards: '{shards}/shard-*.tar', n_val: 10}}}}")
+        assert "ShardIdData" in text
+    path.write_text(text)
     return path
 
 

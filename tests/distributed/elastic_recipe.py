@@ -9,7 +9,8 @@ import os
 import time
 from pathlib import Path
 
-from tests.recipes import LinearRecipe
+from sailfin import DataInterface
+from tests.recipes import IdDataset, LinearRecipe
 
 
 def attempt_key() -> str:
@@ -38,3 +39,31 @@ class ElasticRecipe(LinearRecipe):
         super().on_end_train_step(global_step, loss, stats)
         self._log.write(json.dumps({"step": global_step, "ids": self.step_ids[-1],
                                     "time": time.time(), "attempt": attempt_key()}) + "\n")
+
+
+class ShardIdData(DataInterface):
+    """IdData's samples streamed from tar shards (see :func:`write_id_shards`)."""
+
+    def __init__(self, shards: str, n_val: int = 10) -> None:
+        from sailfin.data import ShardDataset
+
+        self.train = ShardDataset(shards, fields=("id.cls", "x.npy", "y.npy"))
+        self.val = IdDataset(n_val, 4, seed=2) if n_val else None
+
+    def get_train_dataset(self):
+        return self.train
+
+    def get_val_dataset(self):
+        return self.val
+
+
+def write_id_shards(directory: str, n: int = 96, samples_per_shard: int = 7) -> None:
+    """IdData's training samples (same ids, inputs and targets) as uneven shards."""
+    from sailfin.data import ShardWriter
+
+    ds = IdDataset(n, 4, seed=1)
+    with ShardWriter(directory, samples_per_shard=samples_per_shard) as writer:
+        for i in range(n):
+            _, x, y = ds[i]
+            writer.write({"__key__": f"{i:06d}", "id.cls": i, "x.npy": x.numpy(),
+                          "y.npy": y.numpy()})

@@ -24,11 +24,19 @@ from tests.distributed.harness import free_port
 TOTAL = STEPS_PER_EPOCH * EPOCHS
 
 
+DATA = ["map", "shards"]  # a map-style dataset, and the same samples streamed from shards
+
+
+@pytest.fixture(scope="module", params=DATA)
+def data(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, data):
     """The uninterrupted run, in one process: its weights and the ids of every step."""
-    tmp = tmp_path_factory.mktemp("reference")
-    assert main(["train", str(write_config(tmp, "ref", step_seconds=0))]) == 0
+    tmp = tmp_path_factory.mktemp(f"reference-{data}")
+    assert main(["train", str(write_config(tmp, "ref", step_seconds=0, data=data))]) == 0
     weights = load_file(str(tmp / "ref" / "run" / "final" / "model.safetensors"))
     return weights, final_steps(tmp / "ref" / "records")
 
@@ -59,9 +67,9 @@ def check(tmp: Path, name: str, reference) -> str:
 
 
 @pytest.mark.slow
-def test_killed_workers_rejoin_and_finish_exactly(tmp_path, reference):
+def test_killed_workers_rejoin_and_finish_exactly(tmp_path, reference, data):
     """SIGKILL one of 2 workers mid-epoch, then the other one in the restarted group."""
-    cfg = write_config(tmp_path, "kill")
+    cfg = write_config(tmp_path, "kill", data=data)
     records, log = tmp_path / "kill" / "records", tmp_path / "kill.log"
     proc = torchrun(single_node(2, cfg), log)
     try:
@@ -82,10 +90,10 @@ def test_killed_workers_rejoin_and_finish_exactly(tmp_path, reference):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
-def test_resized_run_continues_the_same_order(tmp_path, reference, before, after):
+def test_resized_run_continues_the_same_order(tmp_path, reference, data, before, after):
     """Stop a run, relaunch it on another number of workers: same steps, same result."""
     name = f"resize{before}{after}"
-    cfg = write_config(tmp_path, name)
+    cfg = write_config(tmp_path, name, data=data)
     records, log = tmp_path / name / "records", tmp_path / f"{name}.log"
     proc = torchrun(single_node(before, cfg, restarts=0), log)
     try:
@@ -102,9 +110,9 @@ def test_resized_run_continues_the_same_order(tmp_path, reference, before, after
 
 
 @pytest.mark.slow
-def test_a_joining_node_grows_the_group(tmp_path, reference):
+def test_a_joining_node_grows_the_group(tmp_path, reference, data):
     """A --nnodes=1:2 job runs on one agent; a second agent joins; it finishes on both."""
-    cfg = write_config(tmp_path, "grow")
+    cfg = write_config(tmp_path, "grow", data=data)
     records = tmp_path / "grow" / "records"
     logs = [tmp_path / "grow-a.log", tmp_path / "grow-b.log"]
     port = free_port()
@@ -130,8 +138,8 @@ def test_a_joining_node_grows_the_group(tmp_path, reference):
 
 @pytest.mark.slow
 def test_a_worker_killed_during_a_save_resumes_from_the_previous_checkpoint(tmp_path,
-                                                                           reference):
-    cfg = write_config(tmp_path, "save")
+                                                                           reference, data):
+    cfg = write_config(tmp_path, "save", data=data)
     records, log = tmp_path / "save" / "records", tmp_path / "save.log"
     markers = tmp_path / "markers"
     markers.mkdir()
