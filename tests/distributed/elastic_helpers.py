@@ -36,10 +36,11 @@ STEPS_PER_EPOCH, EPOCHS = 12, 2
 
 
 def write_config(tmp: Path, name: str, every: int = 3, step_seconds: float = 0.15,
-                 data: str = "map") -> Path:
+                 data: str = "map", epochs: int = EPOCHS) -> Path:
     """A run's config; ``data="shards"`` streams the same samples from uneven tar shards."""
     path = tmp / f"{name}.yaml"
     text = (CONFIG.replace("RECORDS", str(tmp / name / "records"))
+            .replace("epochs: 2", f"epochs: {epochs}")
             .replace("RUN", str(tmp / name / "run"))
             .replace("STEP_SECONDS", str(step_seconds)).replace("EVERY", str(every)))
     if data == "shards":
