@@ -30,10 +30,11 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from sailfin import Callback, DataInterface, ModuleInterface, Trainer, TrainerArguments  # noqa: E402
+from sailfin import DataInterface, ModuleInterface, Trainer, TrainerArguments  # noqa: E402
 from sailfin.backends import build_backend  # noqa: E402
 from sailfin.config.distributed import DistArguments  # noqa: E402
 from sailfin.distributed import DistEnv  # noqa: E402
+from tests.distributed.workers import CountAllReduce  # noqa: E402
 
 SEQ, VOCAB, DIM = 64, 256, 128
 
@@ -66,20 +67,6 @@ class TinyLM(ModuleInterface):
         tokens = batch[0].to(device)
         h = self.body(self.embed(tokens[:, :-1]), mask=self.mask, is_causal=True)
         return nn.functional.cross_entropy(self.head(h).flatten(0, 1), tokens[:, 1:].flatten())
-
-
-class CountAllReduce(Callback):
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def on_train_start(self, trainer) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        def hook(state, bucket):
-            self.calls += 1
-            return default_hooks.allreduce_hook(None, bucket)
-
-        trainer.backend.ddp.register_comm_hook(None, hook)
 
 
 def trainer_args(out: str, opts, world: int, **kw) -> TrainerArguments:

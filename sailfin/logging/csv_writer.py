@@ -6,15 +6,13 @@ import csv
 import math
 import numbers
 import os
-import time
 
-from .destination import check_directory, destination_error
-from .writers import Writer
+from .textfile import TextFileWriter
 
 COLUMNS = ("step", "epoch", "split", "name", "value")
 
 
-class CsvWriter(Writer):
+class CsvWriter(TextFileWriter):
     """``metrics.csv`` with columns ``step, epoch, split, name, value``.
 
     One row per value keeps the header fixed while the set of metrics changes
@@ -35,20 +33,12 @@ class CsvWriter(Writer):
     name = "csv"
 
     def __init__(self, path: str | os.PathLike, flush_seconds: float = 2.0) -> None:
-        self.path = os.fspath(path)
-        check_directory(os.path.dirname(self.path) or ".", self.name)
-        try:
-            new = not os.path.exists(self.path) or os.path.getsize(self.path) == 0
-            self._fh = open(self.path, "a", encoding="utf-8", newline="")
-            self._csv = csv.writer(self._fh)
-            if new:
-                self._csv.writerow(COLUMNS)
-            self._fh.flush()
-        except OSError as exc:
-            self._close_quietly()
-            raise destination_error(self.name, self.path, exc, "trainer.output_dir") from None
-        self.flush_seconds = flush_seconds
-        self._last_flush = time.monotonic()
+        super().__init__(path, flush_seconds, newline="")
+
+    def _start(self, new: bool) -> None:
+        self._csv = csv.writer(self._fh)
+        if new:
+            self._csv.writerow(COLUMNS)
 
     def log_metrics(self, metrics, step, epoch, split):
         dataset = metrics.get("dataset")
@@ -60,31 +50,4 @@ class CsvWriter(Writer):
             value = float(value)
             text = repr(value) if math.isfinite(value) else str(value)
             self._csv.writerow((step, epoch, split, prefix + key, text))
-        now = time.monotonic()
-        if now - self._last_flush >= self.flush_seconds:
-            self.flush()
-            self._last_flush = now
-
-    def flush(self):
-        if not self._fh.closed:
-            try:
-                self._fh.flush()
-            except OSError as exc:
-                raise destination_error(self.name, self.path, exc,
-                                        "trainer.output_dir") from None
-
-    def close(self):
-        if not getattr(self, "_fh", None) or self._fh.closed:
-            return
-        try:
-            self.flush()
-        finally:
-            self._close_quietly()
-
-    def _close_quietly(self) -> None:
-        fh = getattr(self, "_fh", None)
-        if fh is not None and not fh.closed:
-            try:
-                fh.close()
-            except OSError:
-                pass  # the flush already reported the failure
+        self._written()

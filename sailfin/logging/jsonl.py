@@ -5,11 +5,9 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from typing import Any
 
-from .destination import check_directory, destination_error
-from .writers import Writer
+from .textfile import TextFileWriter
 
 
 def jsonable(value: Any) -> Any:
@@ -17,7 +15,7 @@ def jsonable(value: Any) -> Any:
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-class JsonlWriter(Writer):
+class JsonlWriter(TextFileWriter):
     """``metrics.jsonl``: one JSON object per event with step, epoch and split.
 
     Each event reaches the operating system as it is logged (one write every
@@ -35,39 +33,11 @@ class JsonlWriter(Writer):
     name = "jsonl"
 
     def __init__(self, path: str | os.PathLike, flush_seconds: float = 0.0) -> None:
-        self.path = os.fspath(path)
-        check_directory(os.path.dirname(self.path) or ".", self.name)
-        try:
-            self._fh = open(self.path, "a", encoding="utf-8")
-        except OSError as exc:
-            raise destination_error(self.name, self.path, exc, "trainer.output_dir") from None
-        self.flush_seconds = flush_seconds
-        self._last_flush = time.monotonic()
+        super().__init__(path, flush_seconds)
 
     def log_metrics(self, metrics, step, epoch, split):
         record = {"step": step, "epoch": epoch, "split": split}
         for k, v in metrics.items():
             record[k] = jsonable(v)
         self._fh.write(json.dumps(record) + "\n")
-        now = time.monotonic()
-        if now - self._last_flush >= self.flush_seconds:
-            self.flush()
-            self._last_flush = now
-
-    def flush(self):
-        if not self._fh.closed:
-            try:
-                self._fh.flush()
-            except OSError as exc:
-                raise destination_error(self.name, self.path, exc,
-                                        "trainer.output_dir") from None
-
-    def close(self):
-        if not self._fh.closed:
-            try:
-                self.flush()
-            finally:
-                try:
-                    self._fh.close()
-                except OSError:
-                    pass  # the flush above already reported it
+        self._written()
