@@ -73,7 +73,8 @@ def trainer_args(out: str, opts, world: int, **kw) -> TrainerArguments:
     return TrainerArguments(epochs=1, train_batch_size=opts.global_batch,
                             micro_batch_size=opts.global_batch // (opts.accumulation * world),
                             max_steps=opts.steps, output_dir=out, writers=[],
-                            log_every_n_steps=10, val_every_n_epochs=0, **kw)
+                            log_every_n_steps=10, val_every_n_epochs=0, progress="none",
+                            checkpoint={"at_epoch_end": False}, resume="never", **kw)
 
 
 def run_sp(opts, out: str) -> dict:
@@ -140,7 +141,8 @@ def main() -> None:
         for i in range(opts.rounds):
             order = names[i % len(names):] + names[:i % len(names)]
             for name in order:
-                results[name].append(runs[name](str(Path(tmp, f"{i}-{len(results[name])}"))))
+                # A directory per run: each one trains from scratch.
+                results[name].append(runs[name](str(Path(tmp, f"{i}-{names.index(name)}"))))
             print(f"round {i + 1}: " + " | ".join(
                 f"{n} {results[n][-1]['samples_per_second']:.0f}" for n in names), flush=True)
     base = statistics.median(r["samples_per_second"] for r in results[names[0]])

@@ -105,6 +105,10 @@ class SingleDevice:
         self._train_step = module.train_step
         if type(self.precision).forward_context is Precision.forward_context:
             self.train_step = self._train_step_plain  # fp32: no autocast to enter per step
+        if type(self.precision) is Precision:
+            # fp32 has nothing to do around backward and step: skip two calls per step.
+            self.backward = torch.Tensor.backward
+            self.optimizer_step = _step_plain
 
     def wrap(self, runner: "StepRunner") -> Optional[torch.nn.Module]:
         """Wrap the step runner for this strategy; None: call the recipe directly."""
@@ -174,3 +178,9 @@ class SingleDevice:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.precision.load_state_dict(state.get("precision", {}))
+
+
+def _step_plain(optimizers: list[torch.optim.Optimizer]) -> bool:
+    for opt in optimizers:
+        opt.step()
+    return True

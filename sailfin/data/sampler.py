@@ -82,30 +82,46 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
             lo, hi, _ = self.plan.rank_positions(step, self.num_samples, self.rank)
             yield lo, hi
 
-    def epoch_order(self) -> np.ndarray:
-        """Positions -> dataset indices for the current epoch."""
+    def epoch_order(self, epoch: Optional[int] = None) -> np.ndarray:
+        """Positions -> dataset indices for ``epoch`` (default: the current epoch)."""
+        epoch = self.epoch if epoch is None else epoch
         if self.order is None or not self.shuffle:
-            return epoch_order(self.num_samples, self.seed, self.epoch, self.shuffle)
-        order = np.asarray(self.order(self.seed, self.epoch))
+            return epoch_order(self.num_samples, self.seed, epoch, self.shuffle)
+        order = np.asarray(self.order(self.seed, epoch))
         if order.shape != (self.num_samples,):
             raise ValueError(f"the dataset's epoch_order returned {order.shape[0]} positions "
                              f"for {self.num_samples} samples; it must be a permutation of "
                              "range(len(dataset))")
         return order
 
+    def _span(self) -> Optional[tuple[int, int]]:
+        """On one rank, the steps left form one run of positions: ``[lo, hi)``."""
+        if self.plan.world_size != 1:
+            return None
+        lo, _ = self.plan.step_positions(self.start_step, self.num_samples)
+        steps = self.steps_in_epoch
+        _, hi = self.plan.step_positions(steps - 1, self.num_samples) if steps else (0, 0)
+        return lo, max(lo, hi)
+
     def __iter__(self) -> Iterator[int]:
         order = self.epoch_order()
         # One list per epoch: cheaper per sample than yielding slice by slice.
+        span = self._span()
+        if span is not None:
+            return iter(order[span[0]:span[1]].tolist())
         parts = [order[lo:hi] for lo, hi in self._ranges()]
         return iter(np.concatenate(parts).tolist() if parts else [])
 
     def __len__(self) -> int:
+        span = self._span()
+        if span is not None:
+            return span[1] - span[0]
         return sum(hi - lo for lo, hi in self._ranges())
 
     def step_indices(self, epoch: int, step: int) -> list[int]:
         """Dataset indices of every rank's samples in optimizer step ``step`` of ``epoch``."""
         lo, hi = self.plan.step_positions(step, self.num_samples)
-        return epoch_order(self.num_samples, self.seed, epoch, self.shuffle)[lo:hi].tolist()
+        return self.epoch_order(epoch)[lo:hi].tolist()
 
 
 class EvalSampler(torch.utils.data.Sampler[int]):

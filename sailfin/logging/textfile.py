@@ -62,6 +62,11 @@ class TextFileWriter(Writer):
         finally:
             self._close_quietly()
 
+    def __del__(self) -> None:
+        # A trainer that was never closed: everything was flushed when train()
+        # ended; close the file with the writer instead of leaving it to the GC.
+        self._close_quietly()
+
     def _close_quietly(self) -> None:
         fh = getattr(self, "_fh", None)
         if fh is not None and not fh.closed:

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -164,3 +165,26 @@ def test_weighted_micro_gradients_equal_the_one_big_batch_gradient(world, micro,
 def test_world_size_that_cannot_realise_the_batch_lists_those_that_can():
     with pytest.raises(ConfigError, match="a world size of 1, 2, 4$"):
         BatchPlan.create(64, 16, 3)
+
+
+@pytest.mark.parametrize("n, g, start, drop_last, cap", [
+    (47, 10, 0, False, None), (47, 10, 3, False, None), (47, 10, 2, True, None),
+    (47, 10, 1, False, 3), (40, 10, 4, False, None), (5, 10, 0, False, None)])
+def test_one_rank_fast_path_equals_the_per_step_split(n, g, start, drop_last, cap):
+    plan = BatchPlan.create(g, 5, 1, drop_last, cap)
+    sampler = ResumableSampler(n, plan, rank=0, seed=3)
+    sampler.set_epoch(2, start_step=start)
+    order = sampler.epoch_order()
+    per_step = [i for lo, hi in sampler._ranges() for i in order[lo:hi].tolist()]
+    assert list(sampler) == per_step and len(sampler) == len(per_step)
+
+
+def test_step_indices_follow_the_dataset_order():
+    """A dataset with its own epoch order (shards): the non-finite report names its samples."""
+    plan = BatchPlan.create(4, 4, 1)
+
+    def reversed_order(seed, epoch):
+        return np.arange(10)[::-1]
+
+    sampler = ResumableSampler(10, plan, seed=0, order=reversed_order)
+    assert sampler.step_indices(0, 1) == [5, 4, 3, 2]
