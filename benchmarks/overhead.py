@@ -8,7 +8,13 @@ median over pairs of (sailfin steps/s) / (raw steps/s); 1.00 means no overhead.
 When installed (`pip install -e .[bench]`), Lightning's Trainer, Lightning
 Fabric and Accelerate run the same model in the same rounds, for comparison.
 
+Wall-clock ratios on a shared machine move by a few percent from run to run.
+``--instructions`` gives the deterministic figure: instructions per step of
+both loops counted by valgrind's callgrind, start-up cancelled out by
+subtracting a short run from a long one.
+
     python benchmarks/overhead.py [--pairs 9] [--steps 3000] [--threads 1]
+    python benchmarks/overhead.py --instructions     # needs valgrind; about 10 minutes
 """
 
 from __future__ import annotations
@@ -172,6 +178,50 @@ OTHERS = {"lightning": ("lightning", run_lightning), "fabric": ("lightning", run
           "accelerate": ("accelerate", run_accelerate)}
 
 
+# -- the deterministic figure: instructions per step under callgrind ----------------------
+def run_child(variant: str, steps: int) -> None:
+    ds = make_data(steps)
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()):
+        run_raw(ds) if variant == "raw" else run_sailfin(ds, tmp)
+
+
+def count_instructions(short: int = 200, long: int = 600) -> None:
+    """Instructions per step = (I(long) - I(short)) / (long - short): start-up, imports
+    and set-up cancel out, and the count does not depend on what else the machine runs."""
+    import re
+    import shutil
+    import subprocess
+
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind (apt-get install valgrind)")
+    counts: dict[tuple[str, int], int] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        jobs = {}
+        for variant in ("raw", "sailfin"):
+            for steps in (short, long):
+                cmd = ["valgrind", "--tool=callgrind",
+                       f"--callgrind-out-file={tmp}/{variant}-{steps}.out", sys.executable,
+                       os.path.abspath(__file__), "--child", variant, str(steps)]
+                jobs[(variant, steps)] = subprocess.Popen(
+                    cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for key, proc in jobs.items():
+            _, err = proc.communicate()
+            found = re.search(r"Collected : (\d+)", err)
+            if proc.returncode != 0 or found is None:
+                raise SystemExit(f"callgrind run {key} failed:\n{err[-2000:]}")
+            counts[key] = int(found.group(1))
+    per_step = {v: (counts[(v, long)] - counts[(v, short)]) / (long - short)
+                for v in ("raw", "sailfin")}
+    print(f"instructions per step (callgrind, {long} - {short} steps of batch {BATCH}):")
+    for variant, n in per_step.items():
+        print(f"{variant:>10}: {n:,.0f}")
+    extra = per_step["sailfin"] - per_step["raw"]
+    print(f"sailfin's own work per step: {extra:+,.0f} instructions "
+          f"({extra / per_step['raw']:+.3%} of the raw loop's step); "
+          f"instruction ratio raw / sailfin = {per_step['raw'] / per_step['sailfin']:.4f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=9)
@@ -180,8 +230,17 @@ def main() -> None:
                         help="torch intra-op threads (1 keeps the timing steadier)")
     parser.add_argument("--no-others", action="store_true",
                         help="skip Lightning/Fabric/Accelerate even when installed")
+    parser.add_argument("--instructions", action="store_true",
+                        help="instead of timing, count instructions per step under "
+                             "valgrind's callgrind (deterministic; takes about 10 minutes)")
+    parser.add_argument("--child", nargs=2, metavar=("VARIANT", "STEPS"),
+                        help=argparse.SUPPRESS)  # one run under callgrind
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
+    if opts.child:
+        return run_child(opts.child[0], int(opts.child[1]))
+    if opts.instructions:
+        return count_instructions()
     ds = make_data(opts.steps)
     others = {} if opts.no_others else {
         name: fn for name, (pkg, fn) in OTHERS.items() if importlib.util.find_spec(pkg)}
