@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from typing import Any, Iterable, Mapping, Optional
@@ -156,7 +155,10 @@ class Trainer:
         args, rank, n = self.args, self.dist.rank, self.num_train_samples
         optimizers, schedulers = self.optimizers, self.schedulers
         log_every, max_norm = args.log_every_n_steps, args.max_grad_norm
-        max_steps = args.max_steps if args.max_steps is not None else math.inf
+        # Steps this call runs: the rest of the epoch, or fewer if max_steps comes first.
+        last = self.steps_per_epoch
+        if args.max_steps is not None:
+            last = min(last, self.step_in_epoch + max(0, args.max_steps - self.global_step))
         step_callbacks = [c for c in self.callbacks
                           if type(c).on_step_end is not Callback.on_step_end]
         on_end_backward = _overridden(module, "on_end_backward")
@@ -165,6 +167,7 @@ class Trainer:
         # Every step but an epoch's last has the same shape: look it up once.
         full_steps = n // plan.global_batch
         full_micros = plan.micro_batches(0, n, rank) if full_steps else ()
+        global_batch = plan.global_batch
 
         self.train_sampler.set_epoch(self.epoch, self.step_in_epoch)
         module.train()
@@ -172,9 +175,7 @@ class Trainer:
         seed_loader(self.train_loader, args.seed, self.epoch, rank)  # iter() leaves torch's RNG be
         batches = iter(self.train_loader)
         self._log_clock = (time.perf_counter(), self.samples_seen)
-        for step in range(self.step_in_epoch, self.steps_per_epoch):
-            if self.global_step >= max_steps:
-                return False
+        for step in range(self.step_in_epoch, last):
             step_loss, stats = None, None
             micros = full_micros if step < full_steps else plan.micro_batches(step, n, rank)
             for micro in micros:
@@ -199,14 +200,16 @@ class Trainer:
                 opt.zero_grad(set_to_none=True)
             self.global_step += 1
             self.step_in_epoch = step + 1
-            self.samples_seen += (plan.global_batch if step < full_steps
-                                  else n - step * plan.global_batch)
+            self.samples_seen += (global_batch if step < full_steps
+                                  else n - step * global_batch)
             if on_end_train_step is not None:
                 on_end_train_step(self.global_step, step_loss, stats)
             if self.global_step % log_every == 0:
                 self._log_train(step_loss, stats)
             for callback in step_callbacks:
                 callback.on_step_end(self)
+        if last < self.steps_per_epoch:
+            return False  # max_steps reached inside the epoch
         module.on_end_train_epoch(self.global_step, self.epoch)
         return True
 
