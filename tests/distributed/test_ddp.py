@@ -9,6 +9,7 @@ import torch
 
 from sailfin import Trainer
 from sailfin.config import ConfigError
+from sailfin.data import BatchPlan
 from sailfin.distributed import DistEnv
 from tests.distributed.harness import errors, run_ranks
 from tests.distributed.workers import train
@@ -92,6 +93,22 @@ def test_more_ranks_than_samples_in_the_last_step(tmp_path):
     for key, value in ref.state_dict().items():
         torch.testing.assert_close(ranks[1]["params"][key], value, rtol=1e-5, atol=1e-6)
     assert ranks[1]["val"]["val"]["count"] == 3
+
+
+def test_train_step_with_its_own_collective_runs_with_drop_last(tmp_path):
+    """docs/multinode.md: a collective on every forward needs the same number of
+    micro-batches on every rank, which drop_last gives. Without it, the last step of
+    an epoch of 57 samples (9 = 5 + 4) would run 2 forwards on rank 0 and 1 on rank 1."""
+    plan = BatchPlan.create(16, 4, 2)
+    assert [len(plan.micro_batches(3, 57, r)) for r in range(2)] == [2, 1]
+    data = {"n_train": 57, "n_val": 0}
+    trainer = {"epochs": 2, "train_batch_size": 16, "micro_batch_size": 4, "drop_last": True}
+    ranks = ddp(tmp_path, data, trainer, kind="collective")
+    for r in ranks:
+        forwards = [e for e in r["events"] if e[0] == "forward_samples"]
+        assert len(forwards) == 2 * 3 * 2  # epochs x steps x micro-batches
+        assert {e[2] for e in forwards} == {8.0}  # both ranks were in every forward
+        assert r["summary"]["global_step"] == 6
 
 
 def test_ddp_amp_composes_ddp_with_mixed_precision(tmp_path):

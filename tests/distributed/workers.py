@@ -62,11 +62,23 @@ class NamedOutputs(LinearRecipe):
         return super().on_end_val_epoch(global_step, outputs, key)
 
 
+class CollectiveRecipe(LinearRecipe):
+    """train_step all-reduces on every forward, as a contrastive loss's all-gather does."""
+
+    def train_step(self, global_step, batch, device):
+        count = torch.tensor([float(len(batch[0]))])
+        torch.distributed.all_reduce(count)
+        self.events.append(("forward_samples", global_step, count.item()))
+        return super().train_step(global_step, batch, device)
+
+
 def train(rank: int, world: int, dist_args, out: Path, data: dict, trainer: dict,
           recipe: Optional[dict] = None, kind: str = "linear") -> None:
     recipe = dict(recipe or {})
     if kind == "failing":
         module = FailingRecipe(IdData(**data), rank=rank, **recipe)
+    elif kind == "collective":
+        module = CollectiveRecipe(IdData(**data), **recipe)
     elif kind == "named":
         module = NamedOutputs(IdData(**data), **recipe)
     else:
