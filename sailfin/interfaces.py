@@ -181,6 +181,12 @@ class ModuleInterface(nn.Module):
                 return {"accuracy": (outputs["pred"] == outputs["label"]).float().mean().item()}
     """
 
+    #: True while ``train_step`` runs a padding micro-batch: over several ranks, a
+    #: rank whose share of an epoch's last step fills one micro-batch fewer than its
+    #: partners' runs one sample with loss weight 0, so that every rank runs the same
+    #: forwards. Leave such a batch out of counts the recipe keeps itself.
+    padding_batch: bool = False
+
     # -- required -------------------------------------------------------
     def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: int, epochs: int
                                   ) -> tuple[list[torch.optim.Optimizer], list]:

@@ -63,8 +63,9 @@ class LinearRecipe(ModuleInterface):
 
     def train_step(self, global_step, batch, device):
         ids, x, y = batch
-        self.seen.append(ids.tolist())
-        self._pending.extend(ids.tolist())
+        if not self.padding_batch:  # a weight-0 padding sample is not a sample seen
+            self.seen.append(ids.tolist())
+            self._pending.extend(ids.tolist())
         loss = nn.functional.mse_loss(self(x.to(device)), y.to(device))
         return loss, {"batch_size": torch.tensor(float(len(ids)))}
 

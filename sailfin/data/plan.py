@@ -9,9 +9,15 @@ rank cuts its share into micro-batches of m (the last one may be short).
 Only the last step of an epoch can be short. Each micro-batch's mean loss is
 weighted by ``count * W / n_step``: DDP averages gradients over W ranks, so the
 summed gradient equals the mean-loss gradient of one process over the whole
-step, whatever W, m and A are. A rank whose share of a short step is empty
-(fewer samples than ranks) runs one padding sample with weight 0, so every
-rank still takes part in the gradient all-reduce.
+step, whatever W, m and A are.
+
+Every rank runs the same number of micro-batches in every step, so a
+collective inside the forward (an all-gather for a contrastive loss,
+SyncBatchNorm) meets its partners on the other ranks. In a short step the
+largest share needs ``ceil(ceil(n_step / W) / m)`` micro-batches; a rank whose
+share fills one fewer (its share is an exact multiple of m, or empty when the
+step has fewer samples than ranks) runs one more micro-batch of one padding
+sample, the step's first, with weight 0: it changes no gradient.
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ from ..config.errors import ConfigError
 class MicroBatch:
     """One forward/backward of a step on one rank."""
 
-    count: int        # real samples in it (0 for a padding micro-batch)
+    count: int        # samples in it
     weight: float     # multiply the micro-batch's mean loss by this
     last: bool        # the last micro-batch of the step on this rank (sync gradients)
+    padding: bool = False  # one padding sample with weight 0 (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -86,12 +93,12 @@ class BatchPlan:
         return start, min(start + self.global_batch, num_samples)
 
     def rank_positions(self, step: int, num_samples: int, rank: int) -> tuple[int, int, bool]:
-        """This rank's ``[start, stop)`` of a step, and whether it is one padding sample."""
+        """This rank's real positions ``[lo, hi)`` of a step (possibly empty), and whether
+        one padding sample (the step's first position) follows them."""
         start, stop = self.step_positions(step, num_samples)
         lo, hi = _split(stop - start, self.world_size, rank)
-        if lo == hi:  # fewer samples than ranks: pad with the step's first sample
-            return start, start + 1, True
-        return start + lo, start + hi, False
+        pad = self.micro_batches(step, num_samples, rank)[-1].padding
+        return start + lo, start + hi, pad
 
     def micro_batches(self, step: int, num_samples: int, rank: int) -> tuple[MicroBatch, ...]:
         """The micro-batches this rank runs for ``step``."""
@@ -109,12 +116,15 @@ def _split(n: int, parts: int, i: int) -> tuple[int, int]:
 @lru_cache(maxsize=256)
 def _micro_batches(micro: int, world: int, n_step: int, rank: int) -> tuple[MicroBatch, ...]:
     lo, hi = _split(n_step, world, rank)
-    if lo == hi:
-        return (MicroBatch(count=1, weight=0.0, last=True),)
     share = hi - lo
-    count = math.ceil(share / micro)
-    sizes = [micro] * (count - 1) + [share - micro * (count - 1)]
-    return tuple(MicroBatch(c, c * world / n_step, i == count - 1) for i, c in enumerate(sizes))
+    # Every rank runs as many micro-batches as the largest share (rank 0's) needs.
+    count = math.ceil(math.ceil(n_step / world) / micro)
+    real = math.ceil(share / micro)  # count or count - 1 (the shares differ by at most 1)
+    sizes = [micro] * (real - 1) + [share - micro * (real - 1)] if real else []
+    out = [MicroBatch(c, c * world / n_step, i == count - 1) for i, c in enumerate(sizes)]
+    if real < count:
+        out.append(MicroBatch(count=1, weight=0.0, last=True, padding=True))
+    return tuple(out)
 
 
 def _suggestions(global_batch: int, micro: int, world: int) -> str:

@@ -78,9 +78,13 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         return self.plan.steps_in_epoch(self.num_samples)
 
     def _ranges(self):
+        """This rank's positions per step: its share, then a padding sample if it has one."""
         for step in range(self.start_step, self.steps_in_epoch):
-            lo, hi, _ = self.plan.rank_positions(step, self.num_samples, self.rank)
+            lo, hi, pad = self.plan.rank_positions(step, self.num_samples, self.rank)
             yield lo, hi
+            if pad:
+                first = step * self.plan.global_batch
+                yield first, first + 1
 
     def epoch_order(self, epoch: Optional[int] = None) -> np.ndarray:
         """Positions -> dataset indices for ``epoch`` (default: the current epoch)."""

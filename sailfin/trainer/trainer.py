@@ -180,6 +180,9 @@ class Trainer:
             micros = full_micros if step < full_steps else plan.micro_batches(step, n, rank)
             for micro in micros:
                 batch = next(batches)
+                if micro.padding:
+                    step_loss, stats = self._padding_micro_batch(batch, step_loss, stats)
+                    continue
                 out = backend.train_step(module, self.global_step, batch, micro.last)
                 loss, stats = (out[0], out[1]) if type(out) is tuple else (out, None)
                 if micro.weight != 1.0:
@@ -212,6 +215,26 @@ class Trainer:
             return False  # max_steps reached inside the epoch
         module.on_end_train_epoch(self.global_step, self.epoch)
         return True
+
+    def _padding_micro_batch(self, batch: Any, step_loss: Optional[torch.Tensor],
+                             stats: Optional[Mapping[str, Any]]
+                             ) -> tuple[torch.Tensor, Optional[Mapping[str, Any]]]:
+        """Run a weight-0 padding micro-batch (see :mod:`sailfin.data.plan`): this rank
+        joins its partners' collectives and the gradient all-reduce, and adds nothing.
+        ``module.padding_batch`` is True meanwhile, so a recipe can leave it out of its
+        own counts. The step's stats stay those of its last real micro-batch; a rank
+        with none takes the padding's, so every rank logs the same stat names."""
+        module = self.module
+        module.padding_batch = True
+        try:
+            out = self.backend.train_step(module, self.global_step, batch, True)
+        finally:
+            module.padding_batch = False
+        loss, pad_stats = (out[0], out[1]) if type(out) is tuple else (out, None)
+        loss = loss * 0.0
+        self.backend.backward(loss)
+        step_loss = loss if step_loss is None else step_loss.detach() + loss.detach()
+        return step_loss, pad_stats if stats is None else stats
 
     def _log_train(self, step_loss: torch.Tensor, stats: Optional[Mapping[str, Any]]) -> None:
         # The only host-device sync of the loop, once every log_every_n_steps.

@@ -42,18 +42,22 @@ def test_micro_batches_cover_the_step_and_weights_sum_to_world(world, n):
     for step in range(plan.steps_in_epoch(n)):
         start, stop = plan.step_positions(step, n)
         covered, weight_sum = [], 0.0
+        counts = set()
         for rank in range(world):
             lo, hi, pad = plan.rank_positions(step, n, rank)
             micros = plan.micro_batches(step, n, rank)
+            counts.add(len(micros))
             assert micros[-1].last and not any(m.last for m in micros[:-1])
+            real = [m for m in micros if not m.padding]
+            assert [m.padding for m in micros] == [False] * len(real) + [pad] * pad
             if pad:
-                assert [m.weight for m in micros] == [0.0]
-                continue
-            assert sum(m.count for m in micros) == hi - lo
-            assert all(m.count <= plan.micro_batch for m in micros)
+                assert (micros[-1].count, micros[-1].weight) == (1, 0.0)
+            assert sum(m.count for m in real) == hi - lo
+            assert all(0 < m.count <= plan.micro_batch for m in real)
             covered.extend(range(lo, hi))
             weight_sum += sum(m.weight for m in micros)
         assert covered == list(range(start, stop))
+        assert len(counts) == 1  # every rank runs the same forwards
         # DDP divides the summed gradient by the world size: weights must add to W.
         assert weight_sum == pytest.approx(world)
 
@@ -83,12 +87,12 @@ def _rank_streams(n, world, micro, global_batch, epoch=0, start_step=0, seed=3):
 
 
 def _steps(plan, stream, n, rank):
-    """Split a rank's stream into (ids, is_padding) per step."""
+    """Split a rank's stream into (real ids, padding ids) per step."""
     pos, out = 0, []
     for step in range(plan.steps_in_epoch(n)):
         lo, hi, pad = plan.rank_positions(step, n, rank)
-        out.append((stream[pos:pos + hi - lo], pad))
-        pos += hi - lo
+        out.append((stream[pos:pos + hi - lo], stream[pos + hi - lo:pos + hi - lo + pad]))
+        pos += hi - lo + pad
     assert pos == len(stream)
     return out
 
@@ -97,9 +101,30 @@ def _steps(plan, stream, n, rank):
 @pytest.mark.parametrize("n", [101, 100, 7])
 def test_exactly_once_per_epoch_across_ranks(world, n):
     plan, streams = _rank_streams(n, world, 5, 20)
-    ids = [i for r, s in enumerate(streams) for chunk, pad in _steps(plan, s, n, r)
-           if not pad for i in chunk]
+    ids = [i for r, s in enumerate(streams) for chunk, _ in _steps(plan, s, n, r)
+           for i in chunk]
     assert sorted(ids) == list(range(n))
+
+
+@pytest.mark.parametrize("world,micro,g,n", [(2, 4, 16, 57), (4, 1, 4, 3), (2, 16, 64, 33),
+                                             (3, 2, 12, 50), (2, 5, 20, 101)])
+def test_same_micro_batch_count_on_every_rank_padding_with_the_steps_first_sample(
+        world, micro, g, n):
+    """The DataLoader cuts each rank's stream into micro-batches of `micro`: the padding
+    sample must land in a micro-batch of its own, and every rank gets as many."""
+    plan, streams = _rank_streams(n, world, micro, g)
+    order = epoch_order(n, 3, 0).tolist()
+    for step in range(plan.steps_in_epoch(n)):
+        loader_counts = set()
+        for r, s in enumerate(streams):
+            real, pad = _steps(plan, s, n, r)[step]
+            micros = plan.micro_batches(step, n, r)
+            chunks = [real[i:i + micro] for i in range(0, len(real), micro)] + (
+                [pad] if pad else [])
+            assert [len(c) for c in chunks] == [m.count for m in micros]
+            loader_counts.add(len(chunks))
+            assert pad in ([], [order[step * g]])
+        assert len(loader_counts) == 1
 
 
 @pytest.mark.parametrize("world,micro", [(1, 20), (2, 5), (4, 5), (2, 10)])
@@ -109,8 +134,7 @@ def test_step_k_sees_the_same_samples_whatever_the_world(world, micro):
     plan, streams = _rank_streams(n, world, micro, g)
     per_rank = [_steps(plan, s, n, r) for r, s in enumerate(streams)]
     for step in range(plan.steps_in_epoch(n)):
-        got = [i for r in range(world) for i in per_rank[r][step][0]
-               if not per_rank[r][step][1]]
+        got = [i for r in range(world) for i in per_rank[r][step][0]]
         assert got == order[step * g:(step + 1) * g]  # contiguous split: rank order = order
 
 
@@ -126,6 +150,8 @@ def test_padding_when_fewer_samples_than_ranks():
     plan, streams = _rank_streams(3, 4, 1, 4)
     assert [len(s) for s in streams] == [1, 1, 1, 1]
     assert plan.micro_batches(0, 3, 3)[0].weight == 0.0
+    assert plan.micro_batches(0, 3, 3)[0].padding
+    assert streams[3] == streams[0]  # the step's first sample
 
 
 def test_eval_sampler_is_contiguous_and_in_order():
@@ -157,8 +183,12 @@ def test_weighted_micro_gradients_equal_the_one_big_batch_gradient(world, micro,
             lo, hi, pad = plan.rank_positions(step, n, rank)
             pos = lo
             for m in plan.micro_batches(step, n, rank):
+                if m.padding:  # the step's first sample, weight 0: adds nothing
+                    total += grad_of([start], m.weight)
+                    continue
                 total += grad_of(list(range(pos, pos + m.count)), m.weight)
                 pos += m.count
+            assert pos == hi
         torch.testing.assert_close(total / world, full)  # DDP averages over ranks
 
 

@@ -55,7 +55,8 @@ def test_same_global_batch_as_one_process(tmp_path):
 
 def test_uneven_data_exactly_once_and_exact_validation(tmp_path):
     """103 samples, global 12 over 2 ranks x micro 3: the last step (7 samples) splits
-    4 + 3, so rank 0 runs micro-batches [3, 1] and rank 1 runs [3]: no hang, no padding."""
+    4 + 3, so rank 0 runs micro-batches [3, 1] and rank 1 runs [3] and a weight-0 padding
+    sample: no hang, and every sample once."""
     data = {"n_train": 103, "n_val": 31}
     trainer = {"epochs": 2, "train_batch_size": 12, "micro_batch_size": 3}
     ref = single(tmp_path, data, {**trainer, "micro_batch_size": 12})
@@ -95,20 +96,28 @@ def test_more_ranks_than_samples_in_the_last_step(tmp_path):
     assert ranks[1]["val"]["val"]["count"] == 3
 
 
-def test_train_step_with_its_own_collective_runs_with_drop_last(tmp_path):
-    """docs/multinode.md: a collective on every forward needs the same number of
-    micro-batches on every rank, which drop_last gives. Without it, the last step of
-    an epoch of 57 samples (9 = 5 + 4) would run 2 forwards on rank 0 and 1 on rank 1."""
+def test_train_step_with_its_own_collective_meets_its_partners(tmp_path):
+    """A collective on every forward (a contrastive loss's all-gather, SyncBatchNorm) needs
+    the same forwards on every rank. The last step of an epoch of 57 samples (9 = 5 + 4,
+    micro 4) runs [4, 1] on rank 0 and [4, padding] on rank 1."""
     plan = BatchPlan.create(16, 4, 2)
-    assert [len(plan.micro_batches(3, 57, r)) for r in range(2)] == [2, 1]
+    assert [m.padding for m in plan.micro_batches(3, 57, 1)] == [False, True]
     data = {"n_train": 57, "n_val": 0}
-    trainer = {"epochs": 2, "train_batch_size": 16, "micro_batch_size": 4, "drop_last": True}
+    trainer = {"epochs": 2, "train_batch_size": 16, "micro_batch_size": 4}
+    ref = single(tmp_path, data, {**trainer, "micro_batch_size": 16})
     ranks = ddp(tmp_path, data, trainer, kind="collective")
     for r in ranks:
-        forwards = [e for e in r["events"] if e[0] == "forward_samples"]
-        assert len(forwards) == 2 * 3 * 2  # epochs x steps x micro-batches
-        assert {e[2] for e in forwards} == {8.0}  # both ranks were in every forward
-        assert r["summary"]["global_step"] == 6
+        forwards = [e[2] for e in r["events"] if e[0] == "forward_samples"]
+        assert forwards == ([8.0] * 6 + [8.0, 2.0]) * 2  # both ranks in every forward
+        assert r["summary"]["global_step"] == 8
+    ids = [i for r in ranks for step in r["step_ids"][:4] for i in step]
+    assert sorted(ids) == list(range(57))  # the padding sample is not a sample seen
+    for key, value in ref.state_dict().items():  # weight 0: the gradient is unchanged
+        torch.testing.assert_close(ranks[1]["params"][key], value, rtol=1e-5, atol=1e-6)
+    # With drop_last the short step goes, and with it the padding.
+    (tmp_path / "drop").mkdir()
+    ranks = ddp(tmp_path / "drop", data, {**trainer, "drop_last": True}, kind="collective")
+    assert [e[2] for e in ranks[0]["events"] if e[0] == "forward_samples"] == [8.0] * 12
 
 
 def test_ddp_amp_composes_ddp_with_mixed_precision(tmp_path):

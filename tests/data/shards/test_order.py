@@ -43,11 +43,12 @@ def global_sequence(ds, world, workers, epoch, start_step=0, micro=3):
         plan, batches = rank_batches(ds, world, rank, workers, epoch, start_step, micro)
         steps, pos = [], 0
         for step in range(start_step, plan.steps_in_epoch(len(ds))):
-            counts = [m.count for m in plan.micro_batches(step, len(ds), rank)]
-            got = batches[pos:pos + len(counts)]
-            assert [len(b) for b in got] == counts, "a micro-batch differs from the plan"
-            steps.append(sum(got, []))
-            pos += len(counts)
+            micros = plan.micro_batches(step, len(ds), rank)
+            got = batches[pos:pos + len(micros)]
+            assert [len(b) for b in got] == [m.count for m in micros], \
+                "a micro-batch differs from the plan"
+            steps.append(sum((b for b, m in zip(got, micros) if not m.padding), []))
+            pos += len(micros)
         assert pos == len(batches)  # every rank ran exactly the planned micro-batches
         per_rank.append(steps)
     return [i for step in zip(*per_rank) for share in step for i in share]
