@@ -1,10 +1,10 @@
 """Data: the batch plan, resumable samplers and loaders, sharded datasets."""
 
 from .plan import BatchPlan, MicroBatch
-from .sampler import EvalSampler, ResumableSampler, epoch_order
+from .sampler import EvalSampler, ResumableSampler, epoch_order, sample_seed
 
 __all__ = ["BatchPlan", "EvalSampler", "MicroBatch", "ResumableSampler", "epoch_order",
-           "ShardDataset", "ShardError", "ShardWriter"]
+           "sample_seed", "ShardDataset", "ShardError", "ShardWriter"]
 
 
 def __getattr__(name: str):

@@ -24,6 +24,20 @@ def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -
     return np.random.default_rng([seed, epoch]).permutation(num_samples)
 
 
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """A 64-bit seed for sample ``index`` in ``epoch``: random augmentation drawn from it
+    is the same whichever rank, DataLoader worker or resumed run loads the sample.
+
+    Example (a dataset whose ``set_epoch`` the trainer calls before each epoch)::
+
+        def __getitem__(self, i):
+            g = torch.Generator().manual_seed(sample_seed(self.seed, self.epoch, i))
+            return self.images[i] + 0.1 * torch.randn(self.images[i].shape, generator=g)
+    """
+    state = np.random.SeedSequence([seed, epoch, index, 0x5A3D]).generate_state(2, np.uint32)
+    return int(state[0]) << 32 | int(state[1])
+
+
 EpochOrder = Callable[[int, int], np.ndarray]
 
 

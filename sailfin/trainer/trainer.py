@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from typing import Any, Iterable, Mapping, Optional
 
 import torch
@@ -146,6 +147,7 @@ class Trainer:
                                         self.backend.all_reduce_mean,
                                         getattr(self.train_sampler, "step_indices", None))
         self._params = [p for p in self.module.parameters() if p.requires_grad]
+        self._dataset_set_epoch = _dataset_set_epoch(self.train_loader)
         self._is_setup = True
 
     # -- one epoch -------------------------------------------------------------
@@ -172,6 +174,8 @@ class Trainer:
         self.train_sampler.set_epoch(self.epoch, self.step_in_epoch)
         module.train()
         module.on_begin_train_epoch(self.global_step, self.epoch)
+        if self._dataset_set_epoch is not None:  # before iter(): new workers copy it
+            self._dataset_set_epoch(self.epoch)
         seed_loader(self.train_loader, args.seed, self.epoch, rank)  # iter() leaves torch's RNG be
         batches = iter(self.train_loader)
         self._log_clock = (time.perf_counter(), self.samples_seen)
@@ -427,6 +431,20 @@ def _overridden(module: ModuleInterface, name: str) -> Any:
 def _state_key(callback: Callback) -> str:
     """Where a callback's state sits in a checkpoint: its ``state_key``, else its class name."""
     return getattr(callback, "state_key", type(callback).__name__)
+
+
+def _dataset_set_epoch(loader: Any) -> Optional[Any]:
+    """The training dataset's ``set_epoch``, if it has one: called before each epoch."""
+    set_epoch = getattr(getattr(loader, "dataset", None), "set_epoch", None)
+    if not callable(set_epoch):
+        return None
+    if getattr(loader, "persistent_workers", False) and getattr(loader, "num_workers", 0):
+        warnings.warn(
+            "the training dataset has set_epoch, but its DataLoader keeps persistent_workers: "
+            "the workers keep the dataset as it was when they started, so epoch-dependent "
+            "work in them (augmentation seeded by sample_seed) sees the first epoch only. "
+            "Build the loader with persistent_workers=False.", RuntimeWarning, stacklevel=3)
+    return set_epoch
 
 
 def _as_list(value: Any, what: str) -> list:
