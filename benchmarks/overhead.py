@@ -9,9 +9,13 @@ When installed (`pip install -e .[bench]`), Lightning's Trainer, Lightning
 Fabric and Accelerate run the same model in the same rounds, for comparison.
 
 Wall-clock ratios on a shared machine move by a few percent from run to run.
-``--instructions`` gives the deterministic figure: instructions per step of
-both loops counted by valgrind's callgrind, start-up cancelled out by
-subtracting a short run from a long one.
+``--instructions`` gives a figure that does not depend on the machine's load:
+instructions per step of both loops counted by valgrind's callgrind, start-up
+cancelled out by subtracting a short run from a long one. It still moves by
+about ±0.5 % of a step from run to run (memory layout, and output that is
+timed: under callgrind's ~50x slowdown the progress line and the stdout
+flush, each at most once a second, run far more often per step than they do
+at full speed, which counts against sailfin); compare several runs.
 
     python benchmarks/overhead.py [--pairs 9] [--steps 3000] [--threads 1]
     python benchmarks/overhead.py --instructions     # needs valgrind; about 10 minutes
@@ -178,7 +182,7 @@ OTHERS = {"lightning": ("lightning", run_lightning), "fabric": ("lightning", run
           "accelerate": ("accelerate", run_accelerate)}
 
 
-# -- the deterministic figure: instructions per step under callgrind ----------------------
+# -- the load-independent figure: instructions per step under callgrind ----------------
 def run_child(variant: str, steps: int) -> None:
     ds = make_data(steps)
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()), \
@@ -204,7 +208,8 @@ def count_instructions(short: int = 200, long: int = 600) -> None:
                        f"--callgrind-out-file={tmp}/{variant}-{steps}.out", sys.executable,
                        os.path.abspath(__file__), "--child", variant, str(steps)]
                 jobs[(variant, steps)] = subprocess.Popen(
-                    cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                    cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                    env={**os.environ, "PYTHONHASHSEED": "0"})  # the same dict layouts
         for key, proc in jobs.items():
             _, err = proc.communicate()
             found = re.search(r"Collected : (\d+)", err)
@@ -232,7 +237,8 @@ def main() -> None:
                         help="skip Lightning/Fabric/Accelerate even when installed")
     parser.add_argument("--instructions", action="store_true",
                         help="instead of timing, count instructions per step under "
-                             "valgrind's callgrind (deterministic; takes about 10 minutes)")
+                             "valgrind's callgrind (independent of the machine's load; "
+                             "about 10 minutes)")
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "STEPS"),
                         help=argparse.SUPPRESS)  # one run under callgrind
     opts = parser.parse_args()
