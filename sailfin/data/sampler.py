@@ -96,8 +96,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         for step in range(self.start_step, self.steps_in_epoch):
             lo, hi, pad = self.plan.rank_positions(step, self.num_samples, self.rank)
             yield lo, hi
-            if pad:
-                first = step * self.plan.global_batch
+            if pad:  # the step's first sample, with weight 0 (see BatchPlan)
+                first, _ = self.plan.step_positions(step, self.num_samples)
                 yield first, first + 1
 
     def epoch_order(self, epoch: Optional[int] = None) -> np.ndarray:

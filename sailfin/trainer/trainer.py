@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from typing import Any, Iterable, Mapping, Optional
 
 import torch
@@ -14,7 +13,6 @@ from ..checkpoint import build_checkpointer, resume
 from ..checkpoint.rng import seed_loader
 from ..config.trainer import TrainerArguments
 from ..data.plan import BatchPlan
-from ..data.sampler import EvalSampler, ResumableSampler
 from ..distributed import DistEnv
 from ..interfaces import ModuleInterface
 from ..logging import Writer
@@ -23,6 +21,7 @@ from ..utils.log import configure_logging
 from ..utils.seed import seed_everything
 from .callbacks import Callback
 from .checkpointing import checkpoint_callback
+from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
 from .nonfinite import NonFiniteGuard
 from .observe import build_observers
 from .run_stats import RunStats, peak_memory
@@ -118,10 +117,12 @@ class Trainer:
                                      args.max_train_steps_per_epoch)
         self.backend.setup(self.module)
         self.device = self.backend.device
-        self.train_loader, self.train_sampler = self._build_train_loader()
+        self.train_loader, self.train_sampler = build_train_loader(
+            self.module, self.plan, dist, args)
         self.num_train_samples = self.train_sampler.num_samples
         self.steps_per_epoch = self.plan.steps_in_epoch(self.num_train_samples)
-        self.val_loaders = self._build_val_loaders()
+        self.val_loaders = build_val_loaders(
+            self.module, args.val_batch_size or self.plan.micro_batch, dist)
         optimizers, schedulers = self.module.get_optimizers_schedulers(
             self.steps_per_epoch, args.epochs)
         self.optimizers = _as_list(optimizers, "optimizers")
@@ -147,7 +148,7 @@ class Trainer:
                                         self.backend.all_reduce_mean,
                                         getattr(self.train_sampler, "step_indices", None))
         self._params = [p for p in self.module.parameters() if p.requires_grad]
-        self._dataset_set_epoch = _dataset_set_epoch(self.train_loader)
+        self._dataset_set_epoch = dataset_set_epoch(self.train_loader)
         self._is_setup = True
 
     # -- one epoch -------------------------------------------------------------
@@ -346,49 +347,6 @@ class Trainer:
             if saved is not None and callable(getattr(callback, "load_state_dict", None)):
                 callback.load_state_dict(saved)
 
-    # -- building pieces -----------------------------------------------------------
-    def _build_train_loader(self) -> tuple[Any, ResumableSampler]:
-        made: list[ResumableSampler] = []
-
-        def sampler(dataset: Any) -> ResumableSampler:
-            # A dataset with its own epoch order (sharded data) keeps its reads local.
-            s = ResumableSampler(len(dataset), self.plan, self.dist.rank, self.args.seed,
-                                 self.args.shuffle, order=getattr(dataset, "epoch_order", None))
-            made.append(s)
-            return s
-
-        loader = self.module.get_train_dataloader(sampler, self.plan.micro_batch)
-        if not made:
-            raise ValueError(
-                "get_train_dataloader did not call sampler(dataset): build the loader with "
-                "DataLoader(dataset, batch_size=batch_size, sampler=sampler(dataset)) so "
-                "sailfin decides which samples form each optimizer step")
-        if getattr(loader, "batch_size", None) != self.plan.micro_batch or getattr(
-                loader, "drop_last", False):
-            raise ValueError(
-                f"get_train_dataloader must use batch_size={self.plan.micro_batch} (the "
-                f"batch_size argument) and drop_last=False; got batch_size="
-                f"{getattr(loader, 'batch_size', None)}, drop_last="
-                f"{getattr(loader, 'drop_last', None)}. Use trainer.drop_last instead.")
-        return loader, made[-1]
-
-    def _build_val_loaders(self) -> dict[str, Any]:
-        def sampler(dataset: Any) -> EvalSampler:
-            return EvalSampler(len(dataset), self.dist.rank, self.dist.world_size)
-
-        batch = self.args.val_batch_size or self.plan.micro_batch
-        try:
-            loaders = self.module.get_val_dataloaders(sampler, batch)
-        except NotImplementedError:
-            if type(self.module).get_val_dataloaders is not ModuleInterface.get_val_dataloaders:
-                raise
-            return {}  # no data attribute: the recipe has no validation data
-        if loaders is None:
-            return {}
-        if not isinstance(loaders, Mapping):
-            loaders = {"val": loaders}
-        return dict(loaders)
-
     # -- end of run ----------------------------------------------------------------------
     def _finish(self) -> dict[str, Any]:
         summary = {
@@ -431,20 +389,6 @@ def _overridden(module: ModuleInterface, name: str) -> Any:
 def _state_key(callback: Callback) -> str:
     """Where a callback's state sits in a checkpoint: its ``state_key``, else its class name."""
     return getattr(callback, "state_key", type(callback).__name__)
-
-
-def _dataset_set_epoch(loader: Any) -> Optional[Any]:
-    """The training dataset's ``set_epoch``, if it has one: called before each epoch."""
-    set_epoch = getattr(getattr(loader, "dataset", None), "set_epoch", None)
-    if not callable(set_epoch):
-        return None
-    if getattr(loader, "persistent_workers", False) and getattr(loader, "num_workers", 0):
-        warnings.warn(
-            "the training dataset has set_epoch, but its DataLoader keeps persistent_workers: "
-            "the workers keep the dataset as it was when they started, so epoch-dependent "
-            "work in them (augmentation seeded by sample_seed) sees the first epoch only. "
-            "Build the loader with persistent_workers=False.", RuntimeWarning, stacklevel=3)
-    return set_epoch
 
 
 def _as_list(value: Any, what: str) -> list:
