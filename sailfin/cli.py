@@ -46,16 +46,18 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         return 0
     from .checkpoint import CheckpointError
     from .trainer import Trainer
-    from .utils.seed import seed_everything
+    from .trainer.startup_checks import StartupCheckError
 
-    seed_everything(cfg.trainer.seed)  # the same initial weights on every run (and rank)
-    module = cfg.build()
+    module = cfg.build()  # seeds first: the same initial weights on every run (and rank)
     try:
         # The context manager leaves the process group on every path.
         with Trainer(module, cfg.trainer, hparams=cfg.to_dict()) as trainer:
             summary = trainer.train()
     except CheckpointError as exc:
         print(f"sailfin: checkpoint error: {exc}", file=sys.stderr)
+        return 2
+    except StartupCheckError as exc:  # the recipe returned something unusable, seen at start
+        print(f"sailfin: recipe error: {exc}", file=sys.stderr)
         return 2
     if not trainer.dist.is_main:
         return 0

@@ -65,10 +65,14 @@ class DataProcessor:
         stop = start + base + (1 if node_rank < extra else 0)
         return inputs[start:stop]
 
-    def multi_process_data(self, inputs: Iterable[Any], process_count: int = 1,
+    def multi_process_data(self, inputs: Iterable[Any], *args: Any, process_count: int = 1,
                            node_rank: Optional[int] = None, num_nodes: Optional[int] = None,
                            mp_context: Optional[str] = None) -> list:
         """Run :meth:`process` on each input (a tuple is spread as ``*args``).
+
+        Extra positional ``args`` follow every input, as in PyMarlin:
+        ``multi_process_data(files, out_dir, process_count=2)`` calls
+        ``process(file, out_dir)`` for each file.
 
         Returns the results in input order for this node's share. With
         ``process_count=1`` everything runs in this process. Each worker gets
@@ -82,19 +86,21 @@ class DataProcessor:
         copy in a bad state. The processor must be picklable for spawn, and
         state that :meth:`process` sets on ``self`` stays in the worker.
         """
-        if process_count < 1:
-            raise ValueError(f"process_count must be >= 1, got {process_count}")
+        if not isinstance(process_count, int) or process_count < 1:
+            raise ValueError(f"process_count must be an int >= 1, got {process_count!r} (pass "
+                             "it by name: multi_process_data(inputs, *extra_args, "
+                             "process_count=N))")
         share = self.node_share(list(inputs), node_rank, num_nodes)
-        args = [x if isinstance(x, tuple) else (x,) for x in share]
-        if process_count == 1 or len(args) <= 1:
-            results = [self.process(*a) for a in args]
+        calls = [(x if isinstance(x, tuple) else (x,)) + args for x in share]
+        if process_count == 1 or len(calls) <= 1:
+            results = [self.process(*a) for a in calls]
         else:
             ctx = multiprocessing.get_context(mp_context or _default_start_method())
-            workers = min(process_count, len(args))
-            chunk = math.ceil(len(args) / (workers * 8))
+            workers = min(process_count, len(calls))
+            chunk = math.ceil(len(calls) / (workers * 8))
             with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_set_worker_processor,
                                      initargs=(self,)) as pool:
-                results = list(pool.map(_call_worker_processor, args, chunksize=chunk))
+                results = list(pool.map(_call_worker_processor, calls, chunksize=chunk))
         self.analyze()
         return results
 

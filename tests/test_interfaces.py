@@ -37,7 +37,7 @@ def test_node_split_is_contiguous_and_complete():
 def test_bad_node_split_and_process_count():
     with pytest.raises(ValueError, match="node_rank=3, num_nodes=3"):
         Square(node_rank=3, num_nodes=3)
-    with pytest.raises(ValueError, match="process_count must be >= 1"):
+    with pytest.raises(ValueError, match="process_count must be an int >= 1"):
         Square().multi_process_data([1], process_count=0)
 
 

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from .checkpointer import Checkpointer, Loaded, say
+from .config_diff import check_config
 from .errors import CheckpointCorrupt, CheckpointError
+from .init_from import load_initial_weights
 from .metrics_log import last_logged_step, trim_metrics_log
 from .rng import derive_rng, restore_rng
 
@@ -22,7 +24,17 @@ if TYPE_CHECKING:
 
 
 def resume(trainer: "Trainer", checkpointer: Checkpointer) -> Optional[Loaded]:
-    """Apply ``trainer.args.resume`` (auto, never or a path); return what was loaded."""
+    """Apply ``trainer.args.resume`` (auto, never or a path); return what was loaded.
+
+    With nothing to resume, a new run starts from ``trainer.init_from``'s weights, if set.
+    """
+    loaded = _resume(trainer, checkpointer)
+    if loaded is None and trainer.args.init_from:
+        load_initial_weights(trainer, trainer.args.init_from)
+    return loaded
+
+
+def _resume(trainer: "Trainer", checkpointer: Checkpointer) -> Optional[Loaded]:
     mode = trainer.args.resume
     if mode == "never":
         existing = checkpointer.latest()
@@ -41,6 +53,8 @@ def resume(trainer: "Trainer", checkpointer: Checkpointer) -> Optional[Loaded]:
         if not _all_ranks(trainer, loaded is not None):
             raise error or CheckpointError(f"trainer.resume: another rank could not read {mode}")
         assert loaded is not None
+    # Before anything is restored: a changed config stops here, or is printed.
+    check_config(trainer, loaded.manifest, loaded.location, say)
     apply(trainer, loaded)
     return loaded
 

@@ -73,12 +73,25 @@ class RunConfig:
     trainer: TrainerArguments = field(default_factory=TrainerArguments)
 
     def build(self):
-        """Instantiate the data interface (if any) and the module, passing ``data=``."""
+        """Seed with ``trainer.seed``, then instantiate the data interface (if any) and the
+        module, passing ``data=``: the same initial weights on every run and rank, as
+        ``sailfin train`` builds them. The module keeps its sections as ``sailfin_config``,
+        so a resume can compare them with the checkpoint's."""
+        from ..utils.seed import seed_everything  # torch only when building
+
+        seed_everything(self.trainer.seed)
         data = None
         if self.data is not None:
             data = _instantiate(self.data, "data")
         extra = {"data": data} if data is not None else {}
-        return _instantiate(self.module, "module", extra)
+        module = _instantiate(self.module, "module", extra)
+        spec = {"module": dataclasses.asdict(self.module),
+                "data": dataclasses.asdict(self.data) if self.data is not None else None}
+        try:
+            module.sailfin_config = spec
+        except AttributeError:  # a class with __slots__: the resume check sees no recipe
+            pass
+        return module
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -74,13 +74,26 @@ class TrainerArguments:
     distributed: DistArguments = field(default_factory=DistArguments)
     """Rank discovery and process-group settings (``ddp`` backends)."""
 
-    # PyMarlin's names for the same settings.
-    _aliases = {"gpu_batch_size_limit": "micro_batch_size"}
+    # -- resume checks, starting from weights, PyMarlin's meanings, start-up checks --------
+    gpu_batch_size_limit: Optional[int] = None
+    """PyMarlin's ceiling on the micro batch: the micro batch is the largest size within it
+    that the global batch and world size allow (``micro_batch_size`` is exact instead)."""
+    max_val_steps_per_epoch: Optional[int] = None
+    """Validate on at most this many batches per validation set and rank (null: all)."""
+    sanity_val_batches: int = 1
+    """Validation batches run through ``val_step`` before the first training step, to catch
+    a broken ``val_step`` at once (0: off). Draws nothing from the training's random streams."""
+    init_from: Optional[str] = None
+    """Start a new run from these weights only (a checkpoint directory, a directory of them,
+    or a ``.safetensors`` file); not used when ``resume`` finds a checkpoint of this run."""
+    resume_config: Literal["check", "accept"] = "check"
+    """On resume, a config that differs from the checkpoint's in keys that define the
+    training stops the run (``check``); ``accept`` takes the new values and says which."""
 
     def __post_init__(self) -> None:
         positive = ["epochs", "train_batch_size", "log_every_n_steps"]
         optional_positive = ["max_steps", "max_train_steps_per_epoch", "micro_batch_size",
-                             "val_batch_size"]
+                             "val_batch_size", "gpu_batch_size_limit", "max_val_steps_per_epoch"]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
@@ -95,12 +108,23 @@ class TrainerArguments:
             raise ConfigError(
                 f"trainer.max_grad_norm must be > 0 or null (no clipping), got {self.max_grad_norm}")
         check_resume(self.resume)
+        if self.micro_batch_size is not None and self.gpu_batch_size_limit is not None:
+            raise ConfigError(
+                f"trainer.micro_batch_size ({self.micro_batch_size}, exact) and "
+                f"trainer.gpu_batch_size_limit ({self.gpu_batch_size_limit}, PyMarlin's "
+                "ceiling) are both set; keep one")
+        if self.sanity_val_batches < 0:
+            raise ConfigError(f"trainer.sanity_val_batches must be >= 0 (0: off), got "
+                              f"{self.sanity_val_batches}")
+        if self.init_from is not None and not self.init_from.strip():
+            raise ConfigError("trainer.init_from is empty; give a checkpoint directory or a "
+                              ".safetensors file, or null")
         if isinstance(self.checkpoint, dict):  # TrainerArguments(checkpoint={...}) from Python
             from .coerce import build_dataclass
             self.checkpoint = build_dataclass(CheckpointArguments, self.checkpoint,
                                               prefix="trainer.checkpoint.")
         hints = get_type_hints(type(self))
-        for name in ("amp_dtype", "compile_mode", "on_nonfinite"):  # also when built in Python
+        for name in ("amp_dtype", "compile_mode", "on_nonfinite", "resume_config"):  # also when built in Python
             allowed = get_args(hints[name])
             if getattr(self, name) not in allowed:
                 from .errors import suggest

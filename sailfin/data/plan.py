@@ -60,10 +60,15 @@ class BatchPlan:
 
     @classmethod
     def create(cls, global_batch: int, micro_batch: Optional[int], world_size: int,
-               drop_last: bool = False, max_steps_per_epoch: Optional[int] = None
-               ) -> "BatchPlan":
+               drop_last: bool = False, max_steps_per_epoch: Optional[int] = None,
+               micro_batch_limit: Optional[int] = None) -> "BatchPlan":
+        """``micro_batch`` is exact; ``micro_batch_limit`` (PyMarlin's
+        ``gpu_batch_size_limit``) is a ceiling: the largest micro batch within it
+        that divides this world's share of the global batch."""
         if world_size < 1:
             raise ConfigError(f"world size must be >= 1, got {world_size}")
+        if micro_batch is None and micro_batch_limit is not None:
+            micro_batch = largest_micro_batch(global_batch, world_size, micro_batch_limit)
         if micro_batch is None:
             if global_batch % world_size:
                 raise ConfigError(
@@ -106,6 +111,22 @@ class BatchPlan:
         return _micro_batches(self.micro_batch, self.world_size, stop - start, rank)
 
 
+def largest_micro_batch(global_batch: int, world_size: int, limit: int) -> int:
+    """The largest m <= ``limit`` with ``global_batch`` a multiple of m x ``world_size``.
+
+    Example: ``largest_micro_batch(64, 2, 64)`` is 32 (no accumulation);
+    ``largest_micro_batch(96, 1, 40)`` is 32 (3 accumulation steps).
+    """
+    if global_batch % world_size:
+        lower = global_batch - global_batch % world_size
+        raise ConfigError(
+            f"trainer.train_batch_size={global_batch} does not split over {world_size} "
+            f"devices, whatever the micro batch: use train_batch_size "
+            f"{' or '.join(str(x) for x in (lower, lower + world_size) if x > 0)}")
+    share = global_batch // world_size
+    return max(m for m in range(1, min(limit, share) + 1) if share % m == 0)
+
+
 def _split(n: int, parts: int, i: int) -> tuple[int, int]:
     """Part ``i`` of ``range(n)`` cut into ``parts`` contiguous, balanced pieces."""
     base, extra = divmod(n, parts)
@@ -135,7 +156,8 @@ def _suggestions(global_batch: int, micro: int, world: int) -> str:
     upper = lower + micro * world
     parts = []
     if near:
-        parts.append(f"micro_batch_size {' or '.join(map(str, sorted(near)))}")
+        parts.append(f"micro_batch_size {' or '.join(map(str, sorted(near)))} (or "
+                     f"gpu_batch_size_limit {micro}: the largest micro batch within it)")
     parts.append(f"train_batch_size {' or '.join(str(x) for x in (lower, upper) if x > 0)}")
     if global_batch % micro == 0:  # after a resize: the world sizes this batch allows
         worlds = [w for w in range(1, global_batch // micro + 1) if global_batch % (micro * w) == 0]

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 import torch
 
 from ..checkpoint import CheckpointError, Checkpointer, Snapshot
+from ..checkpoint.config_diff import recipe_spec
 from ..checkpoint.rng import rng_state
 from ..checkpoint.serialize import check_plain
 from ..config.checkpoint import CheckpointArguments
@@ -166,4 +167,6 @@ def manifest_facts(trainer: "Trainer", callback: CheckpointCallback,
         "torch_version": torch.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": dataclasses.asdict(args),
+        # The module: and data: sections, when known: a resume compares them.
+        "recipe": recipe_spec(trainer),
     }

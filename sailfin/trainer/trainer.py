@@ -25,8 +25,9 @@ from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
 from .nonfinite import NonFiniteGuard
 from .observe import build_observers
 from .run_stats import RunStats, peak_memory
+from .startup_checks import check_schedulers_fit, sanity_validate, train_output_checker
 from .outputs import save_final_weights, write_json_atomic
-from .validation import merge_outputs
+from .validation import merge_outputs, val_batches
 
 
 class Trainer:
@@ -60,12 +61,17 @@ class Trainer:
         self.summary: Optional[dict[str, Any]] = None  # set when train() finishes
         self._is_setup = False
         self._last_val_step = -1
+        self._check_first_output: Any = None  # checks the first train_step's return, once
 
     # -- the run ---------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         """Train for ``args.epochs`` (or until ``args.max_steps``); return the summary."""
         self.setup()
         args = self.args
+        # Fail now, not after an epoch: schedule length, val_step, the first train_step.
+        check_schedulers_fit(self)
+        sanity_validate(self)
+        self._check_first_output = train_output_checker(self.global_step)
         self._notify("on_train_start")
         try:
             while self.epoch < args.epochs and not self._reached_max_steps():
@@ -114,7 +120,8 @@ class Trainer:
         seed_everything(args.seed + dist.rank)  # per-rank streams (dropout) differ
         self.plan = BatchPlan.create(args.train_batch_size, args.micro_batch_size,
                                      dist.world_size, args.drop_last,
-                                     args.max_train_steps_per_epoch)
+                                     args.max_train_steps_per_epoch,
+                                     micro_batch_limit=args.gpu_batch_size_limit)
         self.backend.setup(self.module)
         self.device = self.backend.device
         self.train_loader, self.train_sampler = build_train_loader(
@@ -167,6 +174,7 @@ class Trainer:
         on_end_backward = _overridden(module, "on_end_backward")
         on_end_train_step = _overridden(module, "on_end_train_step")
         observe = self.nonfinite.observe
+        check = self._check_first_output  # None once the first train_step was checked
         # Every step but an epoch's last has the same shape: look it up once.
         full_steps = n // plan.global_batch
         full_micros = plan.micro_batches(0, n, rank) if full_steps else ()
@@ -189,6 +197,9 @@ class Trainer:
                     step_loss, stats = self._padding_micro_batch(batch, step_loss, stats)
                     continue
                 out = backend.train_step(module, self.global_step, batch, micro.last)
+                if check is not None:
+                    check(out)
+                    check = self._check_first_output = None
                 loss, stats = (out[0], out[1]) if type(out) is tuple else (out, None)
                 if micro.weight != 1.0:
                     # Weight by the micro-batch's share of the step: the summed
@@ -211,7 +222,7 @@ class Trainer:
             self.samples_seen += (global_batch if step < full_steps
                                   else n - step * global_batch)
             if on_end_train_step is not None:
-                on_end_train_step(self.global_step, step_loss, stats)
+                on_end_train_step(self.global_step, step_loss.detach(), stats)
             if self.global_step % log_every == 0:
                 self._log_train(step_loss, stats)
             for callback in step_callbacks:
@@ -289,7 +300,7 @@ class Trainer:
                 # Validating draws nothing from the training's random streams.
                 seed_loader(loader, self.args.seed, self.global_step, self.dist.rank)
                 local = merge_outputs([self.backend.val_step(self.module, self.global_step, b)
-                                       for b in loader])
+                                       for b in val_batches(loader, self.args)])
                 outputs = self.backend.gather_outputs(local)
                 metrics = self.module.on_end_val_epoch(self.global_step, outputs, name) or {}
                 metrics = {k: _scalar(v) for k, v in metrics.items()}

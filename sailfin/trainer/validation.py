@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+import itertools
+from typing import Any, Iterable
 
 import torch
+
+from ..config.trainer import TrainerArguments
+from .startup_checks import zero_dim_message
 
 
 def merge_outputs(batches: list[Any], where: str = "val_step") -> dict[str, Any]:
     """Merge per-batch ``val_step`` dicts into one dict, concatenating once per key.
 
-    Tensors are concatenated on their first dimension (0-d tensors are stacked);
+    Tensors are concatenated on their first dimension (a 0-d tensor is an error);
     lists are chained; any other value becomes a list with one entry per batch.
     """
     if not batches:
@@ -29,14 +33,20 @@ def merge_outputs(batches: list[Any], where: str = "val_step") -> dict[str, Any]
                              f"{sorted(keys)} before; return the same keys every batch")
         for k in keys:
             columns[k].append(out[k])
-    return {k: _concat(v) for k, v in columns.items()}
+    return {k: _concat(v, k, where) for k, v in columns.items()}
 
 
-def _concat(values: list[Any]) -> Any:
+def val_batches(loader: Iterable[Any], args: TrainerArguments) -> Iterable[Any]:
+    """The loader's batches, at most ``max_val_steps_per_epoch`` of them (this rank's)."""
+    limit = args.max_val_steps_per_epoch
+    return loader if limit is None else itertools.islice(loader, limit)
+
+
+def _concat(values: list[Any], key: str, where: str) -> Any:
     first = values[0]
     if isinstance(first, torch.Tensor):
-        if first.dim() == 0:
-            return torch.stack(values)
+        if first.dim() == 0:  # a batch mean would change the metric with the batch size
+            raise ValueError(zero_dim_message(where, key))
         return torch.cat(values)
     if isinstance(first, list):
         return [x for v in values for x in v]

@@ -125,7 +125,8 @@ def test_another_global_batch_mid_epoch_is_refused(tmp_path):
     run(tmp_path, crash_at=4, epochs=2, checkpoint=CKPT)
     with pytest.raises(CheckpointError, match="3 steps into epoch 0 with "
                                               "trainer.train_batch_size = 10; this run has 5"):
-        run(tmp_path, epochs=2, train_batch_size=5, micro_batch_size=5, checkpoint=CKPT)
+        run(tmp_path, epochs=2, train_batch_size=5, micro_batch_size=5, checkpoint=CKPT,
+            resume_config="accept")  # past the config check: the data position refuses it
 
 
 def test_another_model_is_refused_with_advice(tmp_path):

@@ -92,16 +92,27 @@ def test_unknown_writer_suggests():
         TrainerArguments(writers=["stdout", "jsonll"])
 
 
-def test_pymarlin_alias_for_micro_batch(tmp_path):
+def test_gpu_batch_size_limit_is_pymarlins_ceiling(tmp_path):
+    """Not an alias of micro_batch_size: a ceiling, kept as given (the plan resolves it)."""
     cfg = load_config(write(tmp_path, "trainer: {gpu_batch_size_limit: 8}\n"))
-    assert cfg.trainer.micro_batch_size == 8
-    cfg = load_config(None, ["--trainer.gpu_batch_size_limit", "4"])
-    assert cfg.trainer.micro_batch_size == 4
+    assert cfg.trainer.gpu_batch_size_limit == 8 and cfg.trainer.micro_batch_size is None
+    cfg = load_config(write(tmp_path, "trainer: {micro_batch_size: 8}\n"),
+                      ["--trainer.gpu_batch_size_limit", "4", "--trainer.micro_batch_size",
+                       "null"])
+    assert cfg.trainer.gpu_batch_size_limit == 4
+    assert TrainerArguments(gpu_batch_size_limit=16).gpu_batch_size_limit == 16
 
 
-def test_alias_and_name_together_is_an_error():
-    with pytest.raises(ConfigError, match="given twice"):
+def test_micro_batch_and_limit_together_is_one_clear_error(tmp_path):
+    message = r"micro_batch_size \(8, exact\) and trainer.gpu_batch_size_limit \(8, " \
+              r"PyMarlin's ceiling\) are both set; keep one"
+    with pytest.raises(ConfigError, match=message):
         from_dict({"trainer": {"gpu_batch_size_limit": 8, "micro_batch_size": 8}})
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, "trainer: {micro_batch_size: 8}\n"),
+                    ["--trainer.gpu_batch_size_limit", "8"])
+    with pytest.raises(ConfigError, match=message):
+        TrainerArguments(micro_batch_size=8, gpu_batch_size_limit=8)
 
 
 def test_override_of_a_whole_section_is_an_error():

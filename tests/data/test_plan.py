@@ -218,3 +218,41 @@ def test_step_indices_follow_the_dataset_order():
 
     sampler = ResumableSampler(10, plan, seed=0, order=reversed_order)
     assert sampler.step_indices(0, 1) == [5, 4, 3, 2]
+
+
+# -- gpu_batch_size_limit: PyMarlin's ceiling ---------------------------------------------
+@pytest.mark.parametrize("global_batch, world, limit, micro", [
+    (64, 1, 64, 64), (64, 2, 64, 32),    # a limit above the share: no accumulation
+    (96, 1, 40, 32), (100, 1, 16, 10),   # the largest divisor within the limit
+    (64, 2, 512, 32),                    # PyMarlin's default limit
+    (30, 4, 8, None)])                   # 30 does not split over 4
+def test_gpu_batch_size_limit_is_a_ceiling(global_batch, world, limit, micro):
+    from sailfin.data.plan import largest_micro_batch
+    if micro is None:
+        with pytest.raises(ConfigError, match="train_batch_size=30 does not split over 4 "
+                                              "devices, whatever the micro batch: use "
+                                              "train_batch_size 28 or 32"):
+            largest_micro_batch(global_batch, world, limit)
+        return
+    plan = BatchPlan.create(global_batch, None, world, micro_batch_limit=limit)
+    assert plan.micro_batch == micro and plan.micro_batch <= limit
+    assert plan.accumulation * micro * world == global_batch
+
+
+def test_the_digits_demo_config_plans_on_two_processes():
+    """README: torchrun --nproc-per-node 2 -m sailfin train examples/digits/config.yaml."""
+    from sailfin.config import load_config
+    trainer = load_config("examples/digits/config.yaml").trainer
+    plan = BatchPlan.create(trainer.train_batch_size, trainer.micro_batch_size, 2,
+                            micro_batch_limit=trainer.gpu_batch_size_limit)
+    assert (plan.micro_batch, plan.accumulation) == (32, 1)
+    one = BatchPlan.create(trainer.train_batch_size, trainer.micro_batch_size, 1,
+                           micro_batch_limit=trainer.gpu_batch_size_limit)
+    assert (one.micro_batch, one.accumulation) == (64, 1)
+
+
+def test_divisor_suggestion_names_the_ceiling_too():
+    with pytest.raises(ConfigError, match=r"use micro_batch_size 10 or 20 or 25 \(or "
+                                          r"gpu_batch_size_limit 16: the largest micro batch "
+                                          r"within it\), or train_batch_size 96 or 112"):
+        BatchPlan.create(100, 16, 1)

@@ -1,0 +1,155 @@
+"""Errors at the start, not after an epoch: the validation sanity batch, the first
+train_step's return, schedulers that cannot run as long as the run; and PyMarlin's
+gpu_batch_size_limit and max_val_steps_per_epoch through the trainer."""
+
+import pytest
+import torch
+from torch import nn
+
+from sailfin import Trainer
+from sailfin.trainer.startup_checks import StartupCheckError
+from tests.checkpoint.helpers import assert_same_params, metric_lines, params
+from tests.recipes import IdData, LinearRecipe, args
+
+
+class TupleVal(LinearRecipe):
+    def val_step(self, global_step, batch, device):  # PyMarlin's (loss, preds) form
+        ids, x, y = batch
+        pred = self(x)
+        return ((pred - y) ** 2).mean(), pred
+
+
+class MeanVal(LinearRecipe):
+    def val_step(self, global_step, batch, device):  # a batch mean: 0-d
+        ids, x, y = batch
+        return {"id": ids, "loss": ((self(x) - y) ** 2).mean()}
+
+
+class LogitsTrain(LinearRecipe):
+    def train_step(self, global_step, batch, device):  # PyMarlin's (loss, logits)
+        ids, x, y = batch
+        self.seen.append(ids.tolist())
+        pred = self(x)
+        return nn.functional.mse_loss(pred, y), pred
+
+
+class PerSampleTrain(LinearRecipe):
+    def train_step(self, global_step, batch, device):
+        ids, x, y = batch
+        self.seen.append(ids.tolist())
+        return (self(x) - y) ** 2
+
+
+class SeesLoss(LinearRecipe):
+    def on_end_train_step(self, global_step, loss, stats):
+        self.events.append(("loss", loss.requires_grad, loss.grad_fn))
+
+
+def train(module, tmp_path, **kw):
+    return Trainer(module, args(tmp_path, **kw)).train()
+
+
+def test_a_val_step_of_the_wrong_type_fails_before_the_first_step(tmp_path):
+    module = TupleVal(IdData(40, 10))
+    with pytest.raises(StartupCheckError, match=r"val_step \(validation set 'val', sanity "
+                                                r"check before training.*returned tuple"):
+        train(module, tmp_path, epochs=2)
+    assert module.seen == []  # no training step ran
+
+
+def test_a_zero_dim_val_output_is_explained(tmp_path):
+    module = MeanVal(IdData(40, 10))
+    with pytest.raises(StartupCheckError, match=r"(?s)0-d tensor for 'loss'.*per-sample.*"
+                                                r"reduction='none'.*world size"):
+        train(module, tmp_path)
+    assert module.seen == []
+    # With the sanity check off, validation itself refuses it (never stacked silently).
+    with pytest.raises(ValueError, match="0-d tensor for 'loss'"):
+        train(MeanVal(IdData(40, 10)), tmp_path / "off", sanity_val_batches=0)
+
+
+def test_the_sanity_check_leaves_the_run_bit_identical(tmp_path):
+    """Dropout draws from torch's stream: the sanity batch must not move it."""
+    runs = {}
+    for n in (0, 2):
+        module = LinearRecipe(IdData(47, 9), dropout=0.3, momentum=0.9)
+        train(module, tmp_path / str(n), epochs=2, sanity_val_batches=n, val_batch_size=4)
+        runs[n] = module
+    assert_same_params(params(runs[0]), params(runs[2]))
+    assert metric_lines(tmp_path / "0") == metric_lines(tmp_path / "2")
+    assert runs[0].events == runs[2].events  # no extra on_end_val_epoch
+
+
+def test_train_step_returning_loss_and_logits_says_which_forms_are_accepted(tmp_path):
+    module = LogitsTrain(IdData(40, 10))
+    with pytest.raises(StartupCheckError, match=r"(?s)train_step \(step 1, the run's first\) "
+                                                r"returned a tuple \(Tensor of shape \[\], "
+                                                r"Tensor of shape \[10\]\).*mean loss.*"
+                                                r"\(loss, \{name: scalar tensor\}\)"):
+        train(module, tmp_path)
+    assert len(module.seen) == 1  # stopped at the first micro-batch, before any update
+
+
+def test_a_per_sample_train_loss_is_refused_at_the_first_step(tmp_path):
+    with pytest.raises(StartupCheckError, match=r"loss of shape \[10\]; return the batch's "
+                                                r"MEAN loss"):
+        train(PerSampleTrain(IdData(40, 10)), tmp_path)
+
+
+def test_on_end_train_step_receives_a_detached_loss(tmp_path):
+    module = SeesLoss(IdData(40, 10))
+    train(module, tmp_path)
+    seen = [e for e in module.events if e[0] == "loss"]
+    assert len(seen) == 4 and all(e == ("loss", False, None) for e in seen)
+
+
+def test_gpu_batch_size_limit_from_python_is_a_ceiling(tmp_path):
+    module = LinearRecipe(IdData(40, 10))
+    trainer = Trainer(module, args(tmp_path, train_batch_size=12, micro_batch_size=None,
+                                   gpu_batch_size_limit=5))
+    trainer.train()
+    assert (trainer.plan.micro_batch, trainer.plan.accumulation) == (4, 3)
+    assert [len(ids) for ids in module.seen[:3]] == [4, 4, 4]
+
+
+def test_max_val_steps_per_epoch_caps_validation(tmp_path):
+    module = LinearRecipe(IdData(40, 30))
+    summary = train(module, tmp_path, val_batch_size=4, max_val_steps_per_epoch=2)
+    assert summary["val"]["count"] == 8
+
+
+class OneCycle(LinearRecipe):
+    def get_optimizers_schedulers(self, estimated_global_steps_per_epoch, epochs):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        total = estimated_global_steps_per_epoch * epochs
+        return [opt], [torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=self.lr,
+                                                           total_steps=total)]
+
+
+def test_extending_a_one_cycle_run_stops_before_the_first_step(tmp_path):
+    train(OneCycle(IdData(40, 10)), tmp_path, epochs=2)
+    module = OneCycle(IdData(40, 10))
+    with pytest.raises(StartupCheckError, match=r"(?s)scheduler 0 \(OneCycleLR\) was built for "
+                                                r"total_steps=8 and has taken 8; this run takes "
+                                                r"4 more.*cannot be extended.*"
+                                                r"--trainer.init_from .*step-00000008 "
+                                                r"--trainer.output_dir NEW_DIR"):
+        train(module, tmp_path, epochs=3)
+    assert module.seen == []
+
+
+def test_a_one_cycle_schedule_shorter_than_a_fresh_run_is_caught(tmp_path):
+    class Short(OneCycle):
+        def get_optimizers_schedulers(self, estimated_global_steps_per_epoch, epochs):
+            return super().get_optimizers_schedulers(estimated_global_steps_per_epoch, 1)
+
+    with pytest.raises(StartupCheckError, match="Build it with total_steps = "
+                                                "estimated_global_steps_per_epoch \\* epochs"):
+        train(Short(IdData(40, 10)), tmp_path, epochs=2)
+
+
+def test_a_finished_run_with_fewer_epochs_says_nothing_is_left(tmp_path, capfd):
+    train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=2)
+    train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=1)
+    assert "nothing left to train: the checkpoint is at step 8 (epoch 2)" in \
+        capfd.readouterr().err
