@@ -27,6 +27,22 @@ def test_multi_process_keeps_input_order(workers):
     assert out == [i * i for i in range(20)] + [109]
 
 
+class Tag(DataProcessor):
+    def process(self, path, kind, suffix="!"):
+        return f"{kind}:{path}{suffix}"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_multi_process_takes_pymarlins_extra_arguments(workers):
+    """PyMarlin's form: multi_process_data(files, "text", process_count=2) calls
+    process(file, "text") for each file."""
+    out = Tag().multi_process_data(["a", "b", "c"], "text", process_count=workers)
+    assert out == ["text:a!", "text:b!", "text:c!"]
+    assert Tag().multi_process_data([("a", "csv")], "?") == ["csv:a?"]  # tuple, then extras
+    with pytest.raises(ValueError, match="pass it by name"):
+        Tag().multi_process_data(["a"], "text", process_count="2")
+
+
 def test_node_split_is_contiguous_and_complete():
     inputs = list(range(10))
     shares = [Square(node_rank=r, num_nodes=3).multi_process_data(inputs) for r in range(3)]

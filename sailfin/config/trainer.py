@@ -112,7 +112,8 @@ class TrainerArguments:
             raise ConfigError(
                 f"trainer.micro_batch_size ({self.micro_batch_size}, exact) and "
                 f"trainer.gpu_batch_size_limit ({self.gpu_batch_size_limit}, PyMarlin's "
-                "ceiling) are both set; keep one")
+                "ceiling) are both set; keep one (on the command line: "
+                "--trainer.micro_batch_size null --trainer.gpu_batch_size_limit N)")
         if self.sanity_val_batches < 0:
             raise ConfigError(f"trainer.sanity_val_batches must be >= 0 (0: off), got "
                               f"{self.sanity_val_batches}")

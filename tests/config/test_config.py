@@ -168,3 +168,27 @@ def test_config_package_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+class Unseeded:
+    """A module-like class whose weights come from torch's global stream."""
+
+    def __init__(self, width: int = 3) -> None:
+        import torch
+        self.weight = torch.randn(width)
+
+
+def test_build_seeds_before_building_so_python_reproduces_the_cli():
+    """README: sailfin.Trainer(cfg.build(), cfg.trainer).train() -- the same initial weights
+    on every run, whatever drew from the random streams before."""
+    import torch
+    cfg = from_dict({"module": {"class_path": "tests.config.test_config.Unseeded"},
+                     "trainer": {"seed": 5}})
+    torch.manual_seed(123)
+    first = cfg.build().weight
+    torch.randn(10)
+    assert torch.equal(cfg.build().weight, first)
+    assert cfg.build().sailfin_config["module"]["class_path"] == \
+        "tests.config.test_config.Unseeded"
+    torch.manual_seed(5)
+    assert torch.equal(torch.randn(3), first)  # seeded with trainer.seed
