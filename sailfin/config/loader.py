@@ -143,9 +143,27 @@ def load_config(path: Optional[str | os.PathLike] = None,
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping with sections "
                               f"{', '.join(SECTIONS)}; got {type(raw).__name__}")
-    for key, text in parse_overrides(overrides):
+    pairs = parse_overrides(overrides)
+    for key, text in pairs:
+        _replace_per_device_batch(raw, key, [k for k, _ in pairs])
         apply_override(raw, key, text)
     return from_dict(raw)
+
+
+# One setting in two spellings: the exact micro batch, or PyMarlin's ceiling.
+_PER_DEVICE_BATCH = ("micro_batch_size", "gpu_batch_size_limit")
+
+
+def _replace_per_device_batch(raw: dict, dotted: str, given: list[str]) -> None:
+    """``--trainer.gpu_batch_size_limit`` on the command line replaces the file's
+    ``micro_batch_size`` (and the reverse); both on the command line stay an error."""
+    section, _, key = dotted.partition(".")
+    if section != "trainer" or key not in _PER_DEVICE_BATCH or not isinstance(
+            raw.get("trainer"), dict):
+        return
+    other = _PER_DEVICE_BATCH[1 - _PER_DEVICE_BATCH.index(key)]
+    if f"trainer.{other}" not in given:
+        raw["trainer"].pop(other, None)
 
 
 def from_dict(raw: dict) -> RunConfig:

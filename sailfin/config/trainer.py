@@ -112,8 +112,7 @@ class TrainerArguments:
             raise ConfigError(
                 f"trainer.micro_batch_size ({self.micro_batch_size}, exact) and "
                 f"trainer.gpu_batch_size_limit ({self.gpu_batch_size_limit}, PyMarlin's "
-                "ceiling) are both set; keep one (on the command line: "
-                "--trainer.micro_batch_size null --trainer.gpu_batch_size_limit N)")
+                "ceiling) are both set; keep one")
         if self.sanity_val_batches < 0:
             raise ConfigError(f"trainer.sanity_val_batches must be >= 0 (0: off), got "
                               f"{self.sanity_val_batches}")
@@ -125,7 +124,8 @@ class TrainerArguments:
             self.checkpoint = build_dataclass(CheckpointArguments, self.checkpoint,
                                               prefix="trainer.checkpoint.")
         hints = get_type_hints(type(self))
-        for name in ("amp_dtype", "compile_mode", "on_nonfinite", "resume_config"):  # also when built in Python
+        for name in ("amp_dtype", "compile_mode", "on_nonfinite",
+                     "resume_config"):  # also when built in Python
             allowed = get_args(hints[name])
             if getattr(self, name) not in allowed:
                 from .errors import suggest

@@ -96,10 +96,13 @@ def test_gpu_batch_size_limit_is_pymarlins_ceiling(tmp_path):
     """Not an alias of micro_batch_size: a ceiling, kept as given (the plan resolves it)."""
     cfg = load_config(write(tmp_path, "trainer: {gpu_batch_size_limit: 8}\n"))
     assert cfg.trainer.gpu_batch_size_limit == 8 and cfg.trainer.micro_batch_size is None
+    # On the command line, one spelling replaces the file's other one.
     cfg = load_config(write(tmp_path, "trainer: {micro_batch_size: 8}\n"),
-                      ["--trainer.gpu_batch_size_limit", "4", "--trainer.micro_batch_size",
-                       "null"])
-    assert cfg.trainer.gpu_batch_size_limit == 4
+                      ["--trainer.gpu_batch_size_limit", "4"])
+    assert (cfg.trainer.gpu_batch_size_limit, cfg.trainer.micro_batch_size) == (4, None)
+    cfg = load_config(write(tmp_path, "trainer: {gpu_batch_size_limit: 8}\n"),
+                      ["--trainer.micro_batch_size=2"])
+    assert (cfg.trainer.gpu_batch_size_limit, cfg.trainer.micro_batch_size) == (None, 2)
     assert TrainerArguments(gpu_batch_size_limit=16).gpu_batch_size_limit == 16
 
 
@@ -109,8 +112,8 @@ def test_micro_batch_and_limit_together_is_one_clear_error(tmp_path):
     with pytest.raises(ConfigError, match=message):
         from_dict({"trainer": {"gpu_batch_size_limit": 8, "micro_batch_size": 8}})
     with pytest.raises(ConfigError, match=message):
-        load_config(write(tmp_path, "trainer: {micro_batch_size: 8}\n"),
-                    ["--trainer.gpu_batch_size_limit", "8"])
+        load_config(None, ["--trainer.gpu_batch_size_limit", "8", "--trainer.micro_batch_size",
+                           "8"])
     with pytest.raises(ConfigError, match=message):
         TrainerArguments(micro_batch_size=8, gpu_batch_size_limit=8)
 
