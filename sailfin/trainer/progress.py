@@ -122,6 +122,7 @@ class Progress(Writer, Callback):
         total = trainer.steps_per_epoch * args.epochs
         if args.max_steps is not None:
             total = min(total, args.max_steps)
+        total = max(total, trainer.global_step)  # a resumed run already past its new end
         self._total, self._epochs = total, args.epochs
         self._start = time.perf_counter()
         self._start_samples = trainer.samples_seen

@@ -153,3 +153,12 @@ def test_a_finished_run_with_fewer_epochs_says_nothing_is_left(tmp_path, capfd):
     train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=1)
     assert "nothing left to train: the checkpoint is at step 8 (epoch 2)" in \
         capfd.readouterr().err
+
+
+def test_progress_never_passes_100_percent_after_fewer_epochs(tmp_path, capsys):
+    """The digits demo re-run with --trainer.epochs 3 printed 'step 345/69 (500%)'."""
+    train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=3, progress="lines")
+    capsys.readouterr()
+    train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=1, progress="lines")
+    out = capsys.readouterr().out
+    assert "step 12/12 (100%)" in out and "12/4" not in out
