@@ -115,7 +115,7 @@ def spread(values: Sequence[float]) -> str:
             f"max {max(values):.3f}, n={len(values)})")
 
 
-def summary(bench: str, what: str, values: Sequence[float], load: Load, threads: int,
+def summary(bench: str, what: str, values: Sequence[float], load: Load, threads: object,
             extra: str = "") -> str:
     """The one line to look for: ``SUMMARY <bench>: <what> = median ... | threads | load``."""
     load.finish()
