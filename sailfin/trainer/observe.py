@@ -65,7 +65,7 @@ def build_observers(args: TrainerArguments, dist: DistEnv,
         made.append(StepProfiler(
             start, end, os.path.join(args.output_dir, "profile"), rank=dist.rank,
             stream=progress.console() if progress is not None else None))
-    if args.compile:  # is compiling paying? measured once, said in the log
+    if args.compile and args.compile_check:  # is compiling paying? measured once, in the log
         made.append(CompileCheck())
     return Observers(built, made)
 

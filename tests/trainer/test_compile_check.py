@@ -88,6 +88,9 @@ def test_short_runs_and_compile_off_say_nothing():
     on = build_observers(args("/tmp/unused", writers=[], progress="none", compile=True),
                          DistEnv(), writers=[])
     assert any(isinstance(c, CompileCheck) for c in on.callbacks)
+    unchecked = build_observers(args("/tmp/unused", writers=[], progress="none", compile=True,
+                                     compile_check=False), DistEnv(), writers=[])
+    assert not any(isinstance(c, CompileCheck) for c in unchecked.callbacks)
 
 
 def test_trainer_with_compile_runs_the_check(tmp_path, monkeypatch, caplog):
