@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -53,6 +53,21 @@ def compile_verdict(compiled: list[float], eager: list[float], first_step: Optio
                   f"{e * 1000:.2f} ms ({speedup:.2f}x faster){first}{payback}")
 
 
+class EagerStance:
+    """``stance(True)`` runs compiled code eagerly from now on; ``stance(False)`` puts back
+    the stance that was in force before (the application's own, if it set one)."""
+
+    def __init__(self) -> None:
+        self._context: Optional[Any] = None
+
+    def __call__(self, eager: bool) -> None:
+        if eager and self._context is None:
+            self._context = torch.compiler.set_stance("force_eager")  # in force at once
+        elif not eager and self._context is not None:
+            self._context.__exit__(None, None, None)  # the previous stance again
+            self._context = None
+
+
 class CompileCheck(Callback):
     """Times compiled against eager training steps once, and warns when compiling loses.
 
@@ -67,11 +82,11 @@ class CompileCheck(Callback):
 
     def __init__(self, warmup: Optional[int] = None, window: Optional[int] = None,
                  clock: Callable[[], float] = time.perf_counter,
-                 stance: Optional[Callable[[str], None]] = None) -> None:
+                 stance: Optional[Callable[[bool], None]] = None) -> None:
         self.warmup = WARMUP_STEPS if warmup is None else warmup
         self.window = WINDOW_STEPS if window is None else window
         self.clock = clock
-        self.stance = stance or (lambda name: torch.compiler.set_stance(name))
+        self.stance = stance or EagerStance()
         self.eager = False
         self.times: dict[int, float] = {}  # global step -> when it ended
         self.started: Optional[float] = None
@@ -84,12 +99,11 @@ class CompileCheck(Callback):
 
     def _set(self, eager: bool) -> None:
         if eager != self.eager:
-            self.stance("force_eager" if eager else "default")
+            self.stance(eager)
             self.eager = eager
 
     def on_train_start(self, trainer: "Trainer") -> None:
-        self.eager = not self._eager_window(trainer.global_step + 1)  # force the first call
-        self._set(not self.eager)
+        self._set(self._eager_window(trainer.global_step + 1))
         self.started = self.clock()
         self.first_step_at = trainer.global_step + 1
 

@@ -46,7 +46,7 @@ def test_verdict_from_step_times(caplog, compiled_s, eager_s, pays):
         modes = run(check, clock, 20, lambda s, eager: 5.0 if s == 1 else
                     (eager_s if eager else compiled_s))
     assert [s for s, eager in modes.items() if eager] == [6, 7]  # (3 + 2, 3 + 4]
-    assert stances == ["default", "force_eager", "default"]  # once in, once out
+    assert stances == [True, False]  # once in, once out
     assert check.verdict[0] is pays
     message = check.verdict[1]
     assert f"{compiled_s * 1000:.2f} ms" in message and f"{eager_s * 1000:.2f} ms" in message
@@ -63,7 +63,7 @@ def test_verdict_from_step_times(caplog, compiled_s, eager_s, pays):
 def test_one_slow_step_does_not_decide(caplog):
     """Medians: a checkpoint or log step inside a window does not flip the verdict."""
     clock = FakeClock()
-    check = CompileCheck(warmup=2, window=3, clock=clock, stance=lambda name: None)
+    check = CompileCheck(warmup=2, window=3, clock=clock, stance=lambda eager: None)
     run(check, clock, 12, lambda s, eager: 1.0 if s == 4 else (0.02 if eager else 0.01))
     assert check.verdict[0] is True
 
@@ -73,14 +73,14 @@ def test_a_resumed_run_takes_the_same_steps_eagerly():
     check = CompileCheck(warmup=3, window=2, clock=clock, stance=stances.append)
     modes = run(check, clock, 12, lambda s, eager: 0.01, start=6)  # resumed after step 6
     assert [s for s, eager in modes.items() if eager] == [7]
-    assert stances == ["force_eager", "default"]
+    assert stances == [True, False]
     assert check.verdict is None  # no whole measurement in this process: no claim
 
 
 def test_short_runs_and_compile_off_say_nothing():
     assert compile_verdict([0.01], [0.01], None)[0] is True
     clock = FakeClock()
-    check = CompileCheck(warmup=8, window=4, clock=clock, stance=lambda name: None)
+    check = CompileCheck(warmup=8, window=4, clock=clock, stance=lambda eager: None)
     run(check, clock, 10, lambda s, eager: 0.01)
     assert check.verdict is None
     off = build_observers(args("/tmp/unused", writers=[], progress="none"), DistEnv(), writers=[])
@@ -91,6 +91,18 @@ def test_short_runs_and_compile_off_say_nothing():
     unchecked = build_observers(args("/tmp/unused", writers=[], progress="none", compile=True,
                                      compile_check=False), DistEnv(), writers=[])
     assert not any(isinstance(c, CompileCheck) for c in unchecked.callbacks)
+
+
+def test_eager_stance_restores_the_previous_one():
+    from sailfin.trainer.compile_check import EagerStance
+    from torch._dynamo import eval_frame
+
+    before = eval_frame._stance.stance
+    stance = EagerStance()
+    stance(True)
+    assert eval_frame._stance.stance == "force_eager"
+    stance(False)
+    assert eval_frame._stance.stance == before
 
 
 def test_trainer_with_compile_runs_the_check(tmp_path, monkeypatch, caplog):
