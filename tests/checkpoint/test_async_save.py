@@ -103,3 +103,19 @@ def test_async_save_leaves_only_the_copy_on_the_steps_path(tmp_path):
     loaded = ckpt.load(ckpt.latest())
     assert torch.equal(loaded.shared["model"]["w"], before)
     assert torch.equal(loaded.rank_state["torch"], snapshot.rank_state["torch"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_staging_cuda_tensors_go_to_pinned_memory_without_blocking():
+    state = {"w": torch.randn(256, 256, device="cuda"), "b": torch.zeros(3, device="cuda")}
+    before = state["w"].cpu()
+    staging = StagingBuffers()
+    copy = staging.copy(state)
+    state["w"].add_(1.0)  # queued behind the copy on the same stream
+    staging.ready()
+    assert copy["w"].device.type == "cpu" and copy["w"].is_pinned()
+    assert torch.equal(copy["w"], before)
+    again = staging.copy(state)  # the same pinned buffer, refilled
+    staging.ready()
+    assert again["w"].untyped_storage().data_ptr() == copy["w"].untyped_storage().data_ptr()
+    assert torch.equal(again["w"], state["w"].cpu())
