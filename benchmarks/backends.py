@@ -7,8 +7,9 @@ and bf16 compiled (``trainer.compile: true``). Each first runs a few warm-up
 steps (for the compiled ones that is where compilation happens: its time is
 reported on its own), then the four take turns, ``--rounds`` times, in an
 order that reverses every round (A B C D, D C B A, ...) so machine noise hits
-all alike. Figures are medians over rounds; ratios are against fp32 eager in
-the same round. The line "compile pays ..." says after how many steps the
+all alike. Every clock is the trainer's own loop time (``train_seconds``: set-up
+excluded, the same for every config). Figures are medians over rounds of the
+per-round ratio against fp32 eager in the same round. The line "compile pays ..." says after how many steps the
 compile time is won back, or that it is not. Compilation starts from an empty
 inductor cache (``--warm-cache`` keeps yours), so its time is a first run's.
 
@@ -36,6 +37,9 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _measure import add_load_options, start, summary  # noqa: E402
 
 from sailfin import Trainer, TrainerArguments  # noqa: E402
 from sailfin.backends.checkpointing import apply_activation_checkpointing  # noqa: E402
@@ -43,8 +47,10 @@ from sailfin.backends.checkpointing import apply_activation_checkpointing  # noq
 CONFIGS = {  # name -> trainer keys
     "fp32 eager": dict(backend="sp"),
     "bf16 eager": dict(backend="sp-amp", amp_dtype="bfloat16"),
-    "fp32 compiled": dict(backend="sp", compile=True),
-    "bf16 compiled": dict(backend="sp-amp", amp_dtype="bfloat16", compile=True),
+    # compile_check off: its eager window would be timed as compiled steps here
+    "fp32 compiled": dict(backend="sp", compile=True, compile_check=False),
+    "bf16 compiled": dict(backend="sp-amp", amp_dtype="bfloat16", compile=True,
+                          compile_check=False),
 }
 
 
@@ -97,7 +103,9 @@ class Runner:
         return out["loss"].float().mean().item()
 
 
-def bench_workload(name: str, rounds: int, out_dir: str, compile_: bool) -> None:
+def bench_workload(name: str, rounds: int, out_dir: str, compile_: bool
+                   ) -> dict[str, list[float]]:
+    """Print the workload's table; return config -> per-round ratios to fp32 eager."""
     make, steps, warmup = WORKLOADS[name]
     make_module, batch = make()
     configs = {k: v for k, v in CONFIGS.items() if compile_ or not v.get("compile")}
@@ -145,6 +153,7 @@ def bench_workload(name: str, rounds: int, out_dir: str, compile_: bool) -> None
             print(f"- {precision}: compile pays on {name} after ~{after:,.0f} steps "
                   f"(~{after * eager_step / 60:.1f} min of eager training): compiled runs at "
                   f"{speedup:.2f}x eager ({spread}) after {compile_s:.0f} s of compilation")
+    return {k: ratios(k, "fp32 eager") for k in runners}
 
 
 # -- activation checkpointing: memory and time at a long context ---------------------------
@@ -208,7 +217,9 @@ def main() -> None:
     parser.add_argument("--warm-cache", action="store_true",
                         help="keep inductor's on-disk cache (default: a fresh one, so the "
                              "compile time is what a first run pays)")
+    add_load_options(parser)
     opts = parser.parse_args()
+    load = start(opts, "backends.py")
     cache = None if opts.warm_cache else tempfile.TemporaryDirectory()
     if cache is not None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache.name
@@ -220,7 +231,11 @@ def main() -> None:
         for name in opts.workloads.split(","):
             if name not in WORKLOADS:
                 parser.error(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
-            bench_workload(name, opts.rounds, out, not opts.no_compile)
+            found = bench_workload(name, opts.rounds, out, not opts.no_compile)
+            rest = "; ".join(f"{k} {statistics.median(v):.3f}" for k, v in found.items()
+                             if k not in ("fp32 eager", "bf16 eager"))
+            summary("backends.py", f"{name} bf16 eager / fp32 eager steps/s (per-round)",
+                    found["bf16 eager"], load, opts.threads, extra=rest)
     if opts.long_context:
         bench_checkpointing(opts.long_context, max(3, opts.rounds))
     if cache is not None:

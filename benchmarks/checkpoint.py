@@ -6,7 +6,12 @@ start vs the end of an epoch.
    and once with ``true``, interleaved (A B, B A, ...). The stall of a save is the
    time training waits for it (``CheckpointCallback.stall_seconds``): the whole
    write for a sync save; the copy to CPU memory (plus any wait for the previous
-   save) for an async one. The figure is the ratio of the medians.
+   save) for an async one. The figure is the median over rounds of the per-round
+   ratio (median async stall / median sync stall of that round). A third arm
+   trains without saves in the same rounds: (run time - the no-save run's) /
+   saves is a save's true cost, whatever it does in the background (a
+   background write still takes CPU and memory bandwidth from training). Every
+   clock starts after ``Trainer.setup()``.
 
 2. Resume. A 100k-sample epoch of 6250 steps is checkpointed after its first
    step and before its last; a fresh trainer resumes from each in turn
@@ -18,7 +23,7 @@ start vs the end of an epoch.
    first step includes planning the rest of the epoch's sample order, which is
    less work near its end: a resume never costs more than starting an epoch.)
 
-    python benchmarks/checkpoint.py [--rounds 5] [--threads 1]
+    python benchmarks/checkpoint.py [--rounds 5] [--threads 1] [--no-resume]
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _measure import add_load_options, interleave, spread, start, summary  # noqa: E402
 
 from sailfin import Callback, DataInterface, ModuleInterface, Trainer, TrainerArguments  # noqa
 from sailfin.config import CheckpointArguments  # noqa: E402
@@ -74,19 +82,22 @@ class Recipe(ModuleInterface):
 BIG = [1024, 2048, 2048, 2048, 1024, 10]   # 12.6 M parameters
 
 
-def stall_run(out_dir: str, async_save: bool, steps: int, every: int) -> tuple[list[float], float]:
+def stall_run(out_dir: str, mode: str, steps: int, every: int) -> tuple[list[float], float]:
+    """mode: "sync", "async" or "none" (no saves). Returns (stall per save, run seconds)."""
     module = Recipe(Data(steps * 8, BIG[0]), BIG)
+    saves = mode != "none"
     args = TrainerArguments(epochs=1, train_batch_size=8, output_dir=out_dir, writers=[],
                             val_every_n_epochs=0, log_every_n_steps=1000, resume="never",
-                            checkpoint=CheckpointArguments(every_n_steps=every,
+                            checkpoint=CheckpointArguments(every_n_steps=every if saves else None,
                                                            at_epoch_end=False, keep_last=1,
-                                                           async_save=async_save))
+                                                           async_save=mode == "async"))
     trainer = Trainer(module, args)
-    start = time.perf_counter()
+    trainer.setup()
+    begin = time.perf_counter()
     trainer.train()   # ends when the last save is on disk
-    total = time.perf_counter() - start
-    saver = next(c for c in trainer.callbacks if hasattr(c, "stall_seconds"))
-    return saver.stall_seconds, total
+    total = time.perf_counter() - begin
+    saver = next((c for c in trainer.callbacks if hasattr(c, "stall_seconds")), None)
+    return (saver.stall_seconds if saver else []), total
 
 
 # -- 2. resume at the start vs the end of an epoch ----------------------------------------------
@@ -144,36 +155,53 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24, help="steps per stall run")
     parser.add_argument("--every", type=int, default=8, help="save every N steps")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-resume", action="store_true", help="only the stall figures")
+    add_load_options(parser)
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
+    load = start(opts, "checkpoint.py")
     params = sum(a * b + b for a, b in zip(BIG, BIG[1:]))
+    saves = opts.steps // opts.every
     sink = io.StringIO()
     with tempfile.TemporaryDirectory() as tmp:
-        stalls: dict[bool, list[float]] = {False: [], True: []}
-        totals: dict[bool, list[float]] = {False: [], True: []}
-        for i in range(opts.rounds + 1):   # round 0 warms up
-            order = [False, True] if i % 2 == 0 else [True, False]
-            for async_save in order:
-                gc.collect()
+        stalls: dict[str, list[float]] = {"sync": [], "async": []}
+        firsts: dict[str, list[float]] = {"sync": [], "async": []}  # no previous save to wait for
+
+        def arm(mode):
+            def run(i):
                 with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-                    stall, total = stall_run(os.path.join(tmp, f"stall-{i}-{async_save}"),
-                                             async_save, opts.steps, opts.every)
-                if i:
-                    stalls[async_save] += stall
-                    totals[async_save].append(total)
-        sync, async_ = statistics.median(stalls[False]), statistics.median(stalls[True])
+                    stall, total = stall_run(os.path.join(tmp, f"stall-{i}-{mode}"), mode,
+                                             opts.steps, opts.every)
+                if mode in stalls and i:
+                    stalls[mode] += stall
+                    firsts[mode].append(stall[0])
+                return (statistics.median(stall) if stall else 0.0), total
+            return run
+
+        rounds = interleave(opts.rounds, {m: arm(m) for m in ("sync", "async", "none")})
+        per_round = [r["async"][0] / r["sync"][0] for r in rounds]
+        cost = {m: [(r[m][1] - r["none"][1]) / saves for r in rounds] for m in stalls}
         print(f"model: {params / 1e6:.1f} M parameters ({params * 4 / 2**20:.0f} MB, "
               f"checkpoint ~{params * 8 / 2**20:.0f} MB with SGD momentum); a save every "
-              f"{opts.every} steps, {opts.rounds} rounds")
-        print(f"stall per save, sync : median {sync * 1000:8.1f} ms "
-              f"(min {min(stalls[False]) * 1000:.1f}, max {max(stalls[False]) * 1000:.1f}, "
-              f"n={len(stalls[False])})")
-        print(f"stall per save, async: median {async_ * 1000:8.1f} ms "
-              f"(min {min(stalls[True]) * 1000:.1f}, max {max(stalls[True]) * 1000:.1f}, "
-              f"n={len(stalls[True])})")
-        whole = statistics.median(totals[True]) / statistics.median(totals[False])
-        print(f"async / sync stall: {async_ / sync:.3f}; whole run (incl. the last write) "
-              f"async / sync: {whole:.3f}")
+              f"{opts.every} steps ({saves} per run), {opts.rounds} rounds, "
+              f"{opts.threads} thread(s)")
+        for mode in stalls:
+            values = [x * 1000 for x in stalls[mode]]
+            print(f"stall per save, {mode:>5}: median {statistics.median(values):8.1f} ms "
+                  f"(min {min(values):.1f}, max {max(values):.1f}, n={len(values)}); true cost "
+                  f"per save (run time over the no-save run): median "
+                  f"{statistics.median(cost[mode]) * 1000:.1f} ms; first save of a run (no "
+                  f"wait for a previous one): {statistics.median(firsts[mode]) * 1000:.1f} ms")
+        true_ratio = [a / s for a, s in zip(cost["async"], cost["sync"])]
+        print(f"async / sync stall, per round: {spread(per_round)}")
+        print(f"async / sync true cost per save, per round: {spread(true_ratio)}")
+        summary("checkpoint.py", "async / sync stall per save (per-round)", per_round, load,
+                opts.threads, extra=f"true cost per save async / sync "
+                f"{statistics.median(true_ratio):.3f} "
+                f"({statistics.median(cost['async']) * 1000:.0f} vs "
+                f"{statistics.median(cost['sync']) * 1000:.0f} ms)")
+        if opts.no_resume:
+            return
 
         data = Data(N_SAMPLES, SMALL[0])
         steps = -(-N_SAMPLES // BATCH)

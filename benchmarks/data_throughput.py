@@ -45,6 +45,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _measure import add_load_options, start as load_check, summary  # noqa: E402
 
 from sailfin.data import BatchPlan, ResumableSampler, ShardDataset, ShardWriter  # noqa: E402
 
@@ -246,7 +249,9 @@ def main() -> None:
     parser.add_argument("--where", choices=["local", "http", "both"], default="both")
     parser.add_argument("--workers", default="0,2")
     parser.add_argument("--data-dir", default=None, help="keep the generated data here")
+    add_load_options(parser)
     args = parser.parse_args()
+    load = load_check(args, "data_throughput.py")
     n = 50_000 if args.full else args.samples
     readers = ["files", "sailfin"]
     if importlib.util.find_spec("webdataset") is not None:
@@ -268,7 +273,14 @@ def main() -> None:
               f"{'sailfin/webdataset':>18} {'sailfin/files':>14}")
         wheres = ["local", "http"] if args.where == "both" else [args.where]
         workers = [int(w) for w in args.workers.split(",")]
-        run(root, n, args.rounds, wheres, workers, readers)
+        rows = run(root, n, args.rounds, wheres, workers, readers)
+        other = "webdataset" if "webdataset" in readers else "files"
+        per_round = [x / y for row in rows
+                     for x, y in zip(row["rates"]["sailfin"], row["rates"][other])]
+        summary("data_throughput.py", f"sailfin shards / {other} samples/s (per-round, all "
+                "rows)", per_round, load, 1, extra=", ".join(
+                    f"{r['where']} {r['workers']} workers {ratio(r['rates'], 'sailfin', other)}"
+                    for r in rows))
     finally:
         if args.data_dir is None:
             shutil.rmtree(root, ignore_errors=True)

@@ -2,14 +2,17 @@
 
 The same small transformer and the same global batch run as
 
-* ``sp``: one process with 2 intra-op threads (all the cores);
+* ``sp``: one process with 2 intra-op threads (all the cores), one forward of
+  the whole global batch per step (no accumulation);
 * ``ddp``: 2 processes (gloo on loopback) with 1 thread each, gradient
   all-reduce only on the last micro-batch of a step (sailfin's default);
 * ``ddp-sync-every``: the same, but all-reducing after every micro-batch.
 
-Rounds are interleaved (the order rotates) and each figure is the median over
-rounds of the samples/s the trainer measured (start-up excluded). All-reduce
-calls per optimizer step are counted with a DDP communication hook.
+Rounds are interleaved (the order rotates). Every arm's clock is the trainer's
+own: from the first step of the epoch to its last (``train_seconds``; set-up,
+process start and rendezvous excluded). Each figure is the median over rounds
+of the per-round ratio to ``sp``. All-reduce calls per optimizer step are
+counted with a DDP communication hook.
 
     python benchmarks/ddp_scaling.py [--rounds 5] [--steps 40] [--accumulation 4]
 """
@@ -29,6 +32,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _measure import add_load_options, spread, start, summary  # noqa: E402
 
 from sailfin import DataInterface, ModuleInterface, Trainer, TrainerArguments  # noqa: E402
 from sailfin.backends import build_backend  # noqa: E402
@@ -69,9 +75,9 @@ class TinyLM(ModuleInterface):
         return nn.functional.cross_entropy(self.head(h).flatten(0, 1), tokens[:, 1:].flatten())
 
 
-def trainer_args(out: str, opts, world: int, **kw) -> TrainerArguments:
+def trainer_args(out: str, opts, world: int, accumulation: int, **kw) -> TrainerArguments:
     return TrainerArguments(epochs=1, train_batch_size=opts.global_batch,
-                            micro_batch_size=opts.global_batch // (opts.accumulation * world),
+                            micro_batch_size=opts.global_batch // (accumulation * world),
                             max_steps=opts.steps, output_dir=out, writers=[],
                             log_every_n_steps=10, val_every_n_epochs=0, progress="none",
                             checkpoint={"at_epoch_end": False}, resume="never", **kw)
@@ -80,7 +86,8 @@ def trainer_args(out: str, opts, world: int, **kw) -> TrainerArguments:
 def run_sp(opts, out: str) -> dict:
     torch.set_num_threads(2)
     module = TinyLM(Tokens(opts.global_batch * opts.steps))
-    summary = Trainer(module, trainer_args(out, opts, 1)).train()
+    # One batch of the global size per step: what one process would run.
+    summary = Trainer(module, trainer_args(out, opts, 1, 1)).train()
     return {"samples_per_second": summary["samples_per_second"], "allreduce_per_step": 0.0}
 
 
@@ -88,7 +95,7 @@ def _ddp_rank(rank: int, port: int, opts, out: str, sync_every: bool, queue) -> 
     dist_args = DistArguments(launcher="manual", rank=rank, world_size=2,
                               master_addr="127.0.0.1", master_port=port,
                               threads_per_process=1, timeout_seconds=120)
-    args = trainer_args(out, opts, 2, backend="ddp", distributed=dist_args)
+    args = trainer_args(out, opts, 2, opts.accumulation, backend="ddp", distributed=dist_args)
     env = DistEnv.from_config(dist_args)
     backend = build_backend(args, env)
     if sync_every:  # the alternative: all-reduce after every micro-batch
@@ -131,7 +138,9 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--accumulation", type=int, default=4,
                         help="micro-batches per step on each of the 2 DDP ranks")
+    add_load_options(parser)
     opts = parser.parse_args()
+    load = start(opts, "ddp_scaling.py")
     runs = {"sp (1 process x 2 threads)": lambda out: run_sp(opts, out),
             "ddp (2 x 1 thread, no_sync)": lambda out: run_ddp(opts, out, False),
             "ddp-sync-every (2 x 1 thread)": lambda out: run_ddp(opts, out, True)}
@@ -145,14 +154,21 @@ def main() -> None:
                 results[name].append(runs[name](str(Path(tmp, f"{i}-{names.index(name)}"))))
             print(f"round {i + 1}: " + " | ".join(
                 f"{n} {results[n][-1]['samples_per_second']:.0f}" for n in names), flush=True)
-    base = statistics.median(r["samples_per_second"] for r in results[names[0]])
-    print(f"\n{opts.steps} steps, global batch {opts.global_batch}, DDP accumulation "
-          f"{opts.accumulation} per rank; medians over {opts.rounds} rounds")
+    rate = {n: [r["samples_per_second"] for r in results[n]] for n in names}
+    print(f"\n{opts.steps} steps, global batch {opts.global_batch}; sp: one batch of "
+          f"{opts.global_batch} per step; DDP: accumulation {opts.accumulation} per rank; "
+          f"{opts.rounds} rounds")
     for name in names:
-        rate = statistics.median(r["samples_per_second"] for r in results[name])
         calls = statistics.median(r["allreduce_per_step"] for r in results[name])
-        print(f"{name:>32}: {rate:8.1f} samples/s  ({rate / base:.2f} x sp)  "
-              f"{calls:.0f} all-reduce(s) per optimizer step")
+        ratio = [a / b for a, b in zip(rate[name], rate[names[0]])]
+        print(f"{name:>32}: {statistics.median(rate[name]):8.1f} samples/s, per-round ratio "
+              f"to sp {spread(ratio)}, {calls:.0f} all-reduce(s) per optimizer step")
+    no_sync = [a / b for a, b in zip(rate[names[1]], rate[names[2]])]
+    print(f"no_sync vs all-reducing every micro-batch, per round: {spread(no_sync)}")
+    summary("ddp_scaling.py", "ddp (2 x 1 thread) / sp (1 x 2 threads) samples/s (per-round)",
+            [a / b for a, b in zip(rate[names[1]], rate[names[0]])], load,
+            "2 (sp), 1 per process (ddp)",
+            extra=f"no_sync / sync-every {statistics.median(no_sync):.3f}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _measure import add_load_options, start, summary  # noqa: E402
 
 from tests.distributed.elastic_helpers import (STEPS_PER_EPOCH, pid_of, reached,  # noqa: E402
                                                records, single_node, stop, tail, torchrun,
@@ -64,7 +67,9 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=30,
                         help="kill a worker once it has finished this step")
     parser.add_argument("--step-seconds", type=float, default=0.1)
+    add_load_options(parser)
     opts = parser.parse_args()
+    load = start(opts, "elastic_recovery.py")
     epochs = opts.kill_at // STEPS_PER_EPOCH + 2
     results: dict[int, list[dict]] = {every: [] for every in opts.intervals}
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,6 +90,11 @@ def main() -> None:
         print(f"checkpoint every {every:3d} steps: death -> first step after restart "
               f"{recovery:5.1f} s; steps lost {lost:.0f} "
               f"(= {lost * opts.step_seconds:.1f} s of training to redo)")
+    first = opts.intervals[0]
+    summary("elastic_recovery.py", f"death -> first step after restart, seconds (every {first} "
+            "steps, per round)", [r["recovery"] for r in results[first]], load, "1 per worker",
+            extra=", ".join(f"every {e}: {statistics.median(r['lost'] for r in rs):.0f} steps "
+                            "lost" for e, rs in results.items()))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,27 @@
 """The trainer's own overhead per step, as a ratio against a hand-written loop.
 
 The same tiny MLP (64 -> 256 -> 256 -> 10, batch 32, SGD) on the same data is
-trained by a plain PyTorch loop and by sailfin's Trainer (default writers),
-interleaved A B, B A, ... so that machine noise and run order hit both alike. The figure is the
-median over pairs of (sailfin steps/s) / (raw steps/s); 1.00 means no overhead.
+trained by a plain PyTorch loop (the standard ``DataLoader``, ``shuffle=True``)
+and by sailfin's Trainer (default writers and progress), interleaved A B, B A,
+... so that machine noise and run order hit both alike.
+
+Two clocks, the same for every variant:
+
+- steady: starts after set-up (model, optimizer and loader built; for sailfin
+  ``Trainer.setup()`` done) and stops when the last optimizer step ends;
+- end to end: starts before anything is built and stops when the run returns
+  (for sailfin: ``Trainer(...).train()`` including its summary and final weights).
+
+The figure is the median over rounds of the per-round ratio
+(sailfin steps/s) / (raw steps/s) on the steady clock; 1.00 means no
+overhead, above 1.00 sailfin is faster (it gathers each in-memory micro-batch
+in one call where the raw loop fetches 32 samples and collates them). The
+benchmark refuses to run when the machine is busy (see ``_measure.py``).
 
 When installed (`pip install -e .[bench]`), Lightning's Trainer, Lightning
-Fabric and Accelerate run the same model in the same rounds, for comparison.
+Fabric and Accelerate run the same model in the same rounds, for comparison
+(end-to-end clock only for Lightning's Trainer, whose ``fit`` does its set-up).
 
-Wall-clock ratios on a shared machine move by a few percent from run to run.
 ``--instructions`` gives a figure that does not depend on the machine's load:
 instructions per step of both loops counted by valgrind's callgrind, start-up
 cancelled out by subtracting a short run from a long one. It still moves by
@@ -17,7 +30,7 @@ timed: under callgrind's ~50x slowdown the progress line and the stdout
 flush, each at most once a second, run far more often per step than they do
 at full speed, which counts against sailfin); compare several runs.
 
-    python benchmarks/overhead.py [--pairs 9] [--steps 3000] [--threads 1]
+    python benchmarks/overhead.py [--rounds 9] [--steps 3000] [--threads 1]
     python benchmarks/overhead.py --instructions     # needs valgrind; about 10 minutes
 """
 
@@ -25,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import importlib.util
 import io
 import os
@@ -38,8 +50,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from sailfin import DataInterface, ModuleInterface, Trainer, TrainerArguments  # noqa: E402
+from _measure import add_load_options, interleave, spread, start, summary  # noqa: E402
+from sailfin import Callback, DataInterface, ModuleInterface, Trainer, TrainerArguments  # noqa
 from sailfin.config import CheckpointArguments  # noqa: E402
 
 BATCH = 32
@@ -60,7 +74,9 @@ def make_data(steps: int) -> torch.utils.data.TensorDataset:
 
 
 # -- A: the hand-written loop -------------------------------------------------------------
-def run_raw(ds) -> float:
+def run_raw(ds) -> tuple[float, float]:
+    """Seconds per step: (steady, end to end)."""
+    begin = time.perf_counter()
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=True)
@@ -72,7 +88,8 @@ def run_raw(ds) -> float:
         opt.zero_grad(set_to_none=True)
         if step % LOG_EVERY == 0:
             print(f"step {step} loss {loss.item():.4f}")
-    return len(loader) / (time.perf_counter() - start)
+    end = time.perf_counter()
+    return (end - start) / len(loader), (end - begin) / len(loader)
 
 
 # -- B: sailfin -------------------------------------------------------------------------
@@ -98,15 +115,30 @@ class Recipe(ModuleInterface):
         return nn.functional.cross_entropy(self.net(x), y)
 
 
-def run_sailfin(ds, out_dir) -> float:
+class LastStep(Callback):
+    """When the last optimizer step ended (the steady clock's stop)."""
+
+    at = 0.0
+
+    def on_step_end(self, trainer):
+        self.at = time.perf_counter()
+
+
+def run_sailfin(ds, out_dir) -> tuple[float, float]:
+    """Seconds per step: (steady, end to end)."""
+    begin = time.perf_counter()
     module = Recipe(Data(ds))
     args = TrainerArguments(epochs=1, train_batch_size=BATCH, log_every_n_steps=LOG_EVERY,
                             output_dir=out_dir, val_every_n_epochs=0,
                             # no checkpoints, as Lightning's enable_checkpointing=False below
                             checkpoint=CheckpointArguments(at_epoch_end=False))
+    last = LastStep()
+    trainer = Trainer(module, args, callbacks=[last])
+    trainer.setup()
     start = time.perf_counter()
-    summary = Trainer(module, args).train()
-    return summary["global_step"] / (time.perf_counter() - start)
+    steps = trainer.train()["global_step"]
+    end = time.perf_counter()
+    return (last.at - start) / steps, (end - begin) / steps
 
 
 # -- optional: other trainers around the same model ------------------------------------
@@ -127,19 +159,21 @@ def run_lightning(ds, out_dir) -> float:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
+    begin = time.perf_counter()
     loader = torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=True)
     trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, log_every_n_steps=LOG_EVERY,
                         default_root_dir=out_dir)
-    start = time.perf_counter()
     trainer.fit(LitModel(), loader)
-    return len(loader) / (time.perf_counter() - start)
+    per_step = (time.perf_counter() - begin) / len(loader)
+    return per_step, per_step  # fit() does its own set-up: end to end only
 
 
 def run_fabric(ds, out_dir) -> float:
     from lightning.fabric import Fabric
 
+    begin = time.perf_counter()
     fabric = Fabric(accelerator="cpu", devices=1)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -154,12 +188,14 @@ def run_fabric(ds, out_dir) -> float:
         opt.zero_grad(set_to_none=True)
         if step % LOG_EVERY == 0:
             print(f"step {step} loss {loss.item():.4f}")
-    return len(loader) / (time.perf_counter() - start)
+    end = time.perf_counter()
+    return (end - start) / len(loader), (end - begin) / len(loader)
 
 
 def run_accelerate(ds, out_dir) -> float:
     from accelerate import Accelerator
 
+    begin = time.perf_counter()
     accelerator = Accelerator(cpu=True)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -175,7 +211,8 @@ def run_accelerate(ds, out_dir) -> float:
         steps = step
         if step % LOG_EVERY == 0:
             print(f"step {step} loss {loss.item():.4f}")
-    return steps / (time.perf_counter() - start)
+    end = time.perf_counter()
+    return (end - start) / steps, (end - begin) / steps
 
 
 OTHERS = {"lightning": ("lightning", run_lightning), "fabric": ("lightning", run_fabric),
@@ -229,7 +266,7 @@ def count_instructions(short: int = 200, long: int = 600) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pairs", type=int, default=9)
+    parser.add_argument("--rounds", "--pairs", type=int, default=9)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (1 keeps the timing steadier)")
@@ -241,46 +278,57 @@ def main() -> None:
                              "about 10 minutes)")
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "STEPS"),
                         help=argparse.SUPPRESS)  # one run under callgrind
+    add_load_options(parser)
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     if opts.child:
         return run_child(opts.child[0], int(opts.child[1]))
     if opts.instructions:
         return count_instructions()
+    load = start(opts, "overhead.py")
     ds = make_data(opts.steps)
     others = {} if opts.no_others else {
         name: fn for name, (pkg, fn) in OTHERS.items() if importlib.util.find_spec(pkg)}
-    ratios: dict[str, list[float]] = {"sailfin": [], **{k: [] for k in others}}
-    raw_rates = []
+    results: dict[str, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(opts.pairs + 1):  # round 0 warms up caches and lazy imports
-            runs = [("raw", lambda: run_raw(ds)),
-                    ("sailfin", lambda: run_sailfin(ds, os.path.join(tmp, f"s{i}")))]
-            runs += [(name, lambda fn=fn, name=name: fn(ds, os.path.join(tmp, f"{name}{i}")))
-                     for name, fn in others.items()]
-            if i % 2:
-                runs.reverse()  # A B, then B A: whoever runs second is not always the same
-            rates = {}
-            sink = io.StringIO()
-            with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-                for name, run in runs:
-                    gc.collect()
-                    rates[name] = run()
-            raw = rates.pop("raw")
-            if i == 0:
-                continue
-            raw_rates.append(raw)
-            for name, rate in rates.items():
-                ratios[name].append(rate / raw)
-            print(f"pair {i}: raw {raw:8.1f} steps/s | " + " | ".join(
-                f"{k} {v / raw:.3f}" for k, v in rates.items()), flush=True)
+        def variant(name, fn):
+            def run(i):
+                sink = io.StringIO()
+                with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+                    results[name] = (fn(ds) if name == "raw"
+                                     else fn(ds, os.path.join(tmp, f"{name}{i}")))
+                return results[name][0]  # steady seconds per step
+            return run
+
+        variants = {"raw": variant("raw", run_raw), "sailfin": variant("sailfin", run_sailfin)}
+        variants.update({name: variant(name, fn) for name, fn in others.items()})
+        ends: dict[str, list[float]] = {name: [] for name in variants}
+
+        def on_round(i, steady):
+            for name in variants:
+                ends[name].append(results[name][1])
+            print(f"round {i}: raw {1 / steady['raw']:8.1f} steps/s | " + " | ".join(
+                f"{k} {steady['raw'] / v:.3f}" for k, v in steady.items() if k != "raw")
+                + f" | load1 {os.getloadavg()[0]:.2f}", flush=True)
+
+        rounds = interleave(opts.rounds, variants, on_round=on_round)
+    raw_rates = [1 / r["raw"] for r in rounds]
     print(f"\nraw loop: median {statistics.median(raw_rates):.1f} steps/s "
           f"({opts.steps} steps of batch {BATCH}, {opts.threads} thread(s))")
-    for name, values in ratios.items():
-        print(f"{name:>10}: median speed relative to the raw loop = "
-              f"{statistics.median(values):.3f} (min {min(values):.3f}, max {max(values):.3f})")
+    print("speed relative to the raw loop, per-round ratios (steady clock: after set-up, "
+          "to the last step; end to end: all of it):")
+    for name in variants:
+        if name == "raw":
+            continue
+        steady = [r["raw"] / r[name] for r in rounds]
+        whole = [a / b for a, b in zip(ends["raw"], ends[name])]
+        print(f"{name:>10}: steady {spread(steady)}; end to end {spread(whole)}")
     if not others and not opts.no_others:
         print("(install the bench extra to compare Lightning, Fabric and Accelerate)")
+    sailfin_whole = [a / b for a, b in zip(ends["raw"], ends["sailfin"])]
+    summary("overhead.py", "sailfin / raw loop steps/s (steady, per-round)",
+            [r["raw"] / r["sailfin"] for r in rounds], load, opts.threads,
+            extra=f"end to end {statistics.median(sailfin_whole):.3f}")
 
 
 if __name__ == "__main__":

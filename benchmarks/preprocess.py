@@ -31,6 +31,9 @@ import sysconfig
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _measure import add_load_options, start as load_check, summary  # noqa: E402
 
 from sailfin import DataProcessor  # noqa: E402
 
@@ -102,7 +105,9 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=3, help="process each file N times")
     parser.add_argument("--start-method", default=None,
                         help="multiprocessing start method (default: sailfin's choice)")
+    add_load_options(parser)
     opts = parser.parse_args()
+    load = load_check(opts, "preprocess.py")
     files = inputs(opts.copies)
     size = sum(os.path.getsize(f) for f in files) / 1e6
     print(f"{len(files)} files, {size:.1f} MB, start method {opts.start_method or 'default'}, "
@@ -138,6 +143,9 @@ def main() -> None:
     print(f"ceiling on this machine now (busy loops, 2 processes): median "
           f"{statistics.median(ceilings):.2f}; efficiency (speedup / ceiling): median "
           f"{statistics.median(efficiency):.2f}")
+    summary("preprocess.py", "1-process / 2-process time (per-round speedup)", speedups, load,
+            "1 per process", extra=f"ceiling {statistics.median(ceilings):.2f}, efficiency "
+            f"{statistics.median(efficiency):.2f}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
+from _measure import add_load_options, start, summary  # noqa: E402
+
 from overhead import BATCH, Data, Recipe, make_data  # noqa: E402
 
 from sailfin import Trainer, TrainerArguments  # noqa: E402
@@ -115,7 +117,9 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    add_load_options(parser)
     opts = parser.parse_args()
+    load = start(opts, "writers.py")
     torch.set_num_threads(opts.threads)
     warnings.simplefilter("ignore")
     ds = make_data(opts.steps)
@@ -158,6 +162,11 @@ def main() -> None:
               f" (min {min(values):.3f}, max {max(values):.3f}); start-up + close "
               f"{statistics.median(startup[name]):.2f} s (none: "
               f"{statistics.median(startup['none']):.2f} s)")
+    if "default" in ratios:
+        summary("writers.py", "default writers / no writers steps/s (per-round)",
+                ratios["default"], load, opts.threads, extra="; ".join(
+                    f"{n} {statistics.median(v):.3f}" for n, v in ratios.items()
+                    if n != "default"))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from ..config.checkpoint import CheckpointArguments
 from ..distributed import DistEnv
 from . import manifest as manifests
 from .errors import CheckpointCorrupt, CheckpointError
-from .serialize import FileEntry, cpu_copy, load_object, save_object
+from .serialize import FileEntry, StagingBuffers, load_object, save_object
 from .storage import Storage, open_storage
 
 _STEP = re.compile(r"^step-(\d+)$")
@@ -131,6 +131,7 @@ class DirectoryCheckpointer(Checkpointer):
         self.storage, self.root = open_storage(location, args.storage_options)
         self._executor: Optional[ThreadPoolExecutor] = None
         self._pending: Optional[tuple[int, Future]] = None
+        self._staging = StagingBuffers()  # async saves: CPU copies, reused from save to save
 
     # -- names ---------------------------------------------------------------
     @staticmethod
@@ -153,23 +154,33 @@ class DirectoryCheckpointer(Checkpointer):
         if self.dist.is_main and not self.storage.atomic_rename:
             # Re-saving a step in place (a run resumed before it): it is incomplete from now on.
             self.storage.remove(self.storage.join(staging, manifests.MANIFEST))
-        own = self.write_file(self.storage.join(staging, self.rank_file(self.dist.rank)),
-                              snapshot.rank_state)
-        # Every rank's file is on storage before rank 0 commits the checkpoint.
+        background = self.args.async_save and self.dist.is_main
+        own_path = self.storage.join(staging, self.rank_file(self.dist.rank))
+        # Rank 0's own file may wait for the background; the others' must be on storage
+        # before rank 0 commits the checkpoint.
+        own = None if background else self.write_file(own_path, snapshot.rank_state)
         self.barrier()
         if not self.dist.is_main:
             return
-        if self.args.async_save:
-            # Copy now (the next optimizer step changes the tensors), write in the background.
-            snapshot = Snapshot(snapshot.step, dict(snapshot.facts), cpu_copy(snapshot.shared),
-                                None, snapshot.is_best)
+        if background:
+            # Copy now (the next optimizer step changes the tensors), write in the background:
+            # the copy into reused (pinned) CPU buffers is all the step waits for.
+            snapshot = Snapshot(snapshot.step, dict(snapshot.facts),
+                                self._staging.copy(snapshot.shared), snapshot.rank_state,
+                                snapshot.is_best)
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="sailfin-checkpoint")
             self._pending = (snapshot.step,
-                             self._executor.submit(self._write_and_commit, name, staging,
-                                                   snapshot, own))
+                             self._executor.submit(self._write_in_background, name, staging,
+                                                   snapshot, own_path))
         else:
             self._write_and_commit(name, staging, snapshot, own)
+
+    def _write_in_background(self, name: str, staging: str, snapshot: Snapshot,
+                             own_path: str) -> None:
+        self._staging.ready()  # CUDA copies complete in CPU memory
+        own = self.write_file(own_path, snapshot.rank_state)
+        self._write_and_commit(name, staging, snapshot, own)
 
     def _write_and_commit(self, name: str, staging: str, snapshot: Snapshot,
                           own: FileEntry) -> None:
@@ -238,6 +249,7 @@ class DirectoryCheckpointer(Checkpointer):
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            self._staging.release()
 
     # -- what is there ---------------------------------------------------------
     def complete(self) -> list[tuple[int, str]]:

@@ -4,8 +4,15 @@ Every file is checksummed while it is written; its size and CRC-32 go into the
 manifest, and reading checks both before unpickling anything. CRC-32 finds
 truncation and damage at several GB/s, where a cryptographic hash would add
 to every save's stall and protect nothing more: whoever can rewrite a file
-can rewrite the manifest too. Loading never
-runs arbitrary unpickling: a file that would need it is refused.
+can rewrite the manifest too. Large buffers are checksummed on a helper
+thread while the calling thread writes them (``zlib.crc32`` and file writes
+both release the GIL), so the checksum adds to a save's CPU time but hardly to
+its duration. Loading never runs arbitrary unpickling: a file that would need
+it is refused.
+
+An asynchronous save copies the state into :class:`StagingBuffers` (pinned
+memory for CUDA tensors, kept from one save to the next): that copy is all a
+background save costs the step.
 """
 
 from __future__ import annotations
@@ -16,8 +23,9 @@ import zlib
 import io
 import pickle
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -43,19 +51,35 @@ class FileEntry:
         return cls(len(data), zlib.crc32(data))
 
 
-class _ChecksumWriter:
-    """A file-like that checksums and counts what passes through it."""
+# Buffers at least this large are checksummed on the helper thread while they are written.
+THREADED_CHECKSUM_BYTES = 1 << 20
 
-    def __init__(self, fh: Any) -> None:
+
+class _ChecksumWriter:
+    """A file-like that checksums and counts what passes through it.
+
+    With ``helper`` (a one-thread executor), a large buffer's CRC-32 runs on it
+    while this thread writes the buffer; both release the GIL, so the two
+    overlap. ``write`` returns only when both are done: the buffer may be
+    reused by the caller afterwards.
+    """
+
+    def __init__(self, fh: Any, helper: Optional[ThreadPoolExecutor] = None) -> None:
         self.fh = fh
+        self.helper = helper
         self.crc32 = 0
         self.size = 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self.crc32 = zlib.crc32(view, self.crc32)  # releases the GIL on large buffers
+        if self.helper is not None and len(view) >= THREADED_CHECKSUM_BYTES:
+            crc = self.helper.submit(zlib.crc32, view, self.crc32)
+            self.fh.write(view)
+            self.crc32 = crc.result()
+        else:
+            self.crc32 = zlib.crc32(view, self.crc32)  # releases the GIL on large buffers
+            self.fh.write(view)
         self.size += len(view)
-        self.fh.write(view)
         return len(view)
 
     def flush(self) -> None:
@@ -64,8 +88,9 @@ class _ChecksumWriter:
 
 def save_object(storage: Storage, path: str, obj: Any) -> FileEntry:
     """``torch.save`` ``obj`` to ``path``; return its size and checksum."""
-    with storage.open_write(path) as fh:
-        writer = _ChecksumWriter(fh)
+    with ThreadPoolExecutor(1, thread_name_prefix="sailfin-checksum") as helper, \
+            storage.open_write(path) as fh:
+        writer = _ChecksumWriter(fh, helper)
         torch.save(obj, writer)
     return FileEntry(writer.size, writer.crc32)
 
@@ -139,20 +164,6 @@ def cpu_copy(obj: Any) -> Any:
     """A deep copy with every tensor on the CPU, sharing preserved (tied weights stay tied)."""
     storages: dict[tuple[int, str], torch.UntypedStorage] = {}
 
-    def copy(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return copy_tensor(value.detach())
-        if isinstance(value, dict):
-            out = {k: copy(v) for k, v in value.items()}
-            if isinstance(value, collections.OrderedDict):
-                out = collections.OrderedDict(out)
-                if hasattr(value, "_metadata"):  # module versions, read by load_state_dict
-                    out._metadata = copy_module.deepcopy(value._metadata)  # type: ignore
-            return out
-        if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-            return type(value)(copy(v) for v in value)
-        return value
-
     def copy_tensor(value: torch.Tensor) -> torch.Tensor:
         if value.layout is not torch.strided or value.is_quantized:
             return value.to("cpu", copy=True)
@@ -164,4 +175,88 @@ def cpu_copy(obj: Any) -> Any:
         out.set_(storages[key], value.storage_offset(), value.size(), value.stride())
         return out
 
-    return copy(obj)
+    return _copy_structure(obj, copy_tensor)
+
+
+class StagingBuffers:
+    """CPU copies of a state for a background save, in buffers reused from save to save.
+
+    :meth:`copy` is :func:`cpu_copy` (sharing preserved) but writes into the
+    buffers of the previous copy where a storage is the same (same address,
+    device and size: parameters and optimizer state updated in place), so a
+    save costs one memory copy and no fresh allocation (page faults) on the
+    step's path. CUDA storages are copied into pinned memory without blocking;
+    :meth:`ready` waits for those copies, and the background writer calls it
+    before reading. The caller must not copy again while a previous copy is
+    still being written (the checkpointer waits for the previous save first).
+
+    Example::
+
+        staging = StagingBuffers()
+        snapshot = staging.copy(model.state_dict())   # on the step's path
+        staging.ready()                                # in the writer thread
+        torch.save(snapshot, "model.pt")
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, str, int], torch.UntypedStorage] = {}
+        self._event: Optional[Any] = None
+
+    def copy(self, obj: Any) -> Any:
+        used: dict[tuple[int, str, int], torch.UntypedStorage] = {}
+        devices: set[torch.device] = set()
+
+        def copy_tensor(value: torch.Tensor) -> torch.Tensor:
+            if value.layout is not torch.strided or value.is_quantized:
+                return value.to("cpu", copy=True)
+            storage = value.untyped_storage()
+            key = (storage.data_ptr(), str(value.device), storage.nbytes())
+            target = used.get(key)
+            if target is None:
+                target = self._buffers.get(key)
+                on_cuda = value.device.type == "cuda"
+                if target is None:
+                    target = torch.empty(storage.nbytes(), dtype=torch.uint8,
+                                         pin_memory=on_cuda).untyped_storage()
+                target.copy_(storage, non_blocking=on_cuda)
+                if on_cuda:
+                    devices.add(value.device)
+                used[key] = target
+            out = torch.empty(0, dtype=value.dtype)
+            out.set_(target, value.storage_offset(), value.size(), value.stride())
+            return out
+
+        copied = _copy_structure(obj, copy_tensor)
+        self._buffers = used  # buffers of storages gone since the last save are dropped
+        self._event = None
+        if len(devices) == 1:
+            self._event = torch.cuda.Event()
+            self._event.record()  # the next step's kernels queue behind the copies
+        for device in devices if len(devices) > 1 else ():
+            torch.cuda.synchronize(device)
+        return copied
+
+    def ready(self) -> None:
+        """Block until the last :meth:`copy` is complete in CPU memory."""
+        if self._event is not None:
+            self._event.synchronize()
+
+    def release(self) -> None:
+        """Drop the buffers (they are kept between saves otherwise)."""
+        self._buffers, self._event = {}, None
+
+
+def _copy_structure(value: Any, copy_tensor: Any) -> Any:
+    """``value`` rebuilt with every tensor replaced by ``copy_tensor(tensor.detach())``."""
+    if isinstance(value, torch.Tensor):
+        return copy_tensor(value.detach())
+    if isinstance(value, dict):
+        out = {k: _copy_structure(v, copy_tensor) for k, v in value.items()}
+        if isinstance(value, collections.OrderedDict):
+            out = collections.OrderedDict(out)
+            if hasattr(value, "_metadata"):  # module versions, read by load_state_dict
+                out._metadata = copy_module.deepcopy(value._metadata)  # type: ignore
+        return out
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_copy_structure(v, copy_tensor) for v in value)
+    return value

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+import time
 
 from .writers import WriterError
 
 # Enough to need a fresh block on any file system: a full disk refuses it.
 _PROBE_BYTES = 64 * 1024
+# A directory proven writable this recently is not probed again: the trainer's output
+# check and a file writer's check of the same directory happen in one set-up.
+_PROVEN_SECONDS = 5.0
+_proven: dict[str, float] = {}
 
 
 def check_directory(directory: str, writer: str, key: str = "trainer.output_dir",
@@ -20,6 +25,10 @@ def check_directory(directory: str, writer: str, key: str = "trainer.output_dir"
     ``key``.
     """
     who = who or f"the {writer} writer"
+    proven = _proven.get(os.path.abspath(directory))
+    if proven is not None and time.monotonic() - proven < _PROVEN_SECONDS \
+            and os.path.isdir(directory):
+        return
     probe = os.path.join(directory, f".sailfin-write-probe-{os.getpid()}")
     blocker = _file_in_the_way(directory)
     if blocker is not None:
@@ -40,6 +49,7 @@ def check_directory(directory: str, writer: str, key: str = "trainer.output_dir"
             os.remove(probe)
         except OSError:
             pass
+    _proven[os.path.abspath(directory)] = time.monotonic()
 
 
 def destination_error(writer: str, path: str, exc: OSError, key: str,

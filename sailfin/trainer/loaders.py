@@ -3,7 +3,9 @@
 The recipe builds its loaders (``get_train_dataloader(sampler, batch_size)``,
 ``get_val_dataloaders``); sailfin hands it the samplers that decide which
 samples form each optimizer step and which share of a validation set each
-rank sees, then checks that the loader kept them.
+rank sees, then checks that the loader kept them. Where the loader reads
+in-memory tensors, it is rebuilt to gather each micro-batch in one call
+(:mod:`sailfin.data.batched`), with bit-identical batches.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import warnings
 from typing import Any, Callable, Mapping, Optional
 
 from ..config.trainer import TrainerArguments
+from ..data.batched import gathered_loader
 from ..data.plan import BatchPlan
 from ..data.sampler import EvalSampler, ResumableSampler
 from ..distributed import DistEnv
@@ -43,14 +46,17 @@ def build_train_loader(module: ModuleInterface, plan: BatchPlan, dist: DistEnv,
             f"batch_size argument) and drop_last=False; got batch_size="
             f"{getattr(loader, 'batch_size', None)}, drop_last="
             f"{getattr(loader, 'drop_last', None)}. Use trainer.drop_last instead.")
-    return loader, made[-1]
+    return gathered_loader(loader, made[-1]), made[-1]
 
 
 def build_val_loaders(module: ModuleInterface, batch_size: int, dist: DistEnv
                       ) -> dict[str, Any]:
     """Name -> the recipe's validation loader (empty: the recipe has no validation data)."""
+    made: list[EvalSampler] = []
+
     def sampler(dataset: Any) -> EvalSampler:
-        return EvalSampler(len(dataset), dist.rank, dist.world_size)
+        made.append(EvalSampler(len(dataset), dist.rank, dist.world_size))
+        return made[-1]
 
     try:
         loaders = module.get_val_dataloaders(sampler, batch_size)
@@ -62,7 +68,10 @@ def build_val_loaders(module: ModuleInterface, batch_size: int, dist: DistEnv
         return {}
     if not isinstance(loaders, Mapping):
         loaders = {"val": loaders}
-    return dict(loaders)
+    # Each loader over one of sailfin's samplers gathers its batches where it can.
+    return {name: next((gathered_loader(loader, s) for s in made
+                        if getattr(loader, "sampler", None) is s), loader)
+            for name, loader in loaders.items()}
 
 
 def dataset_set_epoch(loader: Any) -> Optional[Callable[[int], Any]]:

@@ -12,6 +12,7 @@ from ..config.trainer import TrainerArguments
 from ..distributed import DistEnv
 from ..logging.writers import Writer, Writers, build_writers
 from .callbacks import Callback
+from .compile_check import CompileCheck
 from .profiler import StepProfiler
 from .progress import Progress
 
@@ -64,6 +65,8 @@ def build_observers(args: TrainerArguments, dist: DistEnv,
         made.append(StepProfiler(
             start, end, os.path.join(args.output_dir, "profile"), rank=dist.rank,
             stream=progress.console() if progress is not None else None))
+    if args.compile and args.compile_check:  # is compiling paying? measured once, in the log
+        made.append(CompileCheck())
     return Observers(built, made)
 
 
