@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 def resume(trainer: "Trainer", checkpointer: Checkpointer) -> Optional[Loaded]:
     """Apply ``trainer.args.resume`` (auto, never or a path); return what was loaded."""
     mode = trainer.args.resume
+    checkpointer.recover()  # a save killed between its renames left its checkpoint aside
     if mode == "never":
         existing = checkpointer.latest()
         if existing is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import copy as copy_module
+import errno
 import zlib
 import io
 import pickle
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointCorrupt, CheckpointError
+from .errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError
 from .storage import Storage
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
@@ -50,12 +51,17 @@ class _ChecksumWriter:
         self.fh = fh
         self.crc32 = 0
         self.size = 0
+        self.error: OSError | None = None  # torch.save hides it inside a RuntimeError
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         self.crc32 = zlib.crc32(view, self.crc32)  # releases the GIL on large buffers
         self.size += len(view)
-        self.fh.write(view)
+        try:
+            self.fh.write(view)
+        except OSError as exc:
+            self.error = exc
+            raise
         return len(view)
 
     def flush(self) -> None:
@@ -63,11 +69,29 @@ class _ChecksumWriter:
 
 
 def save_object(storage: Storage, path: str, obj: Any) -> FileEntry:
-    """``torch.save`` ``obj`` to ``path``; return its size and checksum."""
-    with storage.open_write(path) as fh:
-        writer = _ChecksumWriter(fh)
-        torch.save(obj, writer)
+    """``torch.save`` ``obj`` to ``path``; return its size and checksum.
+
+    A failed write (a full disk...) raises :class:`CheckpointWriteError` naming the
+    file and the OS's reason, not torch's ``unexpected pos`` RuntimeError.
+    """
+    writer: _ChecksumWriter | None = None
+    try:
+        with storage.open_write(path) as fh:
+            writer = _ChecksumWriter(fh)
+            torch.save(obj, writer)
+    except OSError as exc:  # opening, fsync or close (NFS reports a full disk at close)
+        raise write_error(storage, path, exc) from exc
+    except RuntimeError as exc:
+        if writer is None or writer.error is None:
+            raise
+        raise write_error(storage, path, writer.error) from writer.error
     return FileEntry(writer.size, writer.crc32)
+
+
+def write_error(storage: Storage, path: str, exc: OSError) -> CheckpointWriteError:
+    reason = "no space left on device" if exc.errno == errno.ENOSPC else (exc.strerror or exc)
+    return CheckpointWriteError(f"cannot write checkpoint file {storage.display(path)}: "
+                                f"{reason}", storage.display(path), exc.errno)
 
 
 def load_object(storage: Storage, path: str, entry: FileEntry) -> Any:
