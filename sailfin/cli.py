@@ -46,6 +46,7 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         return 0
     from .checkpoint import CheckpointError
     from .trainer import Trainer
+    from .trainer.run_lock import RunLockError
     from .utils.seed import seed_everything
 
     seed_everything(cfg.trainer.seed)  # the same initial weights on every run (and rank)
@@ -56,6 +57,9 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
             summary = trainer.train()
     except CheckpointError as exc:
         print(f"sailfin: checkpoint error: {exc}", file=sys.stderr)
+        return 2
+    except RunLockError as exc:
+        print(f"sailfin: {exc}", file=sys.stderr)
         return 2
     if not trainer.dist.is_main:
         return 0

@@ -24,6 +24,7 @@ from .checkpointing import checkpoint_callback
 from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
 from .nonfinite import NonFiniteGuard
 from .observe import build_observers
+from .run_lock import RunLock, take_run_lock
 from .run_stats import RunStats, peak_memory
 from .outputs import save_final_weights, write_json_atomic
 from .validation import merge_outputs
@@ -60,11 +61,16 @@ class Trainer:
         self.summary: Optional[dict[str, Any]] = None  # set when train() finishes
         self._is_setup = False
         self._last_val_step = -1
+        self._run_lock: Optional[RunLock] = None  # rank 0's hold on output_dir
 
     # -- the run ---------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         """Train for ``args.epochs`` (or until ``args.max_steps``); return the summary."""
-        self.setup()
+        try:
+            self.setup()
+        except BaseException:
+            self._release_run_lock()
+            raise
         args = self.args
         self._notify("on_train_start")
         try:
@@ -91,12 +97,21 @@ class Trainer:
                 self.checkpointer.close()  # a background save finishes, or reports its error
             finally:
                 self.writers.flush()  # close() closes them; validate() may still log
+                self._release_run_lock()
 
     def close(self) -> None:
         """Close the writers and leave the process group (DDP). Safe to call twice."""
-        if self._is_setup:
-            self.writers.close()
-        self.backend.teardown()
+        try:
+            if self._is_setup:
+                self.writers.close()
+            self.backend.teardown()
+        finally:
+            self._release_run_lock()
+
+    def _release_run_lock(self) -> None:
+        lock, self._run_lock = self._run_lock, None
+        if lock is not None:
+            lock.release()
 
     def __enter__(self) -> "Trainer":
         return self
@@ -111,6 +126,8 @@ class Trainer:
             return
         args, dist = self.args, self.dist
         configure_logging(dist.rank)
+        if self._run_lock is None:  # before anything is written there: one run per directory
+            self._run_lock = take_run_lock(args.output_dir, dist.is_main)
         seed_everything(args.seed + dist.rank)  # per-rank streams (dropout) differ
         self.plan = BatchPlan.create(args.train_batch_size, args.micro_batch_size,
                                      dist.world_size, args.drop_last,
