@@ -45,13 +45,14 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
     from .checkpoint import CheckpointError
+    from .data.shards.errors import ShardError
     from .trainer import Trainer
     from .trainer.run_lock import RunLockError
     from .utils.seed import seed_everything
 
     seed_everything(cfg.trainer.seed)  # the same initial weights on every run (and rank)
-    module = cfg.build()
     try:
+        module = cfg.build()
         # The context manager leaves the process group on every path.
         with Trainer(module, cfg.trainer, hparams=cfg.to_dict()) as trainer:
             summary = trainer.train()
@@ -61,6 +62,9 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
     except RunLockError as exc:
         print(f"sailfin: {exc}", file=sys.stderr)
         return 2
+    except ShardError as exc:
+        print(f"sailfin: shard error: {_without_worker_traceback(exc)}", file=sys.stderr)
+        return 2
     if not trainer.dist.is_main:
         return 0
     print(f"done: {summary['global_step']} steps, {summary['samples_seen']} samples in "
@@ -69,6 +73,17 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         print(f"validation {name}: {value:.4f}" if isinstance(value, float)
               else f"validation {name}: {value}")
     return 0
+
+
+def _without_worker_traceback(exc: BaseException) -> str:
+    """A DataLoader worker's error arrives with the worker's traceback in its message
+    ("Caught ShardError in DataLoader worker process 0. Original Traceback ..."): keep
+    the error's own message, its last line."""
+    text = str(exc)
+    if "Original Traceback" not in text:
+        return text
+    last = text.rstrip().splitlines()[-1]
+    return last.split(": ", 1)[1] if ": " in last else last
 
 
 def _flatten(metrics: dict, prefix: str = "") -> dict:

@@ -91,6 +91,9 @@ class TrainerArguments:
         if self.val_every_n_epochs < 0:
             raise ConfigError(
                 f"trainer.val_every_n_epochs must be >= 0, got {self.val_every_n_epochs}")
+        # Run safety: the seed feeds numpy's generators, which take unsigned 32-bit seeds.
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"trainer.seed must be between 0 and {2**32 - 1}, got {self.seed}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ConfigError(
                 f"trainer.max_grad_norm must be > 0 or null (no clipping), got {self.max_grad_norm}")
