@@ -47,6 +47,7 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
     from .checkpoint import CheckpointError
     from .data.shards.errors import ShardError
     from .trainer import Trainer
+    from .trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
     from .trainer.run_lock import RunLockError
     from .utils.seed import seed_everything
 
@@ -65,6 +66,10 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
     except ShardError as exc:
         print(f"sailfin: shard error: {_without_worker_traceback(exc)}", file=sys.stderr)
         return 2
+    except TrainingPreempted as exc:  # SIGTERM / first Ctrl-C: saved, writers closed
+        if trainer.dist.is_main:
+            print(f"sailfin: {exc} (exit code {PREEMPTED_EXIT_CODE})", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     if not trainer.dist.is_main:
         return 0
     print(f"done: {summary['global_step']} steps, {summary['samples_seen']} samples in "
@@ -118,6 +123,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _recorded(train_command)(args.config, rest, args.print_config)
         if args.command == "shard":
             return shard_cli.run(args, rest)
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops)
+        if args.command != "train":
+            raise
+        print("sailfin: aborted by a second Ctrl-C; steps since the last checkpoint are "
+              "lost, the checkpoints already saved are intact", file=sys.stderr)
+        return 130
     except ConfigError as exc:
         print(f"sailfin: config error: {exc}", file=sys.stderr)
         return 2

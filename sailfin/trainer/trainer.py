@@ -24,6 +24,7 @@ from .checkpointing import checkpoint_callback
 from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
 from .nonfinite import NonFiniteGuard
 from .observe import build_observers
+from .preemption import Preemption, save_and_stop
 from .run_lock import RunLock, take_run_lock
 from .run_stats import RunStats, peak_memory
 from .outputs import save_final_weights, write_json_atomic
@@ -72,6 +73,10 @@ class Trainer:
             self._release_run_lock()
             raise
         args = self.args
+        # SIGTERM / first Ctrl-C: finish the step, save on every rank, stop (preemption.py).
+        self.preemption = Preemption(self.dist.world_size, self.backend.all_reduce_mean,
+                                     self.device, args.preemption_check_every_n_steps)
+        self.preemption.install(self.global_step)
         self._notify("on_train_start")
         try:
             while self.epoch < args.epochs and not self._reached_max_steps():
@@ -93,6 +98,7 @@ class Trainer:
             self._notify("on_train_end")
             return summary
         finally:
+            self.preemption.uninstall()
             try:
                 self.checkpointer.close()  # a background save finishes, or reports its error
             finally:
@@ -152,7 +158,7 @@ class Trainer:
             check_directory(args.output_dir, "output",
                             who="sailfin (summary.json, final weights, checkpoints)")
         self.checkpointer = build_checkpointer(args, dist, self.backend.barrier)
-        saver = checkpoint_callback(self.checkpointer, args.checkpoint)
+        saver = self.saver = checkpoint_callback(self.checkpointer, args.checkpoint)
         self.run_stats = RunStats(args.checkpoint.best_metric, args.checkpoint.best_mode)
         self.callbacks += [self.run_stats] + ([saver] if saver is not None else [])
         # Before the writers open metrics.jsonl: resuming trims events past the checkpoint.
@@ -184,6 +190,7 @@ class Trainer:
         on_end_backward = _overridden(module, "on_end_backward")
         on_end_train_step = _overridden(module, "on_end_train_step")
         observe = self.nonfinite.observe
+        preemption = self.preemption
         # Every step but an epoch's last has the same shape: look it up once.
         full_steps = n // plan.global_batch
         full_micros = plan.micro_batches(0, n, rank) if full_steps else ()
@@ -233,6 +240,8 @@ class Trainer:
                 self._log_train(step_loss, stats)
             for callback in step_callbacks:
                 callback.on_step_end(self)
+            if self.global_step >= preemption.check_at and preemption.poll(self.global_step):
+                save_and_stop(self)  # raises TrainingPreempted
         if last < self.steps_per_epoch:
             return False  # max_steps reached inside the epoch
         module.on_end_train_epoch(self.global_step, self.epoch)
