@@ -193,3 +193,22 @@ def test_a_full_disk_fails_in_one_line_and_keeps_the_previous_checkpoint(tmp_pat
     assert "step-00000002 is kept" in message and "\n" not in message
     assert sorted(os.listdir(root)) == ["latest", "step-00000002"]  # no partial save left
 
+
+
+def test_a_run_killed_before_its_first_save_is_not_logged_twice(tmp_path, capfd):
+    from tests.checkpoint.helpers import Crash, CrashAt, metric_lines
+
+    def run(callbacks=()):
+        trainer = Trainer(LinearRecipe(IdData(40, 6)),
+                          args(tmp_path, epochs=1, checkpoint={"at_epoch_end": True}),
+                          callbacks=list(callbacks))
+        try:
+            trainer.train()
+        except Crash:
+            pass
+
+    run([CrashAt(2)])  # killed before any checkpoint: steps 1 and 2 are logged
+    run()
+    steps = [e["step"] for e in metric_lines(tmp_path) if e["split"] == "train"]
+    assert steps == [1, 2, 3, 4]
+    assert "dropping 2 metrics.jsonl line(s)" in capfd.readouterr().err
