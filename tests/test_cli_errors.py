@@ -91,3 +91,14 @@ def test_an_index_with_out_of_order_offsets_names_it(tmp_path, capsys):
     code, err, _ = run(tmp_path, capsys, SHARDS.replace("URLS", paths[0]))
     assert code == 2 and f"shard error: shard index {paths[0]}.idx is unreadable" in err
     assert "out of order" in err
+
+
+def test_a_worker_error_keeps_only_its_own_message():
+    from sailfin.cli import _without_worker_traceback
+    from sailfin.data import ShardError
+
+    text = ("Caught ShardError in DataLoader worker process 0.\nOriginal Traceback (most "
+            "recent call last):\n  File \"x.py\", line 1, in f\n    g()\n"
+            "sailfin.data.shards.errors.ShardError: shard a.tar, sample '7' at byte 512: bad\n")
+    assert _without_worker_traceback(ShardError(text)) == "shard a.tar, sample '7' at byte 512: bad"
+    assert _without_worker_traceback(ShardError("plain")) == "plain"

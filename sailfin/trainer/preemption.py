@@ -18,6 +18,7 @@ comparison per step, nothing else.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -91,6 +92,7 @@ class Preemption:
         self.check_at = _NEVER
         self._sigint_at: Optional[float] = None
         self._previous: dict[int, Any] = {}
+        self._pid = os.getpid()
 
     # -- handlers ----------------------------------------------------------------------
     def install(self, global_step: int) -> None:
@@ -99,6 +101,7 @@ class Preemption:
             self.check_at = (global_step // self.check_every + 1) * self.check_every
         if threading.current_thread() is not threading.main_thread():
             return
+        self._pid = os.getpid()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
@@ -108,6 +111,10 @@ class Preemption:
         self._previous.clear()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self._pid:
+            # A forked DataLoader worker inherits this handler. SLURM signals every process
+            # of the step: the worker keeps serving batches until the trainer stops it.
+            return
         name = signal.Signals(signum).name
         now = time.monotonic()
         if signum == signal.SIGINT:
