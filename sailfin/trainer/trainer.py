@@ -76,9 +76,9 @@ class Trainer:
         # SIGTERM / first Ctrl-C: finish the step, save on every rank, stop (preemption.py).
         self.preemption = Preemption(self.dist.world_size, self.backend.all_reduce_mean,
                                      self.device, args.preemption_check_every_n_steps)
-        self.preemption.install(self.global_step)
-        self._notify("on_train_start")
         try:
+            self.preemption.install(self.global_step)
+            self._notify("on_train_start")
             while self.epoch < args.epochs and not self._reached_max_steps():
                 started = time.perf_counter()
                 finished_epoch = self._train_epoch()
