@@ -12,6 +12,8 @@ shuffled, by a torch DataLoader with 0 and 2 workers:
   sailfin     the same tar shards through ``ShardDataset`` with the trainer's
               resumable sampler (window shuffle); over HTTP each shard is
               downloaded into a fresh cache directory during the timed run
+  sailfin-nocrc  the same with ``verify_checksums=False``: the "crc cost" column
+              is what checking every member's CRC-32 costs (1 - with/without)
 
 "local" reads from disk with a warm page cache; "http" reads from a Python
 file server on 127.0.0.1 (a separate process, stopped at the end). Each round
@@ -126,9 +128,11 @@ def read_files(base: str, names, n: int, workers: int, cache: str) -> int:
     return count(loader)
 
 
-def read_sailfin(base: str, names, n: int, workers: int, cache: str) -> int:
+def read_sailfin(base: str, names, n: int, workers: int, cache: str,
+                 verify_checksums: bool = True) -> int:
     urls = [f"{base}/{s}" for s in shard_names(n)]
-    ds = ShardDataset(urls, fields=("png", "cls"), cache_dir=cache)
+    ds = ShardDataset(urls, fields=("png", "cls"), cache_dir=cache,
+                      verify_checksums=verify_checksums)
     plan = BatchPlan.create(BATCH, BATCH, 1)
     sampler = ResumableSampler(len(ds), plan, seed=0, order=ds.epoch_order)
     loader = torch.utils.data.DataLoader(ds, batch_size=BATCH, sampler=sampler,
@@ -153,7 +157,8 @@ def count(loader) -> int:
     return seen
 
 
-READERS = {"files": read_files, "webdataset": read_webdataset, "sailfin": read_sailfin}
+READERS = {"files": read_files, "webdataset": read_webdataset, "sailfin": read_sailfin,
+           "sailfin-nocrc": lambda *a: read_sailfin(*a, verify_checksums=False)}
 
 
 # -- the file server -------------------------------------------------------------------------
@@ -236,9 +241,13 @@ def print_row(row: dict, readers: list[str]) -> None:
     rates = row["rates"]
     cells = [f"{statistics.median(rates[r]):>12,.0f}" if r in rates else f"{'-':>12}"
              for r in ("files", "webdataset", "sailfin")]
+    # The CRC-32 check of every member (verify_checksums, on by default): its cost is
+    # 1 - (rate with it / rate without it), a median over the interleaved rounds.
+    crc = ratio(rates, "sailfin", "sailfin-nocrc")
+    crc_cost = f"{(1 - float(crc)) * 100:+.1f}%" if crc != "-" else "-"
     print(f"{row['where']:<6} {row['workers']:>7} {''.join(cells)} "
-          f"{ratio(rates, 'sailfin', 'webdataset'):>18} {ratio(rates, 'sailfin', 'files'):>14}",
-          flush=True)
+          f"{ratio(rates, 'sailfin', 'webdataset'):>18} {ratio(rates, 'sailfin', 'files'):>14}"
+          f"{crc_cost:>10}", flush=True)
 
 
 def main() -> None:
@@ -253,7 +262,7 @@ def main() -> None:
     args = parser.parse_args()
     load = load_check(args, "data_throughput.py")
     n = 50_000 if args.full else args.samples
-    readers = ["files", "sailfin"]
+    readers = ["files", "sailfin", "sailfin-nocrc"]
     if importlib.util.find_spec("webdataset") is not None:
         readers.insert(1, "webdataset")
     else:
@@ -270,7 +279,7 @@ def main() -> None:
         print(f"{n} PNG samples 32x32x3 + label, batches of {BATCH}, median of "
               f"{args.rounds} interleaved rounds (samples/s)")
         print(f"{'where':<6} {'workers':>7} {'files':>12}{'webdataset':>12}{'sailfin':>12} "
-              f"{'sailfin/webdataset':>18} {'sailfin/files':>14}")
+              f"{'sailfin/webdataset':>18} {'sailfin/files':>14}{'crc cost':>10}")
         wheres = ["local", "http"] if args.where == "both" else [args.where]
         workers = [int(w) for w in args.workers.split(",")]
         rows = run(root, n, args.rounds, wheres, workers, readers)

@@ -45,11 +45,14 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
     from .checkpoint import CheckpointError
+    from .data.shards.errors import ShardError
     from .trainer import Trainer
+    from .trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
+    from .trainer.run_lock import RunLockError
     from .trainer.startup_checks import StartupCheckError
 
-    module = cfg.build()  # seeds first: the same initial weights on every run (and rank)
     try:
+        module = cfg.build()
         # The context manager leaves the process group on every path.
         with Trainer(module, cfg.trainer, hparams=cfg.to_dict()) as trainer:
             summary = trainer.train()
@@ -59,6 +62,16 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
     except StartupCheckError as exc:  # the recipe returned something unusable, seen at start
         print(f"sailfin: recipe error: {exc}", file=sys.stderr)
         return 2
+    except RunLockError as exc:
+        print(f"sailfin: {exc}", file=sys.stderr)
+        return 2
+    except ShardError as exc:
+        print(f"sailfin: shard error: {_without_worker_traceback(exc)}", file=sys.stderr)
+        return 2
+    except TrainingPreempted as exc:  # SIGTERM / first Ctrl-C: saved, writers closed
+        if trainer.dist.is_main:
+            print(f"sailfin: {exc} (exit code {PREEMPTED_EXIT_CODE})", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     if not trainer.dist.is_main:
         return 0
     print(f"done: {summary['global_step']} steps, {summary['samples_seen']} samples in "
@@ -67,6 +80,17 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         print(f"validation {name}: {value:.4f}" if isinstance(value, float)
               else f"validation {name}: {value}")
     return 0
+
+
+def _without_worker_traceback(exc: BaseException) -> str:
+    """A DataLoader worker's error arrives with the worker's traceback in its message
+    ("Caught ShardError in DataLoader worker process 0. Original Traceback ..."): keep
+    the error's own message, its last line."""
+    text = str(exc)
+    if "Original Traceback" not in text:
+        return text
+    last = text.rstrip().splitlines()[-1]
+    return last.split(": ", 1)[1] if ": " in last else last
 
 
 def _flatten(metrics: dict, prefix: str = "") -> dict:
@@ -101,6 +125,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _recorded(train_command)(args.config, rest, args.print_config)
         if args.command == "shard":
             return shard_cli.run(args, rest)
+    except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops)
+        if args.command != "train":
+            raise
+        print("sailfin: aborted by a second Ctrl-C; steps since the last checkpoint are "
+              "lost, the checkpoints already saved are intact", file=sys.stderr)
+        return 130
     except ConfigError as exc:
         print(f"sailfin: config error: {exc}", file=sys.stderr)
         return 2

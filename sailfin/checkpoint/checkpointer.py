@@ -32,6 +32,9 @@ from .storage import Storage, open_storage
 
 _STEP = re.compile(r"^step-(\d+)$")
 _LEFTOVER = re.compile(r"^\.(?:tmp|old)-step-(\d+)")
+# A save killed between its renames can leave a complete checkpoint under either name.
+_RENAMED = re.compile(r"^\.(tmp|old)-(step-\d+)$")
+_POINTER_TMP = re.compile(r"^(?:latest|best)\.tmp-\d+$")
 
 
 @dataclass
@@ -112,6 +115,13 @@ class Checkpointer(abc.ABC):
 
     def close(self) -> None:
         self.wait()
+
+    def recover(self) -> None:
+        """Called on every rank before resuming: put back what a killed save left."""
+
+    def abort(self) -> None:
+        """Called after a save failed (on every rank that saw it fail): remove its
+        partial files, keep every complete checkpoint."""
 
 
 class DirectoryCheckpointer(Checkpointer):
@@ -282,6 +292,65 @@ class DirectoryCheckpointer(Checkpointer):
             names.remove(pointed)
             names.insert(0, pointed)
         return names
+
+    # -- after a kill or a failed save ---------------------------------------------
+    def recover(self) -> None:
+        """Rank 0 renames complete checkpoints that a kill left under ``.tmp-``/``.old-``
+        names back into place, and moves ``latest`` to a checkpoint committed after it
+        was last written (a kill between the rename and the pointer). Then all ranks wait."""
+        if self.dist.is_main:
+            entries = set(self.storage.listdir(self.root))
+            for entry in sorted(entries):
+                if _POINTER_TMP.match(entry):
+                    self.storage.remove(self.path(entry))
+            # .tmp- holds the newer save of a step, .old- the one it was replacing.
+            for prefix in ("tmp", "old"):
+                for entry in sorted(entries):
+                    match = _RENAMED.match(entry)
+                    if not (match and match.group(1) == prefix):
+                        continue
+                    name = match.group(2)
+                    if not self.storage.exists(self.path(entry, manifests.MANIFEST)):
+                        continue  # unfinished: retain() removes it after the next save
+                    if self.storage.exists(self.path(name, manifests.MANIFEST)):
+                        if prefix == "tmp":  # stopped before replacing the step: finish
+                            old = self.path(f".old-{name}")
+                            self.storage.remove_tree(old)
+                            self.storage.rename_dir(self.path(name), old)
+                            self.storage.rename_dir(self.path(entry), self.path(name))
+                            self.storage.remove_tree(old)
+                        continue
+                    self.storage.remove_tree(self.path(name))
+                    self.storage.rename_dir(self.path(entry), self.path(name))
+                    say(f"recovered checkpoint {self.storage.display(self.path(name))} "
+                        f"from {entry} (a save was stopped between its renames)")
+            self._catch_up_latest()
+        self.barrier()
+
+    def _catch_up_latest(self) -> None:
+        complete = self.complete()
+        if not complete:
+            return
+        newest = complete[-1][1]
+        pointed = self.pointer("latest")
+        if pointed is None or pointed == newest:
+            return
+        # A newer checkpoint is normal after resuming from an older one on purpose; only
+        # one committed after ``latest`` was written was cut off before its pointer.
+        written = self.storage.mtime(self.path("latest"))
+        committed = self.storage.mtime(self.path(newest, manifests.MANIFEST))
+        if written is not None and committed is not None and committed > written:
+            self.storage.write_bytes(self.path("latest"), f"{newest}\n".encode())
+            say(f"latest now names {newest}: its save was stopped before it moved the pointer")
+
+    def abort(self) -> None:
+        if not self.dist.is_main:
+            return
+        for entry in self.storage.listdir(self.root):
+            if not (_LEFTOVER.match(entry) or _STEP.match(entry)):
+                continue
+            if not self.storage.exists(self.path(entry, manifests.MANIFEST)):
+                self.storage.remove_tree(self.path(entry))  # the failed save's partial files
 
     # -- keep-last and best ------------------------------------------------------
     def retain(self) -> None:

@@ -16,3 +16,12 @@ class CheckpointCorrupt(CheckpointError):
     def __init__(self, message: str, file: str) -> None:
         super().__init__(message)
         self.file = file
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint file could not be written (full disk, lost mount...); ``errno`` says why."""
+
+    def __init__(self, message: str, file: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.file = file
+        self.errno = errno

@@ -36,6 +36,7 @@ def resume(trainer: "Trainer", checkpointer: Checkpointer) -> Optional[Loaded]:
 
 def _resume(trainer: "Trainer", checkpointer: Checkpointer) -> Optional[Loaded]:
     mode = trainer.args.resume
+    checkpointer.recover()  # a save killed between its renames left its checkpoint aside
     if mode == "never":
         existing = checkpointer.latest()
         if existing is not None:
@@ -47,6 +48,7 @@ def _resume(trainer: "Trainer", checkpointer: Checkpointer) -> Optional[Loaded]:
     if mode == "auto":
         loaded = _first_loadable(trainer, checkpointer)
         if loaded is None:
+            _start_afresh(trainer)
             return None
     else:
         loaded, error = _try_load(checkpointer, mode)
@@ -57,6 +59,17 @@ def _resume(trainer: "Trainer", checkpointer: Checkpointer) -> Optional[Loaded]:
     check_config(trainer, loaded.manifest, loaded.location, say)
     apply(trainer, loaded)
     return loaded
+
+
+def _start_afresh(trainer: "Trainer") -> None:
+    """No checkpoint to continue from: events a killed run logged before its first save
+    would be logged again, so they go (the lock says no other run writes there)."""
+    if not trainer.dist.is_main:
+        return
+    dropped = trim_metrics_log(os.path.join(trainer.args.output_dir, "metrics.jsonl"), 0, False)
+    if dropped:
+        say(f"no checkpoint to resume from: starting at step 0 and dropping {dropped} "
+            "metrics.jsonl line(s) that an earlier run logged before it saved any")
 
 
 def _first_loadable(trainer: "Trainer", checkpointer: Checkpointer) -> Optional[Loaded]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import copy as copy_module
+import errno
 import zlib
 import io
 import pickle
@@ -29,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from .errors import CheckpointCorrupt, CheckpointError
+from .errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError
 from .storage import Storage
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
@@ -69,16 +70,21 @@ class _ChecksumWriter:
         self.helper = helper
         self.crc32 = 0
         self.size = 0
+        self.error: OSError | None = None  # torch.save hides it inside a RuntimeError
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        if self.helper is not None and len(view) >= THREADED_CHECKSUM_BYTES:
-            crc = self.helper.submit(zlib.crc32, view, self.crc32)
-            self.fh.write(view)
-            self.crc32 = crc.result()
-        else:
-            self.crc32 = zlib.crc32(view, self.crc32)  # releases the GIL on large buffers
-            self.fh.write(view)
+        try:
+            if self.helper is not None and len(view) >= THREADED_CHECKSUM_BYTES:
+                crc = self.helper.submit(zlib.crc32, view, self.crc32)
+                self.fh.write(view)
+                self.crc32 = crc.result()
+            else:
+                self.crc32 = zlib.crc32(view, self.crc32)  # releases the GIL on large buffers
+                self.fh.write(view)
+        except OSError as exc:
+            self.error = exc
+            raise
         self.size += len(view)
         return len(view)
 
@@ -87,12 +93,30 @@ class _ChecksumWriter:
 
 
 def save_object(storage: Storage, path: str, obj: Any) -> FileEntry:
-    """``torch.save`` ``obj`` to ``path``; return its size and checksum."""
-    with ThreadPoolExecutor(1, thread_name_prefix="sailfin-checksum") as helper, \
-            storage.open_write(path) as fh:
-        writer = _ChecksumWriter(fh, helper)
-        torch.save(obj, writer)
+    """``torch.save`` ``obj`` to ``path``; return its size and checksum.
+
+    A failed write (a full disk...) raises :class:`CheckpointWriteError` naming the
+    file and the OS's reason, not torch's ``unexpected pos`` RuntimeError.
+    """
+    writer: _ChecksumWriter | None = None
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="sailfin-checksum") as helper, \
+                storage.open_write(path) as fh:
+            writer = _ChecksumWriter(fh, helper)
+            torch.save(obj, writer)
+    except OSError as exc:  # opening, fsync or close (NFS reports a full disk at close)
+        raise write_error(storage, path, exc) from exc
+    except RuntimeError as exc:
+        if writer is None or writer.error is None:
+            raise
+        raise write_error(storage, path, writer.error) from writer.error
     return FileEntry(writer.size, writer.crc32)
+
+
+def write_error(storage: Storage, path: str, exc: OSError) -> CheckpointWriteError:
+    reason = "no space left on device" if exc.errno == errno.ENOSPC else (exc.strerror or exc)
+    return CheckpointWriteError(f"cannot write checkpoint file {storage.display(path)}: "
+                                f"{reason}", storage.display(path), exc.errno)
 
 
 def load_object(storage: Storage, path: str, entry: FileEntry) -> Any:

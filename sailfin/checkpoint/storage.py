@@ -53,6 +53,10 @@ class Storage:
     def size(self, path: str) -> int:
         raise NotImplementedError
 
+    def mtime(self, path: str) -> Optional[float]:
+        """When ``path`` was last written (seconds), or None when the storage cannot say."""
+        return None
+
     def listdir(self, path: str) -> list[str]:
         """Names directly under ``path``; empty when it does not exist."""
         raise NotImplementedError
@@ -87,8 +91,12 @@ class LocalStorage(Storage):
 
     def write_bytes(self, path: str, data: bytes) -> None:
         tmp = f"{path}.tmp-{os.getpid()}"
-        with self.open_write(tmp) as fh:
-            fh.write(data)
+        try:
+            with self.open_write(tmp) as fh:
+                fh.write(data)
+        except OSError:
+            self.remove(tmp)  # a full disk: leave no partial file behind
+            raise
         os.replace(tmp, path)
         _fsync_dir(os.path.dirname(path))
 
@@ -103,6 +111,12 @@ class LocalStorage(Storage):
 
     def size(self, path: str) -> int:
         return os.path.getsize(path)
+
+    def mtime(self, path: str) -> Optional[float]:
+        try:
+            return os.stat(path).st_mtime_ns / 1e9
+        except FileNotFoundError:
+            return None
 
     def listdir(self, path: str) -> list[str]:
         try:

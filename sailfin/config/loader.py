@@ -24,6 +24,7 @@ import yaml
 
 from .coerce import build_dataclass, coerce, field_types, parse_cli_value
 from .errors import ConfigError, suggest, unknown_key
+from .strict_yaml import load_yaml_file
 from .trainer import TrainerArguments
 
 SECTIONS = ("data", "module", "trainer")
@@ -99,6 +100,7 @@ class RunConfig:
 
 def _instantiate(spec: ComponentSpec, section: str, extra: Optional[dict] = None) -> Any:
     cls = spec.resolve(section)
+    _check_interface(cls, spec.class_path, section)  # before anything calls it
     kwargs = _check_init_args(cls, spec.init_args, section)
     if extra:
         params = inspect.signature(cls).parameters
@@ -107,6 +109,21 @@ def _instantiate(spec: ComponentSpec, section: str, extra: Optional[dict] = None
             if name in params or takes_kwargs:
                 kwargs[name] = value
     return cls(**kwargs)
+
+
+def _check_interface(cls: Any, class_path: str, section: str) -> None:
+    """A config is code (class_path imports a module, which runs it), but only a class of
+    the section's interface is called: not ``subprocess.getoutput`` or ``os.system``."""
+    # Imported here: the config layer needs no torch until a run is built.
+    from ..interfaces import DataInterface, ModuleInterface
+
+    expected = {"data": DataInterface, "module": ModuleInterface}[section]
+    if not (isinstance(cls, type) and issubclass(cls, expected)):
+        what = ("a class that does not derive from it" if isinstance(cls, type)
+                else f"a {type(cls).__name__}, not a class")
+        raise ConfigError(
+            f"{section}.class_path must name a subclass of sailfin.{expected.__name__}; "
+            f"{class_path} is {what}. sailfin calls nothing else that a config names")
 
 
 def _check_init_args(cls: type, init_args: dict, section: str) -> dict:
@@ -133,13 +150,7 @@ def load_config(path: Optional[str | os.PathLike] = None,
     """Read a YAML run config and apply ``--section.key value`` overrides."""
     raw: dict = {}
     if path is not None:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                raw = yaml.safe_load(fh) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        raw = load_yaml_file(path) or {}  # UTF-8, safe tags, no key given twice
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping with sections "
                               f"{', '.join(SECTIONS)}; got {type(raw).__name__}")

@@ -77,6 +77,10 @@ class TrainerArguments:
     checkpoint: CheckpointArguments = field(default_factory=CheckpointArguments)
     distributed: DistArguments = field(default_factory=DistArguments)
     """Rank discovery and process-group settings (``ddp`` backends)."""
+    # Preemption (SIGTERM / first Ctrl-C: save and stop; see docs/multinode.md).
+    preemption_check_every_n_steps: int = 10
+    """With several ranks, how often (optimizer steps) they agree whether a SIGTERM came: one
+    all-reduce of one number each time; the stop lands at most this many steps after it."""
 
     # -- resume checks, starting from weights, PyMarlin's meanings, start-up checks --------
     gpu_batch_size_limit: Optional[int] = None
@@ -108,6 +112,12 @@ class TrainerArguments:
         if self.val_every_n_epochs < 0:
             raise ConfigError(
                 f"trainer.val_every_n_epochs must be >= 0, got {self.val_every_n_epochs}")
+        # Run safety: the seed feeds numpy's generators, which take unsigned 32-bit seeds.
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"trainer.seed must be between 0 and {2**32 - 1}, got {self.seed}")
+        if self.preemption_check_every_n_steps < 1:
+            raise ConfigError("trainer.preemption_check_every_n_steps must be >= 1, got "
+                              f"{self.preemption_check_every_n_steps}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ConfigError(
                 f"trainer.max_grad_norm must be > 0 or null (no clipping), got {self.max_grad_norm}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import math
 import time
 from typing import TYPE_CHECKING, Any, Mapping, Optional
@@ -64,11 +65,21 @@ class CheckpointCallback(Callback):
         if self.args.at_epoch_end or self._improved:
             self.save(trainer)
 
+    def on_train_start(self, trainer: "Trainer") -> None:
+        # Resumed from a checkpoint of this directory: that step is saved already. Saving
+        # it again (a finished run started again) would only put it at risk.
+        loaded = getattr(trainer, "resumed_from", None)
+        if loaded is not None and loaded.name in self.checkpointer.candidates():
+            self._saved_step = trainer.global_step
+
     def on_train_end(self, trainer: "Trainer") -> None:
         # The final state, so that a longer run (more epochs or max_steps) continues exactly.
         if self.args.every_n_steps or self.args.at_epoch_end or self._improved:
             self.save(trainer)
-        self.checkpointer.wait()
+        try:
+            self.checkpointer.wait()
+        except CheckpointError as exc:
+            raise self._failed(trainer, exc) from exc
 
     # -- saving ---------------------------------------------------------------------
     def save(self, trainer: "Trainer") -> None:
@@ -85,9 +96,33 @@ class CheckpointCallback(Callback):
         snapshot = Snapshot(step=trainer.global_step, facts=manifest_facts(trainer, self, state),
                             shared={"model": state.pop("module"), "trainer": state},
                             rank_state=rng_state(), is_best=self._improved)
-        self.checkpointer.save(snapshot)
+        try:
+            self.checkpointer.save(snapshot)
+        except (OSError, CheckpointError) as exc:
+            raise self._failed(trainer, exc) from exc
         self._saved_step, self._improved = trainer.global_step, False
         self.stall_seconds.append(time.perf_counter() - started)
+
+    def _failed(self, trainer: "Trainer", exc: BaseException) -> CheckpointError:
+        """Remove the failed save's partial files (a full disk stays full otherwise) and
+        say in one line what failed and what is kept."""
+        try:
+            self.checkpointer.abort()
+        except OSError:
+            pass  # the message below still names the directory to clean
+        kept = self.checkpointer.latest()
+        kept_text = (f"the previous checkpoint {kept} is kept" if kept
+                     else "no earlier checkpoint exists")
+        if _no_space(exc):
+            return CheckpointError(
+                f"saving step {trainer.global_step} to {self.checkpointer.location} failed: "
+                f"no space left on device; removed the partial save, {kept_text}. Free space "
+                "there, or set trainer.checkpoint.dir (or keep_last) to need less")
+        if isinstance(exc, CheckpointError):
+            return CheckpointError(f"{exc}; removed the partial save, {kept_text}")
+        return CheckpointError(f"saving step {trainer.global_step} to "
+                               f"{self.checkpointer.location} failed: {exc}; removed the "
+                               f"partial save, {kept_text}")
 
     # -- carried in the checkpoint ------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -108,6 +143,16 @@ class StepCheckpointCallback(CheckpointCallback):
     def on_step_end(self, trainer: "Trainer") -> None:
         if trainer.global_step % self.args.every_n_steps == 0:  # type: ignore[operator]
             self.save(trainer)
+
+
+def _no_space(exc: Optional[BaseException]) -> bool:
+    """Whether ``exc`` or what caused it is a full disk (ENOSPC, or a quota: EDQUOT)."""
+    seen = 0
+    while exc is not None and seen < 10:
+        if getattr(exc, "errno", None) in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def checkpoint_callback(checkpointer: Checkpointer, args: CheckpointArguments

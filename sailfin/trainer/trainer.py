@@ -24,6 +24,8 @@ from .checkpointing import checkpoint_callback
 from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
 from .nonfinite import NonFiniteGuard
 from .observe import build_observers
+from .preemption import Preemption, save_and_stop
+from .run_lock import RunLock, take_run_lock
 from .run_stats import RunStats, peak_memory
 from .startup_checks import check_schedulers_fit, sanity_validate, train_output_checker
 from .outputs import save_final_weights, write_json_atomic
@@ -62,18 +64,27 @@ class Trainer:
         self._is_setup = False
         self._last_val_step = -1
         self._check_first_output: Any = None  # checks the first train_step's return, once
+        self._run_lock: Optional[RunLock] = None  # rank 0's hold on output_dir
 
     # -- the run ---------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         """Train for ``args.epochs`` (or until ``args.max_steps``); return the summary."""
-        self.setup()
-        args = self.args
-        # Fail now, not after an epoch: schedule length, val_step, the first train_step.
-        check_schedulers_fit(self)
-        sanity_validate(self)
-        self._check_first_output = train_output_checker(self.global_step)
-        self._notify("on_train_start")
         try:
+            self.setup()
+            # Fail now, not after an epoch: schedule length, val_step, the first train_step.
+            check_schedulers_fit(self)
+            sanity_validate(self)
+        except BaseException:
+            self._release_run_lock()
+            raise
+        self._check_first_output = train_output_checker(self.global_step)
+        args = self.args
+        # SIGTERM / first Ctrl-C: finish the step, save on every rank, stop (preemption.py).
+        self.preemption = Preemption(self.dist.world_size, self.backend.all_reduce_mean,
+                                     self.device, args.preemption_check_every_n_steps)
+        try:
+            self.preemption.install(self.global_step)
+            self._notify("on_train_start")
             while self.epoch < args.epochs and not self._reached_max_steps():
                 started = time.perf_counter()
                 finished_epoch = self._train_epoch()
@@ -93,16 +104,26 @@ class Trainer:
             self._notify("on_train_end")
             return summary
         finally:
+            self.preemption.uninstall()
             try:
                 self.checkpointer.close()  # a background save finishes, or reports its error
             finally:
                 self.writers.flush()  # close() closes them; validate() may still log
+                self._release_run_lock()
 
     def close(self) -> None:
         """Close the writers and leave the process group (DDP). Safe to call twice."""
-        if self._is_setup:
-            self.writers.close()
-        self.backend.teardown()
+        try:
+            if self._is_setup:
+                self.writers.close()
+            self.backend.teardown()
+        finally:
+            self._release_run_lock()
+
+    def _release_run_lock(self) -> None:
+        lock, self._run_lock = self._run_lock, None
+        if lock is not None:
+            lock.release()
 
     def __enter__(self) -> "Trainer":
         return self
@@ -117,6 +138,8 @@ class Trainer:
             return
         args, dist = self.args, self.dist
         configure_logging(dist.rank)
+        if self._run_lock is None:  # before anything is written there: one run per directory
+            self._run_lock = take_run_lock(args.output_dir, dist.is_main)
         seed_everything(args.seed + dist.rank)  # per-rank streams (dropout) differ
         self.plan = BatchPlan.create(args.train_batch_size, args.micro_batch_size,
                                      dist.world_size, args.drop_last,
@@ -142,7 +165,7 @@ class Trainer:
             check_directory(args.output_dir, "output",
                             who="sailfin (summary.json, final weights, checkpoints)")
         self.checkpointer = build_checkpointer(args, dist, self.backend.barrier)
-        saver = checkpoint_callback(self.checkpointer, args.checkpoint)
+        saver = self.saver = checkpoint_callback(self.checkpointer, args.checkpoint)
         self.run_stats = RunStats(args.checkpoint.best_metric, args.checkpoint.best_mode)
         self.callbacks += [self.run_stats] + ([saver] if saver is not None else [])
         # Before the writers open metrics.jsonl: resuming trims events past the checkpoint.
@@ -175,6 +198,7 @@ class Trainer:
         on_end_train_step = _overridden(module, "on_end_train_step")
         observe = self.nonfinite.observe
         check = self._check_first_output  # None once the first train_step was checked
+        preemption = self.preemption
         # Every step but an epoch's last has the same shape: look it up once.
         full_steps = n // plan.global_batch
         full_micros = plan.micro_batches(0, n, rank) if full_steps else ()
@@ -227,6 +251,8 @@ class Trainer:
                 self._log_train(step_loss, stats)
             for callback in step_callbacks:
                 callback.on_step_end(self)
+            if self.global_step >= preemption.check_at and preemption.poll(self.global_step):
+                save_and_stop(self)  # raises TrainingPreempted
         if last < self.steps_per_epoch:
             return False  # max_steps reached inside the epoch
         module.on_end_train_epoch(self.global_step, self.epoch)

@@ -48,14 +48,14 @@ def test_override_forms_and_types(tmp_path):
     cfg = load_config(write(tmp_path, BASE), [
         "--trainer.backend", "sp", "--trainer.epochs=5", "--trainer.max_steps", "null",
         "--trainer.max_grad_norm", "1e-3", "--trainer.drop_last", "true",
-        "--trainer.seed", "-7", "--trainer.writers", "[stdout, jsonl]",
-        "--trainer.output_dir", "007", "--module.init_args.lr", "0.5",
+        "--trainer.seed", "7", "--trainer.writers", "[stdout, jsonl]",
+        "--trainer.output_dir", "007", "--module.init_args.lr", "-0.5",
     ])
     t = cfg.trainer
     assert (t.epochs, t.max_steps, t.max_grad_norm, t.drop_last, t.seed) == (5, None, 1e-3,
-                                                                            True, -7)
+                                                                            True, 7)
     assert t.writers == ["stdout", "jsonl"] and t.output_dir == "007"
-    assert cfg.module.init_args["lr"] == 0.5
+    assert cfg.module.init_args["lr"] == -0.5  # a negative number is a value, not a flag
 
 
 def test_single_writer_override_is_a_list(tmp_path):

@@ -40,7 +40,10 @@ class ShardDataset(torch.utils.data.Dataset):
     the trainer's sampler follows: shards shuffled, then samples shuffled
     within windows of ``shuffle_window`` shards (``shuffle=False``: natural
     order). ``on_error="skip"`` drops unreadable samples from their
-    micro-batch and counts them (:attr:`skipped_samples`).
+    micro-batch and counts them (:attr:`skipped_samples`). Each member is
+    checked against the CRC-32 its index records (``verify_checksums=False``
+    skips that; indexes without checksums are read unchecked); a mismatch is
+    a ShardError naming shard, sample and offset, handled like any bad sample.
 
     Example::
 
@@ -54,7 +57,8 @@ class ShardDataset(torch.utils.data.Dataset):
                  shuffle: bool = True, shuffle_window: int = 8, on_error: str = "raise",
                  cache_dir: Optional[str] = None, cache_limit: Union[int, str] = "20GB",
                  allow_pipe: bool = False, download_attempts: int = 3,
-                 max_open_shards: int = 64, index_threads: int = 8) -> None:
+                 max_open_shards: int = 64, index_threads: int = 8,
+                 verify_checksums: bool = True) -> None:
         if not callable(decode) and decode not in DECODE_MODES:
             raise ValueError(f"decode={decode!r}{_suggest(decode, DECODE_MODES)}: use one of "
                              f"{', '.join(DECODE_MODES)} or a function of the raw sample dict")
@@ -72,6 +76,7 @@ class ShardDataset(torch.utils.data.Dataset):
         self.shuffle = shuffle
         self.shuffle_window = shuffle_window
         self.on_error = on_error
+        self.verify_checksums = verify_checksums
         self.max_open_shards = max_open_shards
         self.cache = ShardCache(cache_dir, cache_limit, attempts=download_attempts)
         self.indexes = self._load_indexes(index_threads)
@@ -130,13 +135,16 @@ class ShardDataset(torch.utils.data.Dataset):
 
     def _read(self, shard: int, j: int) -> Any:
         try:
-            key, lo, hi, members = self._table(shard).sample(j)
+            table = self._table(shard)
+            key, lo, hi, members = table.sample(j)
             fd = self._fd(shard)
             buf = os.pread(fd, hi - lo, lo)
             if len(buf) != hi - lo:
                 raise ShardError(f"{where(self.urls[shard], key, lo)}: needs {hi - lo} bytes "
                                  f"but the shard ends after {len(buf)} of them (truncated "
                                  "shard); re-create it", self.urls[shard], key, lo)
+            if self.verify_checksums:
+                check_members(table, j, buf, lo, self.urls[shard], key)
             sample = self._decode(shard, key, lo, buf, members)
         except ShardError as exc:
             if self._skipped is None:
@@ -285,6 +293,18 @@ class ShardDataset(torch.utils.data.Dataset):
                 f"cache_limit={self.cache.limit} bytes cannot hold two shuffle windows of "
                 f"shards ({need} bytes for shuffle_window={self.shuffle_window}): raise "
                 "cache_limit or lower shuffle_window")
+
+
+def check_members(table: Table, j: int, buf: bytes, lo: int, url: str, key: str) -> None:
+    """ShardError if a member of sample ``j`` (``buf``, read from byte ``lo``) differs
+    from its CRC-32 in the index."""
+    bad = table.damaged_member(j, buf, lo)
+    if bad is not None:
+        ext, offset = bad
+        raise ShardError(f"{where(url, key, offset)}: member '.{ext}' does not match its CRC-32 "
+                         "in the shard index: the shard was changed or damaged after it was "
+                         "written. Re-create it, or set on_error='skip' to leave such samples "
+                         "out", url, key, offset)
 
 
 def _suggest(value: Any, choices: Sequence[str]) -> str:

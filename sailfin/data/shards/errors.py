@@ -19,6 +19,10 @@ class ShardError(RuntimeError):
         self.url, self.key, self.offset = url, key, offset
 
 
+class ShardURLError(ShardError, ValueError):
+    """A shard list that names no shard, or one that is refused (``pipe:``)."""
+
+
 def where(url: str, key: Optional[str] = None, offset: Optional[int] = None) -> str:
     """``shard URL, sample 'KEY' at byte N``: the start of every data error message."""
     text = f"shard {url}"

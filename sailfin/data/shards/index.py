@@ -10,7 +10,12 @@ a small JSON document::
      "members": [2, 2, ...],          # members per sample
      "ext_ids": [0, 1, 0, 1, ...],    # per member: its extension (into "exts")
      "offsets": [512, 1536, ...],     # per member: byte offset of its data
-     "sizes": [1, 873, ...]}          # per member: data size in bytes
+     "sizes": [1, 873, ...],          # per member: data size in bytes
+     "crc32": [2212294583, ...]}      # per member: zlib.crc32 of its data (optional)
+
+``crc32`` is checked by the reader on every sample (``verify_checksums``):
+a changed byte in a member raises ShardError naming shard, sample and offset.
+Indexes written before it existed have no ``crc32`` and are read unchecked.
 
 Members are grouped into samples as WebDataset does: a member ``dir/000123.x.npy``
 has key ``dir/000123`` and extension ``x.npy`` (everything after the first dot of
@@ -24,8 +29,9 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple
+from typing import Iterable, NamedTuple, Optional
 
 import numpy as np
 
@@ -58,6 +64,7 @@ class ShardIndex:
     ext_ids: np.ndarray        # int32 per member
     offsets: np.ndarray        # int64 per member
     sizes: np.ndarray          # int64 per member
+    crc32: Optional[np.ndarray] = None  # uint32 per member; None in indexes without checksums
 
     @property
     def num_samples(self) -> int:
@@ -71,6 +78,7 @@ class ShardIndex:
         ext_ids: list[int] = []
         offsets: list[int] = []
         sizes: list[int] = []
+        crcs: Optional[list[int]] = []
         for m in members:
             key, ext = split_name(m.name)
             if not ext:
@@ -82,16 +90,29 @@ class ShardIndex:
             ext_ids.append(exts.setdefault(ext, len(exts)))
             offsets.append(m.offset)
             sizes.append(m.size)
-        return cls._build(tar_bytes, tuple(exts), keys, counts, ext_ids, offsets, sizes)
+            if crcs is not None:  # all members have one, or the index has none
+                crcs = None if m.crc32 is None else crcs
+                if crcs is not None:
+                    crcs.append(m.crc32)  # type: ignore[arg-type]
+        return cls._build(tar_bytes, tuple(exts), keys, counts, ext_ids, offsets, sizes, crcs)
 
     @classmethod
     def _build(cls, tar_bytes: int, exts: tuple[str, ...], keys: list[str], counts,
-               ext_ids, offsets, sizes) -> "ShardIndex":
+               ext_ids, offsets, sizes, crcs=None) -> "ShardIndex":
         start = np.zeros(len(keys) + 1, dtype=np.int64)
         np.cumsum(np.asarray(counts, dtype=np.int64), out=start[1:])
         return cls(int(tar_bytes), exts, list(keys), start,
                    np.asarray(ext_ids, dtype=np.int32), np.asarray(offsets, dtype=np.int64),
-                   np.asarray(sizes, dtype=np.int64))
+                   np.asarray(sizes, dtype=np.int64),
+                   None if crcs is None else np.asarray(crcs, dtype=np.uint32))
+
+    def add_checksums(self, fd: int) -> None:
+        """Checksum every member's data in the file open at ``fd`` (an index made by
+        scanning a tar's headers has none): from now on a changed byte is found."""
+        crcs = np.empty(len(self.offsets), dtype=np.uint32)
+        for m, (offset, size) in enumerate(zip(self.offsets.tolist(), self.sizes.tolist())):
+            crcs[m] = zlib.crc32(os.pread(fd, size, offset))
+        self.crc32 = crcs
 
     # -- the file beside the shard ------------------------------------------------------
     def to_json(self) -> str:
@@ -100,6 +121,7 @@ class ShardIndex:
             "exts": list(self.exts), "keys": self.keys,
             "members": np.diff(self.member_start).tolist(), "ext_ids": self.ext_ids.tolist(),
             "offsets": self.offsets.tolist(), "sizes": self.sizes.tolist(),
+            **({"crc32": self.crc32.tolist()} if self.crc32 is not None else {}),
         }, separators=(",", ":"))
 
     @classmethod
@@ -111,7 +133,8 @@ class ShardIndex:
             if doc.get("version") != VERSION:
                 raise ValueError(f"version {doc.get('version')} (this sailfin reads {VERSION})")
             index = cls._build(doc["tar_bytes"], tuple(doc["exts"]), doc["keys"],
-                               doc["members"], doc["ext_ids"], doc["offsets"], doc["sizes"])
+                               doc["members"], doc["ext_ids"], doc["offsets"], doc["sizes"],
+                               doc.get("crc32"))
             index._check()
             return index
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -130,13 +153,27 @@ class ShardIndex:
             raise ValueError("an extension id is out of range")
         if n and int((self.offsets + self.sizes).max()) > self.tar_bytes:
             raise ValueError("a member ends past tar_bytes")
+        if n and (int(self.offsets.min()) < 0 or int(self.sizes.min()) < 0):
+            raise ValueError("a member has a negative offset or size")
+        if n > 1:
+            # Members lie in file order, each after the previous one's data.
+            ends = self.offsets[:-1] + self.sizes[:-1]
+            bad = np.flatnonzero(self.offsets[1:] < ends)
+            if len(bad):
+                m = int(bad[0]) + 1
+                raise ValueError(f"member {m} starts at byte {int(self.offsets[m])}, inside or "
+                                 f"before member {m - 1} (byte {int(self.offsets[m - 1])}): the "
+                                 "offsets are out of order")
+        if self.crc32 is not None and len(self.crc32) != n:
+            raise ValueError("crc32 and the member arrays disagree in length")
 
     # -- what the reader needs ------------------------------------------------------------
     def table(self) -> "Table":
         """The index as plain Python lists: indexing them per sample is cheaper than numpy."""
         exts = self.exts
         return Table(self.keys, self.member_start.tolist(), self.offsets.tolist(),
-                     self.sizes.tolist(), [exts[i] for i in self.ext_ids.tolist()])
+                     self.sizes.tolist(), [exts[i] for i in self.ext_ids.tolist()],
+                     None if self.crc32 is None else self.crc32.tolist())
 
 
 class Table(NamedTuple):
@@ -147,6 +184,7 @@ class Table(NamedTuple):
     offsets: list[int]
     sizes: list[int]
     exts: list[str]      # per member
+    crcs: Optional[list[int]] = None  # per member, when the index has checksums
 
     def sample(self, j: int) -> Row:
         """Sample ``j``: key, byte range, and its members relative to the range's start."""
@@ -155,6 +193,21 @@ class Table(NamedTuple):
         lo = offsets[a]
         return (self.keys[j], lo, offsets[b - 1] + sizes[b - 1],
                 [(exts[m], offsets[m] - lo, offsets[m] - lo + sizes[m]) for m in range(a, b)])
+
+    def damaged_member(self, j: int, buf: bytes, lo: int) -> Optional[tuple[str, int]]:
+        """(extension, byte offset) of sample ``j``'s first member whose bytes in ``buf``
+        (read from byte ``lo``) do not match its CRC-32; None when all match or the
+        index has no checksums."""
+        crcs = self.crcs
+        if crcs is None:
+            return None
+        view = memoryview(buf)
+        offsets, sizes = self.offsets, self.sizes
+        for m in range(self.starts[j], self.starts[j + 1]):
+            a = offsets[m] - lo
+            if zlib.crc32(view[a:a + sizes[m]]) != crcs[m]:
+                return self.exts[m], offsets[m]
+        return None
 
 
 def split_name(name: str) -> tuple[str, str]:

@@ -116,7 +116,9 @@ def _scan(path: str, url: str, skip_bad: bool) -> Optional[ShardIndex]:
     try:
         size = os.fstat(fd).st_size
         try:
-            return ShardIndex.from_members(scan(fd, size), size)
+            index = ShardIndex.from_members(scan(fd, size), size)
+            index.add_checksums(fd)  # one read of the shard: later changes are found
+            return index
         except TarFormatError as exc:
             if not skip_bad:
                 raise ShardError(f"{where(url, offset=exc.offset)}: {exc}; re-create the "

@@ -32,6 +32,7 @@ class Member:
     name: str
     offset: int  # byte offset of the member's data (past its header)
     size: int
+    crc32: Optional[int] = None  # zlib.crc32 of the data, when the writer computed it
 
 
 def header(name: str, size: int) -> bytes:

@@ -18,6 +18,8 @@ import os
 import re
 from typing import Sequence, Union
 
+from .errors import ShardURLError
+
 Urls = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]]]
 _GLOB = re.compile(r"[*?\[]")
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
@@ -41,7 +43,7 @@ def local_path(url: str) -> str:
 def expand_urls(urls: Urls, allow_pipe: bool = False) -> list[str]:
     """Every shard named by ``urls`` (a pattern or a list of them), in order.
 
-    Raises ValueError naming the pattern when nothing matches, a URL is a pipe
+    Raises ShardURLError (a ValueError and a ShardError) naming the pattern when nothing matches, a URL is a pipe
     that is not allowed, or a shard is named twice.
     """
     patterns = [urls] if isinstance(urls, (str, os.PathLike)) else list(urls)
@@ -50,16 +52,16 @@ def expand_urls(urls: Urls, allow_pipe: bool = False) -> list[str]:
         for url in expand_braces(pattern):
             found = _resolve(url, allow_pipe)
             if not found:
-                raise ValueError(f"shard pattern '{pattern}' matches no shard ({url} is an "
+                raise ShardURLError(f"shard pattern '{pattern}' matches no shard ({url} is an "
                                  "empty directory or a glob without matches)")
             out.extend(found)
     if not out:
-        raise ValueError("the shard list is empty: give a list of shard URLs, a glob, a "
+        raise ShardURLError("the shard list is empty: give a list of shard URLs, a glob, a "
                          "directory or brace notation such as shard-{000000..000009}.tar")
     seen: set[str] = set()
     for url in out:
         if url in seen:
-            raise ValueError(f"shard {url} is listed twice: its samples would be read twice "
+            raise ShardURLError(f"shard {url} is listed twice: its samples would be read twice "
                              "per epoch; remove the duplicate from the shard list")
         seen.add(url)
     return out
@@ -69,7 +71,7 @@ def _resolve(url: str, allow_pipe: bool) -> list[str]:
     where = kind(url)
     if where == "pipe":
         if not allow_pipe:
-            raise ValueError(
+            raise ShardURLError(
                 f"refusing shard URL '{url}': 'pipe:' runs a shell command, and shard lists "
                 "often come from config files that must not run commands. Pass "
                 "allow_pipe=True to ShardDataset if you wrote this command yourself")
@@ -87,7 +89,7 @@ def _resolve(url: str, allow_pipe: bool) -> list[str]:
         fs, _, paths = fsspec_module().get_fs_token_paths(url)
         return sorted(fs.unstrip_protocol(p) for p in paths if not p.endswith(".idx"))
     if where == "http" and _GLOB.search(url.split("?", 1)[0].split("://", 1)[1]):
-        raise ValueError(f"cannot glob over HTTP ('{url}'): name the shards with brace "
+        raise ShardURLError(f"cannot glob over HTTP ('{url}'): name the shards with brace "
                          "notation, e.g. https://host/shard-{000000..000099}.tar")
     return [url]
 
@@ -103,7 +105,7 @@ def expand_braces(pattern: str) -> list[str]:
         if depth == 0:
             break
     else:
-        raise ValueError(f"unbalanced '{{' in shard pattern '{pattern}'")
+        raise ShardURLError(f"unbalanced '{{' in shard pattern '{pattern}'")
     head, body, tail = pattern[:start], pattern[start + 1:end], pattern[end + 1:]
     tails = expand_braces(tail)
     return [head + alt + t for alt in _alternatives(body, pattern) for t in tails]
@@ -115,7 +117,7 @@ def _alternatives(body: str, pattern: str) -> list[str]:
         a, b = match.groups()
         lo, hi = int(a), int(b)
         if hi < lo:
-            raise ValueError(f"range {{{body}}} in shard pattern '{pattern}' counts down; "
+            raise ShardURLError(f"range {{{body}}} in shard pattern '{pattern}' counts down; "
                              f"write {{{b}..{a}}}")
         padded = (a.startswith("0") and len(a) > 1) or (b.startswith("0") and len(b) > 1)
         width = max(len(a), len(b)) if padded else 0

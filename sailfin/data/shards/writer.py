@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zlib
 from typing import Any, Mapping, Optional
 
 from .codecs import encode
@@ -81,7 +82,7 @@ class ShardWriter:
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"sample '{key}', field '{ext}': {exc}") from None
             head = header(f"{key}.{ext}", len(data))
-            offsets.append((ext, len(blob) + len(head), len(data)))
+            offsets.append((ext, len(blob) + len(head), len(data), zlib.crc32(data)))
             blob += head
             blob += data
             blob += padding(len(data))
@@ -91,8 +92,8 @@ class ShardWriter:
             raise ValueError(f"sample key '{key}' appears twice in {self._path}: keys must be "
                              "unique within a shard")
         self._keys.add(key)
-        for ext, rel, size in offsets:
-            self._members.append(Member(f"{key}.{ext}", self._pos + rel, size))
+        for ext, rel, size, crc in offsets:
+            self._members.append(Member(f"{key}.{ext}", self._pos + rel, size, crc))
         self._file.write(blob)
         self._pos += len(blob)
         self._count += 1

@@ -10,7 +10,8 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from sailfin.data import ShardWriter
+from sailfin import DataInterface
+from sailfin.data import ShardDataset, ShardWriter
 
 # Uneven on purpose: a tiny shard, a big one, a last step that splits unevenly.
 SIZES = (7, 13, 1, 9, 20, 5)
@@ -63,3 +64,25 @@ def http_server(directory, requests: Optional[list] = None) -> Iterator[str]:
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
+
+
+def as_id_sample(fields) -> tuple:
+    """(cls, x.npy) of a helper sample -> (id, x, y), the batches of tests.recipes."""
+    import torch
+
+    i, x = fields
+    return i, torch.from_numpy(x), float(x.sum())
+
+
+class ShardIdData(DataInterface):
+    """The helper samples read from shards, as batches for tests.recipes.LinearRecipe."""
+
+    def __init__(self, urls: str, allow_pipe: bool = False) -> None:
+        self.train = ShardDataset(urls, fields=("cls", "x.npy"), transform=as_id_sample,
+                                  allow_pipe=allow_pipe)
+
+    def get_train_dataset(self):
+        return self.train
+
+    def get_val_dataset(self):
+        return None

@@ -69,7 +69,8 @@ def test_a_corrupt_member_names_shard_key_and_offset(tmp_path):
     index = index_of(paths[0])
     offset = int(index.offsets[5])  # sample 2's x.npy (members: cls, x.npy)
     _corrupt(paths[0], offset)
-    ds = ShardDataset(paths[0], fields=("cls", "x.npy"))
+    # Without the checksum the decoder finds the damage (an index without checksums).
+    ds = ShardDataset(paths[0], fields=("cls", "x.npy"), verify_checksums=False)
     assert ds[1][0] == 1
     with pytest.raises(ShardError) as err:
         ds[2]
@@ -165,3 +166,62 @@ def test_skip_counts_from_spawned_workers(tmp_path):
         num_workers=2, multiprocessing_context="spawn", timeout=120)
     assert sorted(i for batch in loader for i in batch[0].tolist()) == [0, 1, 2, 3, 4, 6, 7]
     assert ds.skipped_samples == 1
+
+
+# -- checksums ---------------------------------------------------------------------------------
+def test_a_changed_byte_fails_its_checksum_naming_shard_member_and_offset(tmp_path):
+    paths = write_shards(tmp_path, [4])
+    index = index_of(paths[0])
+    assert index.crc32 is not None and len(index.crc32) == 8
+    offset = int(index.offsets[5])  # sample 2's x.npy
+    with open(paths[0], "r+b") as f:  # one byte of the float data: it still decodes
+        f.seek(offset + 130)
+        byte = f.read(1)
+        f.seek(offset + 130)
+        f.write(bytes([byte[0] ^ 1]))
+    # Without checking it trains silently on the changed value.
+    assert ShardDataset(paths[0], fields=("cls", "x.npy"), verify_checksums=False)[2][0] == 2
+    ds = ShardDataset(paths[0], fields=("cls", "x.npy"))
+    assert ds[1][0] == 1 and ds[3][0] == 3
+    with pytest.raises(ShardError) as err:
+        ds[2]
+    assert (err.value.url, err.value.key, err.value.offset) == (paths[0], "000002", offset)
+    assert f"sample '000002' at byte {offset}: member '.x.npy' does not match its CRC-32" \
+        in str(err.value)
+    skipping = ShardDataset(paths[0], fields=("cls", "x.npy"), on_error="skip")
+    assert sorted(load_all(skipping)) == [0, 1, 3] and skipping.skipped_samples == 1
+
+
+def test_an_index_without_checksums_is_still_read(tmp_path):
+    import json
+
+    paths = write_shards(tmp_path, [4])
+    doc = json.loads(open(paths[0] + ".idx").read())
+    del doc["crc32"]
+    open(paths[0] + ".idx", "w").write(json.dumps(doc))
+    ds = ShardDataset(paths[0], fields=("cls", "x.npy"))
+    assert [ds[i][0] for i in range(4)] == [0, 1, 2, 3]
+
+
+def test_a_scanned_tar_gets_checksums(tmp_path):
+    with tarfile.open(tmp_path / "plain.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+        for i in range(3):
+            data = f"{i}".encode()
+            info = tarfile.TarInfo(f"{i:04d}.cls")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    ds = ShardDataset(str(tmp_path / "plain.tar"), fields=("cls",))
+    assert ds.indexes[0].crc32 is not None
+    assert [ds[i][0] for i in range(3)] == [0, 1, 2]
+
+
+def test_an_index_with_out_of_order_offsets_names_the_index(tmp_path):
+    import json
+
+    paths = write_shards(tmp_path, [4])
+    doc = json.loads(open(paths[0] + ".idx").read())
+    doc["offsets"][2], doc["offsets"][3] = doc["offsets"][3], doc["offsets"][2]
+    open(paths[0] + ".idx", "w").write(json.dumps(doc))
+    with pytest.raises(ShardError, match=rf"shard index {paths[0]}.idx is unreadable \(member 3 "
+                                         r"starts at byte \d+, inside or before member 2"):
+        ShardDataset(paths[0], fields=("cls", "x.npy"))

@@ -1,0 +1,104 @@
+"""Every user error ends as one message naming the file, key or offset, with exit code 2."""
+
+import json
+
+from sailfin.cli import main
+from tests.data.shards.helpers import write_shards
+
+BASE = """
+data: {class_path: tests.recipes.IdData, init_args: {n_train: 20, n_val: 4}}
+module: {class_path: tests.recipes.LinearRecipe}
+trainer: {epochs: 1, train_batch_size: 10, writers: [jsonl], output_dir: OUT}
+"""
+
+
+def run(tmp_path, capsys, text=BASE, *overrides, data=None):
+    path = tmp_path / "run.yaml"
+    if data is None:
+        path.write_text(text.replace("OUT", str(tmp_path / "out")))
+    else:
+        path.write_bytes(data)
+    code = main(["train", str(path), *overrides])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err, path
+
+
+def test_class_path_must_name_a_class_of_the_interface_before_it_is_called(tmp_path, capsys):
+    marker = tmp_path / "X"
+    code, err, _ = run(tmp_path, capsys, BASE, "--data.class_path", "subprocess.getoutput",
+                       "--data.init_args", f'{{cmd: "touch {marker}"}}')
+    assert code == 2 and not marker.exists()
+    assert ("data.class_path must name a subclass of sailfin.DataInterface; "
+            "subprocess.getoutput is a function, not a class") in err
+    code, err, _ = run(tmp_path, capsys, BASE, "--module.class_path", "collections.Counter")
+    assert code == 2
+    assert ("module.class_path must name a subclass of sailfin.ModuleInterface; "
+            "collections.Counter is a class that does not derive from it") in err
+
+
+def test_a_key_given_twice_names_the_key_and_both_lines(tmp_path, capsys):
+    text = BASE.replace("trainer: {", "trainer: {seed: 1, seed: 2, ")
+    code, err, path = run(tmp_path, capsys, text)
+    assert code == 2 and f"config file {path}: key 'seed' is given twice" in err
+    text = BASE + "module: {class_path: tests.recipes.LinearRecipe}\n"
+    code, err, _ = run(tmp_path, capsys, text)
+    assert code == 2 and "key 'module' is given twice in one mapping (lines 3 and 5)" in err
+
+
+def test_a_byte_that_is_not_utf8_names_the_file(tmp_path, capsys):
+    data = BASE.replace("OUT", str(tmp_path / "out")).encode().replace(b"epochs", b"ep\xffochs")
+    code, err, path = run(tmp_path, capsys, data=data)
+    assert code == 2
+    assert f"config file {path} is not UTF-8 text: byte 0xff at offset" in err and "line 4" in err
+
+
+def test_a_negative_seed_is_a_config_error(tmp_path, capsys):
+    code, err, _ = run(tmp_path, capsys, BASE, "--trainer.seed", "-1")
+    assert code == 2 and "trainer.seed must be between 0 and 4294967295, got -1" in err
+
+
+SHARDS = """
+data: {class_path: tests.data.shards.helpers.ShardIdData, init_args: {urls: "URLS"}}
+module: {class_path: tests.recipes.LinearRecipe}
+trainer: {epochs: 1, train_batch_size: 4, writers: [jsonl], output_dir: OUT, val_every_n_epochs: 0}
+"""
+
+
+def test_shard_errors_are_messages(tmp_path, capsys):
+    paths = write_shards(tmp_path / "shards", [4, 4])
+    text = SHARDS.replace("URLS", f"pipe:cat {paths[0]}")
+    code, err, _ = run(tmp_path, capsys, text)
+    assert code == 2 and "sailfin: shard error: refusing shard URL 'pipe:cat" in err
+    # A changed byte found while training.
+    offset = json.loads(open(paths[1] + ".idx").read())["offsets"][1] + 130  # a float's byte
+    with open(paths[1], "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 1]))
+    text = SHARDS.replace("URLS", str(tmp_path / "shards"))
+    code, err, _ = run(tmp_path, capsys, text)
+    assert code == 2 and f"sailfin: shard error: shard {paths[1]}, sample" in err
+    assert "does not match its CRC-32" in err
+
+
+def test_an_index_with_out_of_order_offsets_names_it(tmp_path, capsys):
+    paths = write_shards(tmp_path / "shards", [4])
+    doc = json.loads(open(paths[0] + ".idx").read())
+    doc["offsets"] = doc["offsets"][::-1]
+    open(paths[0] + ".idx", "w").write(json.dumps(doc))
+    code, err, _ = run(tmp_path, capsys, SHARDS.replace("URLS", paths[0]))
+    assert code == 2 and f"shard error: shard index {paths[0]}.idx is unreadable" in err
+    assert "out of order" in err
+
+
+def test_a_worker_error_keeps_only_its_own_message():
+    from sailfin.cli import _without_worker_traceback
+    from sailfin.data import ShardError
+
+    text = ("Caught ShardError in DataLoader worker process 0.\nOriginal Traceback (most "
+            "recent call last):\n  File \"x.py\", line 1, in f\n    g()\n"
+            "sailfin.data.shards.errors.ShardError: shard a.tar, sample '7' at byte 512: bad\n")
+    assert _without_worker_traceback(ShardError(text)) == "shard a.tar, sample '7' at byte 512: bad"
+    assert _without_worker_traceback(ShardError("plain")) == "plain"
