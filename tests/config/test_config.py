@@ -4,6 +4,7 @@ import textwrap
 
 import pytest
 
+from sailfin import ModuleInterface
 from sailfin.config import ConfigError, TrainerArguments, from_dict, load_config
 from sailfin.config.loader import parse_overrides
 
@@ -173,11 +174,12 @@ def test_config_package_does_not_import_torch():
     assert out.stdout.strip() == "False"
 
 
-class Unseeded:
-    """A module-like class whose weights come from torch's global stream."""
+class Unseeded(ModuleInterface):
+    """A module whose weights come from torch's global stream."""
 
     def __init__(self, width: int = 3) -> None:
         import torch
+        super().__init__()
         self.weight = torch.randn(width)
 
 
