@@ -24,6 +24,7 @@ import yaml
 
 from .coerce import build_dataclass, coerce, field_types, parse_cli_value
 from .errors import ConfigError, suggest, unknown_key
+from .extends import resolve_extends
 from .trainer import TrainerArguments
 
 SECTIONS = ("data", "module", "trainer")
@@ -130,6 +131,7 @@ def load_config(path: Optional[str | os.PathLike] = None,
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping with sections "
                               f"{', '.join(SECTIONS)}; got {type(raw).__name__}")
+        raw = resolve_extends(raw, path)  # base files first (config/extends.py)
     for key, text in parse_overrides(overrides):
         apply_override(raw, key, text)
     return from_dict(raw)
