@@ -46,7 +46,7 @@ def resolve_extends(raw: dict, path: Optional[str | os.PathLike],
         return raw
     if path is None:
         raise ConfigError("'extends:' needs a config file to resolve its paths against")
-    here = os.path.abspath(os.fspath(path))
+    here = os.path.realpath(os.fspath(path))
     return _resolve(raw, here, [here], read)
 
 
@@ -76,7 +76,7 @@ def _base_paths(value: Any, here: str) -> list[str]:
         raise ConfigError(f"'extends:' in {here} must be a file path or a list of them, "
                           f"got {value!r}")
     folder = os.path.dirname(here)
-    return [os.path.normpath(os.path.join(folder, os.path.expanduser(v))) for v in items]
+    return [os.path.realpath(os.path.join(folder, os.path.expanduser(v))) for v in items]
 
 
 def merge(base: dict, over: dict) -> dict:
