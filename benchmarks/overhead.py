@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import torch
 from torch import nn
@@ -40,7 +41,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from sailfin import DataInterface, ModuleInterface, Trainer, TrainerArguments  # noqa: E402
-from sailfin.config import CheckpointArguments  # noqa: E402
+from sailfin.config import CheckpointArguments, EmaArguments  # noqa: E402
 
 BATCH = 32
 LOG_EVERY = 10
@@ -98,10 +99,11 @@ class Recipe(ModuleInterface):
         return nn.functional.cross_entropy(self.net(x), y)
 
 
-def run_sailfin(ds, out_dir) -> float:
+def run_sailfin(ds, out_dir, ema: Optional[float] = None) -> float:
     module = Recipe(Data(ds))
     args = TrainerArguments(epochs=1, train_batch_size=BATCH, log_every_n_steps=LOG_EVERY,
                             output_dir=out_dir, val_every_n_epochs=0,
+                            ema=EmaArguments(decay=ema),  # decay None: off
                             # no checkpoints, as Lightning's enable_checkpointing=False below
                             checkpoint=CheckpointArguments(at_epoch_end=False))
     start = time.perf_counter()
@@ -239,6 +241,9 @@ def main() -> None:
                         help="instead of timing, count instructions per step under "
                              "valgrind's callgrind (independent of the machine's load; "
                              "about 10 minutes)")
+    parser.add_argument("--ema", type=float, default=None, metavar="DECAY",
+                        help="also run sailfin with trainer.ema.decay DECAY and print "
+                             "the cost of the average per step")
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "STEPS"),
                         help=argparse.SUPPRESS)  # one run under callgrind
     opts = parser.parse_args()
@@ -250,7 +255,10 @@ def main() -> None:
     ds = make_data(opts.steps)
     others = {} if opts.no_others else {
         name: fn for name, (pkg, fn) in OTHERS.items() if importlib.util.find_spec(pkg)}
+    if opts.ema is not None:
+        others["sailfin+ema"] = lambda ds, out: run_sailfin(ds, out, ema=opts.ema)
     ratios: dict[str, list[float]] = {"sailfin": [], **{k: [] for k in others}}
+    ema_cost: list[float] = []
     raw_rates = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(opts.pairs + 1):  # round 0 warms up caches and lazy imports
@@ -270,6 +278,8 @@ def main() -> None:
             if i == 0:
                 continue
             raw_rates.append(raw)
+            if "sailfin+ema" in rates:  # seconds per step with the average minus without
+                ema_cost.append(1 / rates["sailfin+ema"] - 1 / rates["sailfin"])
             for name, rate in rates.items():
                 ratios[name].append(rate / raw)
             print(f"pair {i}: raw {raw:8.1f} steps/s | " + " | ".join(
@@ -279,6 +289,11 @@ def main() -> None:
     for name, values in ratios.items():
         print(f"{name:>10}: median speed relative to the raw loop = "
               f"{statistics.median(values):.3f} (min {min(values):.3f}, max {max(values):.3f})")
+    if ema_cost:
+        params = sum(p.numel() for p in make_model().parameters())
+        print(f"EMA (decay {opts.ema}, every step, {params:,} parameters): median "
+              f"{statistics.median(ema_cost) * 1e6:+.1f} us per step (min "
+              f"{min(ema_cost) * 1e6:+.1f}, max {max(ema_cost) * 1e6:+.1f})")
     if not others and not opts.no_others:
         print("(install the bench extra to compare Lightning, Fabric and Accelerate)")
 
