@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping
 import torch
 
 from ..config.loop import EmaArguments
+from ..utils.log import log
 from .callbacks import Callback
 
 if TYPE_CHECKING:
@@ -52,6 +53,17 @@ class WeightAverage(Callback):
         self._lerp_shadow = [self.shadow[i] for i in floats]
         self._lerp_params = [self._params[i] for i in floats]
         self.updates = 0  # averaging steps done (the warm-up's n)
+        self._restored = False
+
+    def on_train_start(self, trainer: "Trainer") -> None:
+        if trainer.global_step and not self._restored:
+            # Resumed from a checkpoint saved without trainer.ema: the average starts
+            # from the resumed weights, not from the fresh model's.
+            with torch.no_grad():
+                torch._foreach_copy_(self.shadow, [p.detach() for p in self._params])
+            if trainer.dist.is_main:
+                log.info("trainer.ema: the checkpoint holds no average; it starts from the "
+                         "resumed weights at step %d", trainer.global_step)
 
     # -- the average ---------------------------------------------------------------
     def on_step_end(self, trainer: "Trainer") -> None:
@@ -107,3 +119,4 @@ class WeightAverage(Callback):
         with torch.no_grad():
             torch._foreach_copy_(self.shadow, [saved[n] for n in self.names])
         self.updates = int(state["updates"])
+        self._restored = True

@@ -254,3 +254,32 @@ def test_peak_table_and_meter():
     assert device_peak_tflops(torch.device("cpu"), "bf16") is None
     meter = FlopsMeter(world_size=2, peak_tflops=100.0, flops_per_sample=1e9)
     assert meter.metrics(samples_per_second=20_000) == {"tflops": 10.0, "mfu": 0.1}
+
+
+def test_ema_turned_on_at_resume_starts_from_the_resumed_weights(tmp_path):
+    ckpt = {"at_epoch_end": True}
+    Trainer(LinearRecipe(IdData(100, 12)), args(tmp_path, epochs=1, checkpoint=ckpt)).train()
+    module = LinearRecipe(IdData(100, 12))
+    record = RecordWeights()
+    trainer = Trainer(module, args(tmp_path, epochs=2, checkpoint=ckpt, ema={"decay": 0.5}),
+                      callbacks=[record])
+    trainer.setup()
+    resumed = {k: v.detach().clone() for k, v in module.named_parameters()}
+    trainer.train()
+    want = expected_ema(resumed, record.after_step, 0.5, 1)
+    got = load_file(str(tmp_path / "final" / "ema.safetensors"))
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_progress_and_summary_line_show_flops():
+    from sailfin.trainer.progress import Progress, summary_text
+
+    progress = Progress("lines")
+    progress.log_metrics({"loss": 1.0, "lr": 0.1, "samples_per_second": 10.0,
+                          "tflops": 0.25, "mfu": 0.4}, 1, 0, "train")
+    assert "250 GFLOP/s (MFU 40.0%)" in progress._values_text(10, 1.0)
+    line = summary_text({"global_step": 3, "samples_seen": 30, "train_seconds": 1.0,
+                         "samples_per_second": 30.0, "tflops": 312.0, "mfu": 0.5,
+                         "stopped_early": {"step": 3, "reason": "early stopping: ..."}})
+    assert "312 TFLOP/s per device, MFU 50.0%" in line and "stopped early at step 3" in line
