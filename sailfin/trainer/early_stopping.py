@@ -63,9 +63,9 @@ class EarlyStopping(Callback):
         args = self.args
         best = ("no finite value yet" if self.best is None
                 else f"its best {self.best:.6g} (step {self.best_step})")
-        reason = (f"early stopping: {args.metric} did not improve on {best} in "
-                  f"{self.bad_validations} validations (patience {args.patience}, mode "
-                  f"{args.mode}, min_delta {args.min_delta:g})")
+        reason = (f"early stopping: {args.metric} did not improve on {best} by more than "
+                  f"min_delta {args.min_delta:g} in {self.bad_validations} validations "
+                  f"(patience {args.patience}, mode {args.mode})")
         trainer.stop_reason = {"reason": reason, "step": trainer.global_step,
                                "metric": args.metric, "best": self.best,
                                "best_step": self.best_step}
