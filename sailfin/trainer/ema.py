@@ -59,8 +59,7 @@ class WeightAverage(Callback):
         if trainer.global_step and not self._restored:
             # Resumed from a checkpoint saved without trainer.ema: the average starts
             # from the resumed weights, not from the fresh model's.
-            with torch.no_grad():
-                torch._foreach_copy_(self.shadow, [p.detach() for p in self._params])
+            _copy(self.shadow, self._params)
             if trainer.dist.is_main:
                 log.info("trainer.ema: the checkpoint holds no average; it starts from the "
                          "resumed weights at step %d", trainer.global_step)
@@ -88,14 +87,12 @@ class WeightAverage(Callback):
         """The averaged weights in ``module`` inside the block; the trained ones after,
         whatever happens inside. Costs one extra copy of the weights meanwhile."""
         with torch.no_grad():
-            params = [p.detach() for p in self._params]
-            saved = [p.clone() for p in params]
-            torch._foreach_copy_(params, self.shadow)
+            saved = [p.detach().clone() for p in self._params]
+        _copy(self._params, self.shadow)
         try:
             yield
         finally:
-            with torch.no_grad():
-                torch._foreach_copy_(params, saved)
+            _copy(self._params, saved)
 
     def save_final(self, module: torch.nn.Module, output_dir: str) -> str:
         """``<output_dir>/final/ema.safetensors``: the averaged weights under the names of
@@ -116,7 +113,14 @@ class WeightAverage(Callback):
         if missing:
             raise ValueError(f"the checkpoint's EMA weights lack {', '.join(missing[:5])}"
                              f"{' ...' if len(missing) > 5 else ''} (trainer.ema)")
-        with torch.no_grad():
-            torch._foreach_copy_(self.shadow, [saved[n] for n in self.names])
+        _copy(self.shadow, [saved[n] for n in self.names])
         self.updates = int(state["updates"])
         self._restored = True
+
+
+@torch.no_grad()
+def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i] = src[i]`` in place. One copy per tensor (rare: validation, resume), as
+    sharded tensor types support ``copy_`` more widely than the foreach copy."""
+    for d, s in zip(dst, src):
+        d.copy_(s)

@@ -283,3 +283,40 @@ def test_progress_and_summary_line_show_flops():
                          "samples_per_second": 30.0, "tflops": 312.0, "mfu": 0.5,
                          "stopped_early": {"step": 3, "reason": "early stopping: ..."}})
     assert "312 TFLOP/s per device, MFU 50.0%" in line and "stopped early at step 3" in line
+
+
+def test_ema_keeps_sharded_parameters_sharded(tmp_path):
+    """FSDP2 parameters are DTensors: the average, the swap and the state stay DTensors
+    (one process, a 1-rank CPU mesh)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from sailfin.config import EmaArguments
+    from sailfin.trainer.ema import WeightAverage
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+        fully_shard(net, mesh=init_device_mesh("cpu", (1,)))
+        ema = WeightAverage(net, EmaArguments(decay=0.5))
+        start = [p.full_tensor().clone() for p in net.parameters()]
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        net(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        ema.update()
+        want = [0.5 * a + 0.5 * p.full_tensor() for a, p in zip(start, net.parameters())]
+        assert all(isinstance(s, DTensor) for s in ema.shadow)
+        for s, w in zip(ema.shadow, want):
+            torch.testing.assert_close(s.full_tensor(), w)
+        trained = [p.full_tensor().clone() for p in net.parameters()]
+        with ema.swapped_in(net):
+            for p, w in zip(net.parameters(), want):
+                torch.testing.assert_close(p.full_tensor(), w)
+        for p, t in zip(net.parameters(), trained):
+            assert torch.equal(p.full_tensor(), t)
+    finally:
+        dist.destroy_process_group()
