@@ -11,8 +11,8 @@ of one sample), e.g. ``6 * n_params * tokens`` for a transformer, or when
 Each train log line then carries ``tflops``: model TFLOP/s achieved per
 device (FLOPs per sample x samples/s / world size), and ``mfu``: that over the
 device's dense peak (``trainer.peak_tflops``, or :data:`PEAK_TFLOPS` for a
-known GPU). FLOPs the model does not need (activation recomputation, padding
-micro-batches) are not in the model count.
+known GPU). The counter counts what runs: with activation checkpointing that
+includes the recomputed forwards (a recipe's ``flops_per_sample`` avoids that).
 """
 
 from __future__ import annotations
