@@ -39,9 +39,11 @@ def build_loop_features(module: Any, args: TrainerArguments, backend: Any,
         callbacks.append(StepValidation(args.val_every_n_steps))
     if args.early_stopping.enabled:
         callbacks.append(EarlyStopping(args.early_stopping))
+    # What the backend runs: a backend built in Python may compile whatever args say.
     precision = getattr(getattr(backend, "precision", None), "name", "fp32")
+    compiled = bool(getattr(getattr(backend, "execution", None), "compile", args.compile))
     flops = build_flops_meter(module, args, dist.world_size, backend.device, precision,
-                              compiled=args.compile)
+                              compiled=compiled)
     return LoopFeatures(ema, flops, callbacks)
 
 
