@@ -45,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import torch
 from torch import nn
@@ -54,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _measure import add_load_options, interleave, spread, start, summary  # noqa: E402
 from sailfin import Callback, DataInterface, ModuleInterface, Trainer, TrainerArguments  # noqa
-from sailfin.config import CheckpointArguments  # noqa: E402
+from sailfin.config import CheckpointArguments, EmaArguments  # noqa: E402
 
 BATCH = 32
 LOG_EVERY = 10
@@ -124,12 +125,13 @@ class LastStep(Callback):
         self.at = time.perf_counter()
 
 
-def run_sailfin(ds, out_dir) -> tuple[float, float]:
+def run_sailfin(ds, out_dir, ema: Optional[float] = None) -> tuple[float, float]:
     """Seconds per step: (steady, end to end)."""
     begin = time.perf_counter()
     module = Recipe(Data(ds))
     args = TrainerArguments(epochs=1, train_batch_size=BATCH, log_every_n_steps=LOG_EVERY,
                             output_dir=out_dir, val_every_n_epochs=0,
+                            ema=EmaArguments(decay=ema),  # decay None: off
                             # no checkpoints, as Lightning's enable_checkpointing=False below
                             checkpoint=CheckpointArguments(at_epoch_end=False))
     last = LastStep()
@@ -276,6 +278,9 @@ def main() -> None:
                         help="instead of timing, count instructions per step under "
                              "valgrind's callgrind (independent of the machine's load; "
                              "about 10 minutes)")
+    parser.add_argument("--ema", type=float, default=None, metavar="DECAY",
+                        help="also run sailfin with trainer.ema.decay DECAY and print "
+                             "the cost of the average per step")
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "STEPS"),
                         help=argparse.SUPPRESS)  # one run under callgrind
     add_load_options(parser)
@@ -289,6 +294,8 @@ def main() -> None:
     ds = make_data(opts.steps)
     others = {} if opts.no_others else {
         name: fn for name, (pkg, fn) in OTHERS.items() if importlib.util.find_spec(pkg)}
+    if opts.ema is not None:
+        others["sailfin+ema"] = lambda ds, out: run_sailfin(ds, out, ema=opts.ema)
     results: dict[str, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         def variant(name, fn):
@@ -323,6 +330,12 @@ def main() -> None:
         steady = [r["raw"] / r[name] for r in rounds]
         whole = [a / b for a, b in zip(ends["raw"], ends[name])]
         print(f"{name:>10}: steady {spread(steady)}; end to end {spread(whole)}")
+    if "sailfin+ema" in variants:  # seconds per step with the average minus without
+        cost = [r["sailfin+ema"] - r["sailfin"] for r in rounds]
+        params = sum(p.numel() for p in make_model().parameters())
+        print(f"EMA (decay {opts.ema}, every step, {params:,} parameters): median "
+              f"{statistics.median(cost) * 1e6:+.1f} us per step (min "
+              f"{min(cost) * 1e6:+.1f}, max {max(cost) * 1e6:+.1f})")
     if not others and not opts.no_others:
         print("(install the bench extra to compare Lightning, Fabric and Accelerate)")
     sailfin_whole = [a / b for a, b in zip(ends["raw"], ends["sailfin"])]

@@ -98,6 +98,10 @@ def charts(runs: Sequence[Run]) -> list[tuple[str, str, str, list[tuple[str, str
         out.append(("lr", "Learning rate", "lr", [("train", "lr")]))
     if have("train", "samples_per_second"):
         out.append(("throughput", "Throughput", "samples/s", [("train", "samples_per_second")]))
+    if have("train", "tflops"):
+        out.append(("tflops", "Model TFLOP/s per device", "TFLOP/s", [("train", "tflops")]))
+    if have("train", "mfu"):
+        out.append(("mfu", "Model FLOPs utilisation", "MFU", [("train", "mfu")]))
     return out
 
 
@@ -194,11 +198,20 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _flops_text(summary: dict) -> str:
+    """Average model TFLOP/s per device over the run, and MFU when the peak is known."""
+    tflops, mfu = summary.get("tflops"), summary.get("mfu")
+    if tflops is None:
+        return "–"
+    return f"{tflops:.3g}" + (f" ({100 * mfu:.1f}%)" if mfu is not None else "")
+
+
 def markdown(runs: Sequence[Run], images: Sequence[str]) -> str:
     """The report's text: one table row per run, then the charts."""
     lines = [f"# Training report: {' vs '.join(r.name for r in runs)}", ""]
     lines += ["| run | steps | samples | train time (s) | samples/s | best | final validation "
-              "| peak RSS (MiB) |", "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: |"]
+              "| peak RSS (MiB) | TFLOP/s (MFU) |",
+              "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |"]
     for run in runs:
         s = run.summary
         best = s.get("best")
@@ -209,8 +222,14 @@ def markdown(runs: Sequence[Run], images: Sequence[str]) -> str:
         steps = s.get("global_step", max((st[-1] for st, _ in run.train.values()), default=None))
         lines.append(f"| {run.name} | {_fmt(steps)} | {_fmt(s.get('samples_seen'))} | "
                      f"{_fmt(s.get('train_seconds'))} | {_fmt(s.get('samples_per_second'))} | "
-                     f"{best_text} | {final} | {_fmt(rss / 2**20 if rss else None)} |")
+                     f"{best_text} | {final} | {_fmt(rss / 2**20 if rss else None)} | "
+                     f"{_flops_text(s)} |")
     lines.append("")
+    lines += [f"{run.name}: {run.summary['stopped_early']['reason']} (step "
+              f"{run.summary['stopped_early']['step']})." for run in runs
+              if run.summary.get("stopped_early")]
+    if any(run.summary.get("stopped_early") for run in runs):
+        lines.append("")
     if any(not r.summary for r in runs):
         lines += ["Runs without summary.json (still running, or stopped early) show only "
                   "what metrics.jsonl holds.", ""]

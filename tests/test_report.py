@@ -49,8 +49,8 @@ def test_charts_of_one_run(runs):
     a, _ = runs
     written = render([str(a)], dpi=80)
     names = sorted(p.rsplit("/", 1)[1] for p in written)
-    assert names == ["loss.png", "lr.png", "overview.png", "report.md", "throughput.png",
-                     "val_count.png", "val_mse.png"]
+    assert names == ["loss.png", "lr.png", "overview.png", "report.md", "tflops.png",
+                     "throughput.png", "val_count.png", "val_mse.png"]
     for name in [n for n in names if n.endswith(".png")]:
         pixels = image(a / "report" / name)
         assert 0.01 < inked(pixels) < 0.6, name  # drawn on, not blank, not a solid block
@@ -60,6 +60,7 @@ def test_charts_of_one_run(runs):
     summary = json.loads((a / "summary.json").read_text())
     assert f"| {a.name} | {summary['global_step']} | {summary['samples_seen']} |" in md
     assert "![loss](loss.png)" in md and "![overview](overview.png)" in md
+    assert "| TFLOP/s (MFU) |" in md and f"| {summary['tflops']:.3g} |" in md
 
 
 def test_compare_overlays_runs(runs, tmp_path):
@@ -75,7 +76,7 @@ def test_compare_overlays_runs(runs, tmp_path):
 def test_cli(runs, tmp_path, capsys):
     a, b = runs
     assert main(["report", str(a), "--compare", str(b), "--out", str(tmp_path / "r")]) == 0
-    assert "report: 7 files in" in capsys.readouterr().out
+    assert "report: 8 files in" in capsys.readouterr().out
     assert main(["report", str(tmp_path / "missing")]) == 2
     assert "metrics.jsonl not found" in capsys.readouterr().err
 

@@ -24,6 +24,7 @@ import yaml
 
 from .coerce import build_dataclass, coerce, field_types, parse_cli_value
 from .errors import ConfigError, suggest, unknown_key
+from .extends import resolve_extends
 from .strict_yaml import load_yaml_file
 from .trainer import TrainerArguments
 
@@ -154,6 +155,7 @@ def load_config(path: Optional[str | os.PathLike] = None,
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping with sections "
                               f"{', '.join(SECTIONS)}; got {type(raw).__name__}")
+        raw = resolve_extends(raw, path)  # base files first (config/extends.py)
     pairs = parse_overrides(overrides)
     for key, text in pairs:
         _replace_per_device_batch(raw, key, [k for k, _ in pairs])

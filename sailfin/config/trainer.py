@@ -7,6 +7,7 @@ from typing import Literal, Optional, get_args, get_type_hints
 
 from .checkpoint import CheckpointArguments, check_resume
 from .distributed import DistArguments
+from .loop import EarlyStoppingArguments, EmaArguments
 from .errors import ConfigError
 
 WRITERS = ("stdout", "jsonl", "csv", "tensorboard", "mlflow")
@@ -81,6 +82,17 @@ class TrainerArguments:
     preemption_check_every_n_steps: int = 10
     """With several ranks, how often (optimizer steps) they agree whether a SIGTERM came: one
     all-reduce of one number each time; the stop lands at most this many steps after it."""
+    # -- validation every N steps, early stopping, EMA weights, FLOPs and MFU ------------
+    val_every_n_steps: Optional[int] = None
+    """Also validate every N optimizer steps (null: only as val_every_n_epochs says)."""
+    early_stopping: EarlyStoppingArguments = field(default_factory=EarlyStoppingArguments)
+    """Stop after ``patience`` validations without improvement (off while ``metric`` is null)."""
+    ema: EmaArguments = field(default_factory=EmaArguments)
+    """An exponential moving average of the weights (off while ``decay`` is null)."""
+    count_flops: bool = True
+    """Count the model FLOPs of the first step; log achieved TFLOP/s (and MFU)."""
+    peak_tflops: Optional[float] = None
+    """Peak dense TFLOP/s of one device, for MFU (null: from a table of known GPUs)."""
 
     # -- resume checks, starting from weights, PyMarlin's meanings, start-up checks --------
     gpu_batch_size_limit: Optional[int] = None
@@ -137,6 +149,7 @@ class TrainerArguments:
             from .coerce import build_dataclass
             self.checkpoint = build_dataclass(CheckpointArguments, self.checkpoint,
                                               prefix="trainer.checkpoint.")
+        self._check_loop_features()
         hints = get_type_hints(type(self))
         for name in ("amp_dtype", "compile_mode", "on_nonfinite",
                      "resume_config"):  # also when built in Python
@@ -162,3 +175,22 @@ class TrainerArguments:
             raise ConfigError(
                 f"trainer.profile_steps must be [start, end] with 1 <= start <= end "
                 f"(optimizer steps, counted from 1), got {steps}")
+
+    def _check_loop_features(self) -> None:
+        """val_every_n_steps, early_stopping, ema, peak_tflops."""
+        from .coerce import build_dataclass
+        if self.val_every_n_steps is not None and self.val_every_n_steps < 1:
+            raise ConfigError(f"trainer.val_every_n_steps must be >= 1 or null, "
+                              f"got {self.val_every_n_steps}")
+        if isinstance(self.early_stopping, dict):  # from Python: TrainerArguments(ema={...})
+            self.early_stopping = build_dataclass(EarlyStoppingArguments, self.early_stopping,
+                                                  prefix="trainer.early_stopping.")
+        if isinstance(self.ema, dict):
+            self.ema = build_dataclass(EmaArguments, self.ema, prefix="trainer.ema.")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ConfigError(f"trainer.peak_tflops must be > 0 (dense TFLOP/s of one device) "
+                              f"or null, got {self.peak_tflops}")
+        if (self.early_stopping.enabled and not self.val_every_n_epochs
+                and not self.val_every_n_steps):
+            raise ConfigError("trainer.early_stopping needs validation: set "
+                              "trainer.val_every_n_steps or trainer.val_every_n_epochs")

@@ -60,6 +60,10 @@ class CheckpointCallback(Callback):
         if better:
             self.best_value, self.best_step = value, trainer.global_step
             self._improved = True
+            if trainer.args.val_every_n_steps and trainer.step_in_epoch < trainer.steps_per_epoch:
+                # Validated inside an epoch (val_every_n_steps): no epoch end follows
+                # before the weights move on, so the best is saved now.
+                self.save(trainer)
 
     def on_epoch_end(self, trainer: "Trainer") -> None:
         if self.args.at_epoch_end or self._improved:

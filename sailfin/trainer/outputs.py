@@ -28,11 +28,14 @@ def _jsonable(value: Any) -> Any:
 
 def save_final_weights(module: torch.nn.Module, output_dir: str) -> str:
     """``<output_dir>/final/model.safetensors``, written to a temporary name first."""
+    return save_weights(module, os.path.join(output_dir, "final", "model.safetensors"))
+
+
+def save_weights(module: torch.nn.Module, path: str) -> str:
+    """``module``'s weights as safetensors at ``path``, written to a temporary name first."""
     from safetensors.torch import save_model
 
-    final = os.path.join(output_dir, "final")
-    os.makedirs(final, exist_ok=True)
-    path = os.path.join(final, "model.safetensors")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     save_model(module, tmp)  # handles tied (shared) weights
     os.replace(tmp, path)

@@ -53,6 +53,14 @@ def human(value: Optional[float]) -> str:
     return f"{value:.1f}"
 
 
+def flop_rate(tflops: float) -> str:
+    """0.5 -> '500 GFLOP/s'; 312 -> '312 TFLOP/s'."""
+    for unit, scale in (("T", 1.0), ("G", 1e-3), ("M", 1e-6), ("k", 1e-9)):
+        if tflops >= scale:
+            return f"{tflops / scale:.3g} {unit}FLOP/s"
+    return f"{tflops * 1e12:.3g} FLOP/s"
+
+
 def clock(seconds: Optional[float]) -> str:
     if seconds is None or seconds != seconds or seconds == float("inf"):
         return "?"
@@ -99,6 +107,8 @@ class Progress(Writer, Callback):
         self.loss: Optional[float] = None
         self.lr: Optional[float] = None
         self.samples_per_second: Optional[float] = None  # moving average
+        self.tflops: Optional[float] = None  # model TFLOP/s per device, and its share of peak
+        self.mfu: Optional[float] = None
         self._step_rate: Optional[float] = None           # lines mode: steps/s, moving
         self._start = 0.0
         self._start_samples = 0
@@ -182,6 +192,8 @@ class Progress(Writer, Callback):
             return
         self.loss = metrics.get("loss", self.loss)
         self.lr = metrics.get("lr", self.lr)
+        self.tflops = metrics.get("tflops", self.tflops)
+        self.mfu = metrics.get("mfu", self.mfu)
         rate = metrics.get("samples_per_second")
         if rate is not None:
             self.samples_per_second = rate if self.samples_per_second is None else (
@@ -219,6 +231,9 @@ class Progress(Writer, Callback):
             parts.append(f"lr {self.lr:.2e}")
         parts.append(f"{human(self.samples_per_second)} samples/s "
                      f"(avg {human(self._average_rate(samples_seen, now))})")
+        if self.tflops is not None:
+            parts.append(flop_rate(self.tflops)
+                         + (f" (MFU {100 * self.mfu:.1f}%)" if self.mfu is not None else ""))
         return ", ".join(parts)
 
     def _print_line(self, trainer: "Trainer", now: float) -> None:
@@ -245,6 +260,13 @@ def summary_text(summary: dict) -> str:
     rate = summary.get("samples_per_second")
     parts = [f"summary: {summary['global_step']} steps, {summary['samples_seen']:,} samples "
              f"in {summary['train_seconds']:.1f} s ({human(rate)} samples/s average)"]
+    if summary.get("tflops") is not None:
+        parts.append(f"{flop_rate(summary['tflops'])} per device"
+                     + (f", MFU {100 * summary['mfu']:.1f}%" if summary.get("mfu") is not None
+                        else ""))
+    stopped = summary.get("stopped_early")
+    if stopped:
+        parts.append(f"stopped early at step {stopped['step']}")
     best = summary.get("best")
     if best:
         parts.append(f"best {best['metric']} {format_value(best['value'])} ({best['mode']}) "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Any, Iterable, Mapping, Optional
@@ -21,6 +22,7 @@ from ..utils.log import configure_logging
 from ..utils.seed import seed_everything
 from .callbacks import Callback
 from .checkpointing import checkpoint_callback
+from .loop_features import build_loop_features, finish_summary
 from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
 from .nonfinite import NonFiniteGuard
 from .observe import build_observers
@@ -65,6 +67,8 @@ class Trainer:
         self._last_val_step = -1
         self._check_first_output: Any = None  # checks the first train_step's return, once
         self._run_lock: Optional[RunLock] = None  # rank 0's hold on output_dir
+        # Set (reason, step, ...) by a callback that ends the run early (early stopping).
+        self.stop_reason: Optional[dict[str, Any]] = None
 
     # -- the run ---------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -85,19 +89,21 @@ class Trainer:
         try:
             self.preemption.install(self.global_step)
             self._notify("on_train_start")
-            while self.epoch < args.epochs and not self._reached_max_steps():
+            while (self.epoch < args.epochs and not self._reached_max_steps()
+                   and self.stop_reason is None):
                 started = time.perf_counter()
                 finished_epoch = self._train_epoch()
                 self.nonfinite.check()  # a deferred guard reads the epoch's last losses
                 self.train_seconds += time.perf_counter() - started
                 if not finished_epoch:
                     break
-                if self._should_validate(self.epoch):
-                    self.validate()
+                if self._should_validate(self.epoch) and self._last_val_step != self.global_step:
+                    self.validate()  # (unless val_every_n_steps just did)
                 self.epoch += 1
                 self.step_in_epoch = 0
                 self._notify("on_epoch_end")
-            if args.val_every_n_epochs and self._last_val_step != self.global_step:
+            if ((args.val_every_n_epochs or args.val_every_n_steps)
+                    and self._last_val_step != self.global_step):
                 self.validate()  # stopped early by max_steps: report the final model
             self.module.on_end_train(self.global_step)
             summary = self.summary = self._finish()
@@ -105,6 +111,7 @@ class Trainer:
             return summary
         finally:
             self.preemption.uninstall()
+            self.flops.abort()  # an error inside the counted step leaves the counting mode
             try:
                 self.checkpointer.close()  # a background save finishes, or reports its error
             finally:
@@ -167,6 +174,10 @@ class Trainer:
         self.checkpointer = build_checkpointer(args, dist, self.backend.barrier)
         saver = self.saver = checkpoint_callback(self.checkpointer, args.checkpoint)
         self.run_stats = RunStats(args.checkpoint.best_metric, args.checkpoint.best_mode)
+        # EMA, step validation, early stopping: before the saver, which saves their state.
+        features = build_loop_features(self.module, args, self.backend, self.dist)
+        self.ema, self.flops = features.ema, features.flops
+        self.callbacks += features.callbacks
         self.callbacks += [self.run_stats] + ([saver] if saver is not None else [])
         # Before the writers open metrics.jsonl: resuming trims events past the checkpoint.
         self.resumed_from = resume(self, self.checkpointer)
@@ -203,6 +214,7 @@ class Trainer:
         full_steps = n // plan.global_batch
         full_micros = plan.micro_batches(0, n, rank) if full_steps else ()
         global_batch = plan.global_batch
+        flops = self.flops if self.flops.pending else None  # counts the first step only
 
         self.train_sampler.set_epoch(self.epoch, self.step_in_epoch)
         module.train()
@@ -215,6 +227,8 @@ class Trainer:
         for step in range(self.step_in_epoch, last):
             step_loss, stats = None, None
             micros = full_micros if step < full_steps else plan.micro_batches(step, n, rank)
+            if flops is not None:
+                flops.start()
             for micro in micros:
                 batch = next(batches)
                 if micro.padding:
@@ -231,6 +245,9 @@ class Trainer:
                     loss = loss * micro.weight
                 backend.backward(loss)
                 step_loss = loss if step_loss is None else step_loss.detach() + loss.detach()
+            if flops is not None:
+                flops.stop(sum(m.count for m in micros))
+                flops = None
             if on_end_backward is not None:
                 on_end_backward(self.global_step, step_loss)
             if observe(step_loss, self.global_step, self.epoch, step):  # False: skip the step
@@ -253,6 +270,8 @@ class Trainer:
                 callback.on_step_end(self)
             if self.global_step >= preemption.check_at and preemption.poll(self.global_step):
                 save_and_stop(self)  # raises TrainingPreempted
+            if self.stop_reason is not None:
+                return False  # early stopping ended the run
         if last < self.steps_per_epoch:
             return False  # max_steps reached inside the epoch
         module.on_end_train_epoch(self.global_step, self.epoch)
@@ -293,6 +312,7 @@ class Trainer:
             metrics["nonfinite_steps"] = self.nonfinite.count
         if now > then:
             metrics["samples_per_second"] = (self.samples_seen - seen) / (now - then)
+            metrics.update(self.flops.metrics(metrics["samples_per_second"]))  # tflops, mfu
         # Unreadable samples a dataset skipped (on_error: skip), counted over its workers.
         skipped = getattr(getattr(self.train_loader, "dataset", None), "skipped_samples", 0)
         if skipped:
@@ -321,7 +341,7 @@ class Trainer:
             return results
         was_training = self.module.training
         self.module.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self._validation_weights():
             for name, loader in self.val_loaders.items():
                 # Validating draws nothing from the training's random streams.
                 seed_loader(loader, self.args.seed, self.global_step, self.dist.rank)
@@ -399,10 +419,19 @@ class Trainer:
             "best": self.run_stats.best,
             "peak_memory": peak_memory(self.device),
         }
+        summary.update(finish_summary(self))  # stopped_early, tflops, mfu, ema
         if self.dist.is_main:
             save_final_weights(self.module, self.args.output_dir)
+            if self.ema is not None:  # final/ema.safetensors, the same names
+                self.ema.save_final(self.module, self.args.output_dir)
             write_json_atomic(os.path.join(self.args.output_dir, "summary.json"), summary)
         return summary
+
+    def _validation_weights(self) -> Any:
+        """The EMA weights swapped in for validation when ``trainer.ema.validate`` says."""
+        if self.ema is not None and self.args.ema.validate:
+            return self.ema.swapped_in(self.module)
+        return contextlib.nullcontext()
 
     def _should_validate(self, epoch: int) -> bool:
         every = self.args.val_every_n_epochs

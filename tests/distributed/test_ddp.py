@@ -163,3 +163,23 @@ def test_single_process_backend_refuses_a_multi_rank_job(tmp_path):
     dist = DistEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, launcher="torchrun")
     with pytest.raises(ConfigError, match="rank 1 of 2.*Use trainer.backend ddp"):
         Trainer(LinearRecipe(IdData(10, 0)), args(tmp_path, backend="sp"), dist=dist)
+
+
+@pytest.mark.slow
+def test_ema_under_ddp_equals_one_process(tmp_path):
+    """Ranks keep equal parameters, so their averages are equal (no communication) and
+    equal to one process's average over the same global batches."""
+    from safetensors.torch import load_file
+
+    data = {"n_train": 96, "n_val": 0}
+    trainer = {"epochs": 2, "train_batch_size": 16, "ema": {"decay": 0.8, "every_n_steps": 2}}
+    single(tmp_path, data, {**trainer, "micro_batch_size": 16})
+    ranks = ddp(tmp_path, data, {**trainer, "micro_batch_size": 4})
+    want = load_file(str(tmp_path / "sp" / "final" / "ema.safetensors"))
+    for name, value in want.items():
+        a, b = ranks[0]["ema"]["shadow"][name], ranks[1]["ema"]["shadow"][name]
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, value, rtol=1e-5, atol=1e-6)
+    saved = load_file(str(tmp_path / "ddp" / "run" / "final" / "ema.safetensors"))
+    assert set(saved) == set(want)
+    assert ranks[0]["ema"]["updates"] == 6

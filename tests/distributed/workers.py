@@ -92,5 +92,6 @@ def train(rank: int, world: int, dist_args, out: Path, data: dict, trainer: dict
     torch.save({"params": {k: v.detach().clone() for k, v in module.state_dict().items()},
                 "seen": module.seen, "step_ids": module.step_ids, "events": module.events,
                 "summary": summary, "val": val, "trace": trace.trace,
-                "allreduce_calls": counter.calls, "threads": torch.get_num_threads()},
+                "allreduce_calls": counter.calls, "threads": torch.get_num_threads(),
+                "ema": t.ema.state_dict() if t.ema is not None else None},
                out / f"rank{rank}.pt")

@@ -102,7 +102,8 @@ def test_plain_lines_in_a_pipe(tmp_path):
     steps = [int(re.match(r"\[progress\] step (\d+)/120", line).group(1)) for line in lines[1:]]
     assert len(steps) >= 3 and steps == sorted(steps) and steps[-1] == 120
     assert re.fullmatch(r"\[progress\] step 120/120 \(100%\) \| epoch 3/3 \| loss [\d.]+ \| "
-                        r"lr [\d.e+-]+ \| [\d.]+k? samples/s \(avg [\d.]+k?\) \| elapsed "
+                        r"lr [\d.e+-]+ \| [\d.]+k? samples/s \(avg [\d.]+k?\) "
+                        r"(\| [\d.]+ [kMGT]?FLOP/s (\(MFU [\d.]+%\) )?)?\| elapsed "
                         r"0:00:\d\d \| ETA 0:00:00", lines[-1].replace(", ", " | ")), lines[-1]
     assert any(re.search(r"ETA 0:00:\d\d$", line) for line in lines[1:-1])
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
