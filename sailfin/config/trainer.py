@@ -8,6 +8,7 @@ from typing import Literal, Optional, get_args, get_type_hints
 from .checkpoint import CheckpointArguments, check_resume
 from .distributed import DistArguments
 from .errors import ConfigError
+from .fsdp import FSDPArguments
 
 WRITERS = ("stdout", "jsonl", "csv", "tensorboard", "mlflow")
 
@@ -73,6 +74,9 @@ class TrainerArguments:
     checkpoint: CheckpointArguments = field(default_factory=CheckpointArguments)
     distributed: DistArguments = field(default_factory=DistArguments)
     """Rank discovery and process-group settings (``ddp`` backends)."""
+    # Sharded data parallel (the fsdp backends).
+    fsdp: FSDPArguments = field(default_factory=FSDPArguments)
+    """Which submodules the ``fsdp`` backends shard as units; see docs/sharding.md."""
 
     # PyMarlin's names for the same settings.
     _aliases = {"gpu_batch_size_limit": "micro_batch_size"}
@@ -99,6 +103,9 @@ class TrainerArguments:
             from .coerce import build_dataclass
             self.checkpoint = build_dataclass(CheckpointArguments, self.checkpoint,
                                               prefix="trainer.checkpoint.")
+        if isinstance(self.fsdp, dict):  # TrainerArguments(fsdp={...}) from Python
+            from .coerce import build_dataclass
+            self.fsdp = build_dataclass(FSDPArguments, self.fsdp, prefix="trainer.fsdp.")
         hints = get_type_hints(type(self))
         for name in ("amp_dtype", "compile_mode", "on_nonfinite"):  # also when built in Python
             allowed = get_args(hints[name])

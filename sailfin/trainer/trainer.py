@@ -310,9 +310,11 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """Every stateful piece but the random streams (per rank: ``checkpoint.rng``)."""
         return {
-            "module": self.module.state_dict(),
+            # Through the backend: under fsdp these hold this rank's shards only.
+            "module": self.backend.model_state_dict(self.module),
             "module_state": self.module.get_state(),
-            "optimizers": [opt.state_dict() for opt in self.optimizers],
+            "optimizers": [self.backend.optimizer_state_dict(self.module, opt)
+                           for opt in self.optimizers],
             "schedulers": [sched.state_dict() for sched in self.schedulers],
             "backend": self.backend.state_dict(),  # the AMP grad scaler, among others
             # With the seed, the counters are the data position (no batch is replayed).
@@ -327,14 +329,16 @@ class Trainer:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Put back what :meth:`state_dict` returned (after :meth:`setup` built the pieces)."""
-        self.module.load_state_dict(state["module"])
+        self.backend.load_model_state_dict(self.module, state["module"])
         self.module.update_state(state["module_state"])
         for kind, mine in (("optimizers", self.optimizers), ("schedulers", self.schedulers)):
             if len(state[kind]) != len(mine):
                 raise ValueError(f"the checkpoint has {len(state[kind])} {kind}, "
                                  f"get_optimizers_schedulers returned {len(mine)}")
-            for obj, saved in zip(mine, state[kind]):
-                obj.load_state_dict(saved)
+        for opt, saved in zip(self.optimizers, state["optimizers"]):
+            self.backend.load_optimizer_state_dict(self.module, opt, saved)
+        for sched, saved in zip(self.schedulers, state["schedulers"]):
+            sched.load_state_dict(saved)
         self.backend.load_state_dict(state["backend"])
         counters = state["counters"]
         self.global_step, self.epoch = counters["global_step"], counters["epoch"]
@@ -362,8 +366,9 @@ class Trainer:
             "best": self.run_stats.best,
             "peak_memory": peak_memory(self.device),
         }
+        weights = self.backend.final_state_dict(self.module)  # fsdp: every rank gathers
         if self.dist.is_main:
-            save_final_weights(self.module, self.args.output_dir)
+            save_final_weights(weights, self.args.output_dir)
             write_json_atomic(os.path.join(self.args.output_dir, "summary.json"), summary)
         return summary
 
