@@ -12,6 +12,7 @@ import torch
 from ..checkpoint import CheckpointError, Checkpointer, Snapshot
 from ..checkpoint.rng import rng_state
 from ..checkpoint.serialize import check_plain
+from ..checkpoint.sharded import split_sharded
 from ..config.checkpoint import CheckpointArguments
 from ..config.errors import suggest
 from ..version import __version__
@@ -81,9 +82,12 @@ class CheckpointCallback(Callback):
         for key, value in state.items():  # refuse now what a resume could not load
             check_plain(value, "module.get_state()" if key == "module_state"
                         else f"Trainer.state_dict()[{key!r}]")
-        snapshot = Snapshot(step=trainer.global_step, facts=manifest_facts(trainer, self, state),
-                            shared={"model": state.pop("module"), "trainer": state},
-                            rank_state=rng_state(), is_best=self._improved)
+        facts = manifest_facts(trainer, self, state)
+        sharded = split_sharded(state)  # fsdp: model and optimizers, written by every rank
+        shared = {"model": state.pop("module"), "trainer": state} if "module" in state else {
+            "trainer": state}
+        snapshot = Snapshot(step=trainer.global_step, facts=facts, shared=shared,
+                            rank_state=rng_state(), is_best=self._improved, sharded=sharded)
         self.checkpointer.save(snapshot)
         self._saved_step, self._improved = trainer.global_step, False
         self.stall_seconds.append(time.perf_counter() - started)

@@ -1,0 +1,141 @@
+"""The fsdp backends in one process (a group of one): same training as sp, sharded
+checkpoints that resume under sp and back, units, and config errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from sailfin import Trainer
+from sailfin.backends.fsdp import select_units
+from sailfin.config import ConfigError
+from sailfin.config.fsdp import FSDPArguments
+from tests.checkpoint.helpers import Crash, CrashAt
+from tests.recipes import IdData, LinearRecipe, args
+
+# 47 samples, global 10 in micro-batches of 5: accumulation 2, the last step 7 samples.
+RUN = dict(epochs=2, train_batch_size=10, micro_batch_size=5, max_grad_norm=0.5,
+           checkpoint={"every_n_steps": 3})
+
+
+class TwoLayer(LinearRecipe):
+    """Two units and a parameter of the root's own."""
+
+    def __init__(self, data, **kw) -> None:
+        super().__init__(data, **kw)
+        torch.manual_seed(0)
+        self.hidden = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
+        self.linear = nn.Linear(8, 1)
+        self.gain = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return self.linear(self.hidden(x)).squeeze(-1) * self.gain
+
+
+def run(tmp_path, name, backend, crash_at=None, recipe=TwoLayer, **kw):
+    module = recipe(IdData(47, 9), momentum=0.9)
+    callbacks = [CrashAt(crash_at)] if crash_at else []
+    with Trainer(module, args(tmp_path / name, backend=backend, **{**RUN, **kw}),
+                 callbacks=callbacks) as trainer:
+        if crash_at:
+            with pytest.raises(Crash):
+                trainer.train()
+        else:
+            trainer.train()
+    return tmp_path / name
+
+
+def weights(out):
+    return load_file(str(out / "final" / "model.safetensors"))
+
+
+def assert_close(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
+
+
+def test_fsdp_alone_trains_as_sp_and_saves_plain_final_weights(tmp_path):
+    ref = run(tmp_path, "sp", "sp")
+    out = run(tmp_path, "fsdp", "fsdp")
+    got = weights(out)
+    # Plain names (no runner or wrapper prefix), full tensors, loadable anywhere.
+    assert sorted(got) == ["gain", "hidden.0.bias", "hidden.0.weight", "linear.bias",
+                           "linear.weight"]
+    assert_close(got, weights(ref))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["global_step"] == 10
+
+
+def test_fsdp_checkpoint_is_sharded_and_listed_in_the_manifest(tmp_path):
+    out = run(tmp_path, "fsdp", "fsdp")
+    step = out / "checkpoints" / "step-00000010"
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert manifest["sharded"]["format"] == "torch-dcp/1"
+    assert manifest["sharded"]["keys"] == ["module", "optimizers"]
+    assert set(manifest["sharded"]["files"]) == {".metadata", "__0_0.distcp"}
+    assert "model.pt" not in manifest["files"]  # the model is in the shards only
+    trainer_state = torch.load(step / "trainer.pt", weights_only=True)
+    assert "optimizers" not in trainer_state and "counters" in trainer_state
+
+
+@pytest.mark.parametrize("first,then", [("fsdp", "sp"), ("sp", "fsdp"), ("fsdp", "fsdp")])
+def test_resume_across_backends(tmp_path, first, then):
+    """Crash at step 4 (checkpoint at 3) under one backend, resume under the other:
+    the same weights and step count as an uninterrupted sp run."""
+    ref = weights(run(tmp_path, "ref", "sp"))
+    run(tmp_path, "run", first, crash_at=4)
+    out = run(tmp_path, "run", then)
+    assert_close(weights(out), ref)
+    assert json.loads((out / "summary.json").read_text())["global_step"] == 10
+
+
+def test_async_save_under_fsdp_resumes(tmp_path):
+    ref = weights(run(tmp_path, "ref", "sp"))
+    checkpoint = {"every_n_steps": 3, "async_save": True}
+    run(tmp_path, "run", "fsdp", crash_at=7, checkpoint=checkpoint)
+    assert (tmp_path / "run" / "checkpoints" / "step-00000006" / "shards" / ".metadata").exists()
+    out = run(tmp_path, "run", "fsdp", checkpoint=checkpoint)
+    assert_close(weights(out), ref)
+
+
+def test_damaged_shard_falls_back_to_the_previous_checkpoint(tmp_path):
+    run(tmp_path, "run", "fsdp", crash_at=7)
+    shard = tmp_path / "run" / "checkpoints" / "step-00000006" / "shards" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    ref = weights(run(tmp_path, "ref", "sp"))
+    out = run(tmp_path, "run", "fsdp")
+    assert_close(weights(out), ref)  # resumed from step 3
+
+
+def test_units_by_class_path_and_default():
+    module = TwoLayer(IdData(4, 0))
+    assert [n for n, _ in select_units(module, None)] == ["linear", "hidden"]
+    assert [n for n, _ in select_units(module, ["Linear"])] == ["hidden.0", "linear"]
+    assert [n for n, _ in select_units(module, ["hidden", "hidden.0"])] == ["hidden.0", "hidden"]
+    with pytest.raises(ConfigError, match=r"units\[0\] is 'Linaer'.*Linear"):
+        select_units(module, ["Linaer"])
+
+
+def test_fsdp_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="trainer.fsdp.units must be a list"):
+        FSDPArguments(units="Block")
+    with pytest.raises(ConfigError, match="cpu_offload"):
+        Trainer(TwoLayer(IdData(4, 0)), args(tmp_path, backend="fsdp", device="cpu",
+                                               fsdp={"cpu_offload": True}))
+
+
+class SelfSharding(TwoLayer):
+    def configure_sharding(self, shard):
+        self.sharded_here = [shard(self.hidden)]
+
+
+def test_recipe_shards_itself(tmp_path):
+    module = SelfSharding(IdData(20, 0))
+    with Trainer(module, args(tmp_path, backend="fsdp", epochs=1)) as trainer:
+        trainer.train()
+        assert trainer.backend.units == ["hidden"]
