@@ -40,6 +40,7 @@ from .state import named_optimizer_state, optimizer_state_is_named
 from .strategy import Execution, StepRunner
 
 log = logging.getLogger("sailfin")
+_END = object()
 
 
 class FSDPStrategy(DDPStrategy):
@@ -138,6 +139,31 @@ class FSDPStrategy(DDPStrategy):
         # parameters around it (units gather theirs in their own forwards).
         with self._unsharded(), self.precision.forward_context():
             return self._val_step(global_step, batch, self.device)
+
+    def validation_outputs(self, module: torch.nn.Module, global_step: int,
+                           batches: Iterable[Any]) -> list[Any]:
+        """Every forward all-gathers, so every rank runs as many as the rank with the most
+        batches: a rank out of batches repeats its last one and drops the outputs (the
+        split never counts a sample twice; this keeps it so)."""
+        outputs: list[Any] = []
+        last, batches = None, iter(batches)
+        flag = torch.zeros((), device=self.device if self.comm_backend == "nccl" else "cpu")
+        while True:
+            batch = next(batches, _END)
+            flag.fill_(0.0 if batch is _END else 1.0)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if not flag.item():
+                return outputs
+            if batch is not _END:
+                outputs.append(self.val_step(module, global_step, batch))
+                last = batch
+            elif last is None:
+                raise RuntimeError(
+                    f"rank {self.dist.rank} has no validation batch while other ranks do; "
+                    "under fsdp every validation forward is a collective. Use at least "
+                    f"{self.dist.world_size} validation samples (one per rank)")
+            else:
+                self.val_step(module, global_step, last)  # a padding forward: outputs dropped
 
     @contextlib.contextmanager
     def _unsharded(self) -> Iterator[None]:

@@ -140,6 +140,11 @@ class SingleDevice:
         with self.precision.forward_context():
             return self._val_step(global_step, batch, self.device)
 
+    def validation_outputs(self, module: torch.nn.Module, global_step: int,
+                           batches: Iterable[Any]) -> list[Any]:
+        """``val_step`` of each of this rank's validation batches, in order."""
+        return [self.val_step(module, global_step, batch) for batch in batches]
+
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.backward(loss)
 

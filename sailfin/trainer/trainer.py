@@ -288,8 +288,8 @@ class Trainer:
             for name, loader in self.val_loaders.items():
                 # Validating draws nothing from the training's random streams.
                 seed_loader(loader, self.args.seed, self.global_step, self.dist.rank)
-                local = merge_outputs([self.backend.val_step(self.module, self.global_step, b)
-                                       for b in loader])
+                local = merge_outputs(self.backend.validation_outputs(
+                    self.module, self.global_step, loader))
                 outputs = self.backend.gather_outputs(local)
                 metrics = self.module.on_end_val_epoch(self.global_step, outputs, name) or {}
                 metrics = {k: _scalar(v) for k, v in metrics.items()}

@@ -9,7 +9,12 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from sailfin import Callback, Trainer
-from tests.recipes import IdData, LinearRecipe, args
+from tests.recipes import IdData, LinearRecipe, WideRecipe, args, local_bytes
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor, also of a DTensor shard (fsdp; a collective)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 class ParamTrace(Callback):
@@ -19,7 +24,7 @@ class ParamTrace(Callback):
         self.trace: list[torch.Tensor] = []
 
     def on_step_end(self, trainer) -> None:
-        self.trace.append(torch.cat([p.detach().reshape(-1).clone()
+        self.trace.append(torch.cat([full(p.detach()).reshape(-1).clone()
                                      for p in trainer.module.parameters()]))
 
 
@@ -30,6 +35,9 @@ class CountAllReduce(Callback):
         self.calls = 0
 
     def on_train_start(self, trainer) -> None:
+        if getattr(trainer.backend, "ddp", None) is None:
+            return  # not DDP (fsdp reduce-scatters, counted elsewhere)
+
         def hook(state, bucket):
             self.calls += 1
             return default_hooks.allreduce_hook(None, bucket)
@@ -81,6 +89,8 @@ def train(rank: int, world: int, dist_args, out: Path, data: dict, trainer: dict
         module = CollectiveRecipe(IdData(**data), **recipe)
     elif kind == "named":
         module = NamedOutputs(IdData(**data), **recipe)
+    elif kind == "wide":
+        module = WideRecipe(IdData(**data), **recipe)
     else:
         module = LinearRecipe(IdData(**data), **recipe)
     trace, counter = ParamTrace(), CountAllReduce()
@@ -89,7 +99,13 @@ def train(rank: int, world: int, dist_args, out: Path, data: dict, trainer: dict
     with Trainer(module, a, callbacks=[trace, counter]) as t:
         summary = t.train()
         val = t.validate()
-    torch.save({"params": {k: v.detach().clone() for k, v in module.state_dict().items()},
+        held = {"params": sum(local_bytes(p) for p in module.parameters()),
+                "grads": getattr(module, "grad_bytes", None),
+                "optimizer": sum(local_bytes(v) for opt in t.optimizers
+                                 for per in opt.state.values() for v in per.values()
+                                 if isinstance(v, torch.Tensor))}
+        params = {k: full(v.detach()).clone() for k, v in module.state_dict().items()}
+    torch.save({"params": params, "held": held,
                 "seen": module.seen, "step_ids": module.step_ids, "events": module.events,
                 "summary": summary, "val": val, "trace": trace.trace,
                 "allreduce_calls": counter.calls, "threads": torch.get_num_threads()},
