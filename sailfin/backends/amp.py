@@ -85,12 +85,6 @@ class MixedPrecision(Precision):
         found_inf = self.scaler._found_inf_per_device(optimizer)
         return not any(bool(v.item()) for v in found_inf.values())
 
-    def overflow_flags(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        if self.scaler is None:
-            return []
-        self.unscale_gradients(optimizer)
-        return list(self.scaler._found_inf_per_device(optimizer).values())
-
     def update(self) -> None:
         if self.scaler is not None:
             self.scaler.update()  # halve the scale after a skipped step, grow it when stable

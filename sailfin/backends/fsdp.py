@@ -181,22 +181,12 @@ class FSDPStrategy(DDPStrategy):
     def clip_grad_norm(self, parameters: Iterable[torch.nn.Parameter],
                        optimizers: list[torch.optim.Optimizer], max_norm: float
                        ) -> torch.Tensor:
-        self._agree_on_overflow(optimizers)
+        for opt in optimizers:
+            self.precision.unscale_gradients(opt)  # clip true gradients, not scaled ones
         # Gradients are DTensor shards: the norm is computed per shard and reduced over
         # the ranks inside clip_grad_norm_, so every rank clips by the global norm.
         norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-    def optimizer_step(self, optimizers: list[torch.optim.Optimizer]) -> bool:
-        self._agree_on_overflow(optimizers)
-        return super().optimizer_step(optimizers)
-
-    def _agree_on_overflow(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        """float16: each rank sees inf/NaN in its own shard only; all skip the step if any does."""
-        for opt in optimizers:
-            flags = self.precision.overflow_flags(opt)
-            for flag in flags:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
 
     # -- state ------------------------------------------------------------------------
     def model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:

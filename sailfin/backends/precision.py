@@ -33,10 +33,6 @@ class Precision:
         optimizer.step()
         return True
 
-    def overflow_flags(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        """This step's inf/NaN flags after unscaling (float16 loss scaling), else []."""
-        return []
-
     def update(self) -> None:
         """Called once after all optimizers stepped (loss-scale bookkeeping)."""
 

@@ -139,3 +139,23 @@ def test_recipe_shards_itself(tmp_path):
     with Trainer(module, args(tmp_path, backend="fsdp", epochs=1)) as trainer:
         trainer.train()
         assert trainer.backend.units == ["hidden"]
+
+
+def test_fsdp_with_activation_checkpointing_trains_as_sp(tmp_path):
+    ref = weights(run(tmp_path, "sp", "sp"))
+    out = run(tmp_path, "fsdp", "fsdp", activation_checkpointing=["Sequential"],
+              fsdp={"units": ["Sequential", "linear"], "reshard_after_forward": False})
+    assert_close(weights(out), ref)
+
+
+@pytest.mark.slow
+def test_fsdp_compiled_trains_as_sp(tmp_path):
+    ref = weights(run(tmp_path, "sp", "sp"))
+    assert_close(weights(run(tmp_path, "fsdp", "fsdp", compile=True)), ref)
+
+
+def test_fsdp_amp_float16_trains_with_the_grad_scaler(tmp_path):
+    out = run(tmp_path, "fp16", "fsdp-amp", amp_dtype="float16", max_grad_norm=None)
+    got = weights(out)
+    assert all(torch.isfinite(v).all() for v in got.values())
+    assert got["linear.weight"].dtype == torch.float32  # sharded master weights stay fp32

@@ -124,3 +124,16 @@ def test_fsdp_worker_killed_under_max_restarts_completes(tmp_path):
         stop(proc)
     assert "restart 1 (torchrun): resuming from" in log.read_text()
     assert_finished_like(tmp_path, "elastic", ref)
+
+
+def test_fsdp_float16_overflow_in_one_shard_skips_the_step_on_every_rank(tmp_path):
+    """Only rank 1's shard sees the inf: both ranks must skip the step and halve the scale."""
+    trainer = {"epochs": 1, "train_batch_size": 12, "micro_batch_size": 3, "max_steps": 4,
+               "backend": "fsdp-amp", "amp_dtype": "float16", "max_grad_norm": 1.0}
+    ranks = ddp(tmp_path, {"n_train": 96, "n_val": 0}, trainer, {"bad_step": 1},
+                kind="shard_overflow")
+    for r in ranks:
+        assert r["scheduled"] == [3]  # 4 steps, one skipped
+        assert r["backend"]["precision"]["scaler"]["scale"] == 2.0 ** 15
+    for a, b in zip(ranks[0]["trace"], ranks[1]["trace"]):
+        assert torch.equal(a, b)

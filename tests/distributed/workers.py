@@ -80,6 +80,39 @@ class CollectiveRecipe(LinearRecipe):
         return super().train_step(global_step, batch, device)
 
 
+class _InfGradInLastRow(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h):
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        grad[:, -1] = float("inf")
+        return grad
+
+
+class ShardOverflow(WideRecipe):
+    """At step ``bad_step`` only the hidden layer's last row gets an inf gradient: under
+    fsdp on 2 ranks, only rank 1's shard holds it. Loss scaled down so that float16
+    gradients times the initial loss scale stay finite otherwise."""
+
+    def __init__(self, data, bad_step: int = 2, **kw) -> None:
+        super().__init__(data, **kw)
+        self.bad_step, self._step = bad_step, 0
+
+    def forward(self, x):
+        h = self.hidden(self.dropout(x))
+        if self.training and self._step == self.bad_step:
+            h = _InfGradInLastRow.apply(h)
+        return self.linear(h).squeeze(-1)
+
+    def train_step(self, global_step, batch, device):
+        self._step = global_step
+        loss, stats = super().train_step(global_step, batch, device)
+        return loss * 1e-3, stats
+
+
 def train(rank: int, world: int, dist_args, out: Path, data: dict, trainer: dict,
           recipe: Optional[dict] = None, kind: str = "linear") -> None:
     recipe = dict(recipe or {})
@@ -89,6 +122,8 @@ def train(rank: int, world: int, dist_args, out: Path, data: dict, trainer: dict
         module = CollectiveRecipe(IdData(**data), **recipe)
     elif kind == "named":
         module = NamedOutputs(IdData(**data), **recipe)
+    elif kind == "shard_overflow":
+        module = ShardOverflow(IdData(**data), **recipe)
     elif kind == "wide":
         module = WideRecipe(IdData(**data), **recipe)
     else:
@@ -105,7 +140,10 @@ def train(rank: int, world: int, dist_args, out: Path, data: dict, trainer: dict
                                  for per in opt.state.values() for v in per.values()
                                  if isinstance(v, torch.Tensor))}
         params = {k: full(v.detach()).clone() for k, v in module.state_dict().items()}
-    torch.save({"params": params, "held": held,
+        backend_state = t.backend.state_dict()
+        scheduled = [s.last_epoch for s in t.schedulers]
+    torch.save({"params": params, "held": held, "backend": backend_state,
+                "scheduled": scheduled,
                 "seen": module.seen, "step_ids": module.step_ids, "events": module.events,
                 "summary": summary, "val": val, "trace": trace.trace,
                 "allreduce_calls": counter.calls, "threads": torch.get_num_threads()},
