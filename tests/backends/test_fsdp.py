@@ -84,12 +84,14 @@ def test_fsdp_checkpoint_is_sharded_and_listed_in_the_manifest(tmp_path):
 
 
 @pytest.mark.parametrize("first,then", [("fsdp", "sp"), ("sp", "fsdp"), ("fsdp", "fsdp")])
-def test_resume_across_backends(tmp_path, first, then):
+def test_resume_across_backends(tmp_path, capfd, first, then):
     """Crash at step 4 (checkpoint at 3) under one backend, resume under the other:
     the same weights and step count as an uninterrupted sp run."""
     ref = weights(run(tmp_path, "ref", "sp"))
     run(tmp_path, "run", first, crash_at=4)
+    capfd.readouterr()
     out = run(tmp_path, "run", then)
+    assert "step-00000003: step 3" in capfd.readouterr().err  # resumed, not started afresh
     assert_close(weights(out), ref)
     assert json.loads((out / "summary.json").read_text())["global_step"] == 10
 
@@ -159,3 +161,21 @@ def test_fsdp_amp_float16_trains_with_the_grad_scaler(tmp_path):
     got = weights(out)
     assert all(torch.isfinite(v).all() for v in got.values())
     assert got["linear.weight"].dtype == torch.float32  # sharded master weights stay fp32
+
+
+def test_sharded_checkpoint_on_an_fsspec_url(tmp_path, capfd):
+    """DCP's fsspec writer and reader under the same protocol (memory:// here)."""
+    fsspec = pytest.importorskip("fsspec")
+    import uuid
+
+    root = f"sailfin-{uuid.uuid4().hex}/ckpt"
+    ref = weights(run(tmp_path, "ref", "sp"))
+    checkpoint = {"every_n_steps": 3, "dir": f"memory://{root}"}
+    run(tmp_path, "run", "fsdp", crash_at=4, checkpoint=checkpoint)
+    fs = fsspec.filesystem("memory")
+    assert fs.exists(f"/{root}/step-00000003/shards/.metadata")
+    capfd.readouterr()
+    run(tmp_path, "run", "fsdp", checkpoint=checkpoint)
+    assert "resuming from memory://" in capfd.readouterr().err
+    assert_close(weights(tmp_path / "run"), ref)
+    fs.rm(f"/{root.split('/')[0]}", recursive=True)

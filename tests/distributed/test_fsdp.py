@@ -86,15 +86,17 @@ def kill_at(tmp_path, name, nproc_backend, step=7):
     return cfg, log
 
 
-def test_fsdp_killed_then_resumed_alone(tmp_path):
-    """kill -9 a 2-rank fsdp run; resume in one process (fsdp alone, then sp)."""
+def test_fsdp_killed_then_resumed_alone(tmp_path, capfd):
+    """kill -9 a 2-rank fsdp run; resume in one process (fsdp alone)."""
     ref = sp_reference(tmp_path)
     cfg, _ = kill_at(tmp_path, "alone", "fsdp")
     manifest = json.loads((tmp_path / "alone" / "run" / "checkpoints" / "step-00000006" /
                            "manifest.json").read_text())
     assert manifest["world_size"] == 2
     assert set(manifest["sharded"]["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    capfd.readouterr()
     assert main(["train", str(cfg), "--trainer.backend", "fsdp"]) == 0
+    assert "world size 2 -> 1" in capfd.readouterr().err
     assert_finished_like(tmp_path, "alone", ref)
 
 
