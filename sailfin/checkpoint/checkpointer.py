@@ -137,6 +137,7 @@ class DirectoryCheckpointer(Checkpointer):
         self._executor: Optional[ThreadPoolExecutor] = None
         self._pending: Optional[tuple[int, Future]] = None
         self.shards = ShardedWriter(self.storage, args.storage_options)
+        self.writes_shards = True  # Snapshot.sharded (fsdp) is written, with DCP
 
     # -- names ---------------------------------------------------------------
     @staticmethod

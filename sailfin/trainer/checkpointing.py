@@ -84,6 +84,11 @@ class CheckpointCallback(Callback):
                         else f"Trainer.state_dict()[{key!r}]")
         facts = manifest_facts(trainer, self, state)
         sharded = split_sharded(state)  # fsdp: model and optimizers, written by every rank
+        if sharded and not getattr(self.checkpointer, "writes_shards", False):
+            raise CheckpointError(
+                f"{type(self.checkpointer).__name__} cannot write sharded state (trainer.backend "
+                f"{trainer.args.backend}): subclass sailfin.checkpoint.DirectoryCheckpointer "
+                "for trainer.checkpoint.class_path, or train with ddp")
         shared = {"model": state.pop("module"), "trainer": state} if "module" in state else {
             "trainer": state}
         snapshot = Snapshot(step=trainer.global_step, facts=facts, shared=shared,

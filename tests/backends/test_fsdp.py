@@ -13,6 +13,7 @@ from torch import nn
 from sailfin import Trainer
 from sailfin.backends.fsdp import select_units
 from sailfin.config import ConfigError
+from sailfin.checkpoint import Checkpointer
 from sailfin.config.fsdp import FSDPArguments
 from tests.checkpoint.helpers import Crash, CrashAt
 from tests.recipes import IdData, LinearRecipe, args
@@ -179,3 +180,38 @@ def test_sharded_checkpoint_on_an_fsspec_url(tmp_path, capfd):
     assert "resuming from memory://" in capfd.readouterr().err
     assert_close(weights(tmp_path / "run"), ref)
     fs.rm(f"/{root.split('/')[0]}", recursive=True)
+
+
+def test_fsdp_section_from_the_command_line():
+    from sailfin.config.loader import apply_override, from_dict
+
+    raw = {"module": {"class_path": "tests.recipes.LinearRecipe"},
+           "data": {"class_path": "tests.recipes.IdData"}, "trainer": {"backend": "fsdp"}}
+    apply_override(raw, "trainer.fsdp.units", "[Block, encoder.layers.0]")
+    apply_override(raw, "trainer.fsdp.reshard_after_forward", "false")
+    fsdp = from_dict(raw).trainer.fsdp
+    assert fsdp.units == ["Block", "encoder.layers.0"] and not fsdp.reshard_after_forward
+    raw["trainer"]["fsdp"]["unit"] = ["Block"]
+    with pytest.raises(ConfigError, match="trainer.fsdp.unit' \\(did you mean 'units'"):
+        from_dict(raw)
+
+
+class KeepsNothing(Checkpointer):
+    """A checkpointer of its own that knows nothing of shards."""
+
+    def save(self, snapshot):
+        pass
+
+    def latest(self):
+        return None
+
+    def load(self, name):
+        raise AssertionError("not called")
+
+
+def test_a_checkpointer_without_shard_support_is_refused_under_fsdp(tmp_path):
+    from sailfin.checkpoint import CheckpointError
+
+    checkpoint = {"every_n_steps": 1, "class_path": f"{__name__}.KeepsNothing"}
+    with pytest.raises(CheckpointError, match="KeepsNothing cannot write sharded state"):
+        run(tmp_path, "run", "fsdp", checkpoint=checkpoint)
