@@ -41,6 +41,9 @@ def test_fsdp_matches_ddp_and_one_process(tmp_path):
         torch.testing.assert_close(ranks[0]["params"][key], value, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(ranks[0]["params"][key], ranks_ddp[0]["params"][key],
                                    rtol=1e-5, atol=1e-6)
+    # Accumulation: one reduce-scatter per unit and step (units hidden and linear), not
+    # one per micro-batch (2 or 3 per step here).
+    assert ranks[0]["reduce_scatter_calls"] == ranks[1]["reduce_scatter_calls"] == 2 * 18
     # Ranks agree on the (gathered) parameters after every step.
     for a, b in zip(ranks[0]["trace"], ranks[1]["trace"]):
         assert torch.equal(a, b)

@@ -45,6 +45,22 @@ class CountAllReduce(Callback):
         trainer.backend.ddp.register_comm_hook(None, hook)
 
 
+class CountReduceScatter(Callback):
+    """Counts FSDP's gradient reduce-scatters (the collective it calls per unit)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_train_start(self, trainer) -> None:
+        original = torch.distributed.reduce_scatter_single
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        torch.distributed.reduce_scatter_single = counted
+
+
 class FailingRecipe(LinearRecipe):
     def __init__(self, data, fail_rank: int, fail_step: int, rank: int, **kw) -> None:
         super().__init__(data, **kw)
@@ -128,10 +144,10 @@ def train(rank: int, world: int, dist_args, out: Path, data: dict, trainer: dict
         module = WideRecipe(IdData(**data), **recipe)
     else:
         module = LinearRecipe(IdData(**data), **recipe)
-    trace, counter = ParamTrace(), CountAllReduce()
+    trace, counter, scatters = ParamTrace(), CountAllReduce(), CountReduceScatter()
     trainer = {"backend": "ddp", **trainer}
     a = args(out / "run", distributed=dist_args, **trainer)
-    with Trainer(module, a, callbacks=[trace, counter]) as t:
+    with Trainer(module, a, callbacks=[trace, counter, scatters]) as t:
         summary = t.train()
         val = t.validate()
         held = {"params": sum(local_bytes(p) for p in module.parameters()),
@@ -143,7 +159,7 @@ def train(rank: int, world: int, dist_args, out: Path, data: dict, trainer: dict
         backend_state = t.backend.state_dict()
         scheduled = [s.last_epoch for s in t.schedulers]
     torch.save({"params": params, "held": held, "backend": backend_state,
-                "scheduled": scheduled,
+                "scheduled": scheduled, "reduce_scatter_calls": scatters.calls,
                 "seen": module.seen, "step_ids": module.step_ids, "events": module.events,
                 "summary": summary, "val": val, "trace": trace.trace,
                 "allreduce_calls": counter.calls, "threads": torch.get_num_threads()},
