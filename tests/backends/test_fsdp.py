@@ -215,3 +215,18 @@ def test_a_checkpointer_without_shard_support_is_refused_under_fsdp(tmp_path):
     checkpoint = {"every_n_steps": 1, "class_path": f"{__name__}.KeepsNothing"}
     with pytest.raises(CheckpointError, match="KeepsNothing cannot write sharded state"):
         run(tmp_path, "run", "fsdp", checkpoint=checkpoint)
+
+
+def test_nonfinite_skip_under_fsdp_matches_sp(tmp_path):
+    from tests.trainer.test_nonfinite import NanAt, NonFiniteLossWarning
+
+    def train(name, backend):
+        module = NanAt(IdData(60, 0), bad_steps={2, 4})
+        with Trainer(module, args(tmp_path / name, backend=backend, train_batch_size=10,
+                                  micro_batch_size=5, on_nonfinite="skip")) as trainer:
+            with pytest.warns(NonFiniteLossWarning):
+                summary = trainer.train()
+        assert summary["nonfinite_steps"] == 2 and summary["global_step"] == 6
+        return weights(tmp_path / name)
+
+    assert_close(train("fsdp", "fsdp"), train("sp", "sp"))
