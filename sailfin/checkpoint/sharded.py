@@ -88,16 +88,20 @@ class ShardedWriter:
     def save(self, staging: str, state: dict[str, Any], async_save: bool) -> None:
         import torch.distributed.checkpoint as dcp
 
+        import torch.distributed as dist
+
         self.wait()
         path = self.storage.join(staging, SHARDS)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            # Shards of a killed save of this step (perhaps on more ranks) go first. No rank
+            # writes before every rank entered dcp.save (its planning is a collective).
+            self.storage.remove_tree(path)
         self.storage.makedirs(path)
         self._keys, self._staging = sorted(state), staging
         writer = self._writer(path)
         if not async_save:
             dcp.save(state, storage_writer=writer)
             return
-        import torch.distributed as dist
-
         if self._group is None and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")  # every rank saves: collective is fine
         # Returns once this rank's shards are copied to CPU memory; writes in a thread.

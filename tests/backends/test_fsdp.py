@@ -73,8 +73,13 @@ def test_fsdp_alone_trains_as_sp_and_saves_plain_final_weights(tmp_path):
 
 
 def test_fsdp_checkpoint_is_sharded_and_listed_in_the_manifest(tmp_path):
+    # A killed save of step 10 on more ranks left a shard behind: it must not survive.
+    stale = tmp_path / "fsdp" / "checkpoints" / ".tmp-step-00000010" / "shards"
+    stale.mkdir(parents=True)
+    (stale / "__7_0.distcp").write_bytes(b"old")
     out = run(tmp_path, "fsdp", "fsdp")
     step = out / "checkpoints" / "step-00000010"
+    assert not (step / "shards" / "__7_0.distcp").exists()
     manifest = json.loads((step / "manifest.json").read_text())
     assert manifest["sharded"]["format"] == "torch-dcp/1"
     assert manifest["sharded"]["keys"] == ["module", "optimizers"]
