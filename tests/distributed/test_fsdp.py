@@ -103,11 +103,13 @@ def test_fsdp_killed_then_resumed_alone(tmp_path, capfd):
     assert_finished_like(tmp_path, "alone", ref)
 
 
-def test_ddp_checkpoint_resumes_under_fsdp(tmp_path):
+@pytest.mark.parametrize("first,then", [("ddp", "fsdp"), ("fsdp", "ddp")])
+def test_checkpoint_resumes_under_the_other_backend(tmp_path, first, then):
+    """kill -9 a 2-rank run, resume it on 2 ranks under the other backend."""
     ref = sp_reference(tmp_path)
-    cfg, _ = kill_at(tmp_path, "switch", "ddp")
-    log = tmp_path / "switch-fsdp.log"
-    proc = torchrun(backend(single_node(2, cfg, restarts=0), "fsdp"), log)
+    cfg, _ = kill_at(tmp_path, "switch", first)
+    log = tmp_path / "switch-then.log"
+    proc = torchrun(backend(single_node(2, cfg, restarts=0), then), log)
     try:
         assert wait([proc], 240, [log]) == [0], tail([log])
     finally:
