@@ -32,11 +32,15 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from .errors import CheckpointCorrupt, CheckpointError
 from .storage import LocalStorage, Storage
 
 FORMAT = "torch-dcp/1"
 SHARDS = "shards"
+# DCP's CheckpointException (one error per failed rank) derives from BaseException.
+_FAILURES = (Exception, CheckpointException)
 
 
 def split_sharded(state: dict[str, Any]) -> dict[str, Any]:
@@ -116,8 +120,9 @@ class ShardedWriter:
             return
         try:
             pending.result()
-        except Exception as exc:
-            raise CheckpointError(f"writing this rank's checkpoint shards failed: {exc}") from exc
+        except _FAILURES as exc:
+            raise CheckpointError(
+                f"writing this rank's checkpoint shards failed: {_reason(exc)}") from exc
         finally:
             if self._pending is pending:
                 self._pending = None
@@ -212,9 +217,21 @@ def load_sharded(ref: ShardedRef, module: torch.nn.Module,
         import torch.distributed as dist
 
         dcp.load(state, storage_reader=ref.reader(), no_dist=not dist.is_initialized())
-    except Exception as exc:  # DCP names the missing or mismatched key
+    except _FAILURES as exc:  # DCP names the missing or mismatched key
         raise CheckpointError(f"the shards in {ref.storage.display(ref.path)} do not fit this "
-                              f"model: {exc}") from exc
+                              f"model: {_reason(exc)}") from exc
     if "optimizers" in state:
         state["optimizers"] = [state["optimizers"][str(i)] for i in range(len(optimizers))]
     return state
+
+
+def _reason(exc: BaseException) -> str:
+    """DCP's per-rank errors without their tracebacks (it puts those in the message)."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return str(exc)
+    reasons = []
+    for rank, failure in sorted(failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        reasons.append(f"rank {rank}: {type(inner).__name__}: {inner}")
+    return "; ".join(reasons)

@@ -235,3 +235,12 @@ def test_nonfinite_skip_under_fsdp_matches_sp(tmp_path):
         return weights(tmp_path / name)
 
     assert_close(train("fsdp", "fsdp"), train("sp", "sp"))
+
+
+def test_shards_of_another_model_name_the_key(tmp_path):
+    from sailfin.checkpoint import CheckpointError
+
+    run(tmp_path, "run", "fsdp", epochs=1)
+    with pytest.raises(CheckpointError, match=r"do not fit this model: rank 0: ValueError: "
+                                              r"Size mismatch .* for module\.linear\.weight"):
+        run(tmp_path, "run", "fsdp", recipe=LinearRecipe)
