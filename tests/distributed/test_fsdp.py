@@ -11,10 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from sailfin import Trainer
 from sailfin.cli import main
 from tests.distributed.elastic_helpers import (pid_of, reached, single_node, stop, tail,
                                                torchrun, wait, wait_until, write_config)
-from tests.distributed.test_ddp import ddp, single
+from tests.distributed.test_ddp import ddp
+from tests.recipes import IdData, WideRecipe, args
 
 pytestmark = pytest.mark.slow
 
@@ -26,9 +28,6 @@ RECIPE = {"momentum": 0.9, "hidden": 32}
 
 
 def test_fsdp_matches_ddp_and_one_process(tmp_path):
-    from tests.recipes import IdData, WideRecipe, args
-    from sailfin import Trainer
-
     ref = WideRecipe(IdData(**DATA), **RECIPE)
     with Trainer(ref, args(tmp_path / "sp", **{**TRAINER, "micro_batch_size": 12})) as t:
         t.train()
