@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sailfin-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo report test test-slow test-all bench clean
+.PHONY: demo report test test-slow test-all test-gpu bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,14 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-all: test test-slow
+
+# On a machine with a CUDA device (and a CUDA build of torch, e.g. TORCH="torch==2.13.0"
+# from the CUDA index): the cuda-marked tests, then the benchmarks on the GPU.
+test-gpu: $(STAMP)
+	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: no CUDA device here')"
+	$(PY) -m pytest -q -m cuda $(PYTEST_ARGS)
+	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/backends.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py

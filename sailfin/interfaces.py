@@ -257,6 +257,21 @@ class ModuleInterface(nn.Module):
 
     def on_end_train(self, global_step: int) -> None: ...
 
+    # -- sharding (the fsdp backends) -------------------------------------------
+    def configure_sharding(self, shard: Callable[[torch.nn.Module], torch.nn.Module]) -> None:
+        """Choose this model's FSDP units yourself (instead of ``trainer.fsdp.units``).
+
+        Call ``shard(submodule)`` on each unit, innermost first; it applies
+        ``fully_shard`` with the run's mesh, mixed-precision and offload settings.
+        The trainer shards the rest as the root unit afterwards. Only the ``fsdp``
+        backends call this. Example::
+
+            def configure_sharding(self, shard):
+                for block in self.blocks:
+                    shard(block)
+                shard(self.embed)
+        """
+
     # -- state carried in checkpoints ----------------------------------------
     def get_state(self) -> dict:
         return {}

@@ -25,3 +25,14 @@ def _no_leaked_process_group():
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
         pytest.fail("test left a torch.distributed process group initialised")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.cuda`` tests skip, saying why, where there is no CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (none here); run `make test-gpu` on "
+                                   "a machine with one")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

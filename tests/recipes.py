@@ -101,3 +101,29 @@ def args(tmp_path, **kw) -> TrainerArguments:
                 writers=["jsonl"], log_every_n_steps=1, seed=0)
     base.update(kw)
     return TrainerArguments(**base)
+
+
+def local_bytes(tensor) -> int:
+    """Bytes this process holds of ``tensor`` (its own shard of a DTensor)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+class WideRecipe(LinearRecipe):
+    """LinearRecipe with a hidden layer, so that sharding has rows to split, and a count
+    of the gradient bytes this process holds after each step's backward."""
+
+    def __init__(self, data: IdData, dim: int = 4, hidden: int = 32, **kw) -> None:
+        super().__init__(data, dim=dim, **kw)
+        torch.manual_seed(0)
+        self.hidden = nn.Sequential(nn.Linear(dim, hidden), nn.Tanh())
+        self.linear = nn.Linear(hidden, 1)
+        self.grad_bytes = 0
+
+    def forward(self, x):
+        return self.linear(self.hidden(self.dropout(x))).squeeze(-1)
+
+    def on_end_backward(self, global_step, loss):
+        super().on_end_backward(global_step, loss)
+        self.grad_bytes = sum(local_bytes(p.grad) for p in self.parameters()
+                              if p.grad is not None)

@@ -24,6 +24,8 @@ ALIASES: dict[str, tuple[str, str]] = {
     "sp-amp-apex": ("single", "amp"),
     "ddp": ("ddp", "fp32"),
     "ddp-amp": ("ddp", "amp"),
+    "fsdp": ("fsdp", "fp32"),
+    "fsdp-amp": ("fsdp", "amp"),
 }
 
 # Names kept for PyMarlin configs whose meaning changed: printed once when chosen.
@@ -55,10 +57,18 @@ def _ddp(precision: Precision, device: torch.device, dist: DistEnv,
     return DDPStrategy(precision, device, dist, args.distributed, execution)
 
 
+def _fsdp(precision: Precision, device: torch.device, dist: DistEnv,
+          args: TrainerArguments, execution: Execution) -> SingleDevice:
+    from .fsdp import FSDPStrategy  # imports torch.distributed pieces only when used
+
+    return FSDPStrategy(precision, device, dist, args.distributed, execution, args.fsdp)
+
+
 _STRATEGIES: dict[str, Callable[[Precision, torch.device, DistEnv, TrainerArguments,
                                  Execution], SingleDevice]] = {
     "single": _single,
     "ddp": _ddp,
+    "fsdp": _fsdp,
 }
 
 

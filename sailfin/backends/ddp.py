@@ -47,6 +47,7 @@ class DDPStrategy(SingleDevice):
     """
 
     strategy = "ddp"
+    needs_launcher = True  # FSDP also runs alone, as a group of one
 
     def __init__(self, precision: Precision, device: torch.device,
                  dist_env: Optional[DistEnv] = None,
@@ -54,9 +55,10 @@ class DDPStrategy(SingleDevice):
                  execution: Optional[Execution] = None) -> None:
         super().__init__(precision, device, dist_env, execution)
         self.options = options or DistArguments()
-        if not self.dist.launched:
+        if not self.dist.launched and self.needs_launcher:
             raise ConfigError(
-                "trainer.backend 'ddp' runs one process per device, started by a launcher; "
+                f"trainer.backend '{self.strategy}' runs one process per device, started by a "
+                "launcher; "
                 f"this process was started alone. Run:\n    {launch_hint()}\n(or set "
                 "trainer.distributed for a launcher sailfin does not detect)")
         self.comm_backend = comm_backend_for(device, self.options.comm_backend)
@@ -92,7 +94,8 @@ class DDPStrategy(SingleDevice):
         source = "trainer.distributed.threads_per_process"
         if threads is None and "OMP_NUM_THREADS" in os.environ:
             if self.dist.is_main:
-                log.info("DDP on CPU: %d intra-op thread(s) per process (OMP_NUM_THREADS=%s)",
+                log.info("%s on CPU: %d intra-op thread(s) per process (OMP_NUM_THREADS=%s)",
+                         self.strategy.upper(),
                          torch.get_num_threads(), os.environ["OMP_NUM_THREADS"])
             return
         if threads is None:
@@ -100,7 +103,8 @@ class DDPStrategy(SingleDevice):
             source = f"{os.cpu_count()} cores / {self.dist.local_world_size} local processes"
         torch.set_num_threads(threads)
         if self.dist.is_main:
-            log.info("DDP on CPU: %d intra-op thread(s) per process (%s)", threads, source)
+            log.info("%s on CPU: %d intra-op thread(s) per process (%s)", self.strategy.upper(),
+                     threads, source)
 
     def teardown(self) -> None:
         if self._owns_group:

@@ -15,6 +15,7 @@ from ..distributed import DistEnv
 from .checkpointing import apply_activation_checkpointing
 from .compile import compile_in_place, explain_failures
 from .precision import Precision
+from .state import optimizer_state_is_named
 
 _NULL = contextlib.nullcontext()
 
@@ -139,6 +140,11 @@ class SingleDevice:
         with self.precision.forward_context():
             return self._val_step(global_step, batch, self.device)
 
+    def validation_outputs(self, module: torch.nn.Module, global_step: int,
+                           batches: Iterable[Any]) -> list[Any]:
+        """``val_step`` of each of this rank's validation batches, in order."""
+        return [self.val_step(module, global_step, batch) for batch in batches]
+
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.backward(loss)
 
@@ -171,6 +177,33 @@ class SingleDevice:
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``obj`` on every rank (one rank: ``obj`` itself)."""
         return obj
+
+    # -- model and optimizer state (the fsdp strategy keeps them sharded) ----------
+    def model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
+        """The model's state as a checkpoint holds it."""
+        return module.state_dict()
+
+    def load_model_state_dict(self, module: torch.nn.Module, state: dict[str, Any]) -> None:
+        module.load_state_dict(state)
+
+    def optimizer_state_dict(self, module: torch.nn.Module,
+                             optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, module: torch.nn.Module,
+                                  optimizer: torch.optim.Optimizer,
+                                  state: dict[str, Any]) -> None:
+        """``state`` by parameter index (``state_dict()``) or by name (a sharded checkpoint)."""
+        if optimizer_state_is_named(state):
+            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+            set_optimizer_state_dict(module, optimizer, state)
+        else:
+            optimizer.load_state_dict(state)
+
+    def final_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The full weights under the plain model's names. Every rank calls it (a
+        collective under fsdp); rank 0 saves what it returns."""
+        return module.state_dict()
 
     # -- checkpoint state -------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import abc
 import re
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..config.checkpoint import CheckpointArguments
@@ -28,6 +28,7 @@ from ..distributed import DistEnv
 from . import manifest as manifests
 from .errors import CheckpointCorrupt, CheckpointError
 from .serialize import FileEntry, StagingBuffers, load_object, save_object
+from .sharded import SHARDS, ShardedRef, ShardedWriter, locate_shards
 from .storage import Storage, open_storage
 
 _STEP = re.compile(r"^step-(\d+)$")
@@ -51,6 +52,8 @@ class Snapshot:
     shared: dict[str, Any]
     rank_state: Any
     is_best: bool = False
+    sharded: dict[str, Any] = field(default_factory=dict)
+    """State every rank writes its own shards of (fsdp), with DCP; see :mod:`.sharded`."""
 
 
 @dataclass
@@ -63,6 +66,8 @@ class Loaded:
     shared: dict[str, Any]
     rank_state: Optional[Any] = None
     """None when the checkpoint has no state for this rank (it ran on fewer ranks)."""
+    sharded: Optional[ShardedRef] = None
+    """The checkpoint's DCP shards (saved under fsdp), read by :func:`.sharded.load_sharded`."""
 
 
 def say(message: str) -> None:
@@ -142,6 +147,8 @@ class DirectoryCheckpointer(Checkpointer):
         self._executor: Optional[ThreadPoolExecutor] = None
         self._pending: Optional[tuple[int, Future]] = None
         self._staging = StagingBuffers()  # async saves: CPU copies, reused from save to save
+        self.shards = ShardedWriter(self.storage, args.storage_options)
+        self.writes_shards = True  # Snapshot.sharded (fsdp) is written, with DCP
 
     # -- names ---------------------------------------------------------------
     @staticmethod
@@ -164,6 +171,8 @@ class DirectoryCheckpointer(Checkpointer):
         if self.dist.is_main and not self.storage.atomic_rename:
             # Re-saving a step in place (a run resumed before it): it is incomplete from now on.
             self.storage.remove(self.storage.join(staging, manifests.MANIFEST))
+        if snapshot.sharded:  # every rank writes its own shards (async: in the background)
+            self.shards.save(staging, snapshot.sharded, self.args.async_save)
         background = self.args.async_save and self.dist.is_main
         own_path = self.storage.join(staging, self.rank_file(self.dist.rank))
         # Rank 0's own file may wait for the background; the others' must be on storage
@@ -194,6 +203,9 @@ class DirectoryCheckpointer(Checkpointer):
 
     def _write_and_commit(self, name: str, staging: str, snapshot: Snapshot,
                           own: FileEntry) -> None:
+        shards = self.shards.finish(staging)  # every rank's shards are on storage (fsdp)
+        if shards is not None:
+            snapshot.facts["sharded"] = shards  # the manifest lists them
         files: dict[str, FileEntry] = {}
         for stem, obj in snapshot.shared.items():
             files[f"{stem}.pt"] = self.write_file(self.storage.join(staging, f"{stem}.pt"), obj)
@@ -222,7 +234,7 @@ class DirectoryCheckpointer(Checkpointer):
     def commit(self, name: str, staging: str, files: dict[str, FileEntry],
                snapshot: Snapshot) -> None:
         """Make the written files a complete checkpoint, then move ``latest`` (and ``best``)."""
-        for leftover in set(self.storage.listdir(staging)) - set(files):
+        for leftover in set(self.storage.listdir(staging)) - set(files) - {SHARDS}:
             self.storage.remove(self.storage.join(staging, leftover))  # from a killed save
         facts = {**snapshot.facts, "is_best": snapshot.is_best}
         self.storage.write_bytes(self.storage.join(staging, manifests.MANIFEST),
@@ -242,6 +254,7 @@ class DirectoryCheckpointer(Checkpointer):
             self.storage.write_bytes(self.path("best"), f"{name}\n".encode())
 
     def wait(self) -> None:
+        self.shards.wait()
         if self._pending is None:
             return
         step, future = self._pending
@@ -394,7 +407,8 @@ class DirectoryCheckpointer(Checkpointer):
         own = self.rank_file(self.dist.rank)
         rank_state = (load_object(storage, storage.join(where, own), files[own])
                       if own in files else None)
-        return Loaded(name, shown, manifest, shared, rank_state)
+        sharded = locate_shards(storage, where, manifest, self.args.storage_options)
+        return Loaded(name, shown, manifest, shared, rank_state, sharded)
 
     def _locate(self, name: str) -> tuple[Storage, str]:
         """A checkpoint name in this directory, or a path/URL to a checkpoint or a directory

@@ -18,6 +18,7 @@ from .errors import CheckpointCorrupt, CheckpointError
 from .init_from import load_initial_weights
 from .metrics_log import last_logged_step, trim_metrics_log
 from .rng import derive_rng, restore_rng
+from .sharded import load_sharded
 
 if TYPE_CHECKING:
     from ..trainer import Trainer
@@ -115,8 +116,11 @@ def apply(trainer: "Trainer", loaded: Loaded) -> None:
     manifest, rank = loaded.manifest, trainer.dist.rank
     _check_data_position(trainer, manifest, loaded.location)
     state: dict[str, Any] = dict(loaded.shared["trainer"])
-    state["module"] = loaded.shared["model"]
     try:
+        if loaded.sharded is not None:  # saved under fsdp: DCP cuts it for this run
+            state.update(load_sharded(loaded.sharded, trainer.module, trainer.optimizers))
+        else:
+            state["module"] = loaded.shared["model"]
         trainer.load_state_dict(state)
     except (RuntimeError, ValueError, KeyError, IndexError) as exc:
         raise CheckpointError(

@@ -9,6 +9,7 @@ from .checkpoint import CheckpointArguments, check_resume
 from .distributed import DistArguments
 from .loop import EarlyStoppingArguments, EmaArguments
 from .errors import ConfigError
+from .fsdp import FSDPArguments
 
 WRITERS = ("stdout", "jsonl", "csv", "tensorboard", "mlflow")
 
@@ -93,6 +94,9 @@ class TrainerArguments:
     """Count the model FLOPs of the first step; log achieved TFLOP/s (and MFU)."""
     peak_tflops: Optional[float] = None
     """Peak dense TFLOP/s of one device, for MFU (null: from a table of known GPUs)."""
+    # Sharded data parallel (the fsdp backends).
+    fsdp: FSDPArguments = field(default_factory=FSDPArguments)
+    """Which submodules the ``fsdp`` backends shard as units; see docs/sharding.md."""
 
     # -- resume checks, starting from weights, PyMarlin's meanings, start-up checks --------
     gpu_batch_size_limit: Optional[int] = None
@@ -150,6 +154,9 @@ class TrainerArguments:
             self.checkpoint = build_dataclass(CheckpointArguments, self.checkpoint,
                                               prefix="trainer.checkpoint.")
         self._check_loop_features()
+        if isinstance(self.fsdp, dict):  # TrainerArguments(fsdp={...}) from Python
+            from .coerce import build_dataclass
+            self.fsdp = build_dataclass(FSDPArguments, self.fsdp, prefix="trainer.fsdp.")
         hints = get_type_hints(type(self))
         for name in ("amp_dtype", "compile_mode", "on_nonfinite",
                      "resume_config"):  # also when built in Python

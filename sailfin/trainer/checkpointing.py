@@ -14,6 +14,7 @@ from ..checkpoint import CheckpointError, Checkpointer, Snapshot
 from ..checkpoint.config_diff import recipe_spec
 from ..checkpoint.rng import rng_state
 from ..checkpoint.serialize import check_plain
+from ..checkpoint.sharded import split_sharded
 from ..config.checkpoint import CheckpointArguments
 from ..config.errors import suggest
 from ..version import __version__
@@ -97,9 +98,17 @@ class CheckpointCallback(Callback):
         for key, value in state.items():  # refuse now what a resume could not load
             check_plain(value, "module.get_state()" if key == "module_state"
                         else f"Trainer.state_dict()[{key!r}]")
-        snapshot = Snapshot(step=trainer.global_step, facts=manifest_facts(trainer, self, state),
-                            shared={"model": state.pop("module"), "trainer": state},
-                            rank_state=rng_state(), is_best=self._improved)
+        facts = manifest_facts(trainer, self, state)
+        sharded = split_sharded(state)  # fsdp: model and optimizers, written by every rank
+        if sharded and not getattr(self.checkpointer, "writes_shards", False):
+            raise CheckpointError(
+                f"{type(self.checkpointer).__name__} cannot write sharded state (trainer.backend "
+                f"{trainer.args.backend}): subclass sailfin.checkpoint.DirectoryCheckpointer "
+                "for trainer.checkpoint.class_path, or train with ddp")
+        shared = {"model": state.pop("module"), "trainer": state} if "module" in state else {
+            "trainer": state}
+        snapshot = Snapshot(step=trainer.global_step, facts=facts, shared=shared,
+                            rank_state=rng_state(), is_best=self._improved, sharded=sharded)
         try:
             self.checkpointer.save(snapshot)
         except (OSError, CheckpointError) as exc:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
@@ -94,13 +94,20 @@ class WeightAverage(Callback):
         finally:
             _copy(self._params, saved)
 
-    def save_final(self, module: torch.nn.Module, output_dir: str) -> str:
+    def save_final(self, module: torch.nn.Module, output_dir: str,
+                   state_of: Callable[[torch.nn.Module], dict[str, torch.Tensor]],
+                   write: bool) -> Optional[str]:
         """``<output_dir>/final/ema.safetensors``: the averaged weights under the names of
-        ``final/model.safetensors`` (buffers, e.g. batch-norm statistics, are the model's)."""
+        ``final/model.safetensors`` (buffers, e.g. batch-norm statistics, are the model's).
+        Every rank calls it (``state_of`` is the backend's full state dict: a collective
+        under fsdp); the rank with ``write`` writes the file."""
         from .outputs import save_weights
 
         with self.swapped_in(module):
-            return save_weights(module, os.path.join(output_dir, "final", "ema.safetensors"))
+            state = state_of(module)
+            if write:  # inside: a plain state dict holds the live (swapped-in) tensors
+                return save_weights(state, os.path.join(output_dir, "final", "ema.safetensors"))
+        return None
 
     # -- carried in the checkpoint ------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

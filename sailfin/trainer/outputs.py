@@ -26,17 +26,35 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def save_final_weights(module: torch.nn.Module, output_dir: str) -> str:
-    """``<output_dir>/final/model.safetensors``, written to a temporary name first."""
-    return save_weights(module, os.path.join(output_dir, "final", "model.safetensors"))
+def save_final_weights(state: dict[str, torch.Tensor], output_dir: str) -> str:
+    """``<output_dir>/final/model.safetensors``, written to a temporary name first.
+
+    ``state`` is the model's full state dict (plain parameter names, whatever
+    backend trained it). Tied weights are stored once, under their first name.
+    """
+    return save_weights(state, os.path.join(output_dir, "final", "model.safetensors"))
 
 
-def save_weights(module: torch.nn.Module, path: str) -> str:
-    """``module``'s weights as safetensors at ``path``, written to a temporary name first."""
-    from safetensors.torch import save_model
+def save_weights(state: dict[str, torch.Tensor], path: str) -> str:
+    """A full state dict as safetensors at ``path``, written to a temporary name first."""
+    from safetensors.torch import save_file
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
-    save_model(module, tmp)  # handles tied (shared) weights
+    save_file(_untied(state), tmp, metadata={"format": "pt"})
     os.replace(tmp, path)
     return path
+
+
+def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor once (safetensors refuses tensors that share memory), contiguous."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    out = {}
+    for name, tensor in state.items():
+        tensor = tensor.detach()
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if tensor.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.contiguous()
+    return out

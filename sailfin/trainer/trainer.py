@@ -345,8 +345,8 @@ class Trainer:
             for name, loader in self.val_loaders.items():
                 # Validating draws nothing from the training's random streams.
                 seed_loader(loader, self.args.seed, self.global_step, self.dist.rank)
-                local = merge_outputs([self.backend.val_step(self.module, self.global_step, b)
-                                       for b in val_batches(loader, self.args)])
+                local = merge_outputs(self.backend.validation_outputs(
+                    self.module, self.global_step, val_batches(loader, self.args)))
                 outputs = self.backend.gather_outputs(local)
                 metrics = self.module.on_end_val_epoch(self.global_step, outputs, name) or {}
                 metrics = {k: _scalar(v) for k, v in metrics.items()}
@@ -367,9 +367,11 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """Every stateful piece but the random streams (per rank: ``checkpoint.rng``)."""
         return {
-            "module": self.module.state_dict(),
+            # Through the backend: under fsdp these hold this rank's shards only.
+            "module": self.backend.model_state_dict(self.module),
             "module_state": self.module.get_state(),
-            "optimizers": [opt.state_dict() for opt in self.optimizers],
+            "optimizers": [self.backend.optimizer_state_dict(self.module, opt)
+                           for opt in self.optimizers],
             "schedulers": [sched.state_dict() for sched in self.schedulers],
             "backend": self.backend.state_dict(),  # the AMP grad scaler, among others
             # With the seed, the counters are the data position (no batch is replayed).
@@ -384,14 +386,16 @@ class Trainer:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Put back what :meth:`state_dict` returned (after :meth:`setup` built the pieces)."""
-        self.module.load_state_dict(state["module"])
+        self.backend.load_model_state_dict(self.module, state["module"])
         self.module.update_state(state["module_state"])
         for kind, mine in (("optimizers", self.optimizers), ("schedulers", self.schedulers)):
             if len(state[kind]) != len(mine):
                 raise ValueError(f"the checkpoint has {len(state[kind])} {kind}, "
                                  f"get_optimizers_schedulers returned {len(mine)}")
-            for obj, saved in zip(mine, state[kind]):
-                obj.load_state_dict(saved)
+        for opt, saved in zip(self.optimizers, state["optimizers"]):
+            self.backend.load_optimizer_state_dict(self.module, opt, saved)
+        for sched, saved in zip(self.schedulers, state["schedulers"]):
+            sched.load_state_dict(saved)
         self.backend.load_state_dict(state["backend"])
         counters = state["counters"]
         self.global_step, self.epoch = counters["global_step"], counters["epoch"]
@@ -420,10 +424,12 @@ class Trainer:
             "peak_memory": peak_memory(self.device),
         }
         summary.update(finish_summary(self))  # stopped_early, tflops, mfu, ema
+        weights = self.backend.final_state_dict(self.module)  # fsdp: every rank gathers
         if self.dist.is_main:
-            save_final_weights(self.module, self.args.output_dir)
-            if self.ema is not None:  # final/ema.safetensors, the same names
-                self.ema.save_final(self.module, self.args.output_dir)
+            save_final_weights(weights, self.args.output_dir)
+        if self.ema is not None:  # final/ema.safetensors, the same names
+            self.ema.save_final(self.module, self.args.output_dir,
+                                self.backend.final_state_dict, self.dist.is_main)
             write_json_atomic(os.path.join(self.args.output_dir, "summary.json"), summary)
         return summary
 

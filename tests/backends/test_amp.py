@@ -9,7 +9,6 @@ from sailfin.backends import ALIASES, MixedPrecision, build_backend
 from sailfin.distributed import DistEnv
 from tests.recipes import IdData, LinearRecipe, args
 
-CUDA = torch.cuda.is_available()
 
 
 class AutocastProbe(LinearRecipe):
@@ -194,8 +193,7 @@ def test_amp_default_dtype_rules():
     assert default_amp_dtype(torch.device("mps")) == "float16"
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device: checks the CUDA default dtype "
-                                     "(bf16 from Ampere on, else fp16) and a CUDA fp16 step")
+@pytest.mark.cuda  # checks the CUDA default dtype (bf16 from Ampere on, else fp16), an fp16 step
 def test_cuda_amp(tmp_path):
     expected = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     from sailfin.backends.amp import default_amp_dtype

@@ -9,7 +9,12 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from sailfin import Callback, Trainer
-from tests.recipes import IdData, LinearRecipe, args
+from tests.recipes import IdData, LinearRecipe, WideRecipe, args, local_bytes
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor, also of a DTensor shard (fsdp; a collective)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 class ParamTrace(Callback):
@@ -19,7 +24,7 @@ class ParamTrace(Callback):
         self.trace: list[torch.Tensor] = []
 
     def on_step_end(self, trainer) -> None:
-        self.trace.append(torch.cat([p.detach().reshape(-1).clone()
+        self.trace.append(torch.cat([full(p.detach()).reshape(-1).clone()
                                      for p in trainer.module.parameters()]))
 
 
@@ -30,11 +35,30 @@ class CountAllReduce(Callback):
         self.calls = 0
 
     def on_train_start(self, trainer) -> None:
+        if getattr(trainer.backend, "ddp", None) is None:
+            return  # not DDP (fsdp reduce-scatters, counted elsewhere)
+
         def hook(state, bucket):
             self.calls += 1
             return default_hooks.allreduce_hook(None, bucket)
 
         trainer.backend.ddp.register_comm_hook(None, hook)
+
+
+class CountReduceScatter(Callback):
+    """Counts FSDP's gradient reduce-scatters (the collective it calls per unit)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_train_start(self, trainer) -> None:
+        original = torch.distributed.reduce_scatter_single
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        torch.distributed.reduce_scatter_single = counted
 
 
 class FailingRecipe(LinearRecipe):
@@ -72,6 +96,39 @@ class CollectiveRecipe(LinearRecipe):
         return super().train_step(global_step, batch, device)
 
 
+class _InfGradInLastRow(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h):
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        grad[:, -1] = float("inf")
+        return grad
+
+
+class ShardOverflow(WideRecipe):
+    """At step ``bad_step`` only the hidden layer's last row gets an inf gradient: under
+    fsdp on 2 ranks, only rank 1's shard holds it. Loss scaled down so that float16
+    gradients times the initial loss scale stay finite otherwise."""
+
+    def __init__(self, data, bad_step: int = 2, **kw) -> None:
+        super().__init__(data, **kw)
+        self.bad_step, self._step = bad_step, 0
+
+    def forward(self, x):
+        h = self.hidden(self.dropout(x))
+        if self.training and self._step == self.bad_step:
+            h = _InfGradInLastRow.apply(h)
+        return self.linear(h).squeeze(-1)
+
+    def train_step(self, global_step, batch, device):
+        self._step = global_step
+        loss, stats = super().train_step(global_step, batch, device)
+        return loss * 1e-3, stats
+
+
 def train(rank: int, world: int, dist_args, out: Path, data: dict, trainer: dict,
           recipe: Optional[dict] = None, kind: str = "linear") -> None:
     recipe = dict(recipe or {})
@@ -81,15 +138,28 @@ def train(rank: int, world: int, dist_args, out: Path, data: dict, trainer: dict
         module = CollectiveRecipe(IdData(**data), **recipe)
     elif kind == "named":
         module = NamedOutputs(IdData(**data), **recipe)
+    elif kind == "shard_overflow":
+        module = ShardOverflow(IdData(**data), **recipe)
+    elif kind == "wide":
+        module = WideRecipe(IdData(**data), **recipe)
     else:
         module = LinearRecipe(IdData(**data), **recipe)
-    trace, counter = ParamTrace(), CountAllReduce()
+    trace, counter, scatters = ParamTrace(), CountAllReduce(), CountReduceScatter()
     trainer = {"backend": "ddp", **trainer}
     a = args(out / "run", distributed=dist_args, **trainer)
-    with Trainer(module, a, callbacks=[trace, counter]) as t:
+    with Trainer(module, a, callbacks=[trace, counter, scatters]) as t:
         summary = t.train()
         val = t.validate()
-    torch.save({"params": {k: v.detach().clone() for k, v in module.state_dict().items()},
+        held = {"params": sum(local_bytes(p) for p in module.parameters()),
+                "grads": getattr(module, "grad_bytes", None),
+                "optimizer": sum(local_bytes(v) for opt in t.optimizers
+                                 for per in opt.state.values() for v in per.values()
+                                 if isinstance(v, torch.Tensor))}
+        params = {k: full(v.detach()).clone() for k, v in module.state_dict().items()}
+        backend_state = t.backend.state_dict()
+        scheduled = [s.last_epoch for s in t.schedulers]
+    torch.save({"params": params, "held": held, "backend": backend_state,
+                "scheduled": scheduled, "reduce_scatter_calls": scatters.calls,
                 "seen": module.seen, "step_ids": module.step_ids, "events": module.events,
                 "summary": summary, "val": val, "trace": trace.trace,
                 "allreduce_calls": counter.calls, "threads": torch.get_num_threads(),

@@ -1,0 +1,223 @@
+"""fsdp vs ddp at world size 2 on CPU: memory each rank holds, step time, checkpoints.
+
+A GPT-style transformer of about 50 M parameters (12 blocks of width 512, an
+untied 10k-token head) trains a few AdamW steps under ``ddp`` and under
+``fsdp`` (each block a unit), 2 processes x 1 thread, gloo on loopback. Per
+rank it reports:
+
+* bytes of parameters + gradients + optimizer state the rank holds (each
+  DTensor counted by its local shard), and the process's peak RSS;
+* the median time of an optimizer step (after a warm-up step);
+* the training stall per checkpoint save (``stall_seconds`` of the trainer's
+  checkpoint callback), synchronous and with ``async_save``: sharded DCP
+  under fsdp, sailfin's torch.save files under ddp;
+* the time to resume from the last checkpoint (``trainer.resume: auto``).
+
+Figures depend on the machine and its load: print ``/proc/loadavg`` beside them.
+
+    python benchmarks/fsdp_memory.py [--steps 6] [--layers 12] [--width 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import resource
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import sailfin.trainer.trainer as trainer_module  # noqa: E402
+from sailfin import Callback, DataInterface, ModuleInterface, Trainer, TrainerArguments  # noqa: E402
+from sailfin.config.distributed import DistArguments  # noqa: E402
+
+SEQ, VOCAB = 32, 10_000
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+class Tokens(DataInterface):
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ds = torch.utils.data.TensorDataset(torch.randint(0, VOCAB, (n, SEQ + 1),
+                                                               generator=g))
+
+    def get_train_dataset(self):
+        return self.ds
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(dim, 8, 4 * dim, dropout=0.0,
+                                                batch_first=True, norm_first=True)
+
+    def forward(self, h, mask):
+        return self.layer(h, src_mask=mask, is_causal=True)
+
+
+class GPT(ModuleInterface):
+    def __init__(self, data: Tokens, layers: int, width: int) -> None:
+        super().__init__()
+        self.data = data
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(layers))
+        self.head = nn.Linear(width, VOCAB)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(SEQ))
+        self.grad_bytes = 0
+
+    def get_optimizers_schedulers(self, estimated_global_steps_per_epoch, epochs):
+        return [torch.optim.AdamW(self.parameters(), lr=1e-4)], []
+
+    def train_step(self, global_step, batch, device):
+        tokens = batch[0].to(device)
+        h = self.embed(tokens[:, :-1])
+        for block in self.blocks:
+            h = block(h, self.mask)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), tokens[:, 1:].flatten())
+
+    def on_end_backward(self, global_step, loss):
+        self.grad_bytes = sum(local_bytes(p.grad) for p in self.parameters()
+                              if p.grad is not None)
+
+
+class StepClock(Callback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._last = None
+
+    def on_step_end(self, trainer) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            self.times.append(now - self._last)
+        self._last = now
+
+
+def _rank(rank: int, ports: tuple[int, int], opts, backend: str, async_save: bool, out: str,
+          queue) -> None:
+    def args(port: int, **kw) -> TrainerArguments:
+        dist_args = DistArguments(launcher="manual", rank=rank, world_size=2,
+                                  master_addr="127.0.0.1", master_port=port,
+                                  threads_per_process=1, timeout_seconds=600)
+        return TrainerArguments(
+            epochs=1, train_batch_size=4, micro_batch_size=2, max_steps=opts.steps,
+            output_dir=out, writers=[], val_every_n_epochs=0, progress="none",
+            backend=backend, distributed=dist_args, fsdp={"units": ["Block"]},
+            checkpoint={"every_n_steps": opts.save_every, "at_epoch_end": False,
+                        "keep_last": 1, "async_save": async_save}, **kw)
+
+    clock = StepClock()
+    module = GPT(Tokens(4 * opts.steps), opts.layers, opts.width)
+    n_params = sum(p.numel() for p in module.parameters())
+    with Trainer(module, args(ports[0], resume="never"), callbacks=[clock]) as trainer:
+        trainer.train()
+        held = {"params": sum(local_bytes(p) for p in module.parameters()),
+                "grads": module.grad_bytes,
+                "optimizer": sum(local_bytes(v) for opt in trainer.optimizers
+                                 for s in opt.state.values() for v in s.values()
+                                 if isinstance(v, torch.Tensor) and v.dim() > 0)}
+        saver = next(c for c in trainer.callbacks if hasattr(c, "stall_seconds"))
+        stalls = list(saver.stall_seconds)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # Resume: a new trainer of the same run picks up the last checkpoint.
+    timed: list[float] = []
+    original = trainer_module.resume
+
+    def timed_resume(trainer, checkpointer):
+        started = time.perf_counter()
+        try:
+            return original(trainer, checkpointer)
+        finally:
+            timed.append(time.perf_counter() - started)
+
+    trainer_module.resume = timed_resume
+    try:
+        again = GPT(Tokens(4 * opts.steps), opts.layers, opts.width)
+        with Trainer(again, args(ports[1], resume="auto")) as trainer:
+            trainer.setup()
+    finally:
+        trainer_module.resume = original
+    queue.put((rank, {"n_params": n_params, "held": held, "rss": rss, "stalls": stalls,
+                      "step": statistics.median(clock.times[1:] or clock.times),
+                      "resume": timed[0]}))
+
+
+def run(opts, backend: str, async_save: bool) -> list[dict]:
+    ports = []
+    for _ in range(2):  # the resuming trainer forms a new group: a port of its own
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as out:
+        procs = [ctx.Process(target=_rank, args=(r, tuple(ports), opts, backend, async_save, out, queue))
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            results = dict(queue.get(timeout=opts.timeout) for _ in procs)
+        finally:
+            for p in procs:
+                p.join(60)
+                if p.is_alive():
+                    p.kill()
+    return [results[0], results[1]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--save-every", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--timeout", type=float, default=900)
+    opts = parser.parse_args()
+    mib = 1 << 20
+    load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
+    results = {}
+    for backend in ("ddp", "fsdp"):
+        for async_save in (False, True):
+            results[backend, async_save] = run(opts, backend, async_save)
+            print(f"ran {backend} async_save={async_save}", flush=True)
+    n = results["ddp", False][0]["n_params"]
+    print(f"\nmodel: {n / 1e6:.1f} M parameters, AdamW; world size 2 x 1 thread (gloo, CPU); "
+          f"{opts.steps} steps, a save every {opts.save_every}; load average at start "
+          f"{' '.join(load)}, at end {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
+    held = {}
+    for backend in ("ddp", "fsdp"):
+        ranks = results[backend, False]
+        per = [sum(r["held"].values()) for r in ranks]
+        held[backend] = max(per)
+        parts = ", ".join(f"{k} {max(r['held'][k] for r in ranks) / mib:.0f}"
+                          for k in ("params", "grads", "optimizer"))
+        print(f"{backend:>5}: per rank {held[backend] / mib:7.1f} MiB held ({parts} MiB); "
+              f"peak RSS {max(r['rss'] for r in ranks) / mib:.0f} MiB; step "
+              f"{max(r['step'] for r in ranks):.2f} s")
+    ddp_step = max(r["step"] for r in results["ddp", False])
+    fsdp_step = max(r["step"] for r in results["fsdp", False])
+    print(f"fsdp / ddp: held per rank {held['fsdp'] / held['ddp']:.2f} x (target <= 0.55), "
+          f"step time {fsdp_step / ddp_step:.2f} x")
+    for backend, form in (("ddp", "torch.save files, rank 0"), ("fsdp", "DCP shards, every rank")):
+        stall = {a: statistics.median(s for r in results[backend, a] for s in r["stalls"])
+                 for a in (False, True)}
+        resume = max(r["resume"] for r in results[backend, False])
+        print(f"{backend:>5} checkpoint ({form}): stall per save sync {stall[False]:.2f} s, "
+              f"async {stall[True]:.2f} s; resume {resume:.2f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,262 @@
+"""The FSDP strategy: parameters, gradients and optimizer state sharded over the ranks.
+
+PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``) does the sharding:
+each parameter becomes a DTensor holding 1/world of its rows on each rank.
+A *unit* (a submodule given to ``fully_shard``) all-gathers its parameters
+just before its forward and frees them after; its gradients are
+reduce-scattered after its backward, so each rank keeps only the gradient
+rows of its own shard, and the optimizer (built after sharding) keeps state
+for those rows only.
+
+The strategy is the DDP strategy with another wrapper: the same process group,
+threads and collectives; units instead of ``DistributedDataParallel``; and
+state dicts that stay sharded (see :mod:`sailfin.checkpoint.sharded`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+from typing import Any, ContextManager, Iterable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict,
+                                                     set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                    OffloadPolicy, fully_shard)
+from torch.distributed.tensor import DTensor
+
+from ..config.distributed import DistArguments
+from ..config.errors import ConfigError, suggest
+from ..config.fsdp import FSDPArguments
+from ..distributed import DistEnv
+from .ddp import DDPStrategy
+from .precision import Precision
+from .state import named_optimizer_state, optimizer_state_is_named
+from .strategy import Execution, StepRunner
+
+log = logging.getLogger("sailfin")
+_END = object()
+
+
+class FSDPStrategy(DDPStrategy):
+    """Fully sharded data parallel over ``dist.world_size`` processes (FSDP2).
+
+    Under a launcher it joins the job's group; started alone it trains as a
+    group of one (the same code path, nothing sharded), so a run can move
+    between one process and many by changing only the launch command.
+
+    Example (every process runs this; torchrun starts them)::
+
+        backend = FSDPStrategy(Precision(), torch.device("cpu"), DistEnv.from_environ(),
+                               fsdp=FSDPArguments(units=["Block"]))
+        backend.setup(module)        # module's parameters are now DTensor shards
+    """
+
+    strategy = "fsdp"
+    needs_launcher = False
+
+    def __init__(self, precision: Precision, device: torch.device,
+                 dist_env: Optional[DistEnv] = None,
+                 options: Optional[DistArguments] = None,
+                 execution: Optional[Execution] = None,
+                 fsdp: Optional[FSDPArguments] = None) -> None:
+        super().__init__(precision, device, dist_env, options, execution)
+        self.fsdp = fsdp or FSDPArguments()
+        if self.fsdp.cpu_offload and device.type != "cuda":
+            raise ConfigError("trainer.fsdp.cpu_offload moves shards off the accelerator, but "
+                              f"this run trains on {device}: its shards are in CPU memory "
+                              "already; set trainer.fsdp.cpu_offload false")
+        self.units: list[str] = []  # dotted names of the submodules sharded as units
+        self.root: Optional[FSDPModule] = None
+
+    # -- set-up ----------------------------------------------------------------------
+    def setup(self, module: torch.nn.Module) -> None:
+        if not self.dist.launched and not dist.is_initialized():
+            # Started alone: a group of one, in memory, so fully_shard has a mesh.
+            self._set_threads()
+            dist.init_process_group(self.comm_backend, store=dist.HashStore(), rank=0,
+                                    world_size=1,
+                                    timeout=datetime.timedelta(
+                                        seconds=self.options.timeout_seconds))
+            self._owns_group = True
+            super(DDPStrategy, self).setup(module)  # SingleDevice.setup: no group to join
+            return
+        super().setup(module)
+
+    def shard_options(self) -> dict[str, Any]:
+        """The keyword arguments every ``fully_shard`` call of this run gets."""
+        param_dtype = getattr(self.precision, "dtype", None)
+        return {
+            "reshard_after_forward": self.fsdp.reshard_after_forward,
+            # Compute copies in the autocast type; gradients reduced (and kept) in fp32.
+            "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype,
+                                              reduce_dtype=torch.float32 if param_dtype
+                                              else None),
+            "offload_policy": CPUOffloadPolicy() if self.fsdp.cpu_offload else OffloadPolicy(),
+        }
+
+    def shard(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Make ``module`` an FSDP unit with this run's options; returns it."""
+        return fully_shard(module, **self.shard_options())
+
+    def wrap(self, runner: StepRunner) -> torch.nn.Module:
+        recipe = runner.module
+        custom = getattr(recipe, "configure_sharding", None)
+        if callable(custom) and _overrides_hook(recipe):
+            if self.fsdp.units is not None:
+                raise ConfigError(
+                    f"{type(recipe).__name__} shards itself in configure_sharding(), and "
+                    f"trainer.fsdp.units is {self.fsdp.units} as well; remove one of them")
+            custom(self.shard)
+            self.units = [name for name, sub in recipe.named_modules()
+                          if isinstance(sub, FSDPModule)]
+        else:
+            for name, sub in select_units(recipe, self.fsdp.units):
+                self.shard(sub)
+                self.units.append(name)
+        # The root: every parameter no unit took. It is the step runner, whose forward
+        # runs train_step, so that its hooks (gather before, reduce after) see the step.
+        self.root = self.shard(runner)  # type: ignore[assignment]
+        if self.dist.is_main:
+            log.info("FSDP over %d rank(s): units %s, then the root", self.dist.world_size,
+                     ", ".join(self.units) or "(none)")
+        return runner
+
+    def sync_context(self, sync: bool) -> ContextManager:
+        # A micro-batch but a step's last keeps its unsharded gradient and skips the
+        # reduce-scatter; the last one's backward reduce-scatters the sum once. The flag
+        # is read during backward, after this context closed, so it stays set.
+        self.root.set_requires_gradient_sync(sync)  # type: ignore[union-attr]
+        return contextlib.nullcontext()
+
+    def val_step(self, module: torch.nn.Module, global_step: int, batch: Any) -> Any:
+        # val_step does not go through the root's forward: gather the root's own
+        # parameters around it (units gather theirs in their own forwards).
+        with self._unsharded(), self.precision.forward_context():
+            return self._val_step(global_step, batch, self.device)
+
+    def validation_outputs(self, module: torch.nn.Module, global_step: int,
+                           batches: Iterable[Any]) -> list[Any]:
+        """Every forward all-gathers, so every rank runs as many as the rank with the most
+        batches: a rank out of batches repeats its last one and drops the outputs (the
+        split never counts a sample twice; this keeps it so)."""
+        outputs: list[Any] = []
+        last, batches = None, iter(batches)
+        flag = torch.zeros((), device=self.device if self.comm_backend == "nccl" else "cpu")
+        while True:
+            batch = next(batches, _END)
+            flag.fill_(0.0 if batch is _END else 1.0)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if not flag.item():
+                return outputs
+            if batch is not _END:
+                outputs.append(self.val_step(module, global_step, batch))
+                last = batch
+            elif last is None:
+                raise RuntimeError(
+                    f"rank {self.dist.rank} has no validation batch while other ranks do; "
+                    "under fsdp every validation forward is a collective. Use at least "
+                    f"{self.dist.world_size} validation samples (one per rank)")
+            else:
+                self.val_step(module, global_step, last)  # a padding forward: outputs dropped
+
+    @contextlib.contextmanager
+    def _unsharded(self) -> Iterator[None]:
+        self.root.unshard()  # type: ignore[union-attr]
+        try:
+            yield
+        finally:
+            self.root.reshard()  # type: ignore[union-attr]
+
+    def teardown(self) -> None:
+        self.root = None
+        super().teardown()
+
+    # -- one step ----------------------------------------------------------------------
+    def clip_grad_norm(self, parameters: Iterable[torch.nn.Parameter],
+                       optimizers: list[torch.optim.Optimizer], max_norm: float
+                       ) -> torch.Tensor:
+        for opt in optimizers:
+            self.precision.unscale_gradients(opt)  # clip true gradients, not scaled ones
+        # Gradients are DTensor shards: the norm is computed per shard and reduced over
+        # the ranks inside clip_grad_norm_, so every rank clips by the global norm.
+        norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    # -- state ------------------------------------------------------------------------
+    def model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
+        """Plain parameter names, DTensor shard values: each rank holds its own rows."""
+        return get_model_state_dict(module)
+
+    def load_model_state_dict(self, module: torch.nn.Module, state: dict[str, Any]) -> None:
+        # Shards (from a sharded checkpoint) go in place; full tensors (an sp or ddp
+        # checkpoint) are cut into this rank's rows.
+        full = not any(isinstance(v, DTensor) for v in state.values())
+        set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=full))
+
+    def optimizer_state_dict(self, module: torch.nn.Module,
+                             optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return get_optimizer_state_dict(module, optimizer)
+
+    def load_optimizer_state_dict(self, module: torch.nn.Module,
+                                  optimizer: torch.optim.Optimizer,
+                                  state: dict[str, Any]) -> None:
+        if optimizer_state_is_named(state):
+            full = not any(isinstance(v, DTensor) for per in state["state"].values()
+                           for v in per.values())
+        else:  # an sp/ddp checkpoint: state by parameter index, full tensors
+            state, full = named_optimizer_state(module, optimizer, state), True
+        set_optimizer_state_dict(module, optimizer, state,
+                                 options=StateDictOptions(full_state_dict=full))
+
+    def final_state_dict(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        # A collective: every rank gathers; rank 0 receives the full tensors (in CPU
+        # memory, one tensor at a time), the others an empty dict.
+        return get_model_state_dict(
+            module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _overrides_hook(recipe: torch.nn.Module) -> bool:
+    from ..interfaces import ModuleInterface
+
+    base = getattr(ModuleInterface, "configure_sharding", None)
+    return getattr(type(recipe), "configure_sharding", None) is not base
+
+
+def select_units(module: torch.nn.Module, names: Optional[list[str]]
+                 ) -> list[tuple[str, torch.nn.Module]]:
+    """The submodules to shard as units, innermost first (FSDP2 shards nested units
+    inside out).
+
+    ``names`` holds class names or dotted module paths; None: every direct child
+    that holds parameters. Example::
+
+        select_units(gpt, ["Block"])     # [("blocks.0", ...), ("blocks.1", ...), ...]
+    """
+    modules = dict(module.named_modules())
+    del modules[""]
+    if names is None:
+        chosen = {name: child for name, child in module.named_children()
+                  if any(True for _ in child.parameters())}
+    else:
+        classes = sorted({type(m).__name__ for m in modules.values()})
+        chosen = {}
+        for i, name in enumerate(names):
+            if name in modules:
+                chosen[name] = modules[name]
+                continue
+            matches = {path: m for path, m in modules.items() if type(m).__name__ == name}
+            if not matches:
+                raise ConfigError(
+                    f"trainer.fsdp.units[{i}] is '{name}'"
+                    f"{suggest(name, classes + list(modules))}, but {type(module).__name__} "
+                    f"has no submodule of that class or path; classes present: "
+                    f"{', '.join(classes) or '(none)'}")
+            chosen.update(matches)
+    return sorted(((n, m) for n, m in chosen.items() if not isinstance(m, FSDPModule)),
+                  key=lambda item: -item[0].count("."))

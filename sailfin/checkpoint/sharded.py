@@ -1,0 +1,237 @@
+"""Sharded checkpoint state: each rank writes and reads its own rows, with DCP.
+
+Under the ``fsdp`` backends the model and optimizer state dicts hold DTensor
+shards. They are not gathered on rank 0: every rank writes its shards with
+``torch.distributed.checkpoint`` (DCP) into ``shards/`` inside the
+checkpoint's directory, while rank 0 writes the rest (``trainer.pt``) as
+before. The directory protocol does not change: the shards are written under
+the temporary name, the manifest (which lists them) is written last, the
+directory is renamed, ``latest`` moves last.
+
+Layout::
+
+    step-00000120/
+        manifest.json         "sharded": {"format": "torch-dcp/1", "keys": [...], "files": {...}}
+        trainer.pt            schedulers, counters, ... (no model, no optimizers)
+        rng-rank00000.pt ...
+        shards/.metadata      DCP's index: which rows of which tensor are in which file
+        shards/__0_0.distcp   rank 0's rows
+        shards/__1_0.distcp   rank 1's rows
+
+DCP re-cuts the rows on load, so a sharded checkpoint resumes on any world
+size and under any backend: the state to load into comes from PyTorch's
+distributed state dict API, which gives DTensor shards under fsdp and full
+tensors under sp and ddp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future
+from typing import Any, Callable, Optional
+
+import torch
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .errors import CheckpointCorrupt, CheckpointError
+from .storage import LocalStorage, Storage
+
+FORMAT = "torch-dcp/1"
+SHARDS = "shards"
+# DCP's CheckpointException (one error per failed rank) derives from BaseException.
+_FAILURES = (Exception, CheckpointException)
+
+
+def split_sharded(state: dict[str, Any]) -> dict[str, Any]:
+    """Move the entries of ``state`` that hold DTensors (fsdp's model and optimizers) into
+    a dict of their own, returned; ``state`` keeps the rest. Empty without sharding."""
+    sharded = {key: state[key] for key, value in state.items() if _holds_dtensor(value)}
+    for key in sharded:
+        del state[key]
+    # DCP flattens nested dicts; lists become dicts keyed "0", "1", ... (see load_sharded).
+    return {k: ({str(i): v for i, v in enumerate(value)} if isinstance(value, list) else value)
+            for k, value in sharded.items()}
+
+
+def _holds_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, DTensor):
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return False
+
+
+class ShardedWriter:
+    """Writes a save's sharded state on every rank; async saves run through
+    ``dcp.async_save`` on a process group of their own (so the background
+    collectives never interleave with training's).
+
+    Example (on every rank)::
+
+        writer = ShardedWriter(storage, {})
+        writer.save("ckpt/.tmp-step-00000010", {"module": model_sd}, async_save=False)
+        facts = writer.finish("ckpt/.tmp-step-00000010")      # rank 0, before the manifest
+    """
+
+    def __init__(self, storage: Storage, storage_options: Optional[dict] = None) -> None:
+        self.storage = storage
+        self.storage_options = storage_options or {}
+        self._pending: Optional[Future] = None
+        self._keys: list[str] = []
+        self._staging: Optional[str] = None  # the save whose shards are being written
+        self._group: Any = None
+
+    def save(self, staging: str, state: dict[str, Any], async_save: bool) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        import torch.distributed as dist
+
+        self.wait()
+        path = self.storage.join(staging, SHARDS)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            # Shards of a killed save of this step (perhaps on more ranks) go first. No rank
+            # writes before every rank entered dcp.save (its planning is a collective).
+            self.storage.remove_tree(path)
+        self.storage.makedirs(path)
+        self._keys, self._staging = sorted(state), staging
+        writer = self._writer(path)
+        if not async_save:
+            dcp.save(state, storage_writer=writer)
+            return
+        if self._group is None and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")  # every rank saves: collective is fine
+        # Returns once this rank's shards are copied to CPU memory; writes in a thread.
+        self._pending = dcp.async_save(state, storage_writer=writer, process_group=self._group)
+
+    def wait(self) -> None:
+        """Block until this rank's last shards are on storage; raise if writing failed."""
+        # Two threads may wait (rank 0's background commit and the next save): clear
+        # the future only once it is done, so neither goes on before the shards are written.
+        pending = self._pending
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except _FAILURES as exc:
+            raise CheckpointError(
+                f"writing this rank's checkpoint shards failed: {_reason(exc)}") from exc
+        finally:
+            if self._pending is pending:
+                self._pending = None
+
+    def finish(self, staging: str) -> Optional[dict[str, Any]]:
+        """Rank 0, before the manifest: wait for the shards (DCP's async save completes on
+        rank 0 after every rank's files and the index are written) and describe them.
+        None when the save in ``staging`` wrote no shards."""
+        if staging != self._staging:
+            return None
+        self.wait()
+        path = self.storage.join(staging, SHARDS)
+        files = {name: self.storage.size(self.storage.join(path, name))
+                 for name in self.storage.listdir(path)}
+        return {"format": FORMAT, "dir": SHARDS, "keys": self._keys, "files": files}
+
+    def _writer(self, path: str) -> Any:
+        import torch.distributed.checkpoint as dcp
+
+        if isinstance(self.storage, LocalStorage):
+            return dcp.FileSystemWriter(path, single_file_per_rank=True)
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(self.storage.display(path), **self.storage_options)
+
+
+@dataclasses.dataclass
+class ShardedRef:
+    """Where a loaded checkpoint's shards are; :func:`load_sharded` reads them."""
+
+    storage: Storage
+    path: str
+    keys: list[str]
+    storage_options: dict
+
+    def reader(self) -> Any:
+        import torch.distributed.checkpoint as dcp
+
+        if isinstance(self.storage, LocalStorage):
+            return dcp.FileSystemReader(self.path)
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        return FsspecReader(self.storage.display(self.path), **self.storage_options)
+
+
+def locate_shards(storage: Storage, where: str, manifest: dict[str, Any],
+                  storage_options: Optional[dict] = None) -> Optional[ShardedRef]:
+    """The checkpoint's shards, checked against the manifest; None if it has none."""
+    info = manifest.get("sharded")
+    if not info:
+        return None
+    shown = storage.display(where)
+    if info.get("format") != FORMAT:
+        raise CheckpointCorrupt(f"checkpoint {shown} holds shards in format "
+                                f"{info.get('format')!r}; this sailfin reads {FORMAT!r}", shown)
+    path = storage.join(where, info.get("dir", SHARDS))
+    for name, size in (info.get("files") or {}).items():
+        file = storage.join(path, name)
+        if not storage.exists(file):
+            raise CheckpointCorrupt(f"checkpoint shard {storage.display(file)} is missing",
+                                    storage.display(file))
+        if storage.size(file) != int(size):
+            raise CheckpointCorrupt(f"checkpoint shard {storage.display(file)} has "
+                                    f"{storage.size(file)} bytes, the manifest says {size}: "
+                                    "it is truncated or damaged", storage.display(file))
+    return ShardedRef(storage, path, list(info.get("keys", [])), dict(storage_options or {}))
+
+
+def load_sharded(ref: ShardedRef, module: torch.nn.Module,
+                 optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+    """The saved ``module`` and ``optimizers`` state, cut for this run's backend and world
+    size: DTensor shards under fsdp, full tensors under sp and ddp.
+
+    The targets come from PyTorch's distributed state dicts (parameter names as
+    keys, also for optimizer state); DCP reads into them the rows each rank needs.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    targets: dict[str, Callable[[], Any]] = {
+        "module": lambda: get_model_state_dict(module),
+        "optimizers": lambda: {str(i): get_optimizer_state_dict(module, opt)
+                               for i, opt in enumerate(optimizers)},
+    }
+    unknown = [k for k in ref.keys if k not in targets]
+    if unknown:
+        raise CheckpointError(f"checkpoint shards {ref.storage.display(ref.path)} hold "
+                              f"{unknown}, which this sailfin does not know how to load")
+    state = {key: targets[key]() for key in ref.keys}
+    try:
+        import torch.distributed as dist
+
+        dcp.load(state, storage_reader=ref.reader(), no_dist=not dist.is_initialized())
+    except _FAILURES as exc:  # DCP names the missing or mismatched key
+        raise CheckpointError(f"the shards in {ref.storage.display(ref.path)} do not fit this "
+                              f"model: {_reason(exc)}") from exc
+    if "optimizers" in state:
+        state["optimizers"] = [state["optimizers"][str(i)] for i in range(len(optimizers))]
+    return state
+
+
+def _reason(exc: BaseException) -> str:
+    """DCP's per-rank errors without their tracebacks (it puts those in the message)."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return str(exc)
+    reasons = []
+    for rank, failure in sorted(failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        reasons.append(f"rank {rank}: {type(inner).__name__}: {inner}")
+    return "; ".join(reasons)

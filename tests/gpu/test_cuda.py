@@ -1,0 +1,93 @@
+"""On one CUDA device: each backend trains, and a checkpoint round trip resumes exactly.
+
+Marked ``cuda``: they skip (saying why) where there is no CUDA device; ``make test-gpu``
+runs them and then the benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sailfin import Trainer
+from tests.backends.test_amp import OverflowAt
+from tests.checkpoint.helpers import Crash, CrashAt
+from tests.recipes import IdData, WideRecipe, args
+
+pytestmark = pytest.mark.cuda
+
+RUN = dict(epochs=2, train_batch_size=10, micro_batch_size=5, max_grad_norm=1.0,
+           device="cuda", checkpoint={"every_n_steps": 3})
+
+
+def train(tmp_path, name, crash_at=None, **kw):
+    module = WideRecipe(IdData(47, 9), momentum=0.9)
+    with Trainer(module, args(tmp_path / name, **{**RUN, **kw}),
+                 callbacks=[CrashAt(crash_at)] if crash_at else []) as trainer:
+        if crash_at:
+            with pytest.raises(Crash):
+                trainer.train()
+            return None
+        trainer.train()
+        assert next(module.parameters()).device.type == "cuda"
+    return load_file(str(tmp_path / name / "final" / "model.safetensors"))
+
+
+def close(a, b, tol=1e-5):
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=tol, atol=tol)
+
+
+def test_sp_on_cuda_matches_cpu(tmp_path):
+    close(train(tmp_path, "gpu", backend="sp"), train(tmp_path, "cpu", backend="sp",
+                                                       device="cpu"), tol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_sp_amp_on_cuda(tmp_path, dtype):
+    if dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bfloat16")
+    ref = train(tmp_path, "fp32", backend="sp")
+    got = train(tmp_path, dtype, backend="sp-amp", amp_dtype=dtype)
+    if dtype == "bfloat16":
+        close(got, ref, tol=5e-2)
+    else:  # the grad scaler skips the first steps while it finds its scale: not comparable
+        assert all(torch.isfinite(v).all() for v in got.values())
+        assert any(not torch.equal(got[k], ref[k]) for k in ref)
+
+
+def test_fp16_grad_scaler_skips_an_overflowing_step_on_cuda(tmp_path):
+    module = OverflowAt(IdData(60, 0), bad_steps={1})
+    with Trainer(module, args(tmp_path, backend="sp-amp", amp_dtype="float16",
+                              device="cuda", max_steps=3)) as trainer:
+        trainer.train()
+        assert trainer.schedulers[0].last_epoch == 2  # one of three steps skipped
+        assert trainer.backend.precision.scaler.get_scale() == 2.0 ** 15
+
+
+def test_compile_on_cuda(tmp_path):
+    close(train(tmp_path, "compiled", backend="sp", compile=True),
+          train(tmp_path, "eager", backend="sp"), tol=1e-4)
+
+
+@pytest.mark.parametrize("backend,extra", [("fsdp", {}), ("fsdp-amp", {"amp_dtype": "bfloat16"}),
+                                           ("fsdp", {"fsdp": {"cpu_offload": True}})])
+def test_fsdp_alone_on_cuda(tmp_path, backend, extra):
+    if extra.get("amp_dtype") == "bfloat16" and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bfloat16")
+    ref = train(tmp_path, "sp", backend="sp")
+    got = train(tmp_path, backend, backend=backend, **extra)
+    close(got, ref, tol=5e-2 if backend == "fsdp-amp" else 1e-4)
+
+
+@pytest.mark.parametrize("first,then", [("sp", "sp"), ("fsdp", "sp"), ("sp", "fsdp")])
+def test_checkpoint_round_trip_on_cuda(tmp_path, first, then):
+    ref = train(tmp_path, "ref", backend="sp")
+    train(tmp_path, "run", crash_at=4, backend=first)
+    close(train(tmp_path, "run", backend=then), ref, tol=1e-4)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["global_step"] == 10
