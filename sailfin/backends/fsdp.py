@@ -122,6 +122,10 @@ class FSDPStrategy(DDPStrategy):
         # The root: every parameter no unit took. It is the step runner, whose forward
         # runs train_step, so that its hooks (gather before, reduce after) see the step.
         self.root = self.shard(runner)  # type: ignore[assignment]
+        # FSDP2 names its root at the first forward through it. Validation (the start-up
+        # sanity batch runs before any training step) calls the units directly, so each
+        # would make itself a root: settle the roles now (FSDP2 has no public call).
+        self.root._get_fsdp_state()._lazy_init()  # type: ignore[union-attr]
         if self.dist.is_main:
             log.info("FSDP over %d rank(s): units %s, then the root", self.dist.world_size,
                      ", ".join(self.units) or "(none)")

@@ -425,11 +425,11 @@ class Trainer:
         }
         summary.update(finish_summary(self))  # stopped_early, tflops, mfu, ema
         weights = self.backend.final_state_dict(self.module)  # fsdp: every rank gathers
-        if self.dist.is_main:
-            save_final_weights(weights, self.args.output_dir)
         if self.ema is not None:  # final/ema.safetensors, the same names
             self.ema.save_final(self.module, self.args.output_dir,
                                 self.backend.final_state_dict, self.dist.is_main)
+        if self.dist.is_main:
+            save_final_weights(weights, self.args.output_dir)
             write_json_atomic(os.path.join(self.args.output_dir, "summary.json"), summary)
         return summary
 
