@@ -19,6 +19,7 @@ from ..logging import Writer
 from ..logging.destination import check_directory
 from ..utils.log import configure_logging
 from ..utils.seed import seed_everything
+from .autobatch import auto_micro_batch
 from .callbacks import Callback
 from .checkpointing import checkpoint_callback
 from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
@@ -112,7 +113,10 @@ class Trainer:
         args, dist = self.args, self.dist
         configure_logging(dist.rank)
         seed_everything(args.seed + dist.rank)  # per-rank streams (dropout) differ
-        self.plan = BatchPlan.create(args.train_batch_size, args.micro_batch_size,
+        # micro_batch_size: auto searches from the largest size (see autobatch.py).
+        self.autobatch = auto_micro_batch(args, dist.rank, dist.world_size)
+        self.plan = BatchPlan.create(args.train_batch_size, args.micro_batch_size
+                                     if self.autobatch is None else self.autobatch.size,
                                      dist.world_size, args.drop_last,
                                      args.max_train_steps_per_epoch)
         self.backend.setup(self.module)
@@ -138,8 +142,12 @@ class Trainer:
         saver = checkpoint_callback(self.checkpointer, args.checkpoint)
         self.run_stats = RunStats(args.checkpoint.best_metric, args.checkpoint.best_mode)
         self.callbacks += [self.run_stats] + ([saver] if saver is not None else [])
+        if self.autobatch is not None:  # its size is kept in checkpoints
+            self.callbacks.append(self.autobatch)
         # Before the writers open metrics.jsonl: resuming trims events past the checkpoint.
         self.resumed_from = resume(self, self.checkpointer)
+        if self.autobatch is not None:
+            self.autobatch.start(self)  # the checkpoint's size, or a search after a resize
         # Writers and progress (rank 0), profiler: destination errors surface here.
         observers = build_observers(args, dist, self._writers, self._hparams, self.callbacks)
         self.writers = observers.writers
@@ -152,8 +160,9 @@ class Trainer:
         self._is_setup = True
 
     # -- one epoch -------------------------------------------------------------
-    def _train_epoch(self) -> bool:
-        """Run the rest of the current epoch; False if max_steps stopped it early."""
+    def _train_epoch(self, redo: bool = False) -> bool:
+        """Run the rest of the current epoch; False if max_steps stopped it early.
+        ``redo``: the same epoch again from the current step (a smaller micro-batch)."""
         module, backend, plan = self.module, self.backend, self.plan
         args, rank, n = self.args, self.dist.rank, self.num_train_samples
         optimizers, schedulers = self.optimizers, self.schedulers
@@ -171,10 +180,12 @@ class Trainer:
         full_steps = n // plan.global_batch
         full_micros = plan.micro_batches(0, n, rank) if full_steps else ()
         global_batch = plan.global_batch
+        auto = self.autobatch  # None unless micro_batch_size is auto
 
         self.train_sampler.set_epoch(self.epoch, self.step_in_epoch)
         module.train()
-        module.on_begin_train_epoch(self.global_step, self.epoch)
+        if not redo:
+            module.on_begin_train_epoch(self.global_step, self.epoch)
         if self._dataset_set_epoch is not None:  # before iter(): new workers copy it
             self._dataset_set_epoch(self.epoch)
         seed_loader(self.train_loader, args.seed, self.epoch, rank)  # iter() leaves torch's RNG be
@@ -183,19 +194,32 @@ class Trainer:
         for step in range(self.step_in_epoch, last):
             step_loss, stats = None, None
             micros = full_micros if step < full_steps else plan.micro_batches(step, n, rank)
-            for micro in micros:
-                batch = next(batches)
-                if micro.padding:
-                    step_loss, stats = self._padding_micro_batch(batch, step_loss, stats)
-                    continue
-                out = backend.train_step(module, self.global_step, batch, micro.last)
-                loss, stats = (out[0], out[1]) if type(out) is tuple else (out, None)
-                if micro.weight != 1.0:
-                    # Weight by the micro-batch's share of the step: the summed
-                    # gradient is the one-big-batch gradient even for short batches.
-                    loss = loss * micro.weight
-                backend.backward(loss)
-                step_loss = loss if step_loss is None else step_loss.detach() + loss.detach()
+            if auto is not None:
+                auto.begin_step(backend)
+            try:
+                for micro in micros:
+                    batch = next(batches)
+                    if micro.padding:
+                        step_loss, stats = self._padding_micro_batch(batch, step_loss, stats)
+                        continue
+                    out = backend.train_step(module, self.global_step, batch, micro.last)
+                    loss, stats = (out[0], out[1]) if type(out) is tuple else (out, None)
+                    if micro.weight != 1.0:
+                        # Weight by the micro-batch's share of the step: the summed
+                        # gradient is the one-big-batch gradient even for short batches.
+                        loss = loss * micro.weight
+                    backend.backward(loss)
+                    step_loss = loss if step_loss is None else step_loss.detach() + loss.detach()
+            except torch.OutOfMemoryError:
+                if auto is None:
+                    raise
+                auto.out_of_memory(step, self.global_step)
+            # Out of memory (on any rank): redo this step with a smaller micro-batch,
+            # from its first one, once the old loader is gone (after the except block,
+            # whose traceback holds the failed attempt's activations).
+            if auto is not None and auto.end_step(self, step):
+                batches = out = loss = step_loss = None
+                return self._train_epoch(redo=True)
             if on_end_backward is not None:
                 on_end_backward(self.global_step, step_loss)
             if observe(step_loss, self.global_step, self.epoch, step):  # False: skip the step
@@ -361,7 +385,10 @@ class Trainer:
             "val": _flat_val(self.last_val_metrics),
             "best": self.run_stats.best,
             "peak_memory": peak_memory(self.device),
+            "micro_batch_size": self.plan.micro_batch,
         }
+        if self.autobatch is not None:
+            summary["auto_micro_batch"] = self.autobatch.summary()
         if self.dist.is_main:
             save_final_weights(self.module, self.args.output_dir)
             write_json_atomic(os.path.join(self.args.output_dir, "summary.json"), summary)

@@ -79,6 +79,9 @@ def train(rank: int, world: int, dist_args, out: Path, data: dict, trainer: dict
         module = FailingRecipe(IdData(**data), rank=rank, **recipe)
     elif kind == "collective":
         module = CollectiveRecipe(IdData(**data), **recipe)
+    elif kind == "oom":
+        from tests.trainer.oom_recipes import OomRecipe
+        module = OomRecipe(IdData(**data), rank=rank, **recipe)
     elif kind == "named":
         module = NamedOutputs(IdData(**data), **recipe)
     else:
