@@ -128,10 +128,11 @@ class DDPStrategy(SingleDevice):
     def gather_scalars(self, values: torch.Tensor) -> torch.Tensor:
         device = self.device if self.comm_backend == "nccl" else torch.device("cpu")
         local = values.detach().reshape(-1).to(device)
-        out = torch.empty(self.dist.world_size, local.numel(), dtype=local.dtype,
+        out = torch.empty(self.dist.world_size * local.numel(), dtype=local.dtype,
                           device=device)
-        dist.all_gather_into_tensor(out, local)
-        return out
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, local)  # all_gather_single: the newer name (the old one warns)
+        return out.view(self.dist.world_size, -1)
 
     def agree_min(self, value: int) -> int:
         device = self.device if self.comm_backend == "nccl" else torch.device("cpu")

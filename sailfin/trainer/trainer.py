@@ -14,6 +14,8 @@ from ..checkpoint.rng import seed_loader
 from ..config.trainer import TrainerArguments
 from ..data.plan import BatchPlan
 from ..distributed import DistEnv
+from ..distributed.watchdog import (BACKWARD, DATA, END_OF_EPOCH, END_OF_STEP, FORWARD,
+                                    OPTIMIZER, VALIDATION, Heartbeat, build_watchdog)
 from ..interfaces import ModuleInterface
 from ..logging import Writer
 from ..logging.destination import check_directory
@@ -26,6 +28,7 @@ from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
 from .nonfinite import NonFiniteGuard
 from .observe import build_observers
 from .run_stats import RunStats, peak_memory
+from .stragglers import loss_and_stragglers
 from .outputs import save_final_weights, write_json_atomic
 from .validation import merge_outputs
 
@@ -61,12 +64,20 @@ class Trainer:
         self.summary: Optional[dict[str, Any]] = None  # set when train() finishes
         self._is_setup = False
         self._last_val_step = -1
+        self.heartbeat = Heartbeat()  # where the loop is, for the hang watchdog
+        self.watchdog = None
+        self._ready_seconds = 0.0     # this rank's own work since the last log line
+        self._ready_since = 0         # ... which came after this many steps
 
     # -- the run ---------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         """Train for ``args.epochs`` (or until ``args.max_steps``); return the summary."""
         self.setup()
         args = self.args
+        self.watchdog = build_watchdog(  # trainer.distributed.hang_seconds
+            args.distributed.hang_seconds, self.dist.rank, self.dist.world_size,
+            self.backend.group_store(), self.heartbeat, os.path.join(args.output_dir, "hang"))
+        self._ready_since = self.global_step
         self._notify("on_train_start")
         try:
             while self.epoch < args.epochs and not self._reached_max_steps():
@@ -80,6 +91,7 @@ class Trainer:
                     self.validate()
                 self.epoch += 1
                 self.step_in_epoch = 0
+                self.heartbeat.phase = END_OF_EPOCH
                 self._notify("on_epoch_end")
             if args.val_every_n_epochs and self._last_val_step != self.global_step:
                 self.validate()  # stopped early by max_steps: report the final model
@@ -91,13 +103,20 @@ class Trainer:
             try:
                 self.checkpointer.close()  # a background save finishes, or reports its error
             finally:
+                self._stop_watchdog()
                 self.writers.flush()  # close() closes them; validate() may still log
 
     def close(self) -> None:
         """Close the writers and leave the process group (DDP). Safe to call twice."""
+        self._stop_watchdog()
         if self._is_setup:
             self.writers.close()
         self.backend.teardown()
+
+    def _stop_watchdog(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
 
     def __enter__(self) -> "Trainer":
         return self
@@ -181,6 +200,7 @@ class Trainer:
         full_micros = plan.micro_batches(0, n, rank) if full_steps else ()
         global_batch = plan.global_batch
         auto = self.autobatch  # None unless micro_batch_size is auto
+        beat, clock = self.heartbeat, time.perf_counter  # attribute stores, read by a thread
 
         self.train_sampler.set_epoch(self.epoch, self.step_in_epoch)
         module.train()
@@ -193,12 +213,16 @@ class Trainer:
         self._log_clock = (time.perf_counter(), self.samples_seen)
         for step in range(self.step_in_epoch, last):
             step_loss, stats = None, None
+            beat.step = self.global_step
+            started = ready = clock()
             micros = full_micros if step < full_steps else plan.micro_batches(step, n, rank)
             if auto is not None:
                 auto.begin_step(backend)
             try:
                 for micro in micros:
+                    beat.phase = DATA
                     batch = next(batches)
+                    beat.phase = FORWARD
                     if micro.padding:
                         step_loss, stats = self._padding_micro_batch(batch, step_loss, stats)
                         continue
@@ -208,6 +232,7 @@ class Trainer:
                         # Weight by the micro-batch's share of the step: the summed
                         # gradient is the one-big-batch gradient even for short batches.
                         loss = loss * micro.weight
+                    beat.phase, ready = BACKWARD, clock()
                     backend.backward(loss)
                     step_loss = loss if step_loss is None else step_loss.detach() + loss.detach()
             except torch.OutOfMemoryError:
@@ -220,6 +245,8 @@ class Trainer:
             if auto is not None and auto.end_step(self, step):
                 batches = out = loss = step_loss = None
                 return self._train_epoch(redo=True)
+            self._ready_seconds += ready - started  # straggler figures (stragglers.py)
+            beat.phase = OPTIMIZER
             if on_end_backward is not None:
                 on_end_backward(self.global_step, step_loss)
             if observe(step_loss, self.global_step, self.epoch, step):  # False: skip the step
@@ -234,6 +261,7 @@ class Trainer:
             self.step_in_epoch = step + 1
             self.samples_seen += (global_batch if step < full_steps
                                   else n - step * global_batch)
+            beat.phase = END_OF_STEP
             if on_end_train_step is not None:
                 on_end_train_step(self.global_step, step_loss, stats)
             if self.global_step % log_every == 0:
@@ -268,12 +296,19 @@ class Trainer:
     def _log_train(self, step_loss: torch.Tensor, stats: Optional[Mapping[str, Any]]) -> None:
         # The only host-device sync of the loop, once every log_every_n_steps.
         self.nonfinite.check()
-        loss = self.backend.all_reduce_mean(step_loss.detach()).item()
         now = time.perf_counter()
         then, seen = self._log_clock
         self._log_clock = (now, self.samples_seen)
+        stragglers: dict[str, float] = {}
+        if self.dist.is_distributed:  # each rank's own step time rides with the loss
+            loss, stragglers = loss_and_stragglers(self.backend, step_loss, self._ready_seconds,
+                                                   self.global_step - self._ready_since)
+        else:
+            loss = self.backend.all_reduce_mean(step_loss.detach()).item()
+        self._ready_seconds, self._ready_since = 0.0, self.global_step
         metrics: dict[str, float] = {"loss": loss,
                                      "lr": self.optimizers[0].param_groups[0]["lr"]}
+        metrics.update(stragglers)
         if stats:
             metrics.update(self._reduce_stats(stats))
         if self.nonfinite.count:
@@ -307,13 +342,14 @@ class Trainer:
         if not self.val_loaders:
             return results
         was_training = self.module.training
+        self.heartbeat.phase = VALIDATION
         self.module.eval()
         with torch.no_grad():
             for name, loader in self.val_loaders.items():
                 # Validating draws nothing from the training's random streams.
                 seed_loader(loader, self.args.seed, self.global_step, self.dist.rank)
                 local = merge_outputs([self.backend.val_step(self.module, self.global_step, b)
-                                       for b in loader])
+                                       for b in self.heartbeat.count(loader)])
                 outputs = self.backend.gather_outputs(local)
                 metrics = self.module.on_end_val_epoch(self.global_step, outputs, name) or {}
                 metrics = {k: _scalar(v) for k, v in metrics.items()}

@@ -1,0 +1,157 @@
+"""The hang watchdog's judgement, on threads in one process sharing a store."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from sailfin.config import ConfigError
+from sailfin.config.distributed import DistArguments
+from sailfin.distributed.watchdog import (BACKWARD, END_OF_STEP, FORWARD, HANG_EXIT_CODE,
+                                          Heartbeat, RankRecord, Watchdog, culprits,
+                                          hang_report, resolve_hang_seconds)
+
+
+def test_the_rank_furthest_behind_is_named():
+    records = [RankRecord(0, 4, BACKWARD, 12.0), RankRecord(1, 4, FORWARD, 12.5),
+               RankRecord(2, 4, BACKWARD, 12.1)]
+    assert culprits(records) == [1]
+    lines = hang_report(records, 10)
+    assert "waiting for rank 1" in lines[0]
+    assert lines[2] == ("  rank 1: step 5, phase forward/train_step, 12.5 s since its last "
+                        "progress   <- stuck")
+    # A rank a step behind is behind whatever its phase.
+    assert culprits([RankRecord(0, 5, FORWARD, 1), RankRecord(1, 4, END_OF_STEP, 1)]) == [1]
+    same = hang_report([RankRecord(0, 4, BACKWARD, 11), RankRecord(1, 4, BACKWARD, 11)], 10)
+    assert "every rank is at the same place" in same[0]
+    frozen = hang_report([RankRecord(0, 4, BACKWARD, 11), RankRecord(1, 4, BACKWARD, 0)], 10,
+                         stale={1: 11.0})
+    assert "waiting for rank 1" in frozen[0] and "records stopped 11 s ago" in frozen[2]
+
+
+def test_hang_seconds_setting():
+    assert resolve_hang_seconds("auto", 2) == 300 and resolve_hang_seconds("auto", 1) is None
+    assert resolve_hang_seconds(None, 8) is None and resolve_hang_seconds(5, 1) == 5.0
+    assert DistArguments(hang_seconds=None).hang_seconds is None
+    with pytest.raises(ConfigError, match="trainer.distributed.hang_seconds must be > 0"):
+        DistArguments(hang_seconds=0)
+    with pytest.raises(ConfigError, match="hang_seconds"):
+        DistArguments(hang_seconds="soon")
+
+
+def _pair(tmp_path, hang=0.6):
+    store = dist.HashStore()
+    exits: dict[int, int] = {}
+    done = threading.Event()
+
+    def on_hang(rank):
+        def record(code):
+            exits[rank] = code
+            if len(exits) == 2:
+                done.set()
+        return record
+
+    beats = [Heartbeat(), Heartbeat()]
+    dogs = [Watchdog(beats[r], store, r, 2, hang, interval=0.05, report_dir=str(tmp_path),
+                     on_hang=on_hang(r)) for r in range(2)]
+    return beats, dogs, exits, done
+
+
+def test_a_stuck_rank_ends_every_rank_with_its_stack(tmp_path, capfd):
+    beats, dogs, exits, done = _pair(tmp_path)
+    beats[0].step, beats[0].phase = 4, BACKWARD   # waits in the gradient all-reduce
+    beats[1].step, beats[1].phase = 4, FORWARD    # stuck in train_step of step 5
+    started = time.monotonic()
+    for d in dogs:
+        d.start()
+    try:
+        assert done.wait(10), "the watchdog did not fire"
+    finally:
+        for d in dogs:
+            d.stop()
+    assert time.monotonic() - started < 0.6 + 3
+    assert exits == {0: HANG_EXIT_CODE, 1: HANG_EXIT_CODE}
+    assert "waiting for rank 1" in dogs[0].report[0]
+    assert any("rank 1: step 5, phase forward/train_step" in line for line in dogs[0].report)
+    err = capfd.readouterr().err
+    assert "stack of rank 1 (step 5, phase forward/train_step" in err
+    assert "Thread" in (tmp_path / "stack-rank1.txt").read_text()  # faulthandler's dump
+    assert (tmp_path / "stack-rank0.txt").exists()
+
+
+def test_progress_and_a_finished_rank_are_no_hang(tmp_path):
+    beats, dogs, exits, done = _pair(tmp_path, hang=0.5)
+    for d in dogs:
+        d.start()
+    try:
+        for step in range(30):  # both ranks move on every 0.05 s for 1.5 s
+            for b in beats:
+                b.step, b.phase = step, FORWARD if step % 2 else BACKWARD
+            time.sleep(0.05)
+        dogs[1].stop()  # rank 1 is done; rank 0 still works a while (a final save)
+        for i in range(20):
+            beats[0].beats += 1
+            time.sleep(0.05)
+    finally:
+        for d in dogs:
+            d.stop()
+    assert exits == {} and not done.is_set()
+
+
+def test_a_frozen_rank_is_named_when_its_records_stop(tmp_path):
+    beats, dogs, exits, done = _pair(tmp_path, hang=0.5)
+    dogs[1]._publish(0.0, 0)  # one record, then nothing: its thread never runs
+    dogs[0].start()
+    stop = threading.Event()
+
+    def work():  # rank 0 itself keeps moving
+        while not stop.is_set():
+            beats[0].beats += 1
+            time.sleep(0.02)
+
+    mover = threading.Thread(target=work)
+    mover.start()
+    try:
+        deadline = time.monotonic() + 10
+        while 0 not in exits and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        mover.join()
+        dogs[0].stop()
+    assert exits == {0: HANG_EXIT_CODE}
+    assert "waiting for rank 1" in dogs[0].report[0]
+    assert "records stopped" in dogs[0].report[2]
+
+
+@pytest.mark.slow
+def test_a_rank_stuck_in_train_step_ends_the_ddp_job_naming_it(tmp_path, capfd):
+    """Rank 1 sleeps forever in train_step of step 5: within hang_seconds plus a few
+    seconds both processes exit with 75, and rank 0's report names rank 1 and step 5."""
+    from tests.distributed.harness import errors, run_ranks
+    from tests.distributed.workers import train
+
+    out = tmp_path / "hang"
+    out.mkdir()
+    marker = tmp_path / "hang-began"
+    hang = 3.0
+    codes = run_ranks(train, 2, out, timeout=120, data={"n_train": 200, "n_val": 0},
+                      trainer={"epochs": 1, "train_batch_size": 10, "micro_batch_size": 5,
+                               "distributed_hang_seconds": hang},
+                      recipe={"hang_rank": 1, "hang_step": 5, "marker": str(marker)},
+                      kind="hang")
+    ended = time.time()
+    assert codes == [HANG_EXIT_CODE, HANG_EXIT_CODE], errors(out)
+    took = ended - float(marker.read_text())
+    err = capfd.readouterr().err
+    with capfd.disabled():
+        print(f"\nhang to exit: {took:.1f} s with hang_seconds {hang}\n{err}")
+    assert took < hang + 10
+    assert "waiting for rank 1" in err
+    assert "rank 1: step 5, phase forward/train_step" in err
+    assert "rank 0: step 5, phase backward" in err
+    assert "stack of rank 1 (step 5, phase forward/train_step" in err
+    assert "in train_step" in (out / "run" / "hang" / "stack-rank1.txt").read_text()
