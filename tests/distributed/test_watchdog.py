@@ -155,3 +155,37 @@ def test_a_rank_stuck_in_train_step_ends_the_ddp_job_naming_it(tmp_path, capfd):
     assert "rank 0: step 5, phase backward" in err
     assert "stack of rank 1 (step 5, phase forward/train_step" in err
     assert "in train_step" in (out / "run" / "hang" / "stack-rank1.txt").read_text()
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_hung_job_which_then_finishes_exactly(tmp_path):
+    """The same hang under torchrun --max-restarts 2: the watchdog ends the first attempt,
+    torchrun restarts it, the run resumes from its last checkpoint (step 3) and ends where
+    an uninterrupted run ends, every sample once per epoch."""
+    from safetensors.torch import load_file
+
+    from sailfin.cli import main
+    from tests.distributed.elastic_helpers import (final_steps, single_node, stop, tail,
+                                                   torchrun, wait, write_config)
+    from tests.distributed.test_elastic import check
+
+    assert main(["train", str(write_config(tmp_path, "ref", step_seconds=0))]) == 0
+    reference = (load_file(str(tmp_path / "ref" / "run" / "final" / "model.safetensors")),
+                 final_steps(tmp_path / "ref" / "records"))
+    cfg = write_config(tmp_path, "hang", every=3, step_seconds=0.02)
+    text = cfg.read_text()
+    cfg.write_text(text.replace("elastic_recipe.ElasticRecipe", "hang_recipe.HangOnceRecipe")
+                   .replace("momentum: 0.9}", "momentum: 0.9, hang_step: 5}"))
+    log = tmp_path / "hang.log"
+    proc = torchrun(single_node(2, cfg, restarts=2)
+                    + ["--trainer.distributed.hang_seconds", "3"], log)
+    try:
+        assert wait([proc], 240, [log]) == [0], tail([log])
+    finally:
+        stop(proc)
+    check(tmp_path, "hang", reference)
+    text = log.read_text()
+    assert "waiting for rank 1" in text
+    assert "rank 1: step 5, phase forward/train_step" in text
+    assert "restart 1 (torchrun): resuming from" in text
+    assert (tmp_path / "hang" / "records" / "hang-began").exists()
