@@ -19,6 +19,7 @@ at full speed, which counts against sailfin); compare several runs.
 
     python benchmarks/overhead.py [--pairs 9] [--steps 3000] [--threads 1]
     python benchmarks/overhead.py --instructions     # needs valgrind; about 10 minutes
+    python benchmarks/overhead.py --watchdog 300     # sailfin with the hang watchdog on
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from sailfin import DataInterface, ModuleInterface, Trainer, TrainerArguments  # noqa: E402
 from sailfin.config import CheckpointArguments  # noqa: E402
+from sailfin.config.distributed import DistArguments  # noqa: E402
 
 BATCH = 32
 LOG_EVERY = 10
+HANG_SECONDS = None  # --watchdog: trainer.distributed.hang_seconds (null: off)
 
 
 def make_model() -> nn.Module:
@@ -103,7 +106,8 @@ def run_sailfin(ds, out_dir) -> float:
     args = TrainerArguments(epochs=1, train_batch_size=BATCH, log_every_n_steps=LOG_EVERY,
                             output_dir=out_dir, val_every_n_epochs=0,
                             # no checkpoints, as Lightning's enable_checkpointing=False below
-                            checkpoint=CheckpointArguments(at_epoch_end=False))
+                            checkpoint=CheckpointArguments(at_epoch_end=False),
+                            distributed=DistArguments(hang_seconds=HANG_SECONDS))
     start = time.perf_counter()
     summary = Trainer(module, args).train()
     return summary["global_step"] / (time.perf_counter() - start)
@@ -207,6 +211,8 @@ def count_instructions(short: int = 200, long: int = 600) -> None:
                 cmd = ["valgrind", "--tool=callgrind",
                        f"--callgrind-out-file={tmp}/{variant}-{steps}.out", sys.executable,
                        os.path.abspath(__file__), "--child", variant, str(steps)]
+                if HANG_SECONDS is not None:
+                    cmd += ["--watchdog", str(HANG_SECONDS)]
                 jobs[(variant, steps)] = subprocess.Popen(
                     cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                     env={**os.environ, "PYTHONHASHSEED": "0"})  # the same dict layouts
@@ -239,10 +245,17 @@ def main() -> None:
                         help="instead of timing, count instructions per step under "
                              "valgrind's callgrind (independent of the machine's load; "
                              "about 10 minutes)")
+    parser.add_argument("--watchdog", type=float, default=None, metavar="SECONDS",
+                        help="run sailfin with the hang watchdog on (hang_seconds SECONDS; "
+                             "on one process it is off unless asked)")
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "STEPS"),
                         help=argparse.SUPPRESS)  # one run under callgrind
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
+    global HANG_SECONDS
+    HANG_SECONDS = opts.watchdog
+    if opts.watchdog is not None:
+        print(f"sailfin runs with the hang watchdog on (hang_seconds {opts.watchdog:g})")
     if opts.child:
         return run_child(opts.child[0], int(opts.child[1]))
     if opts.instructions:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 import torch
 
 from ..data.plan import BatchPlan
+from ..distributed.watchdog import ALL_REDUCE
 from .callbacks import Callback
 from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
 
@@ -136,6 +137,7 @@ class AutoMicroBatch(Callback):
         else:
             self._local.close()
             self._local = None
+            trainer.heartbeat.phase = ALL_REDUCE
             new = trainer.backend.agree_min(self._next_size() if failed else self.size)
             if new == self.size:  # every rank got through: combine the local gradients
                 trainer.backend.reduce_gradients(trainer._params)

@@ -189,3 +189,24 @@ def test_torchrun_restarts_a_hung_job_which_then_finishes_exactly(tmp_path):
     assert "rank 1: step 5, phase forward/train_step" in text
     assert "restart 1 (torchrun): resuming from" in text
     assert (tmp_path / "hang" / "records" / "hang-began").exists()
+
+
+@pytest.mark.slow
+def test_log_lines_name_the_slowest_rank(tmp_path):
+    """Rank 1 spends 50 ms more per forward: each log line's step_time_slowest is rank 1's,
+    although both ranks' wall-clock steps are equally long (they wait for each other)."""
+    import json
+
+    from tests.distributed.test_ddp import ddp
+
+    ddp(tmp_path, {"n_train": 80, "n_val": 0},
+        {"epochs": 1, "train_batch_size": 8, "micro_batch_size": 2, "log_every_n_steps": 2},
+        {"slow_rank": 1, "seconds": 0.05}, kind="slow")
+    lines = [json.loads(x) for x in
+             (tmp_path / "ddp" / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [e for e in lines if e["split"] == "train"]
+    assert len(train) == 5
+    for e in train:
+        assert e["slowest_rank"] == 1
+        assert e["step_time_slowest"] >= 2 * 0.05  # two forwards a step on each rank
+        assert e["step_time_slowest"] > e["step_time_median"]

@@ -69,6 +69,19 @@ class HangingRecipe(LinearRecipe):
         return super().train_step(global_step, batch, device)
 
 
+class SlowRankRecipe(LinearRecipe):
+    """Rank ``slow_rank`` takes ``seconds`` longer over each forward (a straggler)."""
+
+    def __init__(self, data, slow_rank: int, seconds: float, rank: int, **kw) -> None:
+        super().__init__(data, **kw)
+        self.delay = seconds if rank == slow_rank else 0.0
+
+    def train_step(self, global_step, batch, device):
+        if self.delay:
+            time.sleep(self.delay)
+        return super().train_step(global_step, batch, device)
+
+
 class NamedOutputs(LinearRecipe):
     """val_step also returns a list of strings and a per-batch Python number."""
 
@@ -101,6 +114,8 @@ def train(rank: int, world: int, dist_args, out: Path, data: dict, trainer: dict
         module = CollectiveRecipe(IdData(**data), **recipe)
     elif kind == "hang":
         module = HangingRecipe(IdData(**data), rank=rank, **recipe)
+    elif kind == "slow":
+        module = SlowRankRecipe(IdData(**data), rank=rank, **recipe)
     elif kind == "oom":
         from tests.trainer.oom_recipes import OomRecipe
         module = OomRecipe(IdData(**data), rank=rank, **recipe)
