@@ -49,8 +49,10 @@ VALIDATION = "validation"
 END_OF_EPOCH = "end of epoch (checkpoint save, callbacks)"
 SETUP = "starting"
 FINISHED = "finished"
-_ORDER = {p: i for i, p in enumerate((SETUP, DATA, FORWARD, BACKWARD, ALL_REDUCE, OPTIMIZER,
-                                       END_OF_STEP, VALIDATION, END_OF_EPOCH, FINISHED))}
+FAILED = "stopped by an error"  # training raised on this rank: the others wait for it
+_ORDER = {p: i for i, p in enumerate((FAILED, SETUP, DATA, FORWARD, BACKWARD, ALL_REDUCE,
+                                       OPTIMIZER, END_OF_STEP, VALIDATION, END_OF_EPOCH,
+                                       FINISHED))}
 _AFTER_STEP = {END_OF_STEP, VALIDATION, END_OF_EPOCH, FINISHED}
 
 
@@ -174,15 +176,16 @@ class Watchdog:
                                         daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop the thread; this rank's record says it finished (not a hang)."""
+    def stop(self, failed: bool = False) -> None:
+        """Stop the thread; this rank's record says it finished (not a hang), or, when
+        ``failed``, that training raised here (its partners may wait for it)."""
         if self._thread is None:
             return
         self._stop.set()
         self._thread.join()
         self._thread = None
         try:
-            self.heartbeat.phase = FINISHED
+            self.heartbeat.phase = FAILED if failed else FINISHED
             self._publish(0.0, -1)
         except Exception:  # noqa: BLE001 - the store may be gone at the end of a job
             pass
@@ -231,7 +234,7 @@ class Watchdog:
             seq, when = self._seen.get(r.rank, (None, now))
             if seq != r.seq:
                 self._seen[r.rank] = (r.seq, now)
-            elif r.phase != FINISHED and now - when > self.hang_seconds:
+            elif r.phase not in (FINISHED, FAILED) and now - when > self.hang_seconds:
                 stale[r.rank] = now - when
         if stale or any(r.idle > self.hang_seconds and r.phase != FINISHED for r in records):
             self.report = hang_report(records, self.hang_seconds, stale)

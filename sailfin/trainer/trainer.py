@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any, Iterable, Mapping, Optional
 
@@ -115,7 +116,8 @@ class Trainer:
 
     def _stop_watchdog(self) -> None:
         if self.watchdog is not None:
-            self.watchdog.stop()
+            # Raising here (in a finally) tells the partners' reports who stopped first.
+            self.watchdog.stop(failed=sys.exc_info()[0] is not None)
             self.watchdog = None
 
     def __enter__(self) -> "Trainer":

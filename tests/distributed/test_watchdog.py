@@ -27,6 +27,10 @@ def test_the_rank_furthest_behind_is_named():
     assert culprits([RankRecord(0, 5, FORWARD, 1), RankRecord(1, 4, END_OF_STEP, 1)]) == [1]
     same = hang_report([RankRecord(0, 4, BACKWARD, 11), RankRecord(1, 4, BACKWARD, 11)], 10)
     assert "every rank is at the same place" in same[0]
+    from sailfin.distributed.watchdog import FAILED, FINISHED
+    failed = hang_report([RankRecord(0, 4, BACKWARD, 11), RankRecord(1, 4, FAILED, 0),
+                          RankRecord(2, 4, FINISHED, 0)], 10)
+    assert "waiting for rank 1" in failed[0] and "phase stopped by an error" in failed[2]
     frozen = hang_report([RankRecord(0, 4, BACKWARD, 11), RankRecord(1, 4, BACKWARD, 0)], 10,
                          stale={1: 11.0})
     assert "waiting for rank 1" in frozen[0] and "records stopped 11 s ago" in frozen[2]
