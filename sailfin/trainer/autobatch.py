@@ -132,6 +132,8 @@ class AutoMicroBatch(Callback):
         if self._local is None:  # one process, or a proven size: nothing to agree on
             if not failed:
                 self.clean_steps += 1
+                if self.clean_steps == 1 and self.world_size == 1:
+                    log.info("micro_batch_size auto: %d fits", self.size)
                 return False
             new = self._next_size()
         else:

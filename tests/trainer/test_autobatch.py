@@ -4,6 +4,7 @@ a run with that size fixed."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -33,9 +34,10 @@ def test_config_accepts_auto_and_names_the_key_for_other_words(tmp_path):
 
 
 @pytest.mark.parametrize("after_first", [False, True])
-def test_auto_finds_the_size_and_trains_as_that_size_fixed(tmp_path, after_first):
+def test_auto_finds_the_size_and_trains_as_that_size_fixed(tmp_path, after_first, caplog):
     """Out of memory above 5 samples: 16 and 8 fail, 4 fits; with after_first the failed
     attempts had already accumulated a micro-batch's gradients, which must be dropped."""
+    caplog.set_level(logging.INFO, logger="sailfin")
     data = {"n_train": 100, "n_val": 0}
     recipe = {"momentum": 0.9}
     ref = LinearRecipe(IdData(**data), **recipe)
@@ -54,6 +56,9 @@ def test_auto_finds_the_size_and_trains_as_that_size_fixed(tmp_path, after_first
     assert on_disk["auto_micro_batch"] == {
         "micro_batch_size": 4, "tried": [16, 8, 4],
         "out_of_memory_steps": [{"step": 1, "size": 16}, {"step": 1, "size": 8}]}
+    said = caplog.text
+    assert "micro_batch_size auto: step 1 runs again with micro-batch 8 (16 ran out" in said
+    assert "micro_batch_size auto: 4 fits" in said
     lr_ref = [e for e in (tmp_path / "fixed" / "metrics.jsonl").read_text().splitlines()]
     lr_auto = [e for e in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()]
     assert [json.loads(e).get("lr") for e in lr_auto] == [json.loads(e).get("lr") for e in lr_ref]
