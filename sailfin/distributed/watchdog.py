@@ -134,8 +134,11 @@ def hang_report(records: list[RankRecord], hang_seconds: float,
              f"(trainer.distributed.hang_seconds); {who}"]
     for r in sorted(records, key=lambda r: r.rank):
         mark = "   <- stuck" if r.rank in names and not everyone else ""
-        note = (f" (its records stopped {stale[r.rank]:.0f} s ago: process frozen or gone)"
-                if r.rank in stale else "")
+        note = ""
+        if r.rank in stale:
+            note = (f" (no record for {stale[r.rank]:.0f} s: still in set-up or resume)"
+                    if r.seq < 0 else
+                    f" (its records stopped {stale[r.rank]:.0f} s ago: process frozen or gone)")
         lines.append("  " + r.describe() + note + mark)
     return lines
 
@@ -169,8 +172,11 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._seen: dict[int, tuple[int, float]] = {}  # rank 0: rank -> (seq, when it moved)
+        self._present: list[str] = []  # rank 0: the record keys that exist
+        self._started = time.monotonic()
 
     def start(self) -> None:
+        self._started = time.monotonic()
         self._publish(0.0, 0)
         self._thread = threading.Thread(target=self._run, name="sailfin-watchdog",
                                         daemon=True)
@@ -218,8 +224,12 @@ class Watchdog:
                        json.dumps([beat.step, beat.phase, round(idle, 2), seq]))
 
     def _records(self) -> list[RankRecord]:
-        keys = [f"{_PREFIX}/rank{r}" for r in range(self.world_size)]
-        present = [k for k in keys if self.store.check([k])]
+        # One multi_get a second once every rank has written (a rank still starting
+        # has no key yet, and a get would wait for it).
+        if len(self._present) < self.world_size:
+            self._present = [k for k in (f"{_PREFIX}/rank{r}" for r in range(self.world_size))
+                             if k in self._present or self.store.check([k])]
+        present = self._present
         values = self.store.multi_get(present) if present else []
         out = []
         for key, raw in zip(present, values):
@@ -230,6 +240,12 @@ class Watchdog:
     def _judge(self, now: float) -> None:
         records = self._records()
         stale: dict[int, float] = {}
+        if now - self._started > self.hang_seconds:  # ranks that never reached training
+            have = {r.rank for r in records}
+            for rank in range(self.world_size):
+                if rank not in have:
+                    records.append(RankRecord(rank, 0, SETUP, now - self._started, -1))
+                    stale[rank] = now - self._started
         for r in records:
             seq, when = self._seen.get(r.rank, (None, now))
             if seq != r.seq:

@@ -34,6 +34,9 @@ def test_the_rank_furthest_behind_is_named():
     frozen = hang_report([RankRecord(0, 4, BACKWARD, 11), RankRecord(1, 4, BACKWARD, 0)], 10,
                          stale={1: 11.0})
     assert "waiting for rank 1" in frozen[0] and "records stopped 11 s ago" in frozen[2]
+    late = hang_report([RankRecord(0, 0, FORWARD, 11), RankRecord(1, 0, "starting", 11, -1)],
+                       10, stale={1: 11.0})
+    assert "waiting for rank 1" in late[0] and "still in set-up or resume" in late[2]
 
 
 def test_hang_seconds_setting():
