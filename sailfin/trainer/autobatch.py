@@ -119,8 +119,8 @@ class AutoMicroBatch(Callback):
                 f"micro_batch_size {self.size} (auto), after the ranks had agreed on it; "
                 f"ranks only agree during a size's first {PROBE_STEPS} steps, so this run "
                 f"cannot retry. Set trainer.micro_batch_size to "
-                f"{smaller if smaller else 1} or smaller (inputs that grow, like longer "
-                "sequences, need room to spare), or resume with a smaller size") from None
+                f"{smaller if smaller else 1} or smaller and resume (inputs that grow, like "
+                "longer sequences, need room to spare)") from None
         self._failed = True
         log.warning("micro_batch_size auto: rank %d ran out of memory at step %d with "
                     "micro-batch %d", self.rank, global_step + 1, self.size)

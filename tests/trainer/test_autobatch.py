@@ -98,3 +98,14 @@ def test_a_fixed_micro_batch_lets_out_of_memory_through(tmp_path):
     module = OomRecipe(IdData(40, 0), limit=2)
     with pytest.raises(torch.OutOfMemoryError):
         Trainer(module, args(tmp_path, train_batch_size=4, micro_batch_size=4)).train()
+
+
+def test_after_the_probing_steps_a_rank_cannot_retry_and_says_what_to_set():
+    auto = AutoMicroBatch(global_batch=64, world_size=2, rank=1)
+    assert auto.probing
+    auto.clean_steps = 2  # the ranks agreed on 32 two steps ago
+    assert not auto.probing
+    with pytest.raises(MicroBatchError, match=r"rank 1 ran out of memory at step 8 with "
+                                              r"micro_batch_size 32 \(auto\).*Set "
+                                              r"trainer.micro_batch_size to 16 or smaller"):
+        auto.out_of_memory(step=7, global_step=7)
