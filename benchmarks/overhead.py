@@ -19,7 +19,7 @@ at full speed, which counts against sailfin); compare several runs.
 
     python benchmarks/overhead.py [--pairs 9] [--steps 3000] [--threads 1]
     python benchmarks/overhead.py --instructions     # needs valgrind; about 10 minutes
-    python benchmarks/overhead.py --watchdog 300     # sailfin with the hang watchdog on
+    python benchmarks/overhead.py --watchdog 300     # also sailfin with the watchdog on
 """
 
 from __future__ import annotations
@@ -101,13 +101,13 @@ class Recipe(ModuleInterface):
         return nn.functional.cross_entropy(self.net(x), y)
 
 
-def run_sailfin(ds, out_dir) -> float:
+def run_sailfin(ds, out_dir, hang_seconds=None) -> float:
     module = Recipe(Data(ds))
     args = TrainerArguments(epochs=1, train_batch_size=BATCH, log_every_n_steps=LOG_EVERY,
                             output_dir=out_dir, val_every_n_epochs=0,
                             # no checkpoints, as Lightning's enable_checkpointing=False below
                             checkpoint=CheckpointArguments(at_epoch_end=False),
-                            distributed=DistArguments(hang_seconds=HANG_SECONDS))
+                            distributed=DistArguments(hang_seconds=hang_seconds))
     start = time.perf_counter()
     summary = Trainer(module, args).train()
     return summary["global_step"] / (time.perf_counter() - start)
@@ -191,7 +191,7 @@ def run_child(variant: str, steps: int) -> None:
     ds = make_data(steps)
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()), \
             contextlib.redirect_stderr(io.StringIO()):
-        run_raw(ds) if variant == "raw" else run_sailfin(ds, tmp)
+        run_raw(ds) if variant == "raw" else run_sailfin(ds, tmp, HANG_SECONDS)
 
 
 def count_instructions(short: int = 200, long: int = 600) -> None:
@@ -246,16 +246,15 @@ def main() -> None:
                              "valgrind's callgrind (independent of the machine's load; "
                              "about 10 minutes)")
     parser.add_argument("--watchdog", type=float, default=None, metavar="SECONDS",
-                        help="run sailfin with the hang watchdog on (hang_seconds SECONDS; "
-                             "on one process it is off unless asked)")
+                        help="also run sailfin with the hang watchdog on (hang_seconds "
+                             "SECONDS; on one process it is off unless asked) in the same "
+                             "rounds; with --instructions, count that variant instead")
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "STEPS"),
                         help=argparse.SUPPRESS)  # one run under callgrind
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     global HANG_SECONDS
     HANG_SECONDS = opts.watchdog
-    if opts.watchdog is not None:
-        print(f"sailfin runs with the hang watchdog on (hang_seconds {opts.watchdog:g})")
     if opts.child:
         return run_child(opts.child[0], int(opts.child[1]))
     if opts.instructions:
@@ -263,6 +262,8 @@ def main() -> None:
     ds = make_data(opts.steps)
     others = {} if opts.no_others else {
         name: fn for name, (pkg, fn) in OTHERS.items() if importlib.util.find_spec(pkg)}
+    if opts.watchdog is not None:  # the same trainer with the watchdog's thread running
+        others["sailfin+watchdog"] = lambda ds, out: run_sailfin(ds, out, opts.watchdog)
     ratios: dict[str, list[float]] = {"sailfin": [], **{k: [] for k in others}}
     raw_rates = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -292,6 +293,10 @@ def main() -> None:
     for name, values in ratios.items():
         print(f"{name:>10}: median speed relative to the raw loop = "
               f"{statistics.median(values):.3f} (min {min(values):.3f}, max {max(values):.3f})")
+    if opts.watchdog is not None:
+        paired = [w / s for w, s in zip(ratios["sailfin+watchdog"], ratios["sailfin"])]
+        print(f"watchdog on / off (same rounds): median {statistics.median(paired):.3f} "
+              f"(min {min(paired):.3f}, max {max(paired):.3f})")
     if not others and not opts.no_others:
         print("(install the bench extra to compare Lightning, Fabric and Accelerate)")
 
