@@ -32,6 +32,7 @@ at full speed, which counts against sailfin); compare several runs.
 
     python benchmarks/overhead.py [--rounds 9] [--steps 3000] [--threads 1]
     python benchmarks/overhead.py --instructions     # needs valgrind; about 10 minutes
+    python benchmarks/overhead.py --watchdog 300     # also sailfin with the watchdog on
 """
 
 from __future__ import annotations
@@ -56,9 +57,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _measure import add_load_options, interleave, spread, start, summary  # noqa: E402
 from sailfin import Callback, DataInterface, ModuleInterface, Trainer, TrainerArguments  # noqa
 from sailfin.config import CheckpointArguments, EmaArguments  # noqa: E402
+from sailfin.config.distributed import DistArguments  # noqa: E402
 
 BATCH = 32
 LOG_EVERY = 10
+HANG_SECONDS = None  # --watchdog: trainer.distributed.hang_seconds (null: off)
 
 
 def make_model() -> nn.Module:
@@ -125,7 +128,8 @@ class LastStep(Callback):
         self.at = time.perf_counter()
 
 
-def run_sailfin(ds, out_dir, ema: Optional[float] = None) -> tuple[float, float]:
+def run_sailfin(ds, out_dir, ema: Optional[float] = None,
+                hang_seconds: Optional[float] = None) -> tuple[float, float]:
     """Seconds per step: (steady, end to end)."""
     begin = time.perf_counter()
     module = Recipe(Data(ds))
@@ -133,7 +137,8 @@ def run_sailfin(ds, out_dir, ema: Optional[float] = None) -> tuple[float, float]
                             output_dir=out_dir, val_every_n_epochs=0,
                             ema=EmaArguments(decay=ema),  # decay None: off
                             # no checkpoints, as Lightning's enable_checkpointing=False below
-                            checkpoint=CheckpointArguments(at_epoch_end=False))
+                            checkpoint=CheckpointArguments(at_epoch_end=False),
+                            distributed=DistArguments(hang_seconds=hang_seconds))
     last = LastStep()
     trainer = Trainer(module, args, callbacks=[last])
     trainer.setup()
@@ -226,7 +231,7 @@ def run_child(variant: str, steps: int) -> None:
     ds = make_data(steps)
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()), \
             contextlib.redirect_stderr(io.StringIO()):
-        run_raw(ds) if variant == "raw" else run_sailfin(ds, tmp)
+        run_raw(ds) if variant == "raw" else run_sailfin(ds, tmp, hang_seconds=HANG_SECONDS)
 
 
 def count_instructions(short: int = 200, long: int = 600) -> None:
@@ -246,6 +251,8 @@ def count_instructions(short: int = 200, long: int = 600) -> None:
                 cmd = ["valgrind", "--tool=callgrind",
                        f"--callgrind-out-file={tmp}/{variant}-{steps}.out", sys.executable,
                        os.path.abspath(__file__), "--child", variant, str(steps)]
+                if HANG_SECONDS is not None:
+                    cmd += ["--watchdog", str(HANG_SECONDS)]
                 jobs[(variant, steps)] = subprocess.Popen(
                     cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                     env={**os.environ, "PYTHONHASHSEED": "0"})  # the same dict layouts
@@ -281,11 +288,17 @@ def main() -> None:
     parser.add_argument("--ema", type=float, default=None, metavar="DECAY",
                         help="also run sailfin with trainer.ema.decay DECAY and print "
                              "the cost of the average per step")
+    parser.add_argument("--watchdog", type=float, default=None, metavar="SECONDS",
+                        help="also run sailfin with the hang watchdog on (hang_seconds "
+                             "SECONDS; on one process it is off unless asked) in the same "
+                             "rounds; with --instructions, count that variant instead")
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "STEPS"),
                         help=argparse.SUPPRESS)  # one run under callgrind
     add_load_options(parser)
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
+    global HANG_SECONDS
+    HANG_SECONDS = opts.watchdog
     if opts.child:
         return run_child(opts.child[0], int(opts.child[1]))
     if opts.instructions:
@@ -296,6 +309,9 @@ def main() -> None:
         name: fn for name, (pkg, fn) in OTHERS.items() if importlib.util.find_spec(pkg)}
     if opts.ema is not None:
         others["sailfin+ema"] = lambda ds, out: run_sailfin(ds, out, ema=opts.ema)
+    if opts.watchdog is not None:  # the same trainer with the watchdog's thread running
+        others["sailfin+watchdog"] = lambda ds, out: run_sailfin(ds, out,
+                                                                 hang_seconds=opts.watchdog)
     results: dict[str, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         def variant(name, fn):
@@ -336,6 +352,10 @@ def main() -> None:
         print(f"EMA (decay {opts.ema}, every step, {params:,} parameters): median "
               f"{statistics.median(cost) * 1e6:+.1f} us per step (min "
               f"{min(cost) * 1e6:+.1f}, max {max(cost) * 1e6:+.1f})")
+    if "sailfin+watchdog" in variants:
+        paired = [r["sailfin"] / r["sailfin+watchdog"] for r in rounds]
+        print(f"watchdog on / off (same rounds): median {statistics.median(paired):.3f} "
+              f"(min {min(paired):.3f}, max {max(paired):.3f})")
     if not others and not opts.no_others:
         print("(install the bench extra to compare Lightning, Fabric and Accelerate)")
     sailfin_whole = [a / b for a, b in zip(ends["raw"], ends["sailfin"])]

@@ -12,7 +12,7 @@ import gc
 import inspect
 import logging
 import os
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -128,6 +128,44 @@ class DDPStrategy(SingleDevice):
             dist.barrier(device_ids=[self.device.index])
         else:
             dist.barrier()
+
+    def gather_scalars(self, values: torch.Tensor) -> torch.Tensor:
+        device = self.device if self.comm_backend == "nccl" else torch.device("cpu")
+        local = values.detach().reshape(-1).to(device)
+        out = torch.empty(self.dist.world_size * local.numel(), dtype=local.dtype,
+                          device=device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, local)  # all_gather_single: the newer name (the old one warns)
+        return out.view(self.dist.world_size, -1)
+
+    def agree_min(self, value: int) -> int:
+        device = self.device if self.comm_backend == "nccl" else torch.device("cpu")
+        flag = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return int(flag.item())
+
+    def local_gradients(self) -> ContextManager:
+        return self.ddp.no_sync()
+
+    def reduce_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        # What DDP's reducer does in backward, in one flat all-reduce: the sum over ranks
+        # divided by the world size. A parameter without a gradient on this rank adds 0.
+        params = list(parameters)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.dist.world_size
+        offset = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[offset:offset + n].view_as(p).clone()
+            offset += n
+
+    def group_store(self) -> Optional[Any]:
+        from torch.distributed.distributed_c10d import _get_default_store
+        return _get_default_store()
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         box = [obj]

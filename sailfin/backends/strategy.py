@@ -174,6 +174,28 @@ class SingleDevice:
     def barrier(self) -> None:
         pass
 
+    def gather_scalars(self, values: torch.Tensor) -> torch.Tensor:
+        """Every rank's 1-d ``values`` stacked in rank order: shape (world, len(values))."""
+        return values.detach().reshape(1, -1)
+
+    def agree_min(self, value: int) -> int:
+        """The smallest ``value`` over the ranks (one small all-reduce when distributed)."""
+        return value
+
+    def local_gradients(self) -> ContextManager:
+        """Backward inside this context keeps gradients on this rank; a later
+        :meth:`reduce_gradients` combines them (``micro_batch_size: auto``'s probing steps:
+        a rank that runs out of memory must not leave its partners in a gradient all-reduce)."""
+        return _NULL
+
+    def reduce_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """Average gradients kept local by :meth:`local_gradients` over the ranks."""
+
+    def group_store(self) -> Optional[Any]:
+        """The process group's key-value store (None on one process): the hang watchdog
+        shares each rank's progress through it."""
+        return None
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Rank ``src``'s ``obj`` on every rank (one rank: ``obj`` itself)."""
         return obj

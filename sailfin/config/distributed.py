@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from .errors import ConfigError
 
@@ -42,6 +42,11 @@ class DistArguments:
     """Copy rank 0's buffers (BatchNorm statistics) to every rank before each step's forward."""
     threads_per_process: Optional[int] = None
     """CPU intra-op threads per process (null: OMP_NUM_THREADS, else cores / local processes)."""
+    # -- hang watchdog (sailfin.distributed.watchdog) --
+    hang_seconds: Union[float, Literal["auto"], None] = "auto"
+    """A rank that makes no progress for this long ends the job with a report naming it
+    (stacks of every rank, then a non-zero exit torchrun can restart). ``auto``: 300 s in a
+    job of several processes, off in a single process; null: off."""
 
     def __post_init__(self) -> None:
         if self.launcher == "manual":
@@ -69,6 +74,10 @@ class DistArguments:
             raise ConfigError(
                 f"trainer.distributed.master_port must be a TCP port (1-65535), got "
                 f"{self.master_port}")
+        hang = self.hang_seconds
+        if hang is not None and hang != "auto" and (isinstance(hang, str) or not hang > 0):
+            raise ConfigError(f"trainer.distributed.hang_seconds must be > 0 seconds, auto "
+                              f"or null (off), got {hang!r}")
         if self.timeout_seconds <= 0:
             raise ConfigError(f"trainer.distributed.timeout_seconds must be > 0, got "
                               f"{self.timeout_seconds}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional, get_args, get_type_hints
+from typing import Literal, Optional, Union, get_args, get_type_hints
 
 from .checkpoint import CheckpointArguments, check_resume
 from .distributed import DistArguments
@@ -30,8 +30,10 @@ class TrainerArguments:
     max_train_steps_per_epoch: Optional[int] = None
     train_batch_size: int = 32
     """GLOBAL batch: the samples behind one optimizer step, over all devices."""
-    micro_batch_size: Optional[int] = None
-    """Samples per device per forward (memory limit). Null: the global batch over the world size."""
+    micro_batch_size: Union[int, Literal["auto"], None] = None
+    """Samples per device per forward (memory limit). Null: the global batch over the world
+    size. ``auto``: the largest size that fits, found by retrying a step that runs out of
+    memory with the next smaller size (the global batch never changes)."""
     val_batch_size: Optional[int] = None
     """Per-device validation batch. Null: the micro batch size."""
     drop_last: bool = False
@@ -123,6 +125,12 @@ class TrainerArguments:
                 raise ConfigError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
         for name in optional_positive:
             value = getattr(self, name)
+            if name == "micro_batch_size" and value == "auto":
+                continue  # micro_batch_size: auto (sailfin.trainer.autobatch)
+            if isinstance(value, str):
+                raise ConfigError(f"trainer.{name} must be an integer"
+                                  + (" or auto" if name == "micro_batch_size" else "")
+                                  + f" or null, got {value!r}")
             if value is not None and value < 1:
                 raise ConfigError(f"trainer.{name} must be >= 1 or null, got {value}")
         if self.val_every_n_epochs < 0:
@@ -138,7 +146,12 @@ class TrainerArguments:
             raise ConfigError(
                 f"trainer.max_grad_norm must be > 0 or null (no clipping), got {self.max_grad_norm}")
         check_resume(self.resume)
-        if self.micro_batch_size is not None and self.gpu_batch_size_limit is not None:
+        if self.micro_batch_size == "auto" and self.backend.startswith("fsdp"):
+            raise ConfigError(
+                f"trainer.micro_batch_size auto does not run under trainer.backend "
+                f"{self.backend} yet (its out-of-memory retry keeps gradients local with DDP's "
+                "no_sync); give a micro_batch_size, or use ddp/ddp-amp to find one")
+        if self.micro_batch_size not in (None, "auto") and self.gpu_batch_size_limit is not None:
             raise ConfigError(
                 f"trainer.micro_batch_size ({self.micro_batch_size}, exact) and "
                 f"trainer.gpu_batch_size_limit ({self.gpu_batch_size_limit}, PyMarlin's "

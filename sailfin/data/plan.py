@@ -85,6 +85,26 @@ class BatchPlan:
         return cls(global_batch, micro_batch, world_size, global_batch // per_step,
                    drop_last, max_steps_per_epoch)
 
+    @staticmethod
+    def micro_batch_sizes(global_batch: int, world_size: int,
+                          ceiling: Optional[int] = None) -> tuple[int, ...]:
+        """Every micro-batch size a plan for (global batch, world size) allows, largest
+        first, none above ``ceiling``: the sizes ``micro_batch_size: auto`` tries.
+
+        Example::
+
+            BatchPlan.micro_batch_sizes(24, 2)            # (12, 6, 4, 3, 2, 1)
+            BatchPlan.micro_batch_sizes(24, 2, ceiling=5)  # (4, 3, 2, 1)
+        """
+        if world_size < 1 or global_batch % world_size:
+            raise ConfigError(
+                f"trainer.train_batch_size={global_batch} does not split over {world_size} "
+                f"devices; use a global batch that is a multiple of {world_size}")
+        top = global_batch // world_size
+        if ceiling is not None:
+            top = min(top, ceiling)
+        return tuple(m for m in range(top, 0, -1) if global_batch % (m * world_size) == 0)
+
     def steps_in_epoch(self, num_samples: int) -> int:
         full, rest = divmod(num_samples, self.global_batch)
         steps = full + (1 if rest and not self.drop_last else 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from typing import Any, Iterable, Mapping, Optional
 
@@ -15,11 +16,14 @@ from ..checkpoint.rng import seed_loader
 from ..config.trainer import TrainerArguments
 from ..data.plan import BatchPlan
 from ..distributed import DistEnv
+from ..distributed.watchdog import (BACKWARD, DATA, END_OF_EPOCH, END_OF_STEP, FORWARD,
+                                    OPTIMIZER, VALIDATION, Heartbeat, build_watchdog)
 from ..interfaces import ModuleInterface
 from ..logging import Writer
 from ..logging.destination import check_directory
 from ..utils.log import configure_logging
 from ..utils.seed import seed_everything
+from .autobatch import auto_micro_batch
 from .callbacks import Callback
 from .checkpointing import checkpoint_callback
 from .loop_features import build_loop_features, finish_summary
@@ -30,6 +34,7 @@ from .preemption import Preemption, save_and_stop
 from .run_lock import RunLock, take_run_lock
 from .run_stats import RunStats, peak_memory
 from .startup_checks import check_schedulers_fit, sanity_validate, train_output_checker
+from .stragglers import loss_and_stragglers
 from .outputs import save_final_weights, write_json_atomic
 from .validation import merge_outputs, val_batches
 
@@ -69,6 +74,10 @@ class Trainer:
         self._run_lock: Optional[RunLock] = None  # rank 0's hold on output_dir
         # Set (reason, step, ...) by a callback that ends the run early (early stopping).
         self.stop_reason: Optional[dict[str, Any]] = None
+        self.heartbeat = Heartbeat()  # where the loop is, for the hang watchdog
+        self.watchdog = None
+        self._ready_seconds = 0.0     # this rank's own work since the last log line
+        self._ready_since = 0         # ... which came after this many steps
 
     # -- the run ---------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -87,6 +96,11 @@ class Trainer:
         self.preemption = Preemption(self.dist.world_size, self.backend.all_reduce_mean,
                                      self.device, args.preemption_check_every_n_steps)
         try:
+            self.watchdog = build_watchdog(  # trainer.distributed.hang_seconds
+                args.distributed.hang_seconds, self.dist.rank, self.dist.world_size,
+                self.backend.group_store(), self.heartbeat,
+                os.path.join(args.output_dir, "hang"))
+            self._ready_since = self.global_step
             self.preemption.install(self.global_step)
             self._notify("on_train_start")
             while (self.epoch < args.epochs and not self._reached_max_steps()
@@ -101,6 +115,7 @@ class Trainer:
                     self.validate()  # (unless val_every_n_steps just did)
                 self.epoch += 1
                 self.step_in_epoch = 0
+                self.heartbeat.phase = END_OF_EPOCH
                 self._notify("on_epoch_end")
             if ((args.val_every_n_epochs or args.val_every_n_steps)
                     and self._last_val_step != self.global_step):
@@ -115,12 +130,14 @@ class Trainer:
             try:
                 self.checkpointer.close()  # a background save finishes, or reports its error
             finally:
+                self._stop_watchdog()
                 self.writers.flush()  # close() closes them; validate() may still log
                 self._release_run_lock()
 
     def close(self) -> None:
         """Close the writers and leave the process group (DDP). Safe to call twice."""
         try:
+            self._stop_watchdog()
             if self._is_setup:
                 self.writers.close()
             self.backend.teardown()
@@ -131,6 +148,12 @@ class Trainer:
         lock, self._run_lock = self._run_lock, None
         if lock is not None:
             lock.release()
+
+    def _stop_watchdog(self) -> None:
+        if self.watchdog is not None:
+            # Raising here (in a finally) tells the partners' reports who stopped first.
+            self.watchdog.stop(failed=sys.exc_info()[0] is not None)
+            self.watchdog = None
 
     def __enter__(self) -> "Trainer":
         return self
@@ -148,7 +171,10 @@ class Trainer:
         if self._run_lock is None:  # before anything is written there: one run per directory
             self._run_lock = take_run_lock(args.output_dir, dist.is_main)
         seed_everything(args.seed + dist.rank)  # per-rank streams (dropout) differ
-        self.plan = BatchPlan.create(args.train_batch_size, args.micro_batch_size,
+        # micro_batch_size: auto searches from the largest size (see autobatch.py).
+        self.autobatch = auto_micro_batch(args, dist.rank, dist.world_size)
+        self.plan = BatchPlan.create(args.train_batch_size, args.micro_batch_size
+                                     if self.autobatch is None else self.autobatch.size,
                                      dist.world_size, args.drop_last,
                                      args.max_train_steps_per_epoch,
                                      micro_batch_limit=args.gpu_batch_size_limit)
@@ -179,8 +205,12 @@ class Trainer:
         self.ema, self.flops = features.ema, features.flops
         self.callbacks += features.callbacks
         self.callbacks += [self.run_stats] + ([saver] if saver is not None else [])
+        if self.autobatch is not None:  # its size is kept in checkpoints
+            self.callbacks.append(self.autobatch)
         # Before the writers open metrics.jsonl: resuming trims events past the checkpoint.
         self.resumed_from = resume(self, self.checkpointer)
+        if self.autobatch is not None:
+            self.autobatch.start(self)  # the checkpoint's size, or a search after a resize
         # Writers and progress (rank 0), profiler: destination errors surface here.
         observers = build_observers(args, dist, self._writers, self._hparams, self.callbacks)
         self.writers = observers.writers
@@ -193,8 +223,9 @@ class Trainer:
         self._is_setup = True
 
     # -- one epoch -------------------------------------------------------------
-    def _train_epoch(self) -> bool:
-        """Run the rest of the current epoch; False if max_steps stopped it early."""
+    def _train_epoch(self, redo: bool = False) -> bool:
+        """Run the rest of the current epoch; False if max_steps stopped it early.
+        ``redo``: the same epoch again from the current step (a smaller micro-batch)."""
         module, backend, plan = self.module, self.backend, self.plan
         args, rank, n = self.args, self.dist.rank, self.num_train_samples
         optimizers, schedulers = self.optimizers, self.schedulers
@@ -215,10 +246,13 @@ class Trainer:
         full_micros = plan.micro_batches(0, n, rank) if full_steps else ()
         global_batch = plan.global_batch
         flops = self.flops if self.flops.pending else None  # counts the first step only
+        auto = self.autobatch  # None unless micro_batch_size is auto
+        beat, clock = self.heartbeat, time.perf_counter  # attribute stores, read by a thread
 
         self.train_sampler.set_epoch(self.epoch, self.step_in_epoch)
         module.train()
-        module.on_begin_train_epoch(self.global_step, self.epoch)
+        if not redo:
+            module.on_begin_train_epoch(self.global_step, self.epoch)
         if self._dataset_set_epoch is not None:  # before iter(): new workers copy it
             self._dataset_set_epoch(self.epoch)
         seed_loader(self.train_loader, args.seed, self.epoch, rank)  # iter() leaves torch's RNG be
@@ -226,28 +260,49 @@ class Trainer:
         self._log_clock = (time.perf_counter(), self.samples_seen)
         for step in range(self.step_in_epoch, last):
             step_loss, stats = None, None
+            beat.step = self.global_step
+            started = ready = clock()
             micros = full_micros if step < full_steps else plan.micro_batches(step, n, rank)
             if flops is not None:
                 flops.start()
-            for micro in micros:
-                batch = next(batches)
-                if micro.padding:
-                    step_loss, stats = self._padding_micro_batch(batch, step_loss, stats)
-                    continue
-                out = backend.train_step(module, self.global_step, batch, micro.last)
-                if check is not None:
-                    check(out)
-                    check = self._check_first_output = None
-                loss, stats = (out[0], out[1]) if type(out) is tuple else (out, None)
-                if micro.weight != 1.0:
-                    # Weight by the micro-batch's share of the step: the summed
-                    # gradient is the one-big-batch gradient even for short batches.
-                    loss = loss * micro.weight
-                backend.backward(loss)
-                step_loss = loss if step_loss is None else step_loss.detach() + loss.detach()
+            if auto is not None:
+                auto.begin_step(backend)
+            try:
+                for micro in micros:
+                    beat.phase = DATA
+                    batch = next(batches)
+                    beat.phase = FORWARD
+                    if micro.padding:
+                        step_loss, stats = self._padding_micro_batch(batch, step_loss, stats)
+                        continue
+                    out = backend.train_step(module, self.global_step, batch, micro.last)
+                    if check is not None:
+                        check(out)
+                        check = self._check_first_output = None
+                    loss, stats = (out[0], out[1]) if type(out) is tuple else (out, None)
+                    if micro.weight != 1.0:
+                        # Weight by the micro-batch's share of the step: the summed
+                        # gradient is the one-big-batch gradient even for short batches.
+                        loss = loss * micro.weight
+                    beat.phase, ready = BACKWARD, clock()
+                    backend.backward(loss)
+                    step_loss = loss if step_loss is None else step_loss.detach() + loss.detach()
+            except torch.OutOfMemoryError:
+                if auto is None:
+                    raise
+                auto.out_of_memory(step, self.global_step)
+            # Out of memory (on any rank): redo this step with a smaller micro-batch,
+            # from its first one, once the old loader is gone (after the except block,
+            # whose traceback holds the failed attempt's activations).
+            if auto is not None and auto.end_step(self, step):
+                self.flops.abort()  # counts the redone step instead
+                batches = out = loss = step_loss = None
+                return self._train_epoch(redo=True)
             if flops is not None:
                 flops.stop(sum(m.count for m in micros))
                 flops = None
+            self._ready_seconds += ready - started  # straggler figures (stragglers.py)
+            beat.phase = OPTIMIZER
             if on_end_backward is not None:
                 on_end_backward(self.global_step, step_loss)
             if observe(step_loss, self.global_step, self.epoch, step):  # False: skip the step
@@ -262,6 +317,7 @@ class Trainer:
             self.step_in_epoch = step + 1
             self.samples_seen += (global_batch if step < full_steps
                                   else n - step * global_batch)
+            beat.phase = END_OF_STEP
             if on_end_train_step is not None:
                 on_end_train_step(self.global_step, step_loss.detach(), stats)
             if self.global_step % log_every == 0:
@@ -300,12 +356,19 @@ class Trainer:
     def _log_train(self, step_loss: torch.Tensor, stats: Optional[Mapping[str, Any]]) -> None:
         # The only host-device sync of the loop, once every log_every_n_steps.
         self.nonfinite.check()
-        loss = self.backend.all_reduce_mean(step_loss.detach()).item()
         now = time.perf_counter()
         then, seen = self._log_clock
         self._log_clock = (now, self.samples_seen)
+        stragglers: dict[str, float] = {}
+        if self.dist.is_distributed:  # each rank's own step time rides with the loss
+            loss, stragglers = loss_and_stragglers(self.backend, step_loss, self._ready_seconds,
+                                                   self.global_step - self._ready_since)
+        else:
+            loss = self.backend.all_reduce_mean(step_loss.detach()).item()
+        self._ready_seconds, self._ready_since = 0.0, self.global_step
         metrics: dict[str, float] = {"loss": loss,
                                      "lr": self.optimizers[0].param_groups[0]["lr"]}
+        metrics.update(stragglers)
         if stats:
             metrics.update(self._reduce_stats(stats))
         if self.nonfinite.count:
@@ -340,13 +403,15 @@ class Trainer:
         if not self.val_loaders:
             return results
         was_training = self.module.training
+        self.heartbeat.phase = VALIDATION
         self.module.eval()
         with torch.no_grad(), self._validation_weights():
             for name, loader in self.val_loaders.items():
                 # Validating draws nothing from the training's random streams.
                 seed_loader(loader, self.args.seed, self.global_step, self.dist.rank)
                 local = merge_outputs(self.backend.validation_outputs(
-                    self.module, self.global_step, val_batches(loader, self.args)))
+                    self.module, self.global_step,
+                    self.heartbeat.count(val_batches(loader, self.args))))
                 outputs = self.backend.gather_outputs(local)
                 metrics = self.module.on_end_val_epoch(self.global_step, outputs, name) or {}
                 metrics = {k: _scalar(v) for k, v in metrics.items()}
@@ -422,12 +487,15 @@ class Trainer:
             "val": _flat_val(self.last_val_metrics),
             "best": self.run_stats.best,
             "peak_memory": peak_memory(self.device),
+            "micro_batch_size": self.plan.micro_batch,
         }
         summary.update(finish_summary(self))  # stopped_early, tflops, mfu, ema
         weights = self.backend.final_state_dict(self.module)  # fsdp: every rank gathers
         if self.ema is not None:  # final/ema.safetensors, the same names
             self.ema.save_final(self.module, self.args.output_dir,
                                 self.backend.final_state_dict, self.dist.is_main)
+        if self.autobatch is not None:
+            summary["auto_micro_batch"] = self.autobatch.summary()
         if self.dist.is_main:
             save_final_weights(weights, self.args.output_dir)
             write_json_atomic(os.path.join(self.args.output_dir, "summary.json"), summary)

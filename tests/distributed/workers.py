@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -73,6 +75,37 @@ class FailingRecipe(LinearRecipe):
         return super().train_step(global_step, batch, device)
 
 
+class HangingRecipe(LinearRecipe):
+    """Rank ``hang_rank`` sleeps forever inside train_step of step ``hang_step`` (1-based,
+    as logs count), after writing the time it began to ``<marker>``."""
+
+    def __init__(self, data, hang_rank: int, hang_step: int, rank: int, marker: str,
+                 **kw) -> None:
+        super().__init__(data, **kw)
+        self.hang = rank == hang_rank
+        self.hang_step, self.marker = hang_step, marker
+
+    def train_step(self, global_step, batch, device):
+        if self.hang and global_step + 1 == self.hang_step:
+            Path(self.marker).write_text(repr(time.time()))
+            while True:
+                time.sleep(3600)
+        return super().train_step(global_step, batch, device)
+
+
+class SlowRankRecipe(LinearRecipe):
+    """Rank ``slow_rank`` takes ``seconds`` longer over each forward (a straggler)."""
+
+    def __init__(self, data, slow_rank: int, seconds: float, rank: int, **kw) -> None:
+        super().__init__(data, **kw)
+        self.delay = seconds if rank == slow_rank else 0.0
+
+    def train_step(self, global_step, batch, device):
+        if self.delay:
+            time.sleep(self.delay)
+        return super().train_step(global_step, batch, device)
+
+
 class NamedOutputs(LinearRecipe):
     """val_step also returns a list of strings and a per-batch Python number."""
 
@@ -136,6 +169,13 @@ def train(rank: int, world: int, dist_args, out: Path, data: dict, trainer: dict
         module = FailingRecipe(IdData(**data), rank=rank, **recipe)
     elif kind == "collective":
         module = CollectiveRecipe(IdData(**data), **recipe)
+    elif kind == "hang":
+        module = HangingRecipe(IdData(**data), rank=rank, **recipe)
+    elif kind == "slow":
+        module = SlowRankRecipe(IdData(**data), rank=rank, **recipe)
+    elif kind == "oom":
+        from tests.trainer.oom_recipes import OomRecipe
+        module = OomRecipe(IdData(**data), rank=rank, **recipe)
     elif kind == "named":
         module = NamedOutputs(IdData(**data), **recipe)
     elif kind == "shard_overflow":
@@ -146,6 +186,9 @@ def train(rank: int, world: int, dist_args, out: Path, data: dict, trainer: dict
         module = LinearRecipe(IdData(**data), **recipe)
     trace, counter, scatters = ParamTrace(), CountAllReduce(), CountReduceScatter()
     trainer = {"backend": "ddp", **trainer}
+    if "distributed_hang_seconds" in trainer:  # a trainer.distributed setting
+        dist_args = dataclasses.replace(dist_args,
+                                        hang_seconds=trainer.pop("distributed_hang_seconds"))
     a = args(out / "run", distributed=dist_args, **trainer)
     with Trainer(module, a, callbacks=[trace, counter, scatters]) as t:
         summary = t.train()
