@@ -66,6 +66,11 @@ MAY_CHANGE: dict[str, str] = {
     "max_val_steps_per_epoch": "validation extent",
     "sanity_val_batches": "a start-up check",
     "ema": "an averaged copy of the weights, beside the training",
+    "early_stopping": "when the run ends",
+    "count_flops": "reporting",
+    "peak_tflops": "reporting",
+    "compile_check": "a start-up measurement",
+    "preemption_check_every_n_steps": "how soon a SIGTERM is acted on",
     "on_nonfinite": "what a non-finite loss does",
     # where outputs and checkpoints go, how often, and how this run starts
     "output_dir": "where outputs go",

@@ -129,3 +129,16 @@ def test_checkpoints_without_a_recorded_config_still_resume(tmp_path, capfd):
     assert trainer.resumed_from is not None and trainer.global_step == 8
     assert "records no config (an older sailfin wrote it); not compared" in capfd.readouterr().err
     assert set(params(again)) == set(params(first))
+
+
+def test_every_trainer_key_is_classified():
+    """A new trainer key must be put in MAY_CHANGE or here on purpose: a key left out of
+    both would stop every resume that changes it, and nobody would have decided that."""
+    import dataclasses
+
+    from sailfin.config.trainer import TrainerArguments
+
+    defines = {"max_train_steps_per_epoch", "train_batch_size", "drop_last", "shuffle", "seed",
+               "max_grad_norm"}
+    names = {f.name for f in dataclasses.fields(TrainerArguments)}
+    assert names - set(MAY_CHANGE) == defines
