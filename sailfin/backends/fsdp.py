@@ -215,6 +215,9 @@ class FSDPStrategy(DDPStrategy):
                            for v in per.values())
         else:  # an sp/ddp checkpoint: state by parameter index, full tensors
             state, full = named_optimizer_state(module, optimizer, state), True
+        if not any(isinstance(v, torch.Tensor) and v.dim() > 0
+                   for per in state["state"].values() for v in per.values()):
+            full = False  # nothing to cut (plain SGD: no per-parameter tensors)
         set_optimizer_state_dict(module, optimizer, state,
                                  options=StateDictOptions(full_state_dict=full))
 

@@ -111,8 +111,10 @@ class WeightAverage(Callback):
 
     # -- carried in the checkpoint ------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        # Every rank calls it at a save; sharded (fsdp) averages are gathered whole, as the
+        # trainer state that holds them is written by rank 0 alone.
         return {"decay": self.decay, "updates": self.updates,
-                "shadow": dict(zip(self.names, self.shadow))}
+                "shadow": {n: _whole(t) for n, t in zip(self.names, self.shadow)}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         saved = state["shadow"]
@@ -120,7 +122,7 @@ class WeightAverage(Callback):
         if missing:
             raise ValueError(f"the checkpoint's EMA weights lack {', '.join(missing[:5])}"
                              f"{' ...' if len(missing) > 5 else ''} (trainer.ema)")
-        _copy(self.shadow, [saved[n] for n in self.names])
+        _copy(self.shadow, [_like(saved[n], t) for n, t in zip(self.names, self.shadow)])
         self.updates = int(state["updates"])
         self._restored = True
 
@@ -131,3 +133,21 @@ def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     sharded tensor types support ``copy_`` more widely than the foreach copy."""
     for d, s in zip(dst, src):
         d.copy_(s)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a sharded one (a collective: every rank calls it), else itself."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if callable(full) else tensor
+
+
+def _like(saved: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+    """``saved`` (a full tensor) cut as ``mine`` is: this rank's shard under fsdp, on any
+    world size; a plain tensor as it is."""
+    mesh = getattr(mine, "device_mesh", None)
+    if mesh is None:
+        return saved
+    from torch.distributed.tensor import distribute_tensor
+
+    # Every rank read the same file: each takes its own piece, no communication.
+    return distribute_tensor(saved.to(mine.device), mesh, mine.placements, src_data_rank=None)

@@ -143,3 +143,31 @@ def test_fsdp_float16_overflow_in_one_shard_skips_the_step_on_every_rank(tmp_pat
         assert r["backend"]["precision"]["scaler"]["scale"] == 2.0 ** 15
     for a, b in zip(ranks[0]["trace"], ranks[1]["trace"]):
         assert torch.equal(a, b)
+
+
+def test_ema_under_fsdp_equals_one_process_and_resumes(tmp_path):
+    """Each rank averages its own shard; the checkpoint holds the whole average, which a
+    resume cuts again: the final average is the one-process one."""
+    from tests.distributed.harness import errors, run_ranks
+    from tests.distributed.test_ddp import single
+    from tests.distributed.workers import train
+
+    data = {"n_train": 96, "n_val": 0}
+    trainer = {"train_batch_size": 16, "ema": {"decay": 0.8, "every_n_steps": 2}}
+    single(tmp_path, data, {**trainer, "epochs": 2, "micro_batch_size": 16})
+    want = load_file(str(tmp_path / "sp" / "final" / "ema.safetensors"))
+    # One epoch (a checkpoint at its end), then the same run extended to two.
+    fsdp = {**trainer, "micro_batch_size": 4, "backend": "fsdp"}
+    ddp(tmp_path, data, {**fsdp, "epochs": 1})
+    out = tmp_path / "ddp"
+    codes = run_ranks(train, 2, out, data=data, trainer={**fsdp, "epochs": 2}, recipe=None,
+                      kind="linear")
+    assert codes == [0, 0], errors(out)
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert ranks[0]["summary"]["global_step"] == 12
+    saved = load_file(str(out / "run" / "final" / "ema.safetensors"))
+    assert set(saved) == set(want)
+    for name, value in want.items():
+        torch.testing.assert_close(saved[name], value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ranks[1]["ema"]["shadow"][name], value, rtol=1e-5,
+                                   atol=1e-6)

@@ -201,10 +201,11 @@ def train(rank: int, world: int, dist_args, out: Path, data: dict, trainer: dict
         params = {k: full(v.detach()).clone() for k, v in module.state_dict().items()}
         backend_state = t.backend.state_dict()
         scheduled = [s.last_epoch for s in t.schedulers]
+        ema = t.ema.state_dict() if t.ema is not None else None  # fsdp: gathered, in the group
     torch.save({"params": params, "held": held, "backend": backend_state,
                 "scheduled": scheduled, "reduce_scatter_calls": scatters.calls,
                 "seen": module.seen, "step_ids": module.step_ids, "events": module.events,
                 "summary": summary, "val": val, "trace": trace.trace,
                 "allreduce_calls": counter.calls, "threads": torch.get_num_threads(),
-                "ema": t.ema.state_dict() if t.ema is not None else None},
+                "ema": ema},
                out / f"rank{rank}.pt")
