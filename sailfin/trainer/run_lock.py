@@ -31,6 +31,10 @@ from typing import IO, Any, Optional
 LOCK_NAME = ".sailfin.lock"
 
 
+# How long a busy lock is waited for before it counts as another run's.
+GRACE_SECONDS = 5.0
+
+
 class RunLockError(RuntimeError):
     """Another run holds the output directory; the message names it and what to do."""
 
@@ -58,13 +62,24 @@ class RunLock:
     def held(self) -> bool:
         return self._file is not None
 
-    def acquire(self) -> "RunLock":
+    def acquire(self, grace_seconds: float = GRACE_SECONDS) -> "RunLock":
+        """Take the lock; a holder still there after ``grace_seconds`` is another run."""
         import fcntl
 
         os.makedirs(self.output_dir, exist_ok=True)
         fh = open(self.path, "a+", encoding="utf-8")
+        deadline = time.monotonic() + grace_seconds
         try:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            while True:
+                try:
+                    fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    # A run killed a moment ago holds it until its process is gone (a
+                    # restart under torchrun, a re-run right after kill -9): wait a little.
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.1)
         except BlockingIOError:
             owner = _read_owner(fh)
             fh.close()
