@@ -119,3 +119,25 @@ def test_staging_cuda_tensors_go_to_pinned_memory_without_blocking():
     staging.ready()
     assert again["w"].untyped_storage().data_ptr() == copy["w"].untyped_storage().data_ptr()
     assert torch.equal(again["w"], state["w"].cpu())
+
+
+def test_large_cpu_copies_are_split_over_threads_and_exact():
+    """A state of many 4 MiB chunks is copied by several threads, byte for byte, views
+    sharing one storage still share one buffer, and release() ends the threads."""
+    import threading
+
+    from sailfin.checkpoint.serialize import StagingBuffers
+
+    big = torch.randn(5_000_000)  # 20 MB: five chunks
+    state = {"w": big, "view": big[10:20], "small": torch.arange(7)}
+    staging = StagingBuffers()
+    copied = staging.copy(state)
+    assert torch.equal(copied["w"], big) and torch.equal(copied["small"], state["small"])
+    assert copied["view"].untyped_storage().data_ptr() == copied["w"].untyped_storage().data_ptr()
+    assert copied["w"].data_ptr() != big.data_ptr()
+    big.add_(1.0)  # the training goes on: the copy keeps the saved values
+    assert not torch.equal(copied["w"], big)
+    again = staging.copy(state)  # reuses the buffers, now with the new values
+    assert torch.equal(again["w"], big)
+    staging.release()
+    assert not [t for t in threading.enumerate() if t.name.startswith("sailfin-stage")]
