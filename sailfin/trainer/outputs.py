@@ -4,9 +4,51 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .loop_features import finish_summary
+from .run_stats import peak_memory
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+
+def finish_run(trainer: "Trainer") -> dict[str, Any]:
+    """The run's summary; the final weights (and EMA weights) and summary.json written.
+    Every rank calls it: under fsdp, gathering the full weights is a collective."""
+    summary = {
+        "global_step": trainer.global_step,
+        "epoch": trainer.epoch,
+        "samples_seen": trainer.samples_seen,
+        "train_seconds": round(trainer.train_seconds, 4),
+        "samples_per_second": (trainer.samples_seen / trainer.train_seconds
+                               if trainer.train_seconds > 0 else None),
+        "world_size": trainer.dist.world_size,
+        "nonfinite_steps": trainer.nonfinite.count,
+        "val": _flat_val(trainer.last_val_metrics),
+        "best": trainer.run_stats.best,
+        "peak_memory": peak_memory(trainer.device),
+        "micro_batch_size": trainer.plan.micro_batch,
+    }
+    summary.update(finish_summary(trainer))  # stopped_early, tflops, mfu, ema
+    if trainer.autobatch is not None:
+        summary["auto_micro_batch"] = trainer.autobatch.summary()
+    backend, output_dir, is_main = trainer.backend, trainer.args.output_dir, trainer.dist.is_main
+    weights = backend.final_state_dict(trainer.module)  # fsdp: every rank gathers
+    if trainer.ema is not None:  # final/ema.safetensors, the same names
+        trainer.ema.save_final(trainer.module, output_dir, backend.final_state_dict, is_main)
+    if is_main:
+        save_final_weights(weights, output_dir)
+        write_json_atomic(os.path.join(output_dir, "summary.json"), summary)
+    return summary
+
+
+def _flat_val(results: dict[str, dict[str, float]]) -> dict[str, Any]:
+    if len(results) == 1:
+        return next(iter(results.values()))
+    return results
 
 
 def write_json_atomic(path: str, data: Any) -> None:

@@ -26,16 +26,17 @@ from ..utils.seed import seed_everything
 from .autobatch import auto_micro_batch
 from .callbacks import Callback
 from .checkpointing import checkpoint_callback
-from .loop_features import build_loop_features, finish_summary
+from .loop_features import build_loop_features
 from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
 from .nonfinite import NonFiniteGuard
 from .observe import build_observers
 from .preemption import Preemption, save_and_stop
 from .run_lock import RunLock, take_run_lock
-from .run_stats import RunStats, peak_memory
+from .run_stats import RunStats
 from .startup_checks import check_schedulers_fit, sanity_validate, train_output_checker
 from .stragglers import loss_and_stragglers
-from .outputs import save_final_weights, write_json_atomic
+from .outputs import finish_run
+from .state import load_trainer_state, trainer_state
 from .validation import merge_outputs, val_batches
 
 
@@ -121,7 +122,7 @@ class Trainer:
                     and self._last_val_step != self.global_step):
                 self.validate()  # stopped early by max_steps: report the final model
             self.module.on_end_train(self.global_step)
-            summary = self.summary = self._finish()
+            summary = self.summary = finish_run(self)
             self._notify("on_train_end")
             return summary
         finally:
@@ -431,75 +432,11 @@ class Trainer:
     # -- checkpoint state ------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Every stateful piece but the random streams (per rank: ``checkpoint.rng``)."""
-        return {
-            # Through the backend: under fsdp these hold this rank's shards only.
-            "module": self.backend.model_state_dict(self.module),
-            "module_state": self.module.get_state(),
-            "optimizers": [self.backend.optimizer_state_dict(self.module, opt)
-                           for opt in self.optimizers],
-            "schedulers": [sched.state_dict() for sched in self.schedulers],
-            "backend": self.backend.state_dict(),  # the AMP grad scaler, among others
-            # With the seed, the counters are the data position (no batch is replayed).
-            "counters": {"global_step": self.global_step, "epoch": self.epoch,
-                         "step_in_epoch": self.step_in_epoch, "samples_seen": self.samples_seen,
-                         "train_seconds": self.train_seconds,
-                         "last_val_step": self._last_val_step},
-            "last_val_metrics": self.last_val_metrics,
-            "callbacks": {_state_key(c): c.state_dict() for c in self.callbacks
-                          if callable(getattr(c, "state_dict", None))},
-        }
+        return trainer_state(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Put back what :meth:`state_dict` returned (after :meth:`setup` built the pieces)."""
-        self.backend.load_model_state_dict(self.module, state["module"])
-        self.module.update_state(state["module_state"])
-        for kind, mine in (("optimizers", self.optimizers), ("schedulers", self.schedulers)):
-            if len(state[kind]) != len(mine):
-                raise ValueError(f"the checkpoint has {len(state[kind])} {kind}, "
-                                 f"get_optimizers_schedulers returned {len(mine)}")
-        for opt, saved in zip(self.optimizers, state["optimizers"]):
-            self.backend.load_optimizer_state_dict(self.module, opt, saved)
-        for sched, saved in zip(self.schedulers, state["schedulers"]):
-            sched.load_state_dict(saved)
-        self.backend.load_state_dict(state["backend"])
-        counters = state["counters"]
-        self.global_step, self.epoch = counters["global_step"], counters["epoch"]
-        self.step_in_epoch, self.samples_seen = counters["step_in_epoch"], counters["samples_seen"]
-        self.train_seconds = counters["train_seconds"]
-        self._last_val_step = counters["last_val_step"]
-        self.last_val_metrics = state["last_val_metrics"]
-        for callback in self.callbacks:
-            saved = state["callbacks"].get(_state_key(callback))
-            if saved is not None and callable(getattr(callback, "load_state_dict", None)):
-                callback.load_state_dict(saved)
-
-    # -- end of run ----------------------------------------------------------------------
-    def _finish(self) -> dict[str, Any]:
-        summary = {
-            "global_step": self.global_step,
-            "epoch": self.epoch,
-            "samples_seen": self.samples_seen,
-            "train_seconds": round(self.train_seconds, 4),
-            "samples_per_second": (self.samples_seen / self.train_seconds
-                                   if self.train_seconds > 0 else None),
-            "world_size": self.dist.world_size,
-            "nonfinite_steps": self.nonfinite.count,
-            "val": _flat_val(self.last_val_metrics),
-            "best": self.run_stats.best,
-            "peak_memory": peak_memory(self.device),
-            "micro_batch_size": self.plan.micro_batch,
-        }
-        summary.update(finish_summary(self))  # stopped_early, tflops, mfu, ema
-        weights = self.backend.final_state_dict(self.module)  # fsdp: every rank gathers
-        if self.ema is not None:  # final/ema.safetensors, the same names
-            self.ema.save_final(self.module, self.args.output_dir,
-                                self.backend.final_state_dict, self.dist.is_main)
-        if self.autobatch is not None:
-            summary["auto_micro_batch"] = self.autobatch.summary()
-        if self.dist.is_main:
-            save_final_weights(weights, self.args.output_dir)
-            write_json_atomic(os.path.join(self.args.output_dir, "summary.json"), summary)
-        return summary
+        load_trainer_state(self, state)
 
     def _validation_weights(self) -> Any:
         """The EMA weights swapped in for validation when ``trainer.ema.validate`` says."""
@@ -526,11 +463,6 @@ def _overridden(module: ModuleInterface, name: str) -> Any:
     return getattr(module, name)
 
 
-def _state_key(callback: Callback) -> str:
-    """Where a callback's state sits in a checkpoint: its ``state_key``, else its class name."""
-    return getattr(callback, "state_key", type(callback).__name__)
-
-
 def _as_list(value: Any, what: str) -> list:
     if value is None:
         return []
@@ -544,8 +476,3 @@ def _scalar(value: Any) -> Any:
         return value.item() if value.numel() == 1 else value.tolist()
     return value
 
-
-def _flat_val(results: dict[str, dict[str, float]]) -> dict[str, Any]:
-    if len(results) == 1:
-        return next(iter(results.values()))
-    return results
