@@ -146,13 +146,16 @@ class HFModule(ModuleInterface):
         shard_blocks(self.model, self.fsdp_units or block_classes(self.model), shard)
 
     def flops_per_sample(self) -> Optional[float]:
-        """The model's own count (``floating_point_ops``: 6 x non-embedding parameters x
-        tokens) for a sample of the train set's mean length."""
-        count = getattr(self.model, "floating_point_ops", None)
-        if count is None or not self.data.mean_tokens:
+        """The model's own count for a sample of the train set's mean length:
+        ``floating_point_ops`` where the model has it (transformers < 5), else its
+        formula, 6 x non-embedding parameters x tokens (forward and backward)."""
+        if not self.data.mean_tokens:
             return None
         tokens = max(1, round(self.data.mean_tokens))
-        return float(count({"input_ids": torch.zeros(1, tokens, dtype=torch.long)}))
+        count = getattr(self.model, "floating_point_ops", None)
+        if callable(count):
+            return float(count({"input_ids": torch.zeros(1, tokens, dtype=torch.long)}))
+        return 6.0 * self.model.num_parameters(exclude_embeddings=True) * tokens
 
     def configure_callbacks(self) -> list:
         from .export import SavePretrained
