@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from sailfin import Trainer, TrainerArguments  # noqa: E402
+from sailfin import Trainer, TrainerArguments, seed_everything  # noqa: E402
 from sailfin.hf.examples_data import StdlibTextData  # noqa: E402
 
 PER_PACKAGE = 12
@@ -55,6 +55,7 @@ def args(out: Path, **kw) -> TrainerArguments:
 
 
 def train(task: str, data_dir: Path, out: Path, callbacks=(), module_kw=None, **kw):
+    seed_everything(kw.get("seed", 0))  # the same initial weights, as `sailfin train` builds
     m = module(task, data_dir, **(module_kw or {}))
     trainer = Trainer(m, args(out, **kw), callbacks=callbacks)
     return m, trainer, trainer.train()
