@@ -16,7 +16,9 @@ from .text_data import TextData
 class HFModule(ModuleInterface):
     """The model (``model_name_or_path`` or a ``config:`` block), AdamW with a linear
     schedule after ``warmup_steps`` (no weight decay on biases and norm weights, as HF
-    ``Trainer``), dynamic-padding loaders, FSDP units from the model, FLOPs from the
+    ``Trainer``), dynamic-padding loaders, a per-token loss averaged per sample and
+    then over samples (``loss_per: sample``: exact under any micro-batch and world
+    size; ``token``: the model's own micro-batch token mean), FSDP units from the model, FLOPs from the
     model's own count, and ``final/hf/`` written with ``save_pretrained``.
 
     Subclasses set ``task`` and ``auto_class`` and implement ``val_step`` /
@@ -28,14 +30,20 @@ class HFModule(ModuleInterface):
 
     task = ""
     auto_class = ""
+    shift_labels: Optional[bool] = None  # per-token labels: shifted (causal) or not
 
     def __init__(self, data: TextData, model_name_or_path: Optional[str] = None,
                  config: Optional[dict[str, Any]] = None, lr: float = 5e-5,
                  weight_decay: float = 0.0, warmup_steps: int = 0,
                  adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
                  activation_checkpointing: bool = False,
-                 fsdp_units: Optional[list[str]] = None, save_hf: bool = True) -> None:
+                 fsdp_units: Optional[list[str]] = None, save_hf: bool = True,
+                 loss_per: str = "sample") -> None:
         super().__init__()
+        if loss_per not in ("sample", "token"):
+            raise HFConfigError(f"module.init_args.loss_per is '{loss_per}'; use 'sample' or "
+                                "'token'")
+        self.loss_per = loss_per
         if not isinstance(data, TextData):
             raise HFConfigError(f"{type(self).__name__} needs data of class sailfin.hf.TextData "
                                 f"(data.class_path), got {type(data).__name__}")
@@ -137,7 +145,10 @@ class HFModule(ModuleInterface):
 
     def train_step(self, global_step: int, batch: dict[str, torch.Tensor],
                    device: torch.device) -> torch.Tensor:
-        return self.forward_batch(batch, device).loss
+        out = self.forward_batch(batch, device)
+        if self.shift_labels is None or self.loss_per == "token":
+            return out.loss  # the model's own: a mean over this micro-batch's tokens
+        return per_sample_loss(out.logits, batch["labels"].to(device), self.shift_labels)
 
     # -- sharding, FLOPs, outputs ---------------------------------------------------------
     def configure_sharding(self, shard: Callable[[torch.nn.Module], torch.nn.Module]) -> None:
@@ -161,3 +172,15 @@ class HFModule(ModuleInterface):
         from .export import SavePretrained
 
         return [SavePretrained(self)] if self.save_hf else []
+
+
+def per_sample_loss(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch.Tensor:
+    """The mean over samples of each sample's mean token loss. sailfin weights each
+    micro-batch by its samples, so this is the same whatever the micro-batch size and
+    world size (a mean over one micro-batch's tokens is not: ``loss_per: token``)."""
+    if shift:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels,
+                                            ignore_index=-100, reduction="none")
+    tokens = (labels != -100).sum(1)
+    return (nll.sum(1) / tokens.clamp(min=1)).mean()

@@ -28,6 +28,7 @@ class Seq2SeqLM(HFModule):
 
     task = "seq2seq"
     auto_class = "AutoModelForSeq2SeqLM"
+    shift_labels = False
 
     def __init__(self, data: TextData, num_beams: int = 1, max_new_tokens: int = 32,
                  generate: bool = True, **kwargs: Any) -> None:

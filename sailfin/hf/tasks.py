@@ -76,6 +76,7 @@ class TokenClassification(_Labelled):
 
     task = "token_classification"
     auto_class = "AutoModelForTokenClassification"
+    shift_labels = False
 
     def val_step(self, global_step: int, batch: dict[str, torch.Tensor], device: torch.device
                  ) -> dict[str, Any]:
@@ -109,6 +110,7 @@ class CausalLM(HFModule):
 
     task = "causal_lm"
     auto_class = "AutoModelForCausalLM"
+    shift_labels = True
 
     def val_step(self, global_step: int, batch: dict[str, torch.Tensor], device: torch.device
                  ) -> dict[str, torch.Tensor]:

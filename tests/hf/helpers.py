@@ -37,12 +37,17 @@ def data(task: str, data_dir: Path, **kw) -> StdlibTextData:
                           max_length=kw.pop("max_length", 64), **kw)
 
 
-def module(task: str, data_dir: Path, data_kw: dict | None = None, **kw):
+NO_DROPOUT = {"classification": {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
+              "causal_lm": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}}
+
+
+def module(task: str, data_dir: Path, data_kw: dict | None = None,
+           config_kw: dict | None = None, **kw):
     import sailfin.hf as hf
 
     cls = getattr(hf, MODULES[task])
     extra = {"max_new_tokens": 4} if task == "seq2seq" else {}
-    return cls(data(task, data_dir, **(data_kw or {})), config=dict(CONFIGS[task]),
+    return cls(data(task, data_dir, **(data_kw or {})), config={**CONFIGS[task], **(config_kw or {})},
                lr=3e-3, warmup_steps=2, weight_decay=0.01, **{**extra, **kw})
 
 

@@ -44,3 +44,22 @@ def test_trains_and_final_hf_loads_with_the_same_logits(task, data_dir, tmp_path
     assert torch.equal(ours, theirs)
     if task in ("classification", "token_classification"):
         assert loaded.config.id2label == dict(enumerate(m.label_names))
+
+
+@pytest.mark.parametrize("task", ["causal_lm", "token_classification"])
+def test_per_token_losses_do_not_depend_on_the_micro_batch(task, data_dir, tmp_path):
+    """loss_per: sample (the default) is exact under accumulation; the model's own
+    micro-batch token mean (loss_per: token) is not."""
+    from tests.hf.helpers import NO_DROPOUT
+
+    off = {"config_kw": NO_DROPOUT.get(task, NO_DROPOUT["classification"])}
+    runs = {}
+    for name, micro, loss_per in (("big", 8, "sample"), ("small", 2, "sample"),
+                                  ("token", 2, "token")):
+        m, _, _ = train(task, data_dir, tmp_path / name, max_steps=2, micro_batch_size=micro,
+                        module_kw={**off, "loss_per": loss_per})
+        runs[name] = m.model.state_dict()
+    for k, value in runs["big"].items():
+        torch.testing.assert_close(runs["small"][k], value, rtol=1e-5, atol=1e-6)
+    key = next(k for k in runs["big"] if k.endswith("weight") and "emb" not in k)
+    assert not torch.allclose(runs["token"][key], runs["big"][key], rtol=1e-5, atol=1e-6)
