@@ -12,6 +12,7 @@ import torch
 
 from ..backends import build_backend
 from ..checkpoint import build_checkpointer, resume
+from ..checkpoint.checkpointer import say
 from ..checkpoint.rng import seed_loader
 from ..config.trainer import TrainerArguments
 from ..data.plan import BatchPlan
@@ -23,6 +24,7 @@ from ..logging import Writer
 from ..logging.destination import check_directory
 from ..utils.log import configure_logging
 from ..utils.seed import seed_everything
+from .accepted import FreshHyperparameters, apply_accepted
 from .autobatch import auto_micro_batch
 from .callbacks import Callback
 from .checkpointing import checkpoint_callback
@@ -209,7 +211,9 @@ class Trainer:
         if self.autobatch is not None:  # its size is kept in checkpoints
             self.callbacks.append(self.autobatch)
         # Before the writers open metrics.jsonl: resuming trims events past the checkpoint.
+        fresh = FreshHyperparameters.capture(self.optimizers, self.schedulers)
         self.resumed_from = resume(self, self.checkpointer)
+        apply_accepted(self, fresh, say)  # resume_config: accept: the new lr... take effect
         if self.autobatch is not None:
             self.autobatch.start(self)  # the checkpoint's size, or a search after a resize
         # Writers and progress (rank 0), profiler: destination errors surface here.
