@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from ..utils.log import log
-from .callbacks import Callback
+from ...utils.log import log
+from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from ..core.trainer import Trainer
 
 #: Capabilities with native bf16 matrix instructions.
 NATIVE_BF16 = ("AVX512_BF16", "AMX")

@@ -7,7 +7,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
-from ..config.trainer import TrainerArguments
+from ...config.trainer import TrainerArguments
 from .pymarlin_forms import as_columns, batch_size, per_sample
 
 

@@ -31,7 +31,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from ..checkpoint.config_diff import compare, current_config, recorded_config
+from .config_diff import compare, current_config, recorded_config
 
 #: What a scheduler's state holds about where it is in the schedule (not its settings).
 _POSITION = frozenset({"last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step",

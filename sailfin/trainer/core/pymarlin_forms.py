@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from ..interfaces import ModuleInterface
+from ...interfaces import ModuleInterface
 
 
 class Extras(tuple):

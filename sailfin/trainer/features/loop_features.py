@@ -6,17 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..config.trainer import TrainerArguments
-from ..distributed import DistEnv
+from ...config.trainer import TrainerArguments
+from ...distributed import DistEnv
+from ..core.callbacks import Callback
 from .bf16_check import bf16_cpu_check
-from .callbacks import Callback
 from .early_stopping import EarlyStopping
 from .ema import WeightAverage
 from .flops import FlopsMeter, build_flops_meter
 from .step_validation import StepValidation
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from ..core.trainer import Trainer
 
 
 @dataclass
