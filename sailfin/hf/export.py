@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..trainer.callbacks import Callback
+from ..trainer import Callback
 from .errors import require
 
 if TYPE_CHECKING:
