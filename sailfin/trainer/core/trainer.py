@@ -10,33 +10,37 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
-from ..backends import build_backend
-from ..checkpoint import build_checkpointer, resume
-from ..checkpoint.rng import seed_loader
-from ..config.trainer import TrainerArguments
-from ..data.plan import BatchPlan
-from ..distributed import DistEnv
-from ..distributed.watchdog import (BACKWARD, DATA, END_OF_EPOCH, END_OF_STEP, FORWARD,
+from ...backends import build_backend
+from ...checkpoint import build_checkpointer
+from ...checkpoint.checkpointer import say
+from ...checkpoint.rng import seed_loader
+from ...config.trainer import TrainerArguments
+from ...data.plan import BatchPlan
+from ...distributed import DistEnv
+from ...distributed.watchdog import (BACKWARD, DATA, END_OF_EPOCH, END_OF_STEP, FORWARD,
                                     OPTIMIZER, VALIDATION, Heartbeat, build_watchdog)
-from ..interfaces import ModuleInterface
-from ..logging import Writer
-from ..logging.destination import check_directory
-from ..utils.log import configure_logging
-from ..utils.seed import seed_everything
-from .autobatch import auto_micro_batch
+from ...interfaces import ModuleInterface
+from ...logging import Writer
+from ...logging.destination import check_directory
+from ...utils.log import configure_logging
+from ...utils.seed import seed_everything
+from ..checkpointing.accepted import FreshHyperparameters, apply_accepted
+from ..features.autobatch import auto_micro_batch
 from .callbacks import Callback
-from .checkpointing import checkpoint_callback
-from .loop_features import build_loop_features
+from ..checkpointing.resume import resume
+from ..checkpointing.saver import checkpoint_callback
+from ..features.loop_features import build_loop_features
 from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
-from .nonfinite import NonFiniteGuard
-from .observe import build_observers
-from .preemption import Preemption, save_and_stop
-from .run_lock import RunLock, take_run_lock
-from .run_stats import RunStats
-from .startup_checks import check_schedulers_fit, sanity_validate, train_output_checker
-from .stragglers import loss_and_stragglers
+from ..safety.nonfinite import NonFiniteGuard
+from ..features.observe import build_observers
+from ..safety.preemption import Preemption, save_and_stop
+from ..safety.run_lock import RunLock, take_run_lock
+from ..features.run_stats import RunStats
+from ..safety.startup_checks import check_schedulers_fit, sanity_validate, train_output_checker
+from ..features.stragglers import loss_and_stragglers
 from .outputs import finish_run
-from .state import load_trainer_state, trainer_state
+from ..checkpointing.state import load_trainer_state, trainer_state
+from .pymarlin_forms import loggable, train_step_end_caller, unpack, val_epoch_end_caller
 from .validation import merge_outputs, val_batches
 
 
@@ -209,7 +213,9 @@ class Trainer:
         if self.autobatch is not None:  # its size is kept in checkpoints
             self.callbacks.append(self.autobatch)
         # Before the writers open metrics.jsonl: resuming trims events past the checkpoint.
+        fresh = FreshHyperparameters.capture(self.optimizers, self.schedulers)
         self.resumed_from = resume(self, self.checkpointer)
+        apply_accepted(self, fresh, say)  # resume_config: accept: the new lr... take effect
         if self.autobatch is not None:
             self.autobatch.start(self)  # the checkpoint's size, or a search after a resize
         # Writers and progress (rank 0), profiler: destination errors surface here.
@@ -221,6 +227,9 @@ class Trainer:
                                         getattr(self.train_sampler, "step_indices", None))
         self._params = [p for p in self.module.parameters() if p.requires_grad]
         self._dataset_set_epoch = dataset_set_epoch(self.train_loader)
+        # The recipe's callbacks, called with what their signatures take (PyMarlin's too).
+        self._on_end_train_step = train_step_end_caller(self.module)
+        self._on_end_val_epoch = val_epoch_end_caller(self.module)
         self._is_setup = True
 
     # -- one epoch -------------------------------------------------------------
@@ -238,7 +247,7 @@ class Trainer:
         step_callbacks = [c for c in self.callbacks
                           if type(c).on_step_end is not Callback.on_step_end]
         on_end_backward = _overridden(module, "on_end_backward")
-        on_end_train_step = _overridden(module, "on_end_train_step")
+        on_end_train_step = self._on_end_train_step
         observe = self.nonfinite.observe
         check = self._check_first_output  # None once the first train_step was checked
         preemption = self.preemption
@@ -280,7 +289,7 @@ class Trainer:
                     if check is not None:
                         check(out)
                         check = self._check_first_output = None
-                    loss, stats = (out[0], out[1]) if type(out) is tuple else (out, None)
+                    loss, stats = unpack(out)  # stats: a dict, None or PyMarlin's extras
                     if micro.weight != 1.0:
                         # Weight by the micro-batch's share of the step: the summed
                         # gradient is the one-big-batch gradient even for short batches.
@@ -348,7 +357,7 @@ class Trainer:
             out = self.backend.train_step(module, self.global_step, batch, True)
         finally:
             module.padding_batch = False
-        loss, pad_stats = (out[0], out[1]) if type(out) is tuple else (out, None)
+        loss, pad_stats = unpack(out)
         loss = loss * 0.0
         self.backend.backward(loss)
         step_loss = loss if step_loss is None else step_loss.detach() + loss.detach()
@@ -370,7 +379,7 @@ class Trainer:
         metrics: dict[str, float] = {"loss": loss,
                                      "lr": self.optimizers[0].param_groups[0]["lr"]}
         metrics.update(stragglers)
-        if stats:
+        if loggable(stats):
             metrics.update(self._reduce_stats(stats))
         if self.nonfinite.count:
             metrics["nonfinite_steps"] = self.nonfinite.count
@@ -410,11 +419,12 @@ class Trainer:
             for name, loader in self.val_loaders.items():
                 # Validating draws nothing from the training's random streams.
                 seed_loader(loader, self.args.seed, self.global_step, self.dist.rank)
+                sizes: list[int] = []  # samples per batch: a 0-d output counts once per sample
                 local = merge_outputs(self.backend.validation_outputs(
                     self.module, self.global_step,
-                    self.heartbeat.count(val_batches(loader, self.args))))
+                    self.heartbeat.count(val_batches(loader, self.args, sizes))), sizes=sizes)
                 outputs = self.backend.gather_outputs(local)
-                metrics = self.module.on_end_val_epoch(self.global_step, outputs, name) or {}
+                metrics = self._on_end_val_epoch(self.global_step, outputs, name) or {}
                 metrics = {k: _scalar(v) for k, v in metrics.items()}
                 results[name] = metrics
                 if metrics:

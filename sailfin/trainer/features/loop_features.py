@@ -6,16 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..config.trainer import TrainerArguments
-from ..distributed import DistEnv
-from .callbacks import Callback
+from ...config.trainer import TrainerArguments
+from ...distributed import DistEnv
+from ..core.callbacks import Callback
+from .bf16_check import bf16_cpu_check
 from .early_stopping import EarlyStopping
 from .ema import WeightAverage
 from .flops import FlopsMeter, build_flops_meter
 from .step_validation import StepValidation
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from ..core.trainer import Trainer
 
 
 @dataclass
@@ -44,6 +45,9 @@ def build_loop_features(module: Any, args: TrainerArguments, backend: Any,
     compiled = bool(getattr(getattr(backend, "execution", None), "compile", args.compile))
     flops = build_flops_meter(module, args, dist.world_size, backend.device, precision,
                               compiled=compiled)
+    check = bf16_cpu_check(backend)  # sp-amp on a CPU that emulates bf16: warn at start
+    if check is not None:
+        callbacks.append(check)
     return LoopFeatures(ema, flops, callbacks)
 
 
