@@ -47,9 +47,9 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
     from .checkpoint import CheckpointError
     from .data.shards.errors import ShardError
     from .trainer import Trainer
-    from .trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
-    from .trainer.run_lock import RunLockError
-    from .trainer.startup_checks import StartupCheckError
+    from .trainer.safety.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
+    from .trainer.safety.run_lock import RunLockError
+    from .trainer.safety.startup_checks import StartupCheckError
 
     try:
         module = cfg.build()

@@ -48,7 +48,7 @@ class TrainerArguments:
     """Run ``train_step`` through ``torch.compile`` (compiled once, at the first step)."""
     compile_mode: Literal["default", "reduce-overhead", "max-autotune",
                           "max-autotune-no-cudagraphs"] = "default"
-    # -- compile check: is torch.compile paying? (sailfin/trainer/compile_check.py) --
+    # -- compile check: is torch.compile paying? (sailfin/trainer/features/compile_check.py) --
     compile_check: bool = True
     """With ``compile``: after warm-up, time a few compiled steps against the same number
     run eagerly (once, at fixed global steps) and warn when compiling does not pay."""

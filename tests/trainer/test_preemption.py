@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from sailfin import Callback, Trainer
-from sailfin.trainer import preemption
-from sailfin.trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
+from sailfin.trainer.safety import preemption
+from sailfin.trainer.safety.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
 from tests.checkpoint.helpers import assert_same_params, final_weights, params
 from tests.distributed.harness import errors, run_ranks
 from tests.recipes import IdData, LinearRecipe, args
@@ -76,7 +76,7 @@ def test_the_loop_checks_one_integer_per_step_without_a_signal(tmp_path, monkeyp
             calls.append(global_step)
             return super().poll(global_step)
 
-    monkeypatch.setattr("sailfin.trainer.trainer.Preemption", Counting)
+    monkeypatch.setattr("sailfin.trainer.core.trainer.Preemption", Counting)
     run(tmp_path)[1].train()
     assert calls == []  # single process, no signal: poll() is never called
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from sailfin import Trainer
-from sailfin.trainer.startup_checks import StartupCheckError
+from sailfin.trainer.safety.startup_checks import StartupCheckError
 from tests.checkpoint.helpers import assert_same_params, metric_lines, params
 from tests.recipes import IdData, LinearRecipe, args
 

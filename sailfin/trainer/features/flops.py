@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..utils.log import log
+from ...utils.log import log
 
 # Dense peak TFLOP/s of one GPU, from the vendors' datasheets. Datasheets often
 # quote tensor-core figures "with sparsity", twice these. Keys: bf16 / fp16

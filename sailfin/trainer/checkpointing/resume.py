@@ -12,16 +12,16 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from .checkpointer import Checkpointer, Loaded, say
+from ...checkpoint.checkpointer import Checkpointer, Loaded, say
 from .config_diff import check_config
-from .errors import CheckpointCorrupt, CheckpointError
+from ...checkpoint.errors import CheckpointCorrupt, CheckpointError
 from .init_from import load_initial_weights
-from .metrics_log import last_logged_step, trim_metrics_log
-from .rng import derive_rng, restore_rng
-from .sharded import load_sharded
+from ...checkpoint.metrics_log import last_logged_step, trim_metrics_log
+from ...checkpoint.rng import derive_rng, restore_rng
+from ...checkpoint.sharded import load_sharded
 
 if TYPE_CHECKING:
-    from ..trainer import Trainer
+    from ..core.trainer import Trainer
 
 
 def resume(trainer: "Trainer", checkpointer: Checkpointer) -> Optional[Loaded]:

@@ -10,33 +10,34 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
-from ..backends import build_backend
-from ..checkpoint import build_checkpointer, resume
-from ..checkpoint.rng import seed_loader
-from ..config.trainer import TrainerArguments
-from ..data.plan import BatchPlan
-from ..distributed import DistEnv
-from ..distributed.watchdog import (BACKWARD, DATA, END_OF_EPOCH, END_OF_STEP, FORWARD,
+from ...backends import build_backend
+from ...checkpoint import build_checkpointer
+from ...checkpoint.rng import seed_loader
+from ...config.trainer import TrainerArguments
+from ...data.plan import BatchPlan
+from ...distributed import DistEnv
+from ...distributed.watchdog import (BACKWARD, DATA, END_OF_EPOCH, END_OF_STEP, FORWARD,
                                     OPTIMIZER, VALIDATION, Heartbeat, build_watchdog)
-from ..interfaces import ModuleInterface
-from ..logging import Writer
-from ..logging.destination import check_directory
-from ..utils.log import configure_logging
-from ..utils.seed import seed_everything
-from .autobatch import auto_micro_batch
+from ...interfaces import ModuleInterface
+from ...logging import Writer
+from ...logging.destination import check_directory
+from ...utils.log import configure_logging
+from ...utils.seed import seed_everything
+from ..features.autobatch import auto_micro_batch
 from .callbacks import Callback
-from .checkpointing import checkpoint_callback
-from .loop_features import build_loop_features
+from ..checkpointing.resume import resume
+from ..checkpointing.saver import checkpoint_callback
+from ..features.loop_features import build_loop_features
 from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
-from .nonfinite import NonFiniteGuard
-from .observe import build_observers
-from .preemption import Preemption, save_and_stop
-from .run_lock import RunLock, take_run_lock
-from .run_stats import RunStats
-from .startup_checks import check_schedulers_fit, sanity_validate, train_output_checker
-from .stragglers import loss_and_stragglers
+from ..safety.nonfinite import NonFiniteGuard
+from ..features.observe import build_observers
+from ..safety.preemption import Preemption, save_and_stop
+from ..safety.run_lock import RunLock, take_run_lock
+from ..features.run_stats import RunStats
+from ..safety.startup_checks import check_schedulers_fit, sanity_validate, train_output_checker
+from ..features.stragglers import loss_and_stragglers
 from .outputs import finish_run
-from .state import load_trainer_state, trainer_state
+from ..checkpointing.state import load_trainer_state, trainer_state
 from .validation import merge_outputs, val_batches
 
 

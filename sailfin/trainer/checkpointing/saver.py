@@ -10,18 +10,18 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 
-from ..checkpoint import CheckpointError, Checkpointer, Snapshot
-from ..checkpoint.config_diff import recipe_spec
-from ..checkpoint.rng import rng_state
-from ..checkpoint.serialize import check_plain
-from ..checkpoint.sharded import split_sharded
-from ..config.checkpoint import CheckpointArguments
-from ..config.errors import suggest
-from ..version import __version__
-from .callbacks import Callback
+from ...checkpoint import CheckpointError, Checkpointer, Snapshot
+from .config_diff import recipe_spec
+from ...checkpoint.rng import rng_state
+from ...checkpoint.serialize import check_plain
+from ...checkpoint.sharded import split_sharded
+from ...config.checkpoint import CheckpointArguments
+from ...config.errors import suggest
+from ...version import __version__
+from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from ..core.trainer import Trainer
 
 
 class CheckpointCallback(Callback):

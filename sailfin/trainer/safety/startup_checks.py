@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from ..core.trainer import Trainer
 
 TRAIN_STEP_FORMS = ("the batch's mean loss (a tensor with one value), or "
                     "(loss, {name: scalar tensor}) to log more values")
@@ -51,7 +51,7 @@ def check_schedulers_fit(trainer: "Trainer") -> None:
     """Stop now if a scheduler with a fixed length would run out during this run."""
     left = steps_left(trainer)
     if not left and trainer.resumed_from is not None and trainer.dist.is_main:
-        from ..checkpoint.checkpointer import say
+        from ...checkpoint.checkpointer import say
         say(f"resume: nothing left to train: the checkpoint is at step {trainer.global_step} "
             f"(epoch {trainer.epoch}), where this run (trainer.epochs {trainer.args.epochs}, "
             f"trainer.max_steps {trainer.args.max_steps}) ends; raise them to train on")

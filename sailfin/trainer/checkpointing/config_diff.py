@@ -28,11 +28,11 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
-from ..config.trainer import TrainerArguments
-from .errors import CheckpointError
+from ...config.trainer import TrainerArguments
+from ...checkpoint.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from ..trainer import Trainer
+    from ..core.trainer import Trainer
 
 #: ``trainer.`` keys (or sections: a key under one matches) that may change when a run
 #: resumes, and why. Anything not here defines the training and must match the checkpoint.

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:
-    from .callbacks import Callback
-    from .trainer import Trainer
+    from ..core.callbacks import Callback
+    from ..core.trainer import Trainer
 
 
 def trainer_state(trainer: "Trainer") -> dict[str, Any]:

@@ -14,12 +14,12 @@ import sys
 import time
 from typing import IO, TYPE_CHECKING, Any, Optional
 
-from ..logging.stdout import format_value
-from ..logging.writers import Writer
-from .callbacks import Callback
+from ...logging.stdout import format_value
+from ...logging.writers import Writer
+from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from ..core.trainer import Trainer
 
 BAR_REDRAW_SECONDS = 0.5
 # tqdm's layout without its steps/s (samples/s in the postfix says more); ETA = remaining.

@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
-from ..config.errors import ConfigError, suggest
-from ..config.loop import EarlyStoppingArguments
-from ..utils.log import log
-from .callbacks import Callback
+from ...config.errors import ConfigError, suggest
+from ...config.loop import EarlyStoppingArguments
+from ...utils.log import log
+from ..core.callbacks import Callback
 from .run_stats import flat_metrics
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from ..core.trainer import Trainer
 
 
 class EarlyStopping(Callback):

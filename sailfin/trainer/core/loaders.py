@@ -13,12 +13,12 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Mapping, Optional
 
-from ..config.trainer import TrainerArguments
-from ..data.batched import gathered_loader
-from ..data.plan import BatchPlan
-from ..data.sampler import EvalSampler, ResumableSampler
-from ..distributed import DistEnv
-from ..interfaces import ModuleInterface
+from ...config.trainer import TrainerArguments
+from ...data.batched import gathered_loader
+from ...data.plan import BatchPlan
+from ...data.sampler import EvalSampler, ResumableSampler
+from ...distributed import DistEnv
+from ...interfaces import ModuleInterface
 
 
 def build_train_loader(module: ModuleInterface, plan: BatchPlan, dist: DistEnv,

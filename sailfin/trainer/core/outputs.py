@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .loop_features import finish_summary
-from .run_stats import peak_memory
+from ..features.loop_features import finish_summary
+from ..features.run_stats import peak_memory
 
 if TYPE_CHECKING:
     from .trainer import Trainer

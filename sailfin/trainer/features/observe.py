@@ -8,10 +8,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
-from ..config.trainer import TrainerArguments
-from ..distributed import DistEnv
-from ..logging.writers import Writer, Writers, build_writers
-from .callbacks import Callback
+from ...config.trainer import TrainerArguments
+from ...distributed import DistEnv
+from ...logging.writers import Writer, Writers, build_writers
+from ..core.callbacks import Callback
 from .compile_check import CompileCheck
 from .profiler import StepProfiler
 from .progress import Progress

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..config.dp import DPArguments
-from ..config.errors import ConfigError
-from .callbacks import Callback
+from ...config.dp import DPArguments
+from ...config.errors import ConfigError
+from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from ..core.trainer import Trainer
 
 
 class PrivacyCallback(Callback):

@@ -51,7 +51,7 @@ class TrainingPreempted(Exception):
 def save_and_stop(trainer: Any) -> None:
     """Every rank: save this step (unless saved already), wait until it is on storage,
     and raise :class:`TrainingPreempted`."""
-    from .checkpointing import CheckpointCallback
+    from ..checkpointing.saver import CheckpointCallback
 
     saver = trainer.saver or CheckpointCallback(trainer.checkpointer, trainer.args.checkpoint)
     saver.save(trainer)

@@ -7,10 +7,10 @@ import math
 import sys
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
-from .callbacks import Callback
+from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from ..core.trainer import Trainer
 
 
 def flat_metrics(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:

@@ -17,11 +17,11 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from .checkpointer import DirectoryCheckpointer, say
-from .errors import CheckpointError
+from ...checkpoint.checkpointer import DirectoryCheckpointer, say
+from ...checkpoint.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from ..trainer import Trainer
+    from ..core.trainer import Trainer
 
 
 def load_initial_weights(trainer: "Trainer", path: str) -> None:

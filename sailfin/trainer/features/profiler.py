@@ -6,10 +6,10 @@ import os
 import sys
 from typing import IO, TYPE_CHECKING, Any, Optional
 
-from .callbacks import Callback
+from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from ..core.trainer import Trainer
 
 TOP_OPERATORS = 15
 

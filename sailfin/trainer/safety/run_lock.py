@@ -123,13 +123,13 @@ def take_run_lock(output_dir: str, is_main: bool) -> Optional[RunLock]:
     is taken over."""
     if not is_main:
         return None
-    from ..logging.destination import check_directory
+    from ...logging.destination import check_directory
 
     # A path through a file, a read-only directory...: the writer's clear message first.
     check_directory(output_dir, "output", who="sailfin (summary.json, final weights, checkpoints)")
     lock = RunLock(output_dir).acquire()
     if lock.took_over:
-        from ..checkpoint.checkpointer import say
+        from ...checkpoint.checkpointer import say
 
         say(f"took over the lock of {output_dir} from a run that is no longer running "
             f"({_describe(lock.took_over)}); it ended without releasing it (killed?)")

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
-from ..config.loop import EmaArguments
-from ..utils.log import log
-from .callbacks import Callback
+from ...config.loop import EmaArguments
+from ...utils.log import log
+from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from ..core.trainer import Trainer
 
 
 class WeightAverage(Callback):
@@ -101,7 +101,7 @@ class WeightAverage(Callback):
         ``final/model.safetensors`` (buffers, e.g. batch-norm statistics, are the model's).
         Every rank calls it (``state_of`` is the backend's full state dict: a collective
         under fsdp); the rank with ``write`` writes the file."""
-        from .outputs import save_weights
+        from ..core.outputs import save_weights
 
         with self.swapped_in(module):
             state = state_of(module)

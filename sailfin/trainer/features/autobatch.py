@@ -37,13 +37,13 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 
-from ..data.plan import BatchPlan
-from ..distributed.watchdog import ALL_REDUCE
-from .callbacks import Callback
-from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
+from ...data.plan import BatchPlan
+from ...distributed.watchdog import ALL_REDUCE
+from ..core.callbacks import Callback
+from ..core.loaders import build_train_loader, build_val_loaders, dataset_set_epoch
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from ..core.trainer import Trainer
 
 log = logging.getLogger("sailfin")
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..config.dp import is_private
-from ..config.trainer import TrainerArguments
-from ..distributed import DistEnv
-from .callbacks import Callback
+from ...config.dp import is_private
+from ...config.trainer import TrainerArguments
+from ...distributed import DistEnv
+from ..core.callbacks import Callback
 from .early_stopping import EarlyStopping
 from .ema import WeightAverage
 from .flops import FlopsMeter, build_flops_meter
@@ -17,7 +17,7 @@ from .privacy import PrivacyCallback
 from .step_validation import StepValidation
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from ..core.trainer import Trainer
 
 
 @dataclass

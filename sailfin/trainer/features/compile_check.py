@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from ..utils.log import log
-from .callbacks import Callback
+from ...utils.log import log
+from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from ..core.trainer import Trainer
 
 WARMUP_STEPS = 8   # compilation, and a recompilation for a second shape, happen here
 WINDOW_STEPS = 4   # steps per window: compiled, eager, compiled

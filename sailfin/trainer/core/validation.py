@@ -7,8 +7,8 @@ from typing import Any, Iterable
 
 import torch
 
-from ..config.trainer import TrainerArguments
-from .startup_checks import zero_dim_message
+from ...config.trainer import TrainerArguments
+from ..safety.startup_checks import zero_dim_message
 
 
 def merge_outputs(batches: list[Any], where: str = "val_step") -> dict[str, Any]:
