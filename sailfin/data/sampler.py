@@ -145,12 +145,6 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         lo, hi = self.plan.step_positions(step, self.num_samples)
         return hi - lo
 
-    def wrap_loader(self, loader: Any) -> Any:
-        """The recipe's loader as the trainer reads it (gathering in-memory tensors)."""
-        from .batched import gathered_loader
-
-        return gathered_loader(loader, self)
-
     def step_indices(self, epoch: int, step: int) -> list[int]:
         """Dataset indices of every rank's samples in optimizer step ``step`` of ``epoch``."""
         lo, hi = self.plan.step_positions(step, self.num_samples)
