@@ -10,7 +10,7 @@ from torch import nn
 from sailfin import Trainer
 from sailfin.config.errors import ConfigError
 from tests.dp.recipes import NormRecipe, PerSampleRecipe, dp_args
-from tests.recipes import IdData, IdDataset, LinearRecipe
+from tests.recipes import IdData, LinearRecipe
 
 pytest.importorskip("opacus")
 from opacus.accountants import RDPAccountant  # noqa: E402
