@@ -280,6 +280,12 @@ class ModuleInterface(nn.Module):
                 shard(self.embed)
         """
 
+    def configure_callbacks(self) -> list:
+        """Trainer callbacks (:class:`sailfin.Callback`) this recipe brings along, added to
+        those passed to the Trainer: a packaged recipe's components that need the run
+        (its output directory, its rank), e.g. ``sailfin.hf`` writing ``final/hf/``."""
+        return []
+
     # -- state carried in checkpoints ----------------------------------------
     def get_state(self) -> dict:
         return {}

@@ -64,7 +64,8 @@ class Trainer:
         self.backend = backend if backend is not None else build_backend(self.args, self.dist)
         self._writers = writers
         self._hparams = hparams  # logged by the writers; default: the trainer settings
-        self.callbacks: list[Callback] = list(callbacks)
+        # The recipe's own components (e.g. sailfin.hf's final/hf/ writer) follow the loop too.
+        self.callbacks: list[Callback] = [*callbacks, *_recipe_callbacks(module)]
         # Counters: together with the seed they say where the data order stands.
         self.global_step = 0      # optimizer steps done
         self.epoch = 0
@@ -491,3 +492,7 @@ def _scalar(value: Any) -> Any:
         return value.item() if value.numel() == 1 else value.tolist()
     return value
 
+
+def _recipe_callbacks(module: Any) -> list[Callback]:
+    hook = getattr(module, "configure_callbacks", None)
+    return list(hook()) if callable(hook) else []

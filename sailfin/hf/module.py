@@ -1,0 +1,186 @@
+"""HFModule: a ``transformers`` model as a sailfin recipe (the part every task shares)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..interfaces import ModuleInterface
+from .errors import HFConfigError, require
+from .sharding import block_classes, shard_blocks
+from .text_data import TextData
+
+
+class HFModule(ModuleInterface):
+    """The model (``model_name_or_path`` or a ``config:`` block), AdamW with a linear
+    schedule after ``warmup_steps`` (no weight decay on biases and norm weights, as HF
+    ``Trainer``), dynamic-padding loaders, a per-token loss averaged per sample and
+    then over samples (``loss_per: sample``: exact under any micro-batch and world
+    size; ``token``: the model's own micro-batch token mean), FSDP units from the model, FLOPs from the
+    model's own count, and ``final/hf/`` written with ``save_pretrained``.
+
+    Subclasses set ``task`` and ``auto_class`` and implement ``val_step`` /
+    ``on_end_val_epoch``. Example (a subclass in use)::
+
+        module = CausalLM(data, config={"model_type": "gpt2", "n_layer": 2, "n_embd": 32,
+                                        "n_head": 2, "n_positions": 128})
+    """
+
+    task = ""
+    auto_class = ""
+    shift_labels: Optional[bool] = None  # per-token labels: shifted (causal) or not
+
+    def __init__(self, data: TextData, model_name_or_path: Optional[str] = None,
+                 config: Optional[dict[str, Any]] = None, lr: float = 5e-5,
+                 weight_decay: float = 0.0, warmup_steps: int = 0,
+                 adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
+                 activation_checkpointing: bool = False,
+                 fsdp_units: Optional[list[str]] = None, save_hf: bool = True,
+                 loss_per: str = "sample") -> None:
+        super().__init__()
+        if loss_per not in ("sample", "token"):
+            raise HFConfigError(f"module.init_args.loss_per is '{loss_per}'; use 'sample' or "
+                                "'token'")
+        self.loss_per = loss_per
+        if not isinstance(data, TextData):
+            raise HFConfigError(f"{type(self).__name__} needs data of class sailfin.hf.TextData "
+                                f"(data.class_path), got {type(data).__name__}")
+        if (model_name_or_path is None) == (config is None):
+            raise HFConfigError(f"module.init_args: give exactly one of model_name_or_path "
+                                f"(a save_pretrained directory) and config (a model from "
+                                f"scratch), got {'both' if config else 'neither'}")
+        self.data = data.prepare(self.task)
+        self.tokenizer = data.tokenizer
+        self.lr, self.weight_decay, self.warmup_steps = lr, weight_decay, warmup_steps
+        self.adam_betas, self.adam_eps = tuple(adam_betas), adam_eps
+        self.fsdp_units = fsdp_units
+        self.save_hf = save_hf
+        self.model = self._build(model_name_or_path, config)
+        self._check_model()
+        if activation_checkpointing:  # the model's own per-block checkpointing
+            if not getattr(self.model, "supports_gradient_checkpointing", False):
+                raise HFConfigError(f"module.init_args.activation_checkpointing: "
+                                    f"{type(self.model).__name__} does not support it; set it "
+                                    "false")
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    # -- the model -------------------------------------------------------------------
+    def model_kwargs(self) -> dict[str, Any]:
+        """Task settings given to the model's config (``num_labels``, ...)."""
+        return {}
+
+    def _build(self, path: Optional[str], config: Optional[dict[str, Any]]) -> Any:
+        transformers = require("transformers")
+        auto = getattr(transformers, self.auto_class)
+        if path is not None:
+            if os.path.isabs(path) or path.startswith(".") or os.path.isdir(path):
+                if not os.path.isfile(os.path.join(path, "config.json")):
+                    raise HFConfigError(f"module.init_args.model_name_or_path: '{path}' has no "
+                                        "config.json; give a directory written by "
+                                        "save_pretrained (or use config: to start from scratch)")
+            return auto.from_pretrained(path, **self.model_kwargs())
+        spec = dict(config)
+        model_type = spec.pop("model_type", None)
+        if not model_type:
+            raise HFConfigError("module.init_args.config needs model_type (bert, gpt2, bart, "
+                                "...) and that model's config fields")
+        tok = self.tokenizer
+        filled = {"vocab_size": len(tok), "pad_token_id": tok.pad_token_id,
+                  "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
+        if self.task == "seq2seq":
+            filled["decoder_start_token_id"] = tok.bos_token_id
+        cfg = transformers.AutoConfig.for_model(model_type, **{**filled, **spec},
+                                                **self.model_kwargs())
+        return auto.from_config(cfg)
+
+    def _check_model(self) -> None:
+        cfg = self.model.config
+        vocab = getattr(cfg, "vocab_size", None)
+        if vocab is not None and len(self.tokenizer) > vocab:
+            raise HFConfigError(f"the tokenizer ({self.data.tokenizer_path}) has "
+                                f"{len(self.tokenizer)} tokens, the model's vocab_size is "
+                                f"{vocab}; use the model's own tokenizer or a larger vocab_size")
+        for key in ("max_position_embeddings", "n_positions"):
+            limit = getattr(cfg, key, None)
+            if isinstance(limit, int) and limit < self.data.max_length:
+                raise HFConfigError(f"data.init_args.max_length is {self.data.max_length}, "
+                                    f"more than the model's {key} ({limit}); lower max_length")
+
+    # -- optimizer and schedule --------------------------------------------------------
+    def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: int, epochs: int
+                                  ) -> tuple[list[torch.optim.Optimizer], list]:
+        transformers = require("transformers")
+        decay, no_decay = [], []
+        for p in self.model.parameters():
+            if p.requires_grad:
+                (decay if p.dim() >= 2 else no_decay).append(p)  # biases, norm weights: 1-D
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.weight_decay},
+                                 {"params": no_decay, "weight_decay": 0.0}],
+                                lr=self.lr, betas=self.adam_betas, eps=self.adam_eps)
+        total = estimated_global_steps_per_epoch * epochs
+        sched = transformers.get_linear_schedule_with_warmup(opt, self.warmup_steps, total)
+        sched.total_steps = total  # the trainer checks a run fits in it
+        return [opt], [sched]
+
+    # -- data ---------------------------------------------------------------------------
+    def get_train_dataloader(self, sampler: Callable[[Any], Any], batch_size: int
+                             ) -> torch.utils.data.DataLoader:
+        ds = self.data.get_train_dataset()
+        return torch.utils.data.DataLoader(ds, batch_size=batch_size, sampler=sampler(ds),
+                                           collate_fn=self.data.collate)
+
+    def get_val_dataloaders(self, sampler: Callable[[Any], Any], batch_size: int
+                            ) -> dict[str, torch.utils.data.DataLoader]:
+        return {name: torch.utils.data.DataLoader(ds, batch_size=batch_size,
+                                                  sampler=sampler(ds),
+                                                  collate_fn=self.data.collate)
+                for name, ds in self.data.get_val_datasets().items()}
+
+    # -- steps --------------------------------------------------------------------------
+    def forward_batch(self, batch: dict[str, torch.Tensor], device: torch.device) -> Any:
+        return self.model(**{k: v.to(device) for k, v in batch.items()})
+
+    def train_step(self, global_step: int, batch: dict[str, torch.Tensor],
+                   device: torch.device) -> torch.Tensor:
+        out = self.forward_batch(batch, device)
+        if self.shift_labels is None or self.loss_per == "token":
+            return out.loss  # the model's own: a mean over this micro-batch's tokens
+        return per_sample_loss(out.logits, batch["labels"].to(device), self.shift_labels)
+
+    # -- sharding, FLOPs, outputs ---------------------------------------------------------
+    def configure_sharding(self, shard: Callable[[torch.nn.Module], torch.nn.Module]) -> None:
+        """FSDP units: ``fsdp_units`` (class names) or the model's ``_no_split_modules``
+        (or, where the model has none, the class of its repeated blocks)."""
+        shard_blocks(self.model, self.fsdp_units or block_classes(self.model), shard)
+
+    def flops_per_sample(self) -> Optional[float]:
+        """The model's own count for a sample of the train set's mean length:
+        ``floating_point_ops`` where the model has it (transformers < 5), else its
+        formula, 6 x non-embedding parameters x tokens (forward and backward)."""
+        if not self.data.mean_tokens:
+            return None
+        tokens = max(1, round(self.data.mean_tokens))
+        count = getattr(self.model, "floating_point_ops", None)
+        if callable(count):
+            return float(count({"input_ids": torch.zeros(1, tokens, dtype=torch.long)}))
+        return 6.0 * self.model.num_parameters(exclude_embeddings=True) * tokens
+
+    def configure_callbacks(self) -> list:
+        from .export import SavePretrained
+
+        return [SavePretrained(self)] if self.save_hf else []
+
+
+def per_sample_loss(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch.Tensor:
+    """The mean over samples of each sample's mean token loss. sailfin weights each
+    micro-batch by its samples, so this is the same whatever the micro-batch size and
+    world size (a mean over one micro-batch's tokens is not: ``loss_per: token``)."""
+    if shift:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels,
+                                            ignore_index=-100, reduction="none")
+    tokens = (labels != -100).sum(1)
+    return (nll.sum(1) / tokens.clamp(min=1)).mean()

@@ -1,0 +1,126 @@
+"""The encoder and decoder tasks: sequence classification, token classification, causal LM."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .errors import HFConfigError
+from .metrics import accuracy, entity_f1, f1_scores, perplexity
+from .module import HFModule
+from .text_data import TextData
+
+
+class _Labelled(HFModule):
+    """A task whose labels come from the data (classes, or token tags)."""
+
+    def __init__(self, data: TextData, num_labels: Optional[int] = None, **kwargs: Any) -> None:
+        data.prepare(self.task)
+        if num_labels is not None and num_labels != len(data.labels):
+            raise HFConfigError(
+                f"module.init_args.num_labels is {num_labels}, but the data has "
+                f"{len(data.labels)} labels ({', '.join(data.labels[:8])}"
+                f"{', ...' if len(data.labels) > 8 else ''}); set num_labels "
+                f"{len(data.labels)} or list them in data.init_args.labels")
+        self.label_names = list(data.labels)
+        super().__init__(data, **kwargs)
+
+    def model_kwargs(self) -> dict[str, Any]:
+        names = self.label_names
+        return {"num_labels": len(names), "id2label": dict(enumerate(names)),
+                "label2id": {n: i for i, n in enumerate(names)}}
+
+
+class SequenceClassification(_Labelled):
+    """``AutoModelForSequenceClassification`` on ``TextData`` (text, optional text pair,
+    a label per row). Reports ``loss``, ``accuracy``, ``f1`` (binary F1 of the second
+    label with two labels, else macro) and ``f1_macro``.
+
+    Example::
+
+        data = TextData("tok", "train.jsonl", "val.jsonl", label_column="label")
+        module = SequenceClassification(data, config={"model_type": "bert",
+            "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "intermediate_size": 64}, lr=1e-3)
+    """
+
+    task = "classification"
+    auto_class = "AutoModelForSequenceClassification"
+
+    def val_step(self, global_step: int, batch: dict[str, torch.Tensor], device: torch.device
+                 ) -> dict[str, torch.Tensor]:
+        out = self.forward_batch(batch, device)
+        labels = batch["labels"].to(device)
+        loss = torch.nn.functional.cross_entropy(out.logits.float(), labels, reduction="none")
+        return {"pred": out.logits.argmax(-1), "label": labels, "loss": loss}
+
+    def on_end_val_epoch(self, global_step: int, outputs: dict[str, Any], key: str = "val"
+                         ) -> dict[str, float]:
+        pred, label = outputs["pred"], outputs["label"]
+        return {"loss": outputs["loss"].mean().item(), "accuracy": accuracy(pred, label),
+                **f1_scores(pred, label, len(self.label_names))}
+
+
+class TokenClassification(_Labelled):
+    """``AutoModelForTokenClassification`` on words and their tags (a list each per row);
+    the first sub-word of each word carries its tag. Reports ``entity_f1`` (spans,
+    seqeval's definition), ``entity_precision``, ``entity_recall``, ``token_accuracy``.
+
+    Example::
+
+        data = TextData("tok", "train.jsonl", "val.jsonl", text_column="words",
+                        label_column="tags")
+        module = TokenClassification(data, model_name_or_path="my-bert")
+    """
+
+    task = "token_classification"
+    auto_class = "AutoModelForTokenClassification"
+    shift_labels = False
+
+    def val_step(self, global_step: int, batch: dict[str, torch.Tensor], device: torch.device
+                 ) -> dict[str, Any]:
+        out = self.forward_batch(batch, device)
+        pred = out.logits.argmax(-1).cpu()
+        labels = batch["labels"]
+        names = self.label_names
+        keep = labels != -100
+        # Per sample, a list of tag names: lengths differ, so lists (gathered as objects).
+        return {"pred_tags": [[names[t] for t in p[k].tolist()] for p, k in zip(pred, keep)],
+                "gold_tags": [[names[t] for t in g[k].tolist()] for g, k in zip(labels, keep)]}
+
+    def on_end_val_epoch(self, global_step: int, outputs: dict[str, Any], key: str = "val"
+                         ) -> dict[str, float]:
+        pred, gold = outputs["pred_tags"], outputs["gold_tags"]
+        right = sum(a == b for p, g in zip(pred, gold) for a, b in zip(p, g))
+        total = sum(len(g) for g in gold)
+        return {**entity_f1(pred, gold), "token_accuracy": right / total if total else 0.0}
+
+
+class CausalLM(HFModule):
+    """``AutoModelForCausalLM`` on text; labels are the inputs (padding skipped).
+    Reports the token-level ``loss`` over the validation set and its ``perplexity``.
+
+    Example::
+
+        data = TextData("tok", "train.jsonl", "val.jsonl", max_length=256)
+        module = CausalLM(data, config={"model_type": "gpt2", "n_layer": 2, "n_embd": 32,
+                                        "n_head": 2, "n_positions": 256})
+    """
+
+    task = "causal_lm"
+    auto_class = "AutoModelForCausalLM"
+    shift_labels = True
+
+    def val_step(self, global_step: int, batch: dict[str, torch.Tensor], device: torch.device
+                 ) -> dict[str, torch.Tensor]:
+        out = self.forward_batch(batch, device)
+        logits = out.logits[:, :-1].float()
+        targets = batch["labels"][:, 1:].to(device)
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets,
+                                                ignore_index=-100, reduction="none")
+        return {"nll": nll.sum(1), "tokens": (targets != -100).sum(1)}
+
+    def on_end_val_epoch(self, global_step: int, outputs: dict[str, Any], key: str = "val"
+                         ) -> dict[str, float]:
+        return perplexity(outputs["nll"], outputs["tokens"])

@@ -1,0 +1,214 @@
+"""TextData: text files tokenized for one task, in memory or as shards; padded per micro-batch."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Optional, Union
+
+import torch
+
+from ..data.shards import ShardDataset
+from ..interfaces import DataInterface
+from .collate import PadCollate
+from .errors import HFConfigError
+from .files import check_columns, read_rows
+from .tokenize import TASKS, TokenizeText, from_shard_sample
+from .tokenizers import load_tokenizer
+
+
+class TextData(DataInterface):
+    """Text files (JSON lines / CSV, or ``datasets`` objects) for a ``sailfin.hf`` module.
+
+    The module names the task (``classification``, ``token_classification``,
+    ``causal_lm``, ``seq2seq``) when it is built, and the files are tokenized then,
+    before the first step: ``process_count`` processes in parallel, into memory, or
+    with ``shards_dir`` into sailfin shards (written once, then streamed; a run
+    resumes exactly either way). Batches are padded to their longest sample
+    (:class:`PadCollate`), not to ``max_length``. A text longer than ``max_length``
+    is truncated and counted (``truncated``), or refused with ``truncation: refuse``.
+
+    Labels (classification and token tags) are the sorted distinct values of the
+    train file's ``label_column``, or ``labels`` as given.
+
+    Example::
+
+        data = TextData("my-model", "train.jsonl", "val.jsonl", text_column="text",
+                        label_column="label", max_length=128)
+        module = SequenceClassification(data, model_name_or_path="my-model")
+    """
+
+    def __init__(self, tokenizer: str, train_file: Union[str, Any],
+                 val_file: Union[str, Any, None] = None, *, text_column: str = "text",
+                 text_pair_column: Optional[str] = None, label_column: str = "label",
+                 target_column: str = "summary", labels: Optional[list[str]] = None,
+                 max_length: int = 128, target_max_length: int = 64,
+                 truncation: str = "count", shards_dir: Optional[str] = None,
+                 samples_per_shard: int = 1000, process_count: int = 1,
+                 task: Optional[str] = None) -> None:
+        if max_length < 2:
+            raise HFConfigError(f"data.init_args.max_length is {max_length}; use 2 or more")
+        self.tokenizer_path = tokenizer
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.files = {"train": train_file, **({"val": val_file} if val_file is not None else {})}
+        self.options = dict(text_column=text_column, text_pair_column=text_pair_column,
+                            label_column=label_column, target_column=target_column,
+                            max_length=max_length, target_max_length=target_max_length,
+                            truncation=truncation)
+        self.max_length, self.target_max_length = max_length, target_max_length
+        self.given_labels = list(labels) if labels is not None else None
+        self.shards_dir, self.samples_per_shard = shards_dir, samples_per_shard
+        self.process_count = process_count
+        self.task: Optional[str] = None
+        self.labels: list[str] = []
+        self.datasets: dict[str, torch.utils.data.Dataset] = {}
+        self.truncated: dict[str, int] = {}
+        self.mean_tokens = 0.0
+        self.collate: Optional[PadCollate] = None
+        if task is not None:
+            self.prepare(task)
+
+    # -- called by the module ---------------------------------------------------------
+    def prepare(self, task: str) -> "TextData":
+        """Read, check and tokenize every file for ``task`` (once; the module calls it)."""
+        if self.task is not None:
+            if task != self.task:
+                raise HFConfigError(f"data.init_args.task is '{self.task}', but the module "
+                                    f"trains '{task}'; remove data.init_args.task")
+            return self
+        if task not in TASKS:
+            raise HFConfigError(f"task '{task}': use one of {', '.join(TASKS)}")
+        self.task = task
+        columns = self._columns(task)
+        rows = {}
+        for split, source in self.files.items():
+            rows[split] = read_rows(source, f"{split}_file")
+            check_columns(rows[split], columns, _label(source), f"{split}_file")
+        if task in ("classification", "token_classification"):
+            self.labels = self._find_labels(rows, task)
+        label2id = {name: i for i, name in enumerate(self.labels)}
+        processor = TokenizeText(self.tokenizer_path, task, label2id=label2id,
+                                 samples_per_shard=self.samples_per_shard, **self.options)
+        processor._tokenizer = self.tokenizer
+        lengths = []
+        for split, source in self.files.items():
+            ds, truncated, split_lengths = self._tokenize(processor, split, source,
+                                                          len(rows[split]))
+            self.datasets[split] = ds
+            self.truncated[split] = truncated
+            if split == "train":
+                lengths = split_lengths
+        self.mean_tokens = sum(lengths) / max(1, len(lengths))
+        pad = self.tokenizer.pad_token_id
+        self.collate = PadCollate(pad, label_pad=-100 if task != "classification" else None,
+                                  causal=task == "causal_lm")
+        return self
+
+    def _columns(self, task: str) -> dict[str, str]:
+        o = self.options
+        cols = {"text_column": o["text_column"]}
+        if o["text_pair_column"]:
+            cols["text_pair_column"] = o["text_pair_column"]
+        if task in ("classification", "token_classification"):
+            cols["label_column"] = o["label_column"]
+        if task == "seq2seq":
+            cols["target_column"] = o["target_column"]
+        return cols
+
+    def _find_labels(self, rows: dict[str, list], task: str) -> list[str]:
+        column = self.options["label_column"]
+        seen: set[str] = set()
+        for split_rows in rows.values():
+            for row in split_rows:
+                values = row[column] if task == "token_classification" else [row[column]]
+                seen.update(str(v) for v in values)
+        if self.given_labels is None:
+            return sorted(seen, key=_natural)
+        missing = sorted(seen - set(map(str, self.given_labels)))
+        if missing:
+            raise HFConfigError(f"data.init_args.labels lacks {', '.join(missing[:5])}, found "
+                                f"in '{column}'; add them or leave labels unset")
+        return [str(x) for x in self.given_labels]
+
+    def _tokenize(self, processor: TokenizeText, split: str, source: Any, n_rows: int
+                  ) -> tuple[torch.utils.data.Dataset, int, list[int]]:
+        workers = max(1, min(self.process_count, n_rows))
+        per_job = math.ceil(n_rows / workers / 4) if workers > 1 else n_rows
+        if self.shards_dir is None or not isinstance(source, str):
+            jobs = [(source, a, min(a + per_job, n_rows)) for a in range(0, n_rows, per_job)]
+            done = processor.multi_process_data(jobs, process_count=workers)
+            samples = [s for part in done for s in part["samples"]]
+            return (ListDataset(samples), sum(p["truncated"] for p in done),
+                    [n for p in done for n in p["lengths"]])
+        out = os.path.join(self.shards_dir, split)
+        meta_path = os.path.join(out, "meta.json")
+        meta = self._shard_meta(source)
+        if not _same_meta(meta_path, meta):
+            # Whole shards per job: a job starts at a multiple of samples_per_shard.
+            step = max(1, math.ceil(per_job / self.samples_per_shard)) * self.samples_per_shard
+            jobs = [(source, a, min(a + step, n_rows), out, a // self.samples_per_shard)
+                    for a in range(0, n_rows, step)]
+            done = processor.multi_process_data(jobs, process_count=workers)
+            meta["truncated"] = sum(p["truncated"] for p in done)
+            meta["lengths"] = [n for p in done for n in p["lengths"]]
+            meta["shards"] = [os.path.basename(s) for p in done for s in p["shards"]]
+            tmp = f"{meta_path}.tmp-{os.getpid()}"
+            with open(tmp, "w") as fh:
+                json.dump(meta, fh)
+            os.replace(tmp, meta_path)  # written last: the shards are complete
+        with open(meta_path) as fh:
+            meta = json.load(fh)
+        urls = [os.path.join(out, s) for s in meta["shards"]]
+        ds = ShardDataset(urls, decode="numpy", transform=from_shard_sample, shuffle=False)
+        return ds, meta["truncated"], meta["lengths"]
+
+    def _shard_meta(self, source: str) -> dict[str, Any]:
+        stat = os.stat(source)
+        return {"source": os.path.abspath(source), "size": stat.st_size,
+                "mtime": stat.st_mtime, "task": self.task, "labels": self.labels,
+                "tokenizer": os.path.abspath(self.tokenizer_path), **self.options}
+
+    # -- DataInterface ------------------------------------------------------------------
+    def get_train_dataset(self) -> torch.utils.data.Dataset:
+        self._need_prepare()
+        return self.datasets["train"]
+
+    def get_val_dataset(self) -> Optional[torch.utils.data.Dataset]:
+        self._need_prepare()
+        return self.datasets.get("val")
+
+    def _need_prepare(self) -> None:
+        if self.task is None:
+            raise HFConfigError("TextData has not been prepared: give it to a sailfin.hf "
+                                "module, or set data.init_args.task")
+
+
+class ListDataset(torch.utils.data.Dataset):
+    """Tokenized samples held in memory."""
+
+    def __init__(self, samples: list[dict[str, Any]]) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.samples[i]
+
+
+def _same_meta(path: str, meta: dict[str, Any]) -> bool:
+    try:
+        with open(path) as fh:
+            old = json.load(fh)
+    except (OSError, ValueError):
+        return False
+    return all(old.get(k) == v for k, v in meta.items())
+
+
+def _natural(label: str) -> tuple:
+    return (0, int(label), "") if label.lstrip("-").isdigit() else (1, 0, label)
+
+
+def _label(source: Any) -> str:
+    return source if isinstance(source, str) else type(source).__name__

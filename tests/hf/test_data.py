@@ -1,0 +1,120 @@
+"""TextData: padding per micro-batch, truncation, shards, parallel tokenizing, bad input."""
+
+import json
+
+import pytest
+
+from sailfin.cli import main
+from sailfin.hf import HFConfigError, SequenceClassification, TextData
+from tests.hf.helpers import CONFIGS, VOCAB, yaml_config, write
+
+pytest.importorskip("transformers")
+
+
+def tok(data_dir):
+    return str(data_dir / f"tokenizer-{VOCAB}")
+
+
+def jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+ROWS = [{"text": "def f(x): return x" + " + x" * i, "label": "ab"[i % 2]} for i in range(12)]
+
+
+def test_batches_are_padded_to_their_longest_sample(data_dir, tmp_path):
+    data = TextData(tok(data_dir), jsonl(tmp_path / "t.jsonl", ROWS), task="classification")
+    samples = [data.datasets["train"][i] for i in (0, 1, 5)]
+    batch = data.collate(samples)
+    longest = max(len(s["input_ids"]) for s in samples)
+    assert batch["input_ids"].shape == (3, longest) < (3, data.max_length)
+    assert batch["attention_mask"].sum(1).tolist() == [len(s["input_ids"]) for s in samples]
+    assert batch["labels"].tolist() == [0, 1, 1] and data.labels == ["a", "b"]
+    pad = data.tokenizer.pad_token_id
+    assert (batch["input_ids"][batch["attention_mask"] == 0] == pad).all()
+
+
+def test_truncation_is_counted_or_refused(data_dir, tmp_path):
+    train = jsonl(tmp_path / "t.jsonl", ROWS)
+    lengths = [len(TextData(tok(data_dir), train, task="classification", max_length=512)
+                   .datasets["train"][i]["input_ids"]) for i in range(12)]
+    limit = sorted(lengths)[6]
+    data = TextData(tok(data_dir), train, task="classification", max_length=limit)
+    assert data.truncated["train"] == sum(n > limit for n in lengths) > 0
+    assert max(len(s["input_ids"]) for s in data.datasets["train"].samples) == limit
+    with pytest.raises(HFConfigError, match=r"t.jsonl row \d+: \d+ tokens, more than "
+                                            rf"data.init_args.max_length {limit}") as err:
+        TextData(tok(data_dir), train, task="classification", max_length=limit,
+                 truncation="refuse")
+    assert "\n" not in str(err.value)
+
+
+def test_shards_and_two_processes_give_the_same_samples(data_dir, tmp_path):
+    train = jsonl(tmp_path / "t.jsonl", ROWS)
+    memory = TextData(tok(data_dir), train, task="classification")
+    sharded = TextData(tok(data_dir), train, task="classification", process_count=2,
+                       shards_dir=str(tmp_path / "shards"), samples_per_shard=4)
+    assert sorted(p.name for p in (tmp_path / "shards" / "train").glob("*.tar")) == [
+        "shard-000000.tar", "shard-000001.tar", "shard-000002.tar"]
+    expected = [memory.datasets["train"][i] for i in range(12)]
+    assert [sharded.datasets["train"][i] for i in range(12)] == expected
+    parallel = TextData(tok(data_dir), train, task="classification", process_count=2)
+    assert parallel.datasets["train"].samples == expected
+    # Written once: a second TextData reads the shards (nothing rewritten).
+    stamp = (tmp_path / "shards" / "train" / "shard-000000.tar").stat().st_mtime_ns
+    again = TextData(tok(data_dir), train, task="classification",
+                     shards_dir=str(tmp_path / "shards"), samples_per_shard=4)
+    assert again.datasets["train"][3] == expected[3]
+    assert (tmp_path / "shards" / "train" / "shard-000000.tar").stat().st_mtime_ns == stamp
+
+
+def test_token_labels_sit_on_each_words_first_sub_word(data_dir, tmp_path):
+    rows = [{"words": ["def", "read_file_lines", "(", "path", ")"],
+             "tags": ["B-KW", "B-REF", "O", "B-REF", "O"]}]
+    data = TextData(tok(data_dir), jsonl(tmp_path / "t.jsonl", rows), task="token_classification",
+                    text_column="words", label_column="tags")
+    sample = data.datasets["train"][0]
+    ids = data.labels
+    kept = [ids[t] for t in sample["labels"] if t != -100]
+    assert kept == rows[0]["tags"]
+    assert len(sample["labels"]) == len(sample["input_ids"]) > 5  # sub-words were skipped
+
+
+# -- bad input: one line each, before the first step ------------------------------------
+def test_a_model_directory_without_a_tokenizer(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    with pytest.raises(HFConfigError, match=r"data.init_args.tokenizer: '.*model' has no "
+                                            "tokenizer"):
+        TextData(str(tmp_path / "model"), jsonl(tmp_path / "t.jsonl", ROWS))
+
+
+def test_a_missing_label_column(data_dir, tmp_path):
+    with pytest.raises(HFConfigError, match="data.init_args.label_column is 'category', but "
+                                            ".* has no such column .*columns: label, text"):
+        TextData(tok(data_dir), jsonl(tmp_path / "t.jsonl", ROWS), label_column="category",
+                 task="classification")
+
+
+def test_num_labels_disagreeing_with_the_data(data_dir, tmp_path):
+    data = TextData(tok(data_dir), jsonl(tmp_path / "t.jsonl", ROWS))
+    with pytest.raises(HFConfigError, match=r"num_labels is 3, but the data has 2 labels "
+                                            r"\(a, b\); set num_labels 2"):
+        SequenceClassification(data, config=dict(CONFIGS["classification"]), num_labels=3)
+
+
+def test_the_cli_prints_one_line_and_exits_2(data_dir, tmp_path, capsys):
+    text = yaml_config("classification", data_dir, tmp_path / "out")
+    text = text.replace("lr: 0.003", "lr: 0.003\n    num_labels: 2")
+    assert main(["train", write(tmp_path / "c.yaml", text)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "num_labels is 2, but the data has 6 labels" in err[0]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_text_longer_than_the_model_allows(data_dir, tmp_path):
+    data = TextData(tok(data_dir), jsonl(tmp_path / "t.jsonl", ROWS), max_length=128)
+    with pytest.raises(HFConfigError, match="max_length is 128, more than the model's "
+                                            r"max_position_embeddings \(64\)"):
+        SequenceClassification(data, config=dict(CONFIGS["classification"]))
