@@ -110,6 +110,20 @@ def test_every_marker_has_a_reason_and_a_fence():
     assert not problems, "\n".join(problems)
 
 
+FIXED_TMP = re.compile(r"""["'\s=]/tmp/""")
+
+
+def test_runnable_blocks_write_only_under_their_page_directory():
+    """A block that writes to a fixed /tmp path finds the last run's files there (a
+    second run on the same machine then fails on them): write relative paths, which
+    land in the page's fresh directory."""
+    found = [f"{b.where}: names a fixed /tmp path; use a relative one (e.g. runs/NAME)"
+             for page in pages() for b in parse(page)[0]
+             if b.lang in ("python", "bash") and b.marker != "no-test"
+             and FIXED_TMP.search(b.code)]
+    assert not found, "\n".join(found)
+
+
 def test_the_extractor_finds_the_front_page_examples():
     """The README's recipe (a file-named python block), its config and commands are
     collected to run: a parser that found nothing would pass every page silently."""
