@@ -12,6 +12,7 @@ from ..core.callbacks import Callback
 from .early_stopping import EarlyStopping
 from .ema import WeightAverage
 from .flops import FlopsMeter, build_flops_meter
+from .flops_count import FirstStepFlops
 from .step_validation import StepValidation
 
 if TYPE_CHECKING:
@@ -23,6 +24,8 @@ class LoopFeatures:
     ema: Optional[WeightAverage]
     flops: FlopsMeter
     callbacks: list[Callback] = field(default_factory=list)
+    # Last in the step hooks: a step auto micro-batch runs again is counted afresh.
+    last_callbacks: list[Callback] = field(default_factory=list)
 
 
 def build_loop_features(module: Any, args: TrainerArguments, backend: Any,
@@ -44,7 +47,8 @@ def build_loop_features(module: Any, args: TrainerArguments, backend: Any,
     compiled = bool(getattr(getattr(backend, "execution", None), "compile", args.compile))
     flops = build_flops_meter(module, args, dist.world_size, backend.device, precision,
                               compiled=compiled)
-    return LoopFeatures(ema, flops, callbacks)
+    counting = [FirstStepFlops(flops)] if flops.pending else []
+    return LoopFeatures(ema, flops, callbacks, counting)
 
 
 def finish_summary(trainer: "Trainer") -> dict[str, Any]:
