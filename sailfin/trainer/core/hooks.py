@@ -9,6 +9,7 @@ import torch
 
 from ...interfaces import ModuleInterface
 from .callbacks import Callback
+from .pymarlin_forms import unpack
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -27,7 +28,7 @@ def padding_micro_batch(backend: Any, module: Any, global_step: int, batch: Any,
         out = backend.train_step(module, global_step, batch, True)
     finally:
         module.padding_batch = False
-    loss, pad_stats = (out[0], out[1]) if type(out) is tuple else (out, None)
+    loss, pad_stats = unpack(out)
     loss = loss * 0.0
     backend.backward(loss)
     step_loss = loss if step_loss is None else step_loss.detach() + loss.detach()

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 import torch
 
 from ..features.stragglers import loss_and_stragglers
+from .pymarlin_forms import loggable
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -61,7 +62,7 @@ class TrainLog:
         metrics: dict[str, float] = {"loss": loss,
                                      "lr": trainer.optimizers[0].param_groups[0]["lr"]}
         metrics.update(stragglers)
-        if stats:
+        if loggable(stats):
             metrics.update(reduce_stats(stats, backend, trainer.dist.is_distributed))
         if trainer.nonfinite.count:
             metrics["nonfinite_steps"] = trainer.nonfinite.count

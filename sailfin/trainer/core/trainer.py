@@ -11,6 +11,7 @@ import torch
 
 from ...backends import build_backend
 from ...checkpoint import build_checkpointer
+from ...checkpoint.checkpointer import say
 from ...checkpoint.rng import seed_loader
 from ...config.trainer import TrainerArguments
 from ...data.plan import BatchPlan
@@ -22,6 +23,7 @@ from ...logging import Writer
 from ...logging.destination import check_directory
 from ...utils.log import configure_logging
 from ...utils.seed import seed_everything
+from ..checkpointing.accepted import FreshHyperparameters, apply_accepted
 from ..features.autobatch import auto_micro_batch
 from .callbacks import Callback
 from .hooks import any_says_again, as_list, overridden, overriding, padding_micro_batch
@@ -37,8 +39,9 @@ from ..features.run_stats import RunStats
 from ..safety.startup_checks import check_schedulers_fit, sanity_validate, train_output_checker
 from .outputs import finish_run
 from ..checkpointing.state import load_trainer_state, trainer_state
+from .pymarlin_forms import train_step_end_caller, unpack, val_epoch_end_caller
 from .train_log import TrainLog
-from .validation import run_validation
+from .validation import due_after_epoch, run_validation
 
 
 class Trainer:
@@ -104,15 +107,15 @@ class Trainer:
             self.train_log.ready_since = self.global_step
             self.preemption.install(self.global_step)
             self._notify("on_train_start")
-            while (self.epoch < args.epochs and not self._reached_max_steps()
-                   and self.stop_reason is None):
+            while (self.epoch < args.epochs and self.stop_reason is None
+                   and (args.max_steps is None or self.global_step < args.max_steps)):
                 started = time.perf_counter()
                 finished_epoch = self._train_epoch()
                 self.nonfinite.check()  # a deferred guard reads the epoch's last losses
                 self.train_seconds += time.perf_counter() - started
                 if not finished_epoch:
                     break
-                if self._should_validate(self.epoch) and self.last_val_step != self.global_step:
+                if due_after_epoch(self.args, self.epoch) and self.last_val_step != self.global_step:
                     self.validate()  # (unless val_every_n_steps just did)
                 self.epoch += 1
                 self.step_in_epoch = 0
@@ -210,7 +213,9 @@ class Trainer:
             self.callbacks.append(self.autobatch)
         self.callbacks += features.last_callbacks  # the first step's FLOPs
         # Before the writers open metrics.jsonl: resuming trims events past the checkpoint.
+        fresh = FreshHyperparameters.capture(self.optimizers, self.schedulers)
         self.resumed_from = resume(self, self.checkpointer)
+        apply_accepted(self, fresh, say)  # resume_config: accept: the new lr... take effect
         if self.autobatch is not None:
             self.autobatch.start(self)  # the checkpoint's size, or a search after a resize
         # Writers and progress (rank 0), profiler: destination errors surface here.
@@ -222,6 +227,9 @@ class Trainer:
                                         getattr(self.train_sampler, "step_indices", None))
         self.trainable_params = [p for p in self.module.parameters() if p.requires_grad]
         self._on_end_backward = overridden(self.module, "on_end_backward")
+        # The recipe's callbacks, called with what their signatures take (PyMarlin's too).
+        self._on_end_train_step, self._on_end_val_epoch = (
+            train_step_end_caller(self.module), val_epoch_end_caller(self.module))
         self._dataset_set_epoch = dataset_set_epoch(self.train_loader)
         self._is_setup = True
 
@@ -238,7 +246,7 @@ class Trainer:
         begin, backward_end, step_end = (overriding(self.callbacks, hook) for hook in (
             "on_step_begin", "on_backward_end", "on_step_end"))
         out_of_memory = overriding(self.callbacks, "on_out_of_memory")
-        on_end_train_step = overridden(module, "on_end_train_step")
+        on_end_train_step = self._on_end_train_step
         log_every, beat, log, preemption = (args.log_every_n_steps, self.heartbeat,
                                             self.train_log, self.preemption)
         module.train()
@@ -311,7 +319,7 @@ class Trainer:
                 if self._check_first_output is not None:
                     self._check_first_output(out)
                     self._check_first_output = None
-                loss, stats = (out[0], out[1]) if type(out) is tuple else (out, None)
+                loss, stats = unpack(out)  # stats: a dict, None or PyMarlin's extras
                 if micro.weight != 1.0:
                     # Weight by the micro-batch's share of the step: the summed
                     # gradient is the one-big-batch gradient even for short batches.
@@ -384,13 +392,6 @@ class Trainer:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Put back what :meth:`state_dict` returned (after :meth:`setup` built the pieces)."""
         load_trainer_state(self, state)
-
-    def _should_validate(self, epoch: int) -> bool:
-        every = self.args.val_every_n_epochs
-        return bool(every) and ((epoch + 1) % every == 0 or epoch + 1 == self.args.epochs)
-
-    def _reached_max_steps(self) -> bool:
-        return self.args.max_steps is not None and self.global_step >= self.args.max_steps
 
     def _notify(self, event: str, *args: Any) -> None:
         for callback in self.callbacks:

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import torch
 
 from ...checkpoint.rng import seed_loader
 from ...config.trainer import TrainerArguments
 from ...distributed.watchdog import VALIDATION
-from ..safety.startup_checks import zero_dim_message
+from .pymarlin_forms import as_columns, batch_size, per_sample
 from .train_log import scalar
 
 if TYPE_CHECKING:
@@ -30,11 +30,13 @@ def run_validation(trainer: "Trainer") -> dict[str, dict[str, float]]:
         for name, loader in trainer.val_loaders.items():
             # Validating draws nothing from the training's random streams.
             seed_loader(loader, args.seed, trainer.global_step, trainer.dist.rank)
+            sizes: list[int] = []  # samples per batch: a 0-d output counts once per sample
             local = merge_outputs(trainer.backend.validation_outputs(
                 module, trainer.global_step,
-                trainer.heartbeat.count(val_batches(loader, args))))
+                trainer.heartbeat.count(val_batches(loader, args, sizes))), sizes=sizes)
             outputs = trainer.backend.gather_outputs(local)
-            metrics = module.on_end_val_epoch(trainer.global_step, outputs, name) or {}
+            # The recipe's on_end_val_epoch, called with what its signature takes.
+            metrics = trainer._on_end_val_epoch(trainer.global_step, outputs, name) or {}
             metrics = {k: scalar(v) for k, v in metrics.items()}
             results[name] = metrics
             if metrics:
@@ -46,6 +48,12 @@ def run_validation(trainer: "Trainer") -> dict[str, dict[str, float]]:
     return results
 
 
+def due_after_epoch(args: TrainerArguments, epoch: int) -> bool:
+    """``val_every_n_epochs`` asks for validation after ``epoch`` (and after the last)."""
+    every = args.val_every_n_epochs
+    return bool(every) and ((epoch + 1) % every == 0 or epoch + 1 == args.epochs)
+
+
 def validation_weights(trainer: "Trainer") -> Any:
     """The EMA weights swapped in for validation when ``trainer.ema.validate`` says."""
     if trainer.ema is not None and trainer.args.ema.validate:
@@ -53,17 +61,27 @@ def validation_weights(trainer: "Trainer") -> Any:
     return contextlib.nullcontext()
 
 
-def merge_outputs(batches: list[Any], where: str = "val_step") -> dict[str, Any]:
+def merge_outputs(batches: list[Any], where: str = "val_step",
+                  sizes: Optional[list[int]] = None) -> dict[str, Any]:
     """Merge per-batch ``val_step`` dicts into one dict, concatenating once per key.
 
-    Tensors are concatenated on their first dimension (a 0-d tensor is an error);
-    lists are chained; any other value becomes a list with one entry per batch.
+    Tensors are concatenated on their first dimension; a 0-d tensor is the batch's mean
+    and counts once per sample of its batch (``sizes[i]``, else the length of another
+    output), so a column's mean is the exact per-sample mean. Lists are chained; any
+    other value becomes a list with one entry per batch. A tuple return (PyMarlin's
+    form) becomes columns "0", "1", ... (see :mod:`.pymarlin_forms`).
     """
     if not batches:
         return {}
     keys = None
     columns: dict[str, list[Any]] = {}
     for i, out in enumerate(batches):
+        out = as_columns(out)
+        zero_d = [k for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() == 0] \
+            if isinstance(out, dict) else []
+        if zero_d:
+            count = sizes[i] if sizes is not None and i < len(sizes) else batch_size(None, out)
+            out = {k: per_sample(v, count) if k in zero_d else v for k, v in out.items()}
         if not isinstance(out, dict):
             raise TypeError(f"{where} must return a dict of tensors (first dim = batch); "
                             f"batch {i} returned {type(out).__name__}")
@@ -78,17 +96,26 @@ def merge_outputs(batches: list[Any], where: str = "val_step") -> dict[str, Any]
     return {k: _concat(v, k, where) for k, v in columns.items()}
 
 
-def val_batches(loader: Iterable[Any], args: TrainerArguments) -> Iterable[Any]:
-    """The loader's batches, at most ``max_val_steps_per_epoch`` of them (this rank's)."""
+def val_batches(loader: Iterable[Any], args: TrainerArguments,
+                sizes: Optional[list[int]] = None) -> Iterable[Any]:
+    """The loader's batches, at most ``max_val_steps_per_epoch`` of them (this rank's);
+    each batch's sample count is appended to ``sizes`` (a 0-d output's weight)."""
     limit = args.max_val_steps_per_epoch
-    return loader if limit is None else itertools.islice(loader, limit)
+    batches = loader if limit is None else itertools.islice(loader, limit)
+    if sizes is None:
+        return batches
+    return _counted(batches, sizes)
+
+
+def _counted(batches: Iterable[Any], sizes: list[int]) -> Iterator[Any]:
+    for batch in batches:
+        sizes.append(batch_size(batch))
+        yield batch
 
 
 def _concat(values: list[Any], key: str, where: str) -> Any:
     first = values[0]
     if isinstance(first, torch.Tensor):
-        if first.dim() == 0:  # a batch mean would change the metric with the batch size
-            raise ValueError(zero_dim_message(where, key))
         return torch.cat(values)
     if isinstance(first, list):
         return [x for v in values for x in v]

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from ...config.trainer import TrainerArguments
 from ...distributed import DistEnv
 from ..core.callbacks import Callback
+from .bf16_check import bf16_cpu_check
 from .early_stopping import EarlyStopping
 from .ema import WeightAverage
 from .flops import FlopsMeter, build_flops_meter
@@ -47,6 +48,9 @@ def build_loop_features(module: Any, args: TrainerArguments, backend: Any,
     compiled = bool(getattr(getattr(backend, "execution", None), "compile", args.compile))
     flops = build_flops_meter(module, args, dist.world_size, backend.device, precision,
                               compiled=compiled)
+    check = bf16_cpu_check(backend)  # sp-amp on a CPU that emulates bf16: warn at start
+    if check is not None:
+        callbacks.append(check)
     counting = [FirstStepFlops(flops)] if flops.pending else []
     return LoopFeatures(ema, flops, callbacks, counting)
 

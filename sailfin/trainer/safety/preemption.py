@@ -126,12 +126,9 @@ class Preemption:
             self._sigint_at = now
         if self.signal_name is not None:
             return  # the stop is under way (torchrun forwards the scheduler's SIGTERM again)
+        # No I/O here: a print landing while the loop writes to the same stream raises
+        # "reentrant call" and ends the run without its save. poll() reports it.
         self.signal_name = name
-        when = ("after this step" if not self.distributed
-                else f"at the next multiple of {self.check_every} steps, where all ranks agree")
-        print(f"sailfin: {name} received: stopping {when}, with a checkpoint"
-              + (" (Ctrl-C again to abort without saving)" if signum == signal.SIGINT else ""),
-              file=sys.stderr, flush=True)
         if not self.distributed:
             self.check_at = 0  # the loop stops after the step in progress
 
@@ -140,11 +137,24 @@ class Preemption:
         """True when every rank stops after ``global_step``; with several ranks, one small
         all-reduce, so every rank calls it at the same steps."""
         if not self.distributed:
+            if self.signal_name is not None:
+                self._report(global_step)
             return self.signal_name is not None
         self.check_at = global_step + self.check_every
         flag = torch.tensor(0.0 if self.signal_name is None else 1.0, device=self.device)
         if self.all_reduce_mean(flag).item() > 0:
             if self.signal_name is None:
                 self.signal_name = "SIGTERM (on another rank)"
+            else:
+                self._report(global_step)
             return True
         return False
+
+    def _report(self, global_step: int) -> None:
+        """The signal handler's message, printed from the loop (the handler does no I/O)."""
+        where = (f" (step {global_step}: the ranks agree every {self.check_every} steps)"
+                 if self.distributed else "")
+        print(f"sailfin: {self.signal_name} received: stopping after this step{where}, "
+              "with a checkpoint" + (" (Ctrl-C again to abort without saving)"
+                                     if self._sigint_at is not None else ""),
+              file=sys.stderr, flush=True)

@@ -27,8 +27,9 @@ import torch
 if TYPE_CHECKING:
     from ..core.trainer import Trainer
 
-TRAIN_STEP_FORMS = ("the batch's mean loss (a tensor with one value), or "
-                    "(loss, {name: scalar tensor}) to log more values")
+TRAIN_STEP_FORMS = ("the batch's mean loss (a tensor with one value), "
+                    "(loss, {name: scalar tensor}) to log more values, or PyMarlin's "
+                    "(loss, outputs...) passed to on_end_train_step")
 
 
 class StartupCheckError(ValueError):
@@ -105,23 +106,13 @@ def sanity_validate(trainer: "Trainer") -> None:
 
 
 def check_val_output(out: Any, where: str = "val_step") -> None:
-    """A dict whose tensors have a batch dimension (a 0-d tensor is refused, with why)."""
-    if not isinstance(out, Mapping):
+    """A dict (or PyMarlin's tuple) of per-sample values; a 0-d tensor is the batch's
+    mean and is counted once per sample (see :mod:`.pymarlin_forms`)."""
+    if not isinstance(out, (Mapping, tuple, list)):
         raise StartupCheckError(
             f"{where} returned {type(out).__name__}; it must return a dict of per-sample "
-            "values, e.g. {'pred': logits.argmax(1), 'label': y} (first dimension = batch)")
-    for key, value in out.items():
-        if isinstance(value, torch.Tensor) and value.dim() == 0:
-            raise StartupCheckError(zero_dim_message(where, key))
-
-
-def zero_dim_message(where: str, key: str) -> str:
-    return (f"{where} returned a 0-d tensor for {key!r}: one value for the whole batch. "
-            "Return per-sample values (first dimension = batch), e.g. "
-            f"{{{key!r}: F.cross_entropy(logits, y, reduction='none')}}, and reduce them in "
-            "on_end_val_epoch. sailfin gathers outputs sample by sample over batches and "
-            "ranks; a per-batch mean would count a short last batch like a full one, so the "
-            "metric would change with the batch size and the world size.")
+            "values, e.g. {'pred': logits.argmax(1), 'label': y} (first dimension = batch), "
+            "or PyMarlin's tuple (loss, logits, labels)")
 
 
 # -- the first train_step ------------------------------------------------------------------
@@ -131,14 +122,10 @@ def train_output_checker(step: int) -> Callable[[Any], None]:
     def check(out: Any) -> None:
         where = f"train_step (step {step + 1}, the run's first)"
         if type(out) is tuple:
-            if len(out) != 2 or not (out[1] is None or isinstance(out[1], Mapping)):
-                shown = ", ".join(_describe(v) for v in out)
-                raise StartupCheckError(
-                    f"{where} returned a tuple ({shown}); sailfin takes {TRAIN_STEP_FORMS}. "
-                    "PyMarlin's (loss, outputs...) pattern passed extra outputs to callbacks: "
-                    "keep them on self in train_step (self.last_logits = logits.detach()) "
-                    "and read them in on_end_train_step, or log scalars through the dict")
-            loss = out[0]
+            if not out:
+                raise StartupCheckError(f"{where} returned an empty tuple; it must return "
+                                        f"{TRAIN_STEP_FORMS}")
+            loss = out[0]  # (loss, stats) or PyMarlin's (loss, outputs...): pymarlin_forms
         else:
             loss = out
         if not isinstance(loss, torch.Tensor):
