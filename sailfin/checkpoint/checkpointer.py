@@ -17,8 +17,6 @@ manifest, written last, is the commit.
 from __future__ import annotations
 
 import abc
-import re
-import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -27,15 +25,11 @@ from ..config.checkpoint import CheckpointArguments
 from ..distributed import DistEnv
 from . import manifest as manifests
 from .errors import CheckpointCorrupt, CheckpointError
+from .layout import _STEP, DirectoryLayout, say
 from .serialize import FileEntry, StagingBuffers, load_object, save_object
 from .sharded import SHARDS, ShardedRef, ShardedWriter, locate_shards
 from .storage import Storage, open_storage
 
-_STEP = re.compile(r"^step-(\d+)$")
-_LEFTOVER = re.compile(r"^\.(?:tmp|old)-step-(\d+)")
-# A save killed between its renames can leave a complete checkpoint under either name.
-_RENAMED = re.compile(r"^\.(tmp|old)-(step-\d+)$")
-_POINTER_TMP = re.compile(r"^(?:latest|best)\.tmp-\d+$")
 
 
 @dataclass
@@ -68,10 +62,6 @@ class Loaded:
     """None when the checkpoint has no state for this rank (it ran on fewer ranks)."""
     sharded: Optional[ShardedRef] = None
     """The checkpoint's DCP shards (saved under fsdp), read by :func:`.sharded.load_sharded`."""
-
-
-def say(message: str) -> None:
-    print(f"sailfin: {message}", file=sys.stderr, flush=True)
 
 
 class Checkpointer(abc.ABC):
@@ -129,8 +119,9 @@ class Checkpointer(abc.ABC):
         partial files, keep every complete checkpoint."""
 
 
-class DirectoryCheckpointer(Checkpointer):
-    """The default: one directory per save, atomic commit, keep-last and best.
+class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
+    """The default: one directory per save, atomic commit, keep-last and best. This
+    class writes and reads; :class:`.layout.DirectoryLayout` knows the directory's names.
 
     Example::
 
@@ -149,18 +140,6 @@ class DirectoryCheckpointer(Checkpointer):
         self._staging = StagingBuffers()  # async saves: CPU copies, reused from save to save
         self.shards = ShardedWriter(self.storage, args.storage_options)
         self.writes_shards = True  # Snapshot.sharded (fsdp) is written, with DCP
-
-    # -- names ---------------------------------------------------------------
-    @staticmethod
-    def name_for(step: int) -> str:
-        return f"step-{step:08d}"
-
-    def path(self, *parts: str) -> str:
-        return self.storage.join(self.root, *parts)
-
-    @staticmethod
-    def rank_file(rank: int) -> str:
-        return f"rng-rank{rank:05d}.pt"
 
     # -- saving --------------------------------------------------------------
     def save(self, snapshot: Snapshot) -> None:
@@ -273,120 +252,6 @@ class DirectoryCheckpointer(Checkpointer):
                 self._executor.shutdown(wait=True)
                 self._executor = None
             self._staging.release()
-
-    # -- what is there ---------------------------------------------------------
-    def complete(self) -> list[tuple[int, str]]:
-        """(step, name) of every checkpoint with a manifest, oldest first."""
-        out = []
-        for entry in self.storage.listdir(self.root):
-            match = _STEP.match(entry)
-            if match and self.storage.exists(self.path(entry, manifests.MANIFEST)):
-                out.append((int(match.group(1)), entry))
-        return sorted(out)
-
-    def pointer(self, which: str) -> Optional[str]:
-        """The checkpoint ``latest`` or ``best`` names, if it is complete."""
-        try:
-            name = self.storage.read_bytes(self.path(which)).decode("utf-8").strip()
-        except (FileNotFoundError, UnicodeDecodeError):
-            return None
-        if _STEP.match(name) and self.storage.exists(self.path(name, manifests.MANIFEST)):
-            return name
-        return None
-
-    def latest(self) -> Optional[str]:
-        found = self.candidates()
-        return found[0] if found else None
-
-    def candidates(self) -> list[str]:
-        names = [name for _, name in reversed(self.complete())]
-        pointed = self.pointer("latest")
-        if pointed is not None:
-            names.remove(pointed)
-            names.insert(0, pointed)
-        return names
-
-    # -- after a kill or a failed save ---------------------------------------------
-    def recover(self) -> None:
-        """Rank 0 renames complete checkpoints that a kill left under ``.tmp-``/``.old-``
-        names back into place, and moves ``latest`` to a checkpoint committed after it
-        was last written (a kill between the rename and the pointer). Then all ranks wait."""
-        if self.dist.is_main:
-            entries = set(self.storage.listdir(self.root))
-            for entry in sorted(entries):
-                if _POINTER_TMP.match(entry):
-                    self.storage.remove(self.path(entry))
-            # .tmp- holds the newer save of a step, .old- the one it was replacing.
-            for prefix in ("tmp", "old"):
-                for entry in sorted(entries):
-                    match = _RENAMED.match(entry)
-                    if not (match and match.group(1) == prefix):
-                        continue
-                    name = match.group(2)
-                    if not self.storage.exists(self.path(entry, manifests.MANIFEST)):
-                        continue  # unfinished: retain() removes it after the next save
-                    if self.storage.exists(self.path(name, manifests.MANIFEST)):
-                        if prefix == "tmp":  # stopped before replacing the step: finish
-                            old = self.path(f".old-{name}")
-                            self.storage.remove_tree(old)
-                            self.storage.rename_dir(self.path(name), old)
-                            self.storage.rename_dir(self.path(entry), self.path(name))
-                            self.storage.remove_tree(old)
-                        continue
-                    self.storage.remove_tree(self.path(name))
-                    self.storage.rename_dir(self.path(entry), self.path(name))
-                    say(f"recovered checkpoint {self.storage.display(self.path(name))} "
-                        f"from {entry} (a save was stopped between its renames)")
-            self._catch_up_latest()
-        self.barrier()
-
-    def _catch_up_latest(self) -> None:
-        complete = self.complete()
-        if not complete:
-            return
-        newest = complete[-1][1]
-        pointed = self.pointer("latest")
-        if pointed is None or pointed == newest:
-            return
-        # A newer checkpoint is normal after resuming from an older one on purpose; only
-        # one committed after ``latest`` was written was cut off before its pointer.
-        written = self.storage.mtime(self.path("latest"))
-        committed = self.storage.mtime(self.path(newest, manifests.MANIFEST))
-        if written is not None and committed is not None and committed > written:
-            self.storage.write_bytes(self.path("latest"), f"{newest}\n".encode())
-            say(f"latest now names {newest}: its save was stopped before it moved the pointer")
-
-    def abort(self) -> None:
-        if not self.dist.is_main:
-            return
-        for entry in self.storage.listdir(self.root):
-            if not (_LEFTOVER.match(entry) or _STEP.match(entry)):
-                continue
-            if not self.storage.exists(self.path(entry, manifests.MANIFEST)):
-                self.storage.remove_tree(self.path(entry))  # the failed save's partial files
-
-    # -- keep-last and best ------------------------------------------------------
-    def retain(self) -> None:
-        """Delete all but the newest ``keep_last``, the best and what ``latest`` names.
-
-        Also removes what killed saves left behind, once a newer save completed.
-        """
-        complete = self.complete()
-        if not complete:
-            return
-        newest = complete[-1][0]
-        keep = {name for _, name in complete}
-        if self.args.keep_last is not None:
-            keep = {name for _, name in complete[-self.args.keep_last:]}
-        keep |= {p for p in (self.pointer("latest"), self.pointer("best")) if p}
-        for _, name in complete:
-            if name not in keep:
-                self.storage.remove_tree(self.path(name))
-        complete_names = {name for _, name in complete}
-        for entry in self.storage.listdir(self.root):
-            match = _LEFTOVER.match(entry) or _STEP.match(entry)
-            if match and entry not in complete_names and int(match.group(1)) < newest:
-                self.storage.remove_tree(self.path(entry))  # an unfinished, superseded save
 
     # -- loading -------------------------------------------------------------------
     def load(self, name: str) -> Loaded:

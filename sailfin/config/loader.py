@@ -115,15 +115,15 @@ def _instantiate(spec: ComponentSpec, section: str, extra: Optional[dict] = None
 def _check_interface(cls: Any, class_path: str, section: str) -> None:
     """A config is code (class_path imports a module, which runs it), but only a class of
     the section's interface is called: not ``subprocess.getoutput`` or ``os.system``."""
-    # Imported here: the config layer needs no torch until a run is built.
-    from ..interfaces import DataInterface, ModuleInterface
-
-    expected = {"data": DataInterface, "module": ModuleInterface}[section]
-    if not (isinstance(cls, type) and issubclass(cls, expected)):
+    # Known by name: the config layer sits below sailfin.interfaces (and torch).
+    expected = {"data": "DataInterface", "module": "ModuleInterface"}[section]
+    if not (isinstance(cls, type) and any(
+            base.__module__ == "sailfin.interfaces" and base.__qualname__ == expected
+            for base in cls.__mro__)):
         what = ("a class that does not derive from it" if isinstance(cls, type)
                 else f"a {type(cls).__name__}, not a class")
         raise ConfigError(
-            f"{section}.class_path must name a subclass of sailfin.{expected.__name__}; "
+            f"{section}.class_path must name a subclass of sailfin.{expected}; "
             f"{class_path} is {what}. sailfin calls nothing else that a config names")
 
 

@@ -27,7 +27,7 @@ def trainer_state(trainer: "Trainer") -> dict[str, Any]:
                      "step_in_epoch": trainer.step_in_epoch,
                      "samples_seen": trainer.samples_seen,
                      "train_seconds": trainer.train_seconds,
-                     "last_val_step": trainer._last_val_step},
+                     "last_val_step": trainer.last_val_step},
         "last_val_metrics": trainer.last_val_metrics,
         "callbacks": {state_key(c): c.state_dict() for c in trainer.callbacks
                       if callable(getattr(c, "state_dict", None))},
@@ -53,7 +53,7 @@ def load_trainer_state(trainer: "Trainer", state: Mapping[str, Any]) -> None:
     trainer.step_in_epoch = counters["step_in_epoch"]
     trainer.samples_seen = counters["samples_seen"]
     trainer.train_seconds = counters["train_seconds"]
-    trainer._last_val_step = counters["last_val_step"]
+    trainer.last_val_step = counters["last_val_step"]
     trainer.last_val_metrics = state["last_val_metrics"]
     for callback in trainer.callbacks:
         saved = state["callbacks"].get(state_key(callback))

@@ -1,4 +1,5 @@
-"""Trainer callbacks: components (checkpoints, progress, profiling) that follow the loop.
+"""Trainer callbacks: components (checkpoints, progress, profiling, the loop's optional
+features) that follow the loop through these named hooks.
 
 The recipe's own callbacks live on the ModuleInterface; these are for pieces
 of sailfin and for users who want to watch a run without touching the recipe.
@@ -25,6 +26,20 @@ class Callback:
     """
 
     def on_train_start(self, trainer: "Trainer") -> None: ...
+
+    def on_step_begin(self, trainer: "Trainer") -> None:
+        """Before the first micro-batch of each optimizer step (also a step run again)."""
+
+    def on_out_of_memory(self, trainer: "Trainer") -> None:
+        """The device ran out of memory in this step's micro-batches. Overriding this says
+        the callback handles it (``on_backward_end`` then asks for the step again); with
+        no callback that does, the error propagates."""
+
+    def on_backward_end(self, trainer: "Trainer", samples: int) -> bool:
+        """After this step's micro-batches (``samples`` on this rank), before the optimizer
+        step. Return True to run the step again from its first micro-batch (after
+        ``trainer.replan``); later callbacks are then not called for this attempt."""
+        return False
 
     def on_step_end(self, trainer: "Trainer") -> None:
         """After each optimizer step; ``trainer.global_step`` counts it already."""

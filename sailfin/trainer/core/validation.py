@@ -1,14 +1,64 @@
-"""Collecting validation outputs: one list, one concatenation, dataset order."""
+"""Validation: run every validation set, collect outputs (one list, one concatenation,
+dataset order), and log the recipe's metrics."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from typing import Any, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import torch
 
+from ...checkpoint.rng import seed_loader
 from ...config.trainer import TrainerArguments
+from ...distributed.watchdog import VALIDATION
 from .pymarlin_forms import as_columns, batch_size, per_sample
+from .train_log import scalar
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+
+def run_validation(trainer: "Trainer") -> dict[str, dict[str, float]]:
+    """Every validation set through ``val_step`` and ``on_end_val_epoch``: name -> metrics."""
+    results: dict[str, dict[str, float]] = {}
+    module, args = trainer.module, trainer.args
+    was_training = module.training
+    trainer.heartbeat.phase = VALIDATION
+    module.eval()
+    with torch.no_grad(), validation_weights(trainer):
+        for name, loader in trainer.val_loaders.items():
+            # Validating draws nothing from the training's random streams.
+            seed_loader(loader, args.seed, trainer.global_step, trainer.dist.rank)
+            sizes: list[int] = []  # samples per batch: a 0-d output counts once per sample
+            local = merge_outputs(trainer.backend.validation_outputs(
+                module, trainer.global_step,
+                trainer.heartbeat.count(val_batches(loader, args, sizes))), sizes=sizes)
+            outputs = trainer.backend.gather_outputs(local)
+            # The recipe's on_end_val_epoch, called with what its signature takes.
+            metrics = trainer._on_end_val_epoch(trainer.global_step, outputs, name) or {}
+            metrics = {k: scalar(v) for k, v in metrics.items()}
+            results[name] = metrics
+            if metrics:
+                event = dict(metrics)
+                if len(trainer.val_loaders) > 1:
+                    event = {"dataset": name, **event}
+                trainer.writers.log_metrics(event, trainer.global_step, trainer.epoch, "val")
+    module.train(was_training)
+    return results
+
+
+def due_after_epoch(args: TrainerArguments, epoch: int) -> bool:
+    """``val_every_n_epochs`` asks for validation after ``epoch`` (and after the last)."""
+    every = args.val_every_n_epochs
+    return bool(every) and ((epoch + 1) % every == 0 or epoch + 1 == args.epochs)
+
+
+def validation_weights(trainer: "Trainer") -> Any:
+    """The EMA weights swapped in for validation when ``trainer.ema.validate`` says."""
+    if trainer.ema is not None and trainer.args.ema.validate:
+        return trainer.ema.swapped_in(trainer.module)
+    return contextlib.nullcontext()
 
 
 def merge_outputs(batches: list[Any], where: str = "val_step",

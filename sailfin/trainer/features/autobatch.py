@@ -40,7 +40,6 @@ import torch
 from ...data.plan import BatchPlan
 from ...distributed.watchdog import ALL_REDUCE
 from ..core.callbacks import Callback
-from ..core.loaders import build_train_loader, build_val_loaders, dataset_set_epoch
 
 if TYPE_CHECKING:
     from ..core.trainer import Trainer
@@ -58,9 +57,9 @@ class MicroBatchError(RuntimeError):
 class AutoMicroBatch(Callback):
     """Finds and keeps the micro-batch size for ``trainer.micro_batch_size: auto``.
 
-    The trainer builds one (see :func:`auto_micro_batch`) and calls
-    :meth:`begin_step`, :meth:`out_of_memory` and :meth:`end_step` around each
-    step's micro-batches.
+    The trainer builds one (see :func:`auto_micro_batch`); as a callback it wraps each
+    step's micro-batches (:meth:`begin_step`, :meth:`out_of_memory`, :meth:`end_step`)
+    and changes the micro-batch through ``trainer.replan``.
 
     Example::
 
@@ -100,10 +99,20 @@ class AutoMicroBatch(Callback):
             how = ("searching again after a resize (the checkpoint's size was for "
                    f"{saved.get('world_size')} ranks)" if saved else "searching from the largest")
         if trainer.plan.micro_batch != self.size:
-            self._use(trainer, self.size)
+            trainer.replan(self.size)
         if trainer.dist.is_main:
             log.info("micro_batch_size auto: starting with %d per device (%s; sizes %s)",
                      self.size, how, ", ".join(map(str, self.sizes)))
+
+    # -- the step hooks ------------------------------------------------------------
+    def on_step_begin(self, trainer: "Trainer") -> None:
+        self.begin_step(trainer.backend)
+
+    def on_out_of_memory(self, trainer: "Trainer") -> None:
+        self.out_of_memory(trainer.step_in_epoch, trainer.global_step)
+
+    def on_backward_end(self, trainer: "Trainer", samples: int) -> bool:
+        return self.end_step(trainer, trainer.step_in_epoch)
 
     def begin_step(self, backend: Any) -> None:
         if self.probing:
@@ -126,8 +135,8 @@ class AutoMicroBatch(Callback):
                     "micro-batch %d", self.rank, global_step + 1, self.size)
 
     def end_step(self, trainer: "Trainer", step: int) -> bool:
-        """After the step's micro-batches: True if the step must run again (the plan and
-        loaders were rebuilt for a smaller size)."""
+        """After the step's micro-batches: True if the step must run again (the trainer
+        replanned for a smaller size)."""
         failed, self._failed = self._failed, False
         if self._local is None:  # one process, or a proven size: nothing to agree on
             if not failed:
@@ -142,7 +151,7 @@ class AutoMicroBatch(Callback):
             trainer.heartbeat.phase = ALL_REDUCE
             new = trainer.backend.agree_min(self._next_size() if failed else self.size)
             if new == self.size:  # every rank got through: combine the local gradients
-                trainer.backend.reduce_gradients(trainer._params)
+                trainer.backend.reduce_gradients(trainer.trainable_params)
                 self.clean_steps += 1
                 if not self.probing and trainer.dist.is_main:
                     log.info("micro_batch_size auto: %d per device fits on every rank",
@@ -160,7 +169,7 @@ class AutoMicroBatch(Callback):
                 "backend, or more memory")
         _free_memory(trainer.device)
         self.size, self.clean_steps = new, 0
-        self._use(trainer, new)
+        trainer.replan(new)
         if trainer.dist.is_main:
             log.info("micro_batch_size auto: step %d runs again with micro-batch %d "
                      "(%d ran out of memory)", trainer.global_step + 1, new, old)
@@ -184,17 +193,6 @@ class AutoMicroBatch(Callback):
         """The next smaller size the plan allows; 0 when there is none."""
         i = self.sizes.index(self.size)
         return self.sizes[i + 1] if i + 1 < len(self.sizes) else 0
-
-    def _use(self, trainer: "Trainer", size: int) -> None:
-        """Rebuild the plan and the loaders for ``size``; the loop positions the sampler."""
-        args, dist = trainer.args, trainer.dist
-        trainer.plan = BatchPlan.create(args.train_batch_size, size, dist.world_size,
-                                        args.drop_last, args.max_train_steps_per_epoch)
-        trainer.train_loader, trainer.train_sampler = build_train_loader(
-            trainer.module, trainer.plan, dist, args)
-        trainer._dataset_set_epoch = dataset_set_epoch(trainer.train_loader)
-        if args.val_batch_size is None:  # validation batches follow the micro-batch
-            trainer.val_loaders = build_val_loaders(trainer.module, size, dist)
 
 
 def auto_micro_batch(args: Any, rank: int, world_size: int) -> Optional[AutoMicroBatch]:

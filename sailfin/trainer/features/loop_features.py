@@ -14,6 +14,7 @@ from .bf16_check import bf16_cpu_check
 from .early_stopping import EarlyStopping
 from .ema import WeightAverage
 from .flops import FlopsMeter, build_flops_meter
+from .flops_count import FirstStepFlops
 from .privacy import PrivacyCallback
 from .step_validation import StepValidation
 
@@ -26,6 +27,8 @@ class LoopFeatures:
     ema: Optional[WeightAverage]
     flops: FlopsMeter
     callbacks: list[Callback] = field(default_factory=list)
+    # Last in the step hooks: a step auto micro-batch runs again is counted afresh.
+    last_callbacks: list[Callback] = field(default_factory=list)
 
 
 def build_loop_features(module: Any, args: TrainerArguments, backend: Any,
@@ -52,7 +55,8 @@ def build_loop_features(module: Any, args: TrainerArguments, backend: Any,
     check = bf16_cpu_check(backend)  # sp-amp on a CPU that emulates bf16: warn at start
     if check is not None:
         callbacks.append(check)
-    return LoopFeatures(ema, flops, callbacks)
+    counting = [FirstStepFlops(flops)] if flops.pending else []
+    return LoopFeatures(ema, flops, callbacks, counting)
 
 
 def finish_summary(trainer: "Trainer") -> dict[str, Any]:

@@ -37,7 +37,4 @@ class StepValidation(Callback):
             return
         started = time.perf_counter()
         trainer.validate()
-        spent = time.perf_counter() - started
-        trainer.train_seconds -= spent  # the epoch's clock, added at its end, counted this
-        then, seen = trainer._log_clock
-        trainer._log_clock = (then + spent, seen)
+        trainer.exclude_time(time.perf_counter() - started)
