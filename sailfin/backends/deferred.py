@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..checkpoint.weights import local_index
 from ..config.errors import ConfigError
 
 INIT_METHODS = ("reset_parameters", "_reset_parameters", "reset_running_stats", "init_weights")
@@ -83,8 +84,9 @@ class InitPlan:
         finally:
             torch.set_rng_state(saved)  # the run's own random streams are not consumed
         self.calls = []
-        if getattr(module, PLAN_ATTRIBUTE, None) is self:
-            delattr(module, PLAN_ATTRIBUTE)
+        for sub in module.modules():  # the recipe, also inside a wrapper
+            if sub.__dict__.get(PLAN_ATTRIBUTE) is self:
+                delattr(sub, PLAN_ATTRIBUTE)
 
 
 def init_plan(module: nn.Module) -> Optional[InitPlan]:
@@ -140,16 +142,20 @@ class _Recorder(TorchFunctionMode):
                 kwargs["device"] = "meta"  # replayed later, on the CPU generator
         elif func in _UNALLOCATED and kwargs.get("device") is None:
             kwargs["device"] = "meta"
-        elif _is_inplace(func):
+        else:
             # Tensor methods get the tensor first; torch.nn.init functions as tensor=.
             target = args[0] if args else kwargs.get("tensor")
             if isinstance(target, torch.Tensor) and target.is_meta:
-                self._record(func, target)
+                self._seen(func, target)
         return func(*args, **kwargs)
 
-    def _record(self, func: Any, tensor: torch.Tensor) -> None:
+    def _seen(self, func: Any, tensor: torch.Tensor) -> None:
+        """A meta tensor used: inside an init call, that call fills it (some torch.nn.init
+        functions skip meta tensors, so any use counts); outside, filling it is an error."""
         found = _outermost_init_call()
         if found is None:
+            if not _is_inplace(func):
+                return
             raise DeferredInitError(
                 f"deferred build: {_user_site()} fills a parameter in place "
                 f"({getattr(func, '__name__', func)}) outside an init method; under "
@@ -165,7 +171,8 @@ class _Recorder(TorchFunctionMode):
                 self.current = state
             self.calls.append(_Call(module, method, _call_args(frame, module, method),
                                     self.current, reseeded))
-            torch.default_generator.manual_seed(_SENTINEL_SEED)  # a manual_seed before the next call shows
+            # Any manual_seed before the next call shows as a state other than this one.
+            torch.default_generator.manual_seed(_SENTINEL_SEED)
         base = tensor
         while base._base is not None:
             base = base._base
@@ -287,8 +294,6 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 
 def _rows(tensor: Any) -> tuple[slice, ...]:
     """The index of this rank's piece of a DTensor in the full tensor."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
-                                                          tensor.placements)
-    return tuple(slice(o, o + s) for o, s in zip(offset, shape))
+    index = local_index(tensor)
+    assert index is not None
+    return index
