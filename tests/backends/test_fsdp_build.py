@@ -174,3 +174,66 @@ def test_init_from_errors_name_the_file_and_key(tmp_path, sources):
         with Trainer(TwoLayer(IdData(20, 0)), args(tmp_path / "b", backend="fsdp",
                                                    init_from=str(bad))) as trainer:
             trainer.setup()
+
+
+# -- accumulation, EMA, compile ----------------------------------------------------------
+@pytest.mark.parametrize("accumulate", ["full", "sharded"])
+def test_both_accumulation_modes_train_as_sp(tmp_path, accumulate):
+    ref = weights(run_built(tmp_path, "sp", "sp", TwoLayer(IdData(47, 9), momentum=0.9)))
+    out = run_built(tmp_path, accumulate, "fsdp", TwoLayer(IdData(47, 9), momentum=0.9),
+                    fsdp={"accumulate": accumulate})
+    assert_close(weights(out), ref)
+
+
+def test_accumulate_must_be_full_or_sharded():
+    from sailfin.config import ConfigError
+    from sailfin.config.fsdp import FSDPArguments
+
+    with pytest.raises(ConfigError, match="trainer.fsdp.accumulate must be full or sharded"):
+        FSDPArguments(accumulate="shard")
+
+
+def ema_weights(out):
+    return load_file(str(out / "final" / "ema.safetensors"))
+
+
+def test_ema_is_saved_as_shards_and_resumes_as_the_uninterrupted_run(tmp_path):
+    from tests.checkpoint.helpers import Crash, CrashAt
+
+    ema = {"decay": 0.8, "every_n_steps": 2}
+    ref = ema_weights(run_built(tmp_path, "sp", "sp", TwoLayer(IdData(47, 9), momentum=0.9),
+                               ema=ema))
+    module = TwoLayer(IdData(47, 9), momentum=0.9)
+    with Trainer(module, args(tmp_path / "run", backend="fsdp", ema=ema, **RUN),
+                 callbacks=[CrashAt(5)]) as trainer:
+        with pytest.raises(Crash):
+            trainer.train()
+    step = tmp_path / "run" / "checkpoints" / "step-00000003"
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert manifest["sharded"]["keys"] == ["callbacks/ema", "module", "optimizers"]
+    assert "ema" not in torch.load(step / "trainer.pt", weights_only=True)["callbacks"]
+    out = run_built(tmp_path, "run", "fsdp", TwoLayer(IdData(47, 9), momentum=0.9), ema=ema)
+    assert_close(ema_weights(out), ref)
+    # The same shards resume under sp, too.
+    assert_close(weights(out), weights(tmp_path / "sp"))
+
+
+def test_ema_after_init_from_starts_from_the_loaded_weights(tmp_path):
+    run_built(tmp_path, "a", "sp", TwoLayer(IdData(47, 9)), epochs=1)
+    loaded = tmp_path / "a" / "final" / "model.safetensors"
+    out = run_built(tmp_path, "b", "fsdp", TwoLayer(IdData(47, 9)), epochs=1, max_steps=2,
+                    init_from=str(loaded), ema={"decay": 0.5, "every_n_steps": 1000})
+    assert_close(ema_weights(out), load_file(str(loaded)))  # no update yet: the start
+
+
+def test_compile_under_fsdp_compiles_each_unit_then_shards(tmp_path):
+    from torch.distributed.fsdp import FSDPModule
+
+    module = TwoLayer(IdData(20, 0))
+    with Trainer(module, args(tmp_path, backend="fsdp", compile=True, max_steps=1,
+                              compile_mode="default")) as trainer:
+        trainer.setup()
+        units = [module.hidden, module.linear]
+        assert all(isinstance(u, FSDPModule) and u._compiled_call_impl is not None
+                   for u in units)
+        assert trainer.backend.runner._compiled_call_impl is None  # the root runs eagerly
