@@ -237,3 +237,45 @@ def test_compile_under_fsdp_compiles_each_unit_then_shards(tmp_path):
         assert all(isinstance(u, FSDPModule) and u._compiled_call_impl is not None
                    for u in units)
         assert trainer.backend.runner._compiled_call_impl is None  # the root runs eagerly
+
+
+class InitInRecipe(TwoLayer):
+    def __init__(self, data, **kw) -> None:
+        super().__init__(data, **kw)
+        nn.init.zeros_(self.linear.bias)  # outside an init method: cannot be deferred
+
+
+CONFIG = """
+data: {class_path: tests.recipes.IdData, init_args: {n_train: 47, n_val: 9}}
+module: {class_path: MODULE, init_args: {momentum: 0.9}}
+trainer: {epochs: 2, train_batch_size: 10, micro_batch_size: 5, max_grad_norm: 0.5,
+          writers: [jsonl], output_dir: OUT, seed: 0}
+"""
+
+
+def test_sailfin_train_builds_on_meta_under_fsdp(tmp_path, capsys, monkeypatch):
+    from sailfin.cli import main
+    import sailfin.backends.deferred as deferred
+
+    built = []
+    real = deferred.deferred_build
+    monkeypatch.setattr(deferred, "deferred_build",
+                        lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+
+    def train(name, module, *overrides):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(CONFIG.replace("OUT", str(tmp_path / name)).replace("MODULE", module))
+        code = main(["train", str(path), *overrides])
+        return code, capsys.readouterr().err
+
+    assert train("sp", "tests.backends.test_fsdp.TwoLayer")[0] == 0
+    assert not built
+    assert train("fsdp", "tests.backends.test_fsdp.TwoLayer", "--trainer.backend", "fsdp")[0] == 0
+    assert len(built) == 1 and init_plan(built[0]) is None  # built on meta, then placed
+    assert_close(weights(tmp_path / "fsdp"), weights(tmp_path / "sp"))
+    code, err = train("bad", f"{__name__}.InitInRecipe", "--trainer.backend", "fsdp")
+    assert code == 2 and "Traceback" not in err
+    assert "test_fsdp_build.py" in err and "fills a parameter in place (zero_)" in err
+    assert train("eager", f"{__name__}.InitInRecipe", "--trainer.backend", "fsdp",
+                 "--trainer.fsdp.meta_build", "false")[0] == 0
+    assert len(built) == 1  # meta_build false: built eagerly
