@@ -1,0 +1,68 @@
+"""``trainer.init_from``: start a new run from a checkpoint's weights only.
+
+The usual way to fine-tune, or to continue a finished run with a new schedule:
+the weights come from the checkpoint (or a ``.safetensors`` file such as a
+run's ``final/model.safetensors``); the optimizers, schedulers, counters, data
+position and random streams start afresh. A run that finds a checkpoint of its
+own to resume (``trainer.resume``) resumes instead: a restarted fine-tune
+continues where it stopped, not from the initial weights again.
+
+Example::
+
+    sailfin train finetune.yaml --trainer.init_from outputs/pretrain/checkpoints
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import TYPE_CHECKING
+
+from ...checkpoint.checkpointer import DirectoryCheckpointer, say
+from ...checkpoint.errors import CheckpointError
+from ...checkpoint.sharded import load_sharded
+from ...checkpoint.weights import SafetensorsSource, StateDictSource, load_into
+
+if TYPE_CHECKING:
+    from ..core.trainer import Trainer
+
+
+def load_initial_weights(trainer: "Trainer", path: str) -> None:
+    """Load the weights at ``path`` into ``trainer.module``. Under fsdp each rank reads
+    only its rows: DCP for a sharded checkpoint, tensor by tensor otherwise."""
+    if path.endswith(".safetensors"):
+        if not os.path.isfile(path):
+            raise CheckpointError(f"trainer.init_from: {path} does not exist; give a "
+                                  ".safetensors file, a checkpoint directory or a directory "
+                                  "of checkpoints")
+        with SafetensorsSource(path) as source:
+            load_into(trainer.module, source)
+        shown, origin = path, "weights file"
+    else:
+        reader = DirectoryCheckpointer(path, trainer.args.checkpoint, trainer.dist)
+        try:
+            # Memory-mapped: a rank touches only the pages of the rows it keeps.
+            loaded = reader.load(path, mmap=True)
+        except CheckpointError as exc:
+            raise CheckpointError(str(exc).replace("trainer.resume:", "trainer.init_from:")
+                                  ) from None
+        shown = loaded.location
+        origin = f"checkpoint at step {loaded.manifest['step']}"
+        if loaded.sharded is not None:  # saved under fsdp: DCP reads each rank's rows
+            ref = dataclasses.replace(loaded.sharded, keys=["module"])
+            try:
+                state = load_sharded(ref, trainer.module, [])["module"]
+                trainer.backend.load_model_state_dict(trainer.module, state)
+            except (RuntimeError, ValueError, KeyError) as exc:
+                raise CheckpointError(
+                    f"trainer.init_from: the shards in {shown} do not fit this model: "
+                    f"{str(exc).splitlines()[0]}. Point it at weights of the same "
+                    "architecture") from None
+        elif "model" not in loaded.shared:
+            raise CheckpointError(f"trainer.init_from: checkpoint {shown} holds no model "
+                                  "weights (no model.pt, no shards)")
+        else:
+            load_into(trainer.module, StateDictSource(loaded.shared["model"], shown))
+    if trainer.dist.is_main:
+        say(f"init_from: weights from {shown} ({origin}); the optimizers, schedule, counters "
+            "and data order start afresh")
