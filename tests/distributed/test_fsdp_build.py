@@ -43,7 +43,7 @@ def start(rank, world, dist_args, out, backend, sources=()):
                               micro_batch_size=10 // world)) as t:
         t.setup()
         result = {"start": _gathered(t, module)}
-        from sailfin.checkpoint.init_from import load_initial_weights
+        from sailfin.trainer.checkpointing.init_from import load_initial_weights
 
         for name, path in sources:
             load_initial_weights(t, path)
