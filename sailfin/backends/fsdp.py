@@ -138,7 +138,9 @@ class FSDPStrategy(DDPStrategy):
         self.root = fully_shard(runner, **self.shard_options())  # type: ignore[assignment]
         plan = init_plan(recipe)
         if plan is not None:  # now that each parameter holds its rows only
-            plan.materialize(runner, self.device)
+            # cpu_offload keeps the shards in CPU memory (FSDP2 moves them per unit).
+            plan.materialize(runner, torch.device("cpu") if self.fsdp.cpu_offload
+                             else self.device)
         # FSDP2 names its root at the first forward through it. Validation (the start-up
         # sanity batch runs before any training step) calls the units directly, so each
         # would make itself a root: settle the roles now (FSDP2 has no public call).
