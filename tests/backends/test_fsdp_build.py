@@ -279,3 +279,14 @@ def test_sailfin_train_builds_on_meta_under_fsdp(tmp_path, capsys, monkeypatch):
     assert train("eager", f"{__name__}.InitInRecipe", "--trainer.backend", "fsdp",
                  "--trainer.fsdp.meta_build", "false")[0] == 0
     assert len(built) == 1  # meta_build false: built eagerly
+
+
+@pytest.mark.cuda
+def test_deferred_build_on_a_gpu_starts_from_the_eager_weights(tmp_path):
+    eager, deferred = eager_and_deferred(Rich)
+    with Trainer(deferred, args(tmp_path, backend="fsdp", device="cuda")) as trainer:
+        trainer.setup()
+        assert deferred.linear.weight.device.type == "cuda"
+        got = trainer.backend.final_state_dict(deferred)
+    for key, value in eager.state_dict().items():
+        assert torch.equal(got[key].cpu(), value), key
