@@ -28,10 +28,11 @@ device (``sailfin.deferred_build``) as ``sailfin train`` builds it:
 It then trains the same model under a per-process memory budget, enforced by a
 watchdog thread in each rank that reads the rank's RSS (``/proc/self/statm``)
 every 2 ms and ends the process (exit 137, as the kernel's OOM killer would) once
-the RSS passes the budget over its pre-build RSS: ``ddp`` cannot take its first
-step, ``fsdp`` trains.
+the RSS passes the budget over its pre-build RSS (default 4.5 x the parameter
+bytes): ``ddp`` cannot take its first step, ``fsdp`` trains (``--part budget``
+runs only this).
 
-    python benchmarks/fsdp_memory.py [--part memory|checkpoints|all] [--steps 6]
+    python benchmarks/fsdp_memory.py [--part memory|budget|checkpoints|all] [--steps 6]
 """
 
 from __future__ import annotations
@@ -292,6 +293,8 @@ def run_memory(opts, backend: str, accumulate: str = "full", budget: float = 0.0
 def memory_part(opts) -> None:
     mib = 1 << 20
     load = Path("/proc/loadavg").read_text().split()[:3]
+    if opts.part == "budget":
+        return budget_part(opts, mib)
     rows = {}
     for backend, accumulate in (("ddp", "full"), ("fsdp", "full"), ("fsdp", "sharded")):
         rows[backend, accumulate] = run_memory(opts, backend, accumulate)
@@ -311,7 +314,12 @@ def memory_part(opts) -> None:
         print(f"| {backend} | {accumulate if backend == 'fsdp' else '-'} | {peak / mib:.0f} "
               f"({peak / ddp_peak:.2f} x ddp) | {end / mib:.0f} | {held / mib:.0f} | "
               f"{max(r['step'] for r in ranks):.2f} |")
-    budget = opts.budget_mib * mib if opts.budget_mib else 3 * n * 4
+    budget_part(opts, mib, n)
+
+
+def budget_part(opts, mib: int, n: int = 0) -> None:
+    n = n or 121_300_000
+    budget = opts.budget_mib * mib if opts.budget_mib else 4.5 * n * 4
     print(f"\nbudget: {budget / mib:.0f} MiB per process over its pre-build RSS (an RSS "
           "watchdog thread ends a rank that passes it, exit 137)")
     for backend, accumulate in (("ddp", "full"), ("fsdp", "sharded")):
@@ -330,15 +338,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--part", choices=("memory", "checkpoints", "all"), default="memory")
+    parser.add_argument("--part", choices=("memory", "budget", "checkpoints", "all"),
+                        default="memory")
     parser.add_argument("--mem-layers", type=int, default=8)
     parser.add_argument("--mem-width", type=int, default=1024)
     parser.add_argument("--budget-mib", type=float, default=0.0,
-                        help="per-process budget (default: 3 x the parameter bytes)")
+                        help="per-process budget (default: 4.5 x the parameter bytes)")
     opts = parser.parse_args()
-    if opts.part in ("memory", "all"):
+    if opts.part in ("memory", "budget", "all"):
         memory_part(opts)
-    if opts.part == "memory":
+    if opts.part in ("memory", "budget"):
         return
     mib = 1 << 20
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
