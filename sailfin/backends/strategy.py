@@ -124,6 +124,14 @@ class SingleDevice:
         """Compile the step runner in place (before :meth:`wrap`)."""
         compile_in_place(runner, self.execution.compile_mode)
 
+    def batch_plan(self, plan: Any) -> Any:
+        """The batch plan this backend trains with (dp: a plan of its own)."""
+        return plan
+
+    def attach_optimizers(self, optimizers: list[torch.optim.Optimizer], num_samples: int,
+                          steps_per_epoch: int) -> None:
+        """Called once the recipe built its optimizers (dp wraps them)."""
+
     def wrap(self, runner: "StepRunner") -> Optional[torch.nn.Module]:
         """Wrap the step runner for this strategy; None: call the recipe directly."""
         return None
