@@ -15,7 +15,24 @@ rank it reports:
 
 Figures depend on the machine and its load: print ``/proc/loadavg`` beside them.
 
-    python benchmarks/fsdp_memory.py [--steps 6] [--layers 12] [--width 512]
+``--part memory`` (the default part) compares per-rank memory where the model is
+big enough for its parameters to dominate (8 blocks of width 1024 and a 10k
+head: about 120 M parameters, AdamW), ``ddp`` against ``fsdp`` with each
+``trainer.fsdp.accumulate`` mode (2 micro-batches a step), fsdp built on the meta
+device (``sailfin.deferred_build``) as ``sailfin train`` builds it:
+
+* peak RSS of the rank over its RSS before the model was built (high-water mark);
+* bytes of parameters + gradients + optimizer state held after the first step;
+* the median step time after the first step.
+
+It then trains the same model under a per-process memory budget, enforced by a
+watchdog thread in each rank that reads the rank's RSS (``/proc/self/statm``)
+every 2 ms and ends the process (exit 137, as the kernel's OOM killer would) once
+the RSS passes the budget over its pre-build RSS (default 4.5 x the parameter
+bytes): ``ddp`` cannot take its first step, ``fsdp`` trains (``--part budget``
+runs only this).
+
+    python benchmarks/fsdp_memory.py [--part memory|budget|checkpoints|all] [--steps 6]
 """
 
 from __future__ import annotations
@@ -178,6 +195,142 @@ def run(opts, backend: str, async_save: bool) -> list[dict]:
     return [results[0], results[1]]
 
 
+# -- --part memory --------------------------------------------------------------------
+def _rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * resource.getpagesize()
+
+
+def _watchdog(limit: int, stop: list) -> None:
+    """End this process once its RSS passes ``limit`` bytes (the per-process budget)."""
+    import threading
+
+    def watch() -> None:
+        while not stop:
+            if _rss() > limit:
+                os._exit(137)
+            time.sleep(0.002)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _memory_rank(rank: int, port: int, opts, backend: str, accumulate: str,
+                 budget: float, queue) -> None:
+    from sailfin import deferred_build
+
+    stop: list = []
+    before = _rss()
+    if budget:
+        _watchdog(before + int(budget), stop)
+    clock = StepClock()
+    build = deferred_build if backend == "fsdp" else (lambda cls, *a: cls(*a))
+    module = build(GPT, Tokens(8 * opts.steps), opts.mem_layers, opts.mem_width)
+    held: dict = {}
+
+    class Held(Callback):
+        def on_step_end(self, trainer) -> None:
+            if trainer.global_step == 1:  # the optimizer state exists from step 1 on
+                held.update(params=sum(local_bytes(p) for p in module.parameters()),
+                            grads=module.grad_bytes,
+                            optimizer=sum(local_bytes(v) for opt in trainer.optimizers
+                                          for st in opt.state.values() for v in st.values()
+                                          if isinstance(v, torch.Tensor) and v.dim() > 0))
+            if trainer.global_step == opts.steps:  # training's peak, before the final save
+                held["train_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    dist_args = DistArguments(launcher="manual", rank=rank, world_size=2,
+                              master_addr="127.0.0.1", master_port=port,
+                              threads_per_process=1, timeout_seconds=600)
+    with tempfile.TemporaryDirectory() as out:
+        targs = TrainerArguments(
+            epochs=1, train_batch_size=8, micro_batch_size=2, max_steps=opts.steps,
+            output_dir=out, writers=[], val_every_n_epochs=0, progress="none",
+            backend=backend, distributed=dist_args,
+            fsdp={"units": ["Block"], "accumulate": accumulate})
+        with Trainer(module, targs, callbacks=[clock, Held()]) as trainer:
+            trainer.train()
+    stop.append(True)
+    end = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    peak = held.pop("train_peak") - before
+    queue.put((rank, {"n_params": sum(p.numel() for p in module.parameters()),
+                      "peak": peak, "end_peak": end, "held": held,
+                      "step": statistics.median(clock.times[1:] or clock.times)}))
+
+
+def run_memory(opts, backend: str, accumulate: str = "full", budget: float = 0.0):
+    """Per-rank results, or the exit codes when a rank was ended (over the budget)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_memory_rank,
+                         args=(r, port, opts, backend, accumulate, budget, queue))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    results: dict = {}
+    deadline = time.monotonic() + opts.timeout
+    try:
+        while len(results) < 2 and time.monotonic() < deadline:
+            try:
+                rank, value = queue.get(timeout=1.0)
+                results[rank] = value
+            except Exception:  # queue.Empty: is a rank gone?
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break
+    finally:
+        for p in procs:
+            p.join(5 if len(results) == 2 else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    if len(results) < 2:
+        return [p.exitcode for p in procs]
+    return [results[0], results[1]]
+
+
+def memory_part(opts) -> None:
+    mib = 1 << 20
+    load = Path("/proc/loadavg").read_text().split()[:3]
+    if opts.part == "budget":
+        return budget_part(opts, mib)
+    rows = {}
+    for backend, accumulate in (("ddp", "full"), ("fsdp", "full"), ("fsdp", "sharded")):
+        rows[backend, accumulate] = run_memory(opts, backend, accumulate)
+        print(f"ran {backend} accumulate={accumulate}", flush=True)
+    n = rows["ddp", "full"][0]["n_params"]
+    print(f"\nmodel: {n / 1e6:.1f} M parameters ({n * 4 / mib:.0f} MiB), AdamW; world 2 x 1 "
+          f"thread (gloo, CPU); 2 micro-batches a step; load average at start "
+          f"{' '.join(load)}, at end {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
+    print("| backend | accumulate | peak RSS over pre-build, training (MiB) | with the final "
+          "save (MiB) | held after step 1 (MiB) | step (s) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    ddp_peak = max(r["peak"] for r in rows["ddp", "full"])
+    for (backend, accumulate), ranks in rows.items():
+        peak = max(r["peak"] for r in ranks)
+        held = max(sum(r["held"].values()) for r in ranks)
+        end = max(r["end_peak"] for r in ranks)
+        print(f"| {backend} | {accumulate if backend == 'fsdp' else '-'} | {peak / mib:.0f} "
+              f"({peak / ddp_peak:.2f} x ddp) | {end / mib:.0f} | {held / mib:.0f} | "
+              f"{max(r['step'] for r in ranks):.2f} |")
+    budget_part(opts, mib, n)
+
+
+def budget_part(opts, mib: int, n: int = 0) -> None:
+    n = n or 121_300_000
+    budget = opts.budget_mib * mib if opts.budget_mib else 4.5 * n * 4
+    print(f"\nbudget: {budget / mib:.0f} MiB per process over its pre-build RSS (an RSS "
+          "watchdog thread ends a rank that passes it, exit 137)")
+    for backend, accumulate in (("ddp", "full"), ("fsdp", "sharded")):
+        got = run_memory(opts, backend, accumulate, budget)
+        if isinstance(got[0], dict):
+            print(f"  {backend}: trained {opts.steps} steps; peak "
+                  f"{max(r['peak'] for r in got) / mib:.0f} MiB")
+        else:
+            print(f"  {backend}: ended over the budget (exit codes {got})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=6)
@@ -185,7 +338,17 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--part", choices=("memory", "budget", "checkpoints", "all"),
+                        default="memory")
+    parser.add_argument("--mem-layers", type=int, default=8)
+    parser.add_argument("--mem-width", type=int, default=1024)
+    parser.add_argument("--budget-mib", type=float, default=0.0,
+                        help="per-process budget (default: 4.5 x the parameter bytes)")
     opts = parser.parse_args()
+    if opts.part in ("memory", "budget", "all"):
+        memory_part(opts)
+    if opts.part in ("memory", "budget"):
+        return
     mib = 1 << 20
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").exists() else []
     results = {}

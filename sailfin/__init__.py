@@ -25,6 +25,7 @@ _LAZY = {
     "DistEnv": "sailfin.distributed",
     "BatchPlan": "sailfin.data",
     "seed_everything": "sailfin.utils.seed",
+    "deferred_build": "sailfin.backends.deferred",
 }
 
 __all__ = ["ConfigError", "RunConfig", "TrainerArguments", "load_config", "__version__",

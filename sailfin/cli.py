@@ -60,7 +60,7 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
     from .trainer.safety.startup_checks import StartupCheckError
 
     try:
-        module = cfg.build()
+        module = cfg.build(_module_builder(cfg.trainer))
         # The context manager leaves the process group on every path.
         with Trainer(module, cfg.trainer, hparams=cfg.to_dict()) as trainer:
             summary = trainer.train()
@@ -89,6 +89,18 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         print(f"validation {name}: {value:.4f}" if isinstance(value, float)
               else f"validation {name}: {value}")
     return 0
+
+
+def _module_builder(trainer):
+    """Under the fsdp backends the recipe is built on the meta device and initialised
+    after sharding (trainer.fsdp.meta_build): no rank ever holds the whole model."""
+    from .backends import ALIASES
+
+    if ALIASES.get(trainer.backend, ("", ""))[0] != "fsdp" or not trainer.fsdp.meta_build:
+        return None
+    from .backends.deferred import deferred_build
+
+    return deferred_build
 
 
 def _user_error(message: str) -> None:

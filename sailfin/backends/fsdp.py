@@ -35,6 +35,7 @@ from ..config.errors import ConfigError, suggest
 from ..config.fsdp import FSDPArguments
 from ..distributed import DistEnv
 from .ddp import DDPStrategy
+from .deferred import init_plan
 from .precision import Precision
 from .state import named_optimizer_state, optimizer_state_is_named
 from .strategy import Execution, StepRunner
@@ -101,8 +102,21 @@ class FSDPStrategy(DDPStrategy):
         }
 
     def shard(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Make ``module`` an FSDP unit with this run's options; returns it."""
+        """Make ``module`` an FSDP unit with this run's options; returns it. With
+        ``trainer.compile`` the unit is compiled first, then sharded (FSDP2's order: the
+        compiled forward sees local parameters, the unit's hooks gather around it)."""
+        if self.execution.compile:
+            module.compile(mode=None if self.execution.compile_mode == "default"
+                           else self.execution.compile_mode)
         return fully_shard(module, **self.shard_options())
+
+    def place(self, module: torch.nn.Module) -> None:
+        # A deferred build stays on the meta device until wrap() sharded it.
+        if init_plan(module) is None:
+            module.to(self.device)
+
+    def compile_runner(self, runner: StepRunner) -> None:
+        pass  # each unit is compiled as it is sharded (shard()); the root runs eagerly
 
     def wrap(self, runner: StepRunner) -> torch.nn.Module:
         recipe = runner.module
@@ -121,7 +135,12 @@ class FSDPStrategy(DDPStrategy):
                 self.units.append(name)
         # The root: every parameter no unit took. It is the step runner, whose forward
         # runs train_step, so that its hooks (gather before, reduce after) see the step.
-        self.root = self.shard(runner)  # type: ignore[assignment]
+        self.root = fully_shard(runner, **self.shard_options())  # type: ignore[assignment]
+        plan = init_plan(recipe)
+        if plan is not None:  # now that each parameter holds its rows only
+            # cpu_offload keeps the shards in CPU memory (FSDP2 moves them per unit).
+            plan.materialize(runner, torch.device("cpu") if self.fsdp.cpu_offload
+                             else self.device)
         # FSDP2 names its root at the first forward through it. Validation (the start-up
         # sanity batch runs before any training step) calls the units directly, so each
         # would make itself a root: settle the roles now (FSDP2 has no public call).
@@ -135,7 +154,10 @@ class FSDPStrategy(DDPStrategy):
         # A micro-batch but a step's last keeps its unsharded gradient and skips the
         # reduce-scatter; the last one's backward reduce-scatters the sum once. The flag
         # is read during backward, after this context closed, so it stays set.
-        self.root.set_requires_gradient_sync(sync)  # type: ignore[union-attr]
+        # trainer.fsdp.accumulate sharded: reduce-scatter every micro-batch instead, so
+        # that only gradient shards are ever held (less memory, one collective more).
+        self.root.set_requires_gradient_sync(  # type: ignore[union-attr]
+            sync or self.fsdp.accumulate == "sharded")
         return contextlib.nullcontext()
 
     def val_step(self, module: torch.nn.Module, global_step: int, batch: Any) -> Any:

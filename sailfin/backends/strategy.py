@@ -14,6 +14,7 @@ import torch
 from ..distributed import DistEnv
 from .checkpointing import apply_activation_checkpointing
 from .compile import compile_in_place, explain_failures
+from .deferred import init_plan
 from .precision import Precision
 from .state import optimizer_state_is_named
 
@@ -86,7 +87,7 @@ class SingleDevice:
         forwards), then compilation of the runner, then :meth:`wrap` (PyTorch
         compiles the module inside DDP, not DDP itself).
         """
-        module.to(self.device)
+        self.place(module)
         self.module = module
         self._val_step = module.val_step
         ex = self.execution
@@ -94,7 +95,7 @@ class SingleDevice:
             self.checkpointed = apply_activation_checkpointing(module, ex.activation_checkpointing)
         runner = StepRunner(module)
         if ex.compile:
-            compile_in_place(runner, ex.compile_mode)
+            self.compile_runner(runner)
         self.runner = self.wrap(runner)
         if self.runner is None and ex.compile:
             self.runner = runner
@@ -110,6 +111,18 @@ class SingleDevice:
             # fp32 has nothing to do around backward and step: skip two calls per step.
             self.backward = torch.Tensor.backward
             self.optimizer_step = _step_plain
+
+    def place(self, module: torch.nn.Module) -> None:
+        """Put ``module`` on this device. A deferred build (:mod:`.deferred`) is allocated
+        and initialised first, on the CPU, to the weights an eager build draws."""
+        plan = init_plan(module)
+        if plan is not None:
+            plan.materialize(module, torch.device("cpu"))
+        module.to(self.device)
+
+    def compile_runner(self, runner: "StepRunner") -> None:
+        """Compile the step runner in place (before :meth:`wrap`)."""
+        compile_in_place(runner, self.execution.compile_mode)
 
     def batch_plan(self, plan: Any) -> Any:
         """The batch plan this backend trains with (dp: a plan of its own)."""

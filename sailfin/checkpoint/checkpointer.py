@@ -254,7 +254,8 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
             self._staging.release()
 
     # -- loading -------------------------------------------------------------------
-    def load(self, name: str) -> Loaded:
+    def load(self, name: str, mmap: bool = False) -> Loaded:
+        """``mmap``: memory-map local files (tensors are read when touched)."""
         storage, where = self._locate(name)
         shown = storage.display(where)
         manifest_path = storage.join(where, manifests.MANIFEST)
@@ -268,7 +269,8 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
         shared = {}
         for file, entry in files.items():
             if not file.startswith("rng-rank"):
-                shared[file[:-len(".pt")]] = load_object(storage, storage.join(where, file), entry)
+                shared[file[:-len(".pt")]] = load_object(storage, storage.join(where, file), entry,
+                                                         mmap)
         own = self.rank_file(self.dist.rank)
         rank_state = (load_object(storage, storage.join(where, own), files[own])
                       if own in files else None)

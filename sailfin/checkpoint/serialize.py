@@ -120,8 +120,9 @@ def write_error(storage: Storage, path: str, exc: OSError) -> CheckpointWriteErr
                                 f"{reason}", storage.display(path), exc.errno)
 
 
-def load_object(storage: Storage, path: str, entry: FileEntry) -> Any:
-    """Read ``path``, check it against the manifest, and load it without arbitrary unpickling."""
+def load_object(storage: Storage, path: str, entry: FileEntry, mmap: bool = False) -> Any:
+    """Read ``path``, check it against the manifest, and load it without arbitrary unpickling
+    (``mmap``: a local file is memory-mapped, its tensors read when touched)."""
     shown = storage.display(path)
     local = storage.local_path(path)
     try:
@@ -141,6 +142,8 @@ def load_object(storage: Storage, path: str, entry: FileEntry) -> Any:
         raise CheckpointCorrupt(f"checkpoint file {shown} does not match its CRC-32 in the "
                                 "manifest: it was altered or damaged after it was saved", shown)
     try:
+        if mmap and local is not None:
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=True)
         return torch.load(source, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))

@@ -39,6 +39,7 @@ from .storage import LocalStorage, Storage
 
 FORMAT = "torch-dcp/1"
 SHARDS = "shards"
+CALLBACKS = "callbacks"
 # DCP's CheckpointException (one error per failed rank) derives from BaseException.
 _FAILURES = (Exception, CheckpointException)
 
@@ -49,6 +50,12 @@ def split_sharded(state: dict[str, Any]) -> dict[str, Any]:
     sharded = {key: state[key] for key, value in state.items() if _holds_dtensor(value)}
     for key in sharded:
         del state[key]
+    # A callback's sharded state (fsdp's EMA) goes to a key of its own, "callbacks/<name>".
+    callbacks = sharded.pop(CALLBACKS, None)
+    if callbacks is not None:
+        state[CALLBACKS] = {k: v for k, v in callbacks.items() if not _holds_dtensor(v)}
+        sharded.update({f"{CALLBACKS}/{k}": v for k, v in callbacks.items()
+                        if _holds_dtensor(v)})
     # DCP flattens nested dicts; lists become dicts keyed "0", "1", ... (see load_sharded).
     return {k: ({str(i): v for i, v in enumerate(value)} if isinstance(value, list) else value)
             for k, value in sharded.items()}
@@ -192,9 +199,13 @@ def locate_shards(storage: Storage, where: str, manifest: dict[str, Any],
 
 
 def load_sharded(ref: ShardedRef, module: torch.nn.Module,
-                 optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+                 optimizers: list[torch.optim.Optimizer],
+                 callbacks: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """The saved ``module`` and ``optimizers`` state, cut for this run's backend and world
-    size: DTensor shards under fsdp, full tensors under sp and ddp.
+    size: DTensor shards under fsdp, full tensors under sp and ddp. ``callbacks``
+    (name -> object with ``state_dict()``): the saved state of those with sharded state
+    comes back as ``{"callbacks": {name: state}}``; shards of a callback this run lacks
+    are not read.
 
     The targets come from PyTorch's distributed state dicts (parameter names as
     keys, also for optimizer state); DCP reads into them the rows each rank needs.
@@ -208,11 +219,14 @@ def load_sharded(ref: ShardedRef, module: torch.nn.Module,
         "optimizers": lambda: {str(i): get_optimizer_state_dict(module, opt)
                                for i, opt in enumerate(optimizers)},
     }
-    unknown = [k for k in ref.keys if k not in targets]
+    for name, callback in (callbacks or {}).items():
+        targets[f"{CALLBACKS}/{name}"] = callback.state_dict
+    keys = [k for k in ref.keys if not (k.startswith(CALLBACKS + "/") and k not in targets)]
+    unknown = [k for k in keys if k not in targets]
     if unknown:
         raise CheckpointError(f"checkpoint shards {ref.storage.display(ref.path)} hold "
                               f"{unknown}, which this sailfin does not know how to load")
-    state = {key: targets[key]() for key in ref.keys}
+    state = {key: targets[key]() for key in keys}
     try:
         import torch.distributed as dist
 
@@ -222,6 +236,10 @@ def load_sharded(ref: ShardedRef, module: torch.nn.Module,
                               f"model: {_reason(exc)}") from exc
     if "optimizers" in state:
         state["optimizers"] = [state["optimizers"][str(i)] for i in range(len(optimizers))]
+    loaded_callbacks = {k.split("/", 1)[1]: state.pop(k) for k in list(state)
+                        if k.startswith(CALLBACKS + "/")}
+    if loaded_callbacks:
+        state[CALLBACKS] = loaded_callbacks
     return state
 
 

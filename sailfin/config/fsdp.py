@@ -34,7 +34,20 @@ class FSDPArguments:
     """Keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only):
     the device holds a unit's gathered parameters only while it runs."""
 
+    accumulate: str = "full"
+    """Gradient accumulation over a step's micro-batches. ``full``: each rank keeps the
+    unsharded gradients until the step's last micro-batch, then reduce-scatters once
+    (fewest collectives). ``sharded``: reduce-scatter after every micro-batch, so only
+    gradient shards are held (least memory; one collective per unit and micro-batch)."""
+    meta_build: bool = True
+    """``sailfin train`` builds the recipe on the meta device and initialises each rank's
+    rows after sharding (no rank ever holds the whole model). False: every rank builds
+    the whole model first (for a recipe whose initialisation cannot be deferred)."""
+
     def __post_init__(self) -> None:
+        if self.accumulate not in ("full", "sharded"):
+            raise ConfigError(f"trainer.fsdp.accumulate must be full or sharded, got "
+                              f"{self.accumulate!r}")
         if self.units is None:
             return
         if isinstance(self.units, str):

@@ -18,7 +18,7 @@ import inspect
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import yaml
 
@@ -74,11 +74,13 @@ class RunConfig:
     module: ComponentSpec = field(default_factory=ComponentSpec)
     trainer: TrainerArguments = field(default_factory=TrainerArguments)
 
-    def build(self):
+    def build(self, construct: Optional[Callable[..., Any]] = None):
         """Seed with ``trainer.seed``, then instantiate the data interface (if any) and the
         module, passing ``data=``: the same initial weights on every run and rank, as
         ``sailfin train`` builds them. The module keeps its sections as ``sailfin_config``,
-        so a resume can compare them with the checkpoint's."""
+        so a resume can compare them with the checkpoint's. ``construct(cls, **kwargs)``
+        builds the module class (default: calls it); ``sailfin train`` passes
+        ``sailfin.deferred_build`` under fsdp, the data interface is built as usual."""
         from ..utils.seed import seed_everything  # torch only when building
 
         seed_everything(self.trainer.seed)
@@ -86,7 +88,7 @@ class RunConfig:
         if self.data is not None:
             data = _instantiate(self.data, "data")
         extra = {"data": data} if data is not None else {}
-        module = _instantiate(self.module, "module", extra)
+        module = _instantiate(self.module, "module", extra, construct)
         spec = {"module": dataclasses.asdict(self.module),
                 "data": dataclasses.asdict(self.data) if self.data is not None else None}
         try:
@@ -99,7 +101,8 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-def _instantiate(spec: ComponentSpec, section: str, extra: Optional[dict] = None) -> Any:
+def _instantiate(spec: ComponentSpec, section: str, extra: Optional[dict] = None,
+                 construct: Optional[Callable[..., Any]] = None) -> Any:
     cls = spec.resolve(section)
     _check_interface(cls, spec.class_path, section)  # before anything calls it
     kwargs = _check_init_args(cls, spec.init_args, section)
@@ -109,7 +112,7 @@ def _instantiate(spec: ComponentSpec, section: str, extra: Optional[dict] = None
         for name, value in extra.items():
             if name in params or takes_kwargs:
                 kwargs[name] = value
-    return cls(**kwargs)
+    return construct(cls, **kwargs) if construct is not None else cls(**kwargs)
 
 
 def _check_interface(cls: Any, class_path: str, section: str) -> None:

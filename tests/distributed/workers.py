@@ -201,7 +201,9 @@ def train(rank: int, world: int, dist_args, out: Path, data: dict, trainer: dict
         params = {k: full(v.detach()).clone() for k, v in module.state_dict().items()}
         backend_state = t.backend.state_dict()
         scheduled = [s.last_epoch for s in t.schedulers]
-        ema = t.ema.state_dict() if t.ema is not None else None  # fsdp: gathered, in the group
+        ema = t.ema.state_dict() if t.ema is not None else None
+        if ema is not None:  # fsdp: shards, gathered here (a collective, in the group)
+            ema["shadow"] = {k: full(v).clone() for k, v in ema["shadow"].items()}
     torch.save({"params": params, "held": held, "backend": backend_state,
                 "scheduled": scheduled, "reduce_scatter_calls": scatters.calls,
                 "seen": module.seen, "step_ids": module.step_ids, "events": module.events,

@@ -14,53 +14,55 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ...checkpoint.checkpointer import DirectoryCheckpointer, say
 from ...checkpoint.errors import CheckpointError
+from ...checkpoint.sharded import load_sharded
+from ...checkpoint.weights import SafetensorsSource, StateDictSource, load_into
 
 if TYPE_CHECKING:
     from ..core.trainer import Trainer
 
 
 def load_initial_weights(trainer: "Trainer", path: str) -> None:
-    """Load the weights at ``path`` into ``trainer.module`` (every rank reads them)."""
+    """Load the weights at ``path`` into ``trainer.module``. Under fsdp each rank reads
+    only its rows: DCP for a sharded checkpoint, tensor by tensor otherwise."""
     if path.endswith(".safetensors"):
         if not os.path.isfile(path):
             raise CheckpointError(f"trainer.init_from: {path} does not exist; give a "
                                   ".safetensors file, a checkpoint directory or a directory "
                                   "of checkpoints")
-        from safetensors.torch import load_file
-
-        state: Any = load_file(path)
+        with SafetensorsSource(path) as source:
+            load_into(trainer.module, source)
         shown, origin = path, "weights file"
     else:
         reader = DirectoryCheckpointer(path, trainer.args.checkpoint, trainer.dist)
         try:
-            loaded = reader.load(path)
+            # Memory-mapped: a rank touches only the pages of the rows it keeps.
+            loaded = reader.load(path, mmap=True)
         except CheckpointError as exc:
             raise CheckpointError(str(exc).replace("trainer.resume:", "trainer.init_from:")
                                   ) from None
-        state, shown = loaded.shared["model"], loaded.location
+        shown = loaded.location
         origin = f"checkpoint at step {loaded.manifest['step']}"
-    try:
-        _load(trainer.module, state)
-    except (RuntimeError, ValueError, KeyError) as exc:
-        raise CheckpointError(
-            f"trainer.init_from: the weights in {shown} do not fit this model: {exc}. Point "
-            "it at weights of the same architecture") from None
+        if loaded.sharded is not None:  # saved under fsdp: DCP reads each rank's rows
+            ref = dataclasses.replace(loaded.sharded, keys=["module"])
+            try:
+                state = load_sharded(ref, trainer.module, [])["module"]
+                trainer.backend.load_model_state_dict(trainer.module, state)
+            except (RuntimeError, ValueError, KeyError) as exc:
+                raise CheckpointError(
+                    f"trainer.init_from: the shards in {shown} do not fit this model: "
+                    f"{str(exc).splitlines()[0]}. Point it at weights of the same "
+                    "architecture") from None
+        elif "model" not in loaded.shared:
+            raise CheckpointError(f"trainer.init_from: checkpoint {shown} holds no model "
+                                  "weights (no model.pt, no shards)")
+        else:
+            load_into(trainer.module, StateDictSource(loaded.shared["model"], shown))
     if trainer.dist.is_main:
         say(f"init_from: weights from {shown} ({origin}); the optimizers, schedule, counters "
             "and data order start afresh")
-
-
-def _load(module: Any, state: Any) -> None:
-    # safetensors stores one tensor for tied weights: strict loading would call the
-    # other name missing, so fill it from its twin when the module ties them.
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    own = module.state_dict(keep_vars=True)
-    loaded = {id(own[name]) for name in state if name in own}
-    missing = [name for name in missing if id(own[name]) not in loaded]  # tied to a loaded one
-    if missing or unexpected:
-        raise RuntimeError(f"missing keys {missing}, unexpected keys {unexpected}")

@@ -118,7 +118,11 @@ def apply(trainer: "Trainer", loaded: Loaded) -> None:
     state: dict[str, Any] = dict(loaded.shared["trainer"])
     try:
         if loaded.sharded is not None:  # saved under fsdp: DCP cuts it for this run
-            state.update(load_sharded(loaded.sharded, trainer.module, trainer.optimizers))
+            stateful = {getattr(c, "state_key", type(c).__name__): c for c in trainer.callbacks
+                        if callable(getattr(c, "state_dict", None))}
+            shards = load_sharded(loaded.sharded, trainer.module, trainer.optimizers, stateful)
+            state["callbacks"] = {**state.get("callbacks", {}), **shards.pop("callbacks", {})}
+            state.update(shards)
         else:
             state["module"] = loaded.shared["model"]
         trainer.load_state_dict(state)

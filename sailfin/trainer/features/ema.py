@@ -56,11 +56,11 @@ class WeightAverage(Callback):
         self._restored = False
 
     def on_train_start(self, trainer: "Trainer") -> None:
-        if trainer.global_step and not self._restored:
-            # Resumed from a checkpoint saved without trainer.ema: the average starts
-            # from the resumed weights, not from the fresh model's.
+        if not self._restored:
+            # The average starts from the weights training starts from: those trainer.init_from
+            # loaded, or a checkpoint's saved without trainer.ema, not the fresh model's.
             _copy(self.shadow, self._params)
-            if trainer.dist.is_main:
+            if trainer.global_step and trainer.dist.is_main:
                 log.info("trainer.ema: the checkpoint holds no average; it starts from the "
                          "resumed weights at step %d", trainer.global_step)
 
@@ -111,10 +111,10 @@ class WeightAverage(Callback):
 
     # -- carried in the checkpoint ------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        # Every rank calls it at a save; sharded (fsdp) averages are gathered whole, as the
-        # trainer state that holds them is written by rank 0 alone.
+        # Under fsdp the averages are DTensor shards: the checkpoint writes them with the
+        # model's shards (DCP), each rank its own rows; a resume re-cuts them.
         return {"decay": self.decay, "updates": self.updates,
-                "shadow": {n: _whole(t) for n, t in zip(self.names, self.shadow)}}
+                "shadow": dict(zip(self.names, self.shadow))}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         saved = state["shadow"]
@@ -135,18 +135,12 @@ def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         d.copy_(s)
 
 
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """The full tensor of a sharded one (a collective: every rank calls it), else itself."""
-    full = getattr(tensor, "full_tensor", None)
-    return full() if callable(full) else tensor
-
-
 def _like(saved: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
     """``saved`` (a full tensor) cut as ``mine`` is: this rank's shard under fsdp, on any
     world size; a plain tensor as it is."""
     mesh = getattr(mine, "device_mesh", None)
-    if mesh is None:
-        return saved
+    if mesh is None or hasattr(saved, "device_mesh"):
+        return saved  # a plain tensor, or shards DCP already cut for this rank
     from torch.distributed.tensor import distribute_tensor
 
     # Every rank read the same file: each takes its own piece, no communication.
