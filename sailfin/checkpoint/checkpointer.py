@@ -17,6 +17,7 @@ manifest, written last, is the commit.
 from __future__ import annotations
 
 import abc
+import os
 import re
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -144,6 +145,11 @@ class DirectoryCheckpointer(Checkpointer):
                  barrier: Callable[[], None] = lambda: None) -> None:
         super().__init__(location, args, dist, barrier)
         self.storage, self.root = open_storage(location, args.storage_options)
+        local = self.storage.local_path(self.root)
+        if local is not None and os.path.exists(local) and not os.path.isdir(local):
+            raise CheckpointError(
+                f"checkpoint directory {local} is a file, not a directory; move it away, or "
+                "set trainer.checkpoint.dir (or trainer.output_dir) to another place")
         self._executor: Optional[ThreadPoolExecutor] = None
         self._pending: Optional[tuple[int, Future]] = None
         self._staging = StagingBuffers()  # async saves: CPU copies, reused from save to save

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
@@ -75,9 +76,9 @@ class DistArguments:
                 f"trainer.distributed.master_port must be a TCP port (1-65535), got "
                 f"{self.master_port}")
         hang = self.hang_seconds
-        if hang is not None and hang != "auto" and (isinstance(hang, str) or not hang > 0):
+        if hang is not None and hang != "auto" and (isinstance(hang, str) or not 0 < hang < math.inf):
             raise ConfigError(f"trainer.distributed.hang_seconds must be > 0 seconds, auto "
                               f"or null (off), got {hang!r}")
-        if self.timeout_seconds <= 0:
+        if not 0 < self.timeout_seconds < math.inf:
             raise ConfigError(f"trainer.distributed.timeout_seconds must be > 0, got "
                               f"{self.timeout_seconds}")
