@@ -413,7 +413,8 @@ class DirectoryCheckpointer(Checkpointer):
         own = self.rank_file(self.dist.rank)
         rank_state = (load_object(storage, storage.join(where, own), files[own])
                       if own in files else None)
-        sharded = locate_shards(storage, where, manifest, self.args.storage_options)
+        sharded = locate_shards(storage, where, manifest, self.args.storage_options,
+                                self.dist.rank, self.dist.world_size)
         return Loaded(name, shown, manifest, shared, rank_state, sharded)
 
     def _locate(self, name: str) -> tuple[Storage, str]:
