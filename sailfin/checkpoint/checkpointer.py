@@ -260,7 +260,12 @@ class DirectoryCheckpointer(Checkpointer):
             self.storage.write_bytes(self.path("best"), f"{name}\n".encode())
 
     def wait(self) -> None:
-        self.shards.wait()
+        try:
+            self.shards.wait()
+        finally:  # the background commit too, so that nothing is left running (abort)
+            self._wait_commit()
+
+    def _wait_commit(self) -> None:
         if self._pending is None:
             return
         step, future = self._pending
@@ -363,8 +368,13 @@ class DirectoryCheckpointer(Checkpointer):
             say(f"latest now names {newest}: its save was stopped before it moved the pointer")
 
     def abort(self) -> None:
-        if not self.dist.is_main:
-            return
+        # Every rank that saw the save fail removes what it finds (its own files, where
+        # each node has a directory of its own); on shared storage the removals overlap
+        # harmlessly (remove_tree ignores what another rank removed first).
+        try:
+            self.wait()  # a background save still writing would re-create what goes
+        except CheckpointError:
+            pass  # the failure being handled, or the same save's
         for entry in self.storage.listdir(self.root):
             if not (_LEFTOVER.match(entry) or _STEP.match(entry)):
                 continue

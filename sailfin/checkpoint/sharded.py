@@ -28,6 +28,8 @@ tensors under sp and ddp.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import os
 from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
@@ -35,7 +37,7 @@ import torch
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .errors import CheckpointCorrupt, CheckpointError
+from .errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError
 from .shard_checksums import checksummed_writer, describe, verify
 from .storage import LocalStorage, Storage
 
@@ -107,7 +109,10 @@ class ShardedWriter:
         self._keys, self._staging = sorted(state), staging
         self._writer_used = writer = self._writer(path)
         if not async_save:
-            dcp.save(state, storage_writer=writer)
+            try:
+                dcp.save(state, storage_writer=writer)
+            except _FAILURES as exc:  # every rank gets DCP's CheckpointException
+                raise _write_failure(self.storage, path, exc) from None
             return
         if self._group is None and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")  # every rank saves: collective is fine
@@ -124,8 +129,8 @@ class ShardedWriter:
         try:
             pending.result()
         except _FAILURES as exc:
-            raise CheckpointError(
-                f"writing this rank's checkpoint shards failed: {_reason(exc)}") from exc
+            raise _write_failure(self.storage, self.storage.join(self._staging or "", SHARDS),
+                                 exc) from None
         finally:
             if self._pending is pending:
                 self._pending = None
@@ -232,6 +237,49 @@ def load_sharded(ref: ShardedRef, module: torch.nn.Module,
     if "optimizers" in state:
         state["optimizers"] = [state["optimizers"][str(i)] for i in range(len(optimizers))]
     return state
+
+
+def _write_failure(storage: Storage, path: str, exc: BaseException) -> CheckpointWriteError:
+    """DCP's failure to write shards, as one line; a full disk (torch.save reports it as
+    ``unexpected pos``, the OSError lost on the way) is told by the space left there."""
+    code = _errno_in(exc)
+    if code is None and _full(storage, path):
+        code = errno.ENOSPC
+    reason = "no space left on device" if code == errno.ENOSPC else _reason(exc)
+    return CheckpointWriteError(f"writing the checkpoint shards in {storage.display(path)} "
+                                f"failed: {reason}", storage.display(path), code)
+
+
+def _errno_in(exc: BaseException) -> Optional[int]:
+    """The errno of an OSError in ``exc``, in DCP's per-rank failures, or in their causes."""
+    stack: list[Any] = [exc]
+    seen = 0
+    while stack and seen < 50:
+        item, seen = stack.pop(), seen + 1
+        if isinstance(item, tuple):
+            stack.extend(x for x in item if isinstance(x, BaseException))
+            continue
+        if isinstance(item, OSError) and item.errno is not None:
+            return item.errno
+        failures = getattr(item, "failures", None)
+        if isinstance(failures, dict):
+            stack.extend(failures.values())
+        stack.extend(x for x in (item.__cause__, item.__context__) if x is not None)
+    return None
+
+
+def _full(storage: Storage, path: str) -> bool:
+    """Whether the local file system holding ``path`` has (almost) no space left."""
+    local = storage.local_path(path)
+    if local is None:
+        return False
+    while local and not os.path.exists(local):
+        local = os.path.dirname(local)
+    try:
+        stat = os.statvfs(local or "/")
+    except OSError:
+        return False
+    return stat.f_bavail * stat.f_frsize < 1 << 20  # less than 1 MiB: what failed was full
 
 
 def _reason(exc: BaseException) -> str:
