@@ -12,6 +12,7 @@ import yaml
 from . import shard_cli
 from .config import ConfigError, load_config
 from .logging.writers import WriterError
+from .signals import PREEMPTED_EXIT_CODE, StoppedDuringSetup, note_preempted, stop_during_setup
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,6 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--out", help="where to write (default: OUTPUT_DIR/report)")
     report.add_argument("--dpi", type=int, default=100, help="PNG resolution")
     shard_cli.add_parser(sub)
+    sub.add_parser("launch", add_help=False,
+                   help="torchrun with the same arguments, exiting 75 when preempted",
+                   description="sailfin launch [torchrun arguments] -m sailfin train "
+                               "CONFIG.yaml: see docs/multinode.md")
     return parser
 
 
@@ -69,6 +74,7 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         print(f"sailfin: shard error: {_without_worker_traceback(exc)}", file=sys.stderr)
         return 2
     except TrainingPreempted as exc:  # SIGTERM / first Ctrl-C: saved, writers closed
+        note_preempted()  # for `sailfin launch`: this worker saved and stopped
         if trainer.dist.is_main:
             print(f"sailfin: {exc} (exit code {PREEMPTED_EXIT_CODE})", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
@@ -120,9 +126,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         from .report import report_command
         return report_command(args.output_dir, args.compare, args.out, args.dpi)
+    if args.command == "launch":
+        from .launch import launch_command
+        return launch_command(list(argv if argv is not None else sys.argv[1:])[1:])
     try:
         if args.command == "train":
-            return _recorded(train_command)(args.config, rest, args.print_config)
+            with stop_during_setup():  # until the trainer takes SIGTERM over
+                return _recorded(train_command)(args.config, rest, args.print_config)
         if args.command == "shard":
             return shard_cli.run(args, rest)
     except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops)
@@ -131,6 +141,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("sailfin: aborted by a second Ctrl-C; steps since the last checkpoint are "
               "lost, the checkpoints already saved are intact", file=sys.stderr)
         return 130
+    except StoppedDuringSetup as exc:
+        note_preempted()
+        print(f"sailfin: {exc} (exit code {PREEMPTED_EXIT_CODE})", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     except ConfigError as exc:
         print(f"sailfin: config error: {exc}", file=sys.stderr)
         return 2
