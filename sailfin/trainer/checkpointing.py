@@ -18,6 +18,7 @@ from ..checkpoint.serialize import check_plain
 from ..checkpoint.sharded import split_sharded
 from ..config.checkpoint import CheckpointArguments
 from ..config.errors import suggest
+from ..distributed.watchdog import CHECKPOINT_SAVE
 from ..version import __version__
 from .callbacks import Callback
 
@@ -110,10 +111,14 @@ class CheckpointCallback(Callback):
             "trainer": state}
         snapshot = Snapshot(step=trainer.global_step, facts=facts, shared=shared,
                             rank_state=rng_state(), is_best=self._improved, sharded=sharded)
+        beat = trainer.heartbeat
+        phase, beat.phase = beat.phase, CHECKPOINT_SAVE  # the watchdog's slow-phase limit
         try:
             self.checkpointer.save(snapshot)
         except (OSError, CheckpointError) as exc:
             raise self._failed(trainer, exc) from exc
+        finally:
+            beat.phase = phase
         self._saved_step, self._improved = trainer.global_step, False
         self.stall_seconds.append(time.perf_counter() - started)
 
