@@ -18,7 +18,7 @@ import time
 import pytest
 
 from sailfin import signals
-from sailfin.trainer.preemption import PREEMPTED_EXIT_CODE
+from sailfin.trainer.safety.preemption import PREEMPTED_EXIT_CODE
 from tests.distributed.elastic_helpers import (ROOT, reached, stop, tail, wait, wait_until,
                                                write_config)
 
