@@ -12,7 +12,8 @@ import yaml
 from . import shard_cli
 from .config import ConfigError, load_config
 from .logging.writers import WriterError
-from .signals import PREEMPTED_EXIT_CODE, StoppedDuringSetup, note_preempted, stop_during_setup
+from .signals import (PREEMPTED_EXIT_CODE, StoppedDuringSetup, note_preempted, setup_over,
+                      stop_during_setup)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,7 +69,10 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         module = cfg.build()
         # The context manager leaves the process group on every path.
         with Trainer(module, cfg.trainer, hparams=cfg.to_dict()) as trainer:
-            summary = trainer.train()
+            try:
+                summary = trainer.train()
+            finally:
+                setup_over()  # a SIGTERM from now on (torchrun stopping us) is not set-up
     except CheckpointError as exc:
         _user_error(f"sailfin: checkpoint error: {exc}")
         return 2

@@ -53,10 +53,23 @@ def stop_during_setup() -> Iterator[None]:
         raise StoppedDuringSetup(signal.Signals(signum).name)
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
+    _installed.append((on_sigterm, previous))
     try:
         yield
     finally:
+        _installed.remove((on_sigterm, previous))
         if signal.getsignal(signal.SIGTERM) is on_sigterm:
+            signal.signal(signal.SIGTERM, previous)
+
+
+_installed: list[tuple[Any, Any]] = []
+
+
+def setup_over() -> None:
+    """Training ran (or failed): SIGTERM gets its previous action back, also where the
+    trainer's handler, on leaving, put the set-up handler back."""
+    for handler, previous in _installed:
+        if signal.getsignal(signal.SIGTERM) is handler:
             signal.signal(signal.SIGTERM, previous)
 
 

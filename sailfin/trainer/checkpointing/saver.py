@@ -116,7 +116,10 @@ class CheckpointCallback(Callback):
         try:
             self.checkpointer.save(snapshot)
         except (OSError, CheckpointError) as exc:
-            raise self._failed(trainer, exc) from exc
+            failure = self._failed(trainer, exc)
+            if sharded:  # DCP failed on every rank: leave together, every one with exit 2
+                self.checkpointer.barrier()
+            raise failure from exc
         finally:
             beat.phase = phase
         self._saved_step, self._improved = trainer.global_step, False
