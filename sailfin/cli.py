@@ -71,6 +71,9 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         with Trainer(module, cfg.trainer, hparams=cfg.to_dict()) as trainer:
             try:
                 summary = trainer.train()
+            except TrainingPreempted:
+                note_preempted()  # saved: before the teardown, which torchrun may cut short
+                raise
             finally:
                 setup_over()  # a SIGTERM from now on (torchrun stopping us) is not set-up
     except CheckpointError as exc:
@@ -87,7 +90,6 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         print(f"sailfin: shard error: {_without_worker_traceback(exc)}", file=sys.stderr)
         return 2
     except TrainingPreempted as exc:  # SIGTERM / first Ctrl-C: saved, writers closed
-        note_preempted()  # for `sailfin launch`: this worker saved and stopped
         if trainer.dist.is_main:
             print(f"sailfin: {exc} (exit code {PREEMPTED_EXIT_CODE})", file=sys.stderr)
         return PREEMPTED_EXIT_CODE

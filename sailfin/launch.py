@@ -6,7 +6,7 @@ to torchrun itself becomes ``SignalException``. ``sailfin launch`` runs the
 same launcher (``torch.distributed.run``'s parser and ``run``) and exits:
 
 - 75 when every worker that failed exited 75 (it saved and stopped on a
-  signal), or when the launcher got SIGTERM and every local worker it then
+  signal; one the agent stopped with SIGTERM after its save counts too), or when the launcher got SIGTERM and every local worker it then
   stopped saved and exited 75: a Kubernetes ``podFailurePolicy`` or a Slurm
   requeue can tell a preemption from a failure;
 - the workers' code when they all failed with the same one (2: a user error);
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from typing import Sequence
@@ -48,7 +49,7 @@ def launch_command(argv: Sequence[str]) -> int:
         return 0
     except ChildFailedError as exc:
         codes = {failure.exitcode for failure in exc.failures.values()}
-        if codes == {PREEMPTED_EXIT_CODE}:
+        if _all_preempted(exc.failures, notes):
             print(f"sailfin launch: every stopped worker saved a checkpoint and exited "
                   f"{PREEMPTED_EXIT_CODE} (preempted); run the same command again to resume "
                   f"(exit code {PREEMPTED_EXIT_CODE})", file=sys.stderr, flush=True)
@@ -73,3 +74,14 @@ def launch_command(argv: Sequence[str]) -> int:
         else:
             os.environ[LAUNCH_DIR_ENV] = previous
         shutil.rmtree(notes, ignore_errors=True)
+
+
+def _all_preempted(failures: dict, notes: str) -> bool:
+    """Every failed worker exited 75, or was stopped by the agent (SIGTERM, once another
+    worker had exited) after it had noted its preemption save."""
+    saved = set(os.listdir(notes))
+    codes = [failure.exitcode for failure in failures.values()]
+    return PREEMPTED_EXIT_CODE in codes and all(
+        failure.exitcode == PREEMPTED_EXIT_CODE
+        or (failure.exitcode == -signal.SIGTERM and f"preempted-rank{rank}" in saved)
+        for rank, failure in failures.items())
