@@ -12,6 +12,8 @@ import yaml
 from . import shard_cli
 from .config import ConfigError, load_config
 from .logging.writers import WriterError
+from .signals import (PREEMPTED_EXIT_CODE, StoppedDuringSetup, note_preempted, setup_over,
+                      stop_during_setup)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,6 +43,10 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--out", help="where to write (default: OUTPUT_DIR/report)")
     report.add_argument("--dpi", type=int, default=100, help="PNG resolution")
     shard_cli.add_parser(sub)
+    sub.add_parser("launch", add_help=False,
+                   help="torchrun with the same arguments, exiting 75 when preempted",
+                   description="sailfin launch [torchrun arguments] -m sailfin train "
+                               "CONFIG.yaml: see docs/multinode.md")
     return parser
 
 
@@ -63,7 +69,13 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         module = cfg.build(_module_builder(cfg.trainer))
         # The context manager leaves the process group on every path.
         with Trainer(module, cfg.trainer, hparams=cfg.to_dict()) as trainer:
-            summary = trainer.train()
+            try:
+                summary = trainer.train()
+            except TrainingPreempted:
+                note_preempted()  # saved: before the teardown, which torchrun may cut short
+                raise
+            finally:
+                setup_over()  # a SIGTERM from now on (torchrun stopping us) is not set-up
     except CheckpointError as exc:
         _user_error(f"sailfin: checkpoint error: {exc}")
         return 2
@@ -166,10 +178,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         from .report import report_command
         return report_command(args.output_dir, args.compare, args.out, args.dpi)
+    if args.command == "launch":
+        from .launch import launch_command
+        return launch_command(list(argv if argv is not None else sys.argv[1:])[1:])
     try:
         if args.command == "train":
             # User errors end inside the recorded call: torchrun reports no traceback.
-            return _recorded(_user_errors(train_command))(args.config, rest, args.print_config)
+            with stop_during_setup():  # until the trainer takes SIGTERM over
+                return _recorded(_user_errors(train_command))(args.config, rest,
+                                                              args.print_config)
         if args.command == "shard":
             return shard_cli.run(args, rest)
     except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops)
@@ -178,6 +195,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("sailfin: aborted by a second Ctrl-C; steps since the last checkpoint are "
               "lost, the checkpoints already saved are intact", file=sys.stderr)
         return 130
+    except StoppedDuringSetup as exc:
+        note_preempted()
+        print(f"sailfin: {exc} (exit code {PREEMPTED_EXIT_CODE})", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     except ConfigError as exc:
         _user_error(f"sailfin: config error: {exc}")
         return 2

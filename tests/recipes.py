@@ -127,3 +127,19 @@ class WideRecipe(LinearRecipe):
         super().on_end_backward(global_step, loss)
         self.grad_bytes = sum(local_bytes(p.grad) for p in self.parameters()
                               if p.grad is not None)
+
+
+class SlowBuildRecipe(LinearRecipe):
+    """A recipe whose construction takes ``seconds`` (a large model being built); it
+    touches the file named by $SLOW_BUILD_MARKER when it starts, so that a test can
+    signal it during set-up."""
+
+    def __init__(self, data: IdData, seconds: float = 30.0, **kw) -> None:
+        import os
+        import time
+
+        super().__init__(data, **kw)
+        marker = os.environ.get("SLOW_BUILD_MARKER")
+        if marker:
+            open(marker, "w").close()
+        time.sleep(seconds)

@@ -17,6 +17,7 @@ manifest, written last, is the commit.
 from __future__ import annotations
 
 import abc
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -135,6 +136,11 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
                  barrier: Callable[[], None] = lambda: None) -> None:
         super().__init__(location, args, dist, barrier)
         self.storage, self.root = open_storage(location, args.storage_options)
+        local = self.storage.local_path(self.root)
+        if local is not None and os.path.exists(local) and not os.path.isdir(local):
+            raise CheckpointError(
+                f"checkpoint directory {local} is a file, not a directory; move it away, or "
+                "set trainer.checkpoint.dir (or trainer.output_dir) to another place")
         self._executor: Optional[ThreadPoolExecutor] = None
         self._pending: Optional[tuple[int, Future]] = None
         self._staging = StagingBuffers()  # async saves: CPU copies, reused from save to save
@@ -233,7 +239,12 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
             self.storage.write_bytes(self.path("best"), f"{name}\n".encode())
 
     def wait(self) -> None:
-        self.shards.wait()
+        try:
+            self.shards.wait()
+        finally:  # the background commit too, so that nothing is left running (abort)
+            self._wait_commit()
+
+    def _wait_commit(self) -> None:
         if self._pending is None:
             return
         step, future = self._pending
@@ -274,7 +285,8 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
         own = self.rank_file(self.dist.rank)
         rank_state = (load_object(storage, storage.join(where, own), files[own])
                       if own in files else None)
-        sharded = locate_shards(storage, where, manifest, self.args.storage_options)
+        sharded = locate_shards(storage, where, manifest, self.args.storage_options,
+                                self.dist.rank, self.dist.world_size)
         return Loaded(name, shown, manifest, shared, rank_state, sharded)
 
     def _locate(self, name: str) -> tuple[Storage, str]:

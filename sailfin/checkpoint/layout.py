@@ -12,6 +12,7 @@ import sys
 from typing import Any, Optional
 
 from . import manifest as manifests
+from .errors import CheckpointError
 
 _STEP = re.compile(r"^step-(\d+)$")
 _LEFTOVER = re.compile(r"^\.(?:tmp|old)-step-(\d+)")
@@ -39,6 +40,7 @@ class DirectoryLayout:
     args: Any
     dist: Any
     barrier: Any
+    wait: Any  # the checkpointer's: a background save finishes
 
     # -- names ---------------------------------------------------------------
     @staticmethod
@@ -135,8 +137,13 @@ class DirectoryLayout:
             say(f"latest now names {newest}: its save was stopped before it moved the pointer")
 
     def abort(self) -> None:
-        if not self.dist.is_main:
-            return
+        # Every rank that saw the save fail removes what it finds (its own files, where
+        # each node has a directory of its own); on shared storage the removals overlap
+        # harmlessly (remove_tree ignores what another rank removed first).
+        try:
+            self.wait()  # a background save still writing would re-create what goes
+        except CheckpointError:
+            pass  # the failure being handled, or the same save's
         for entry in self.storage.listdir(self.root):
             if not (_LEFTOVER.match(entry) or _STEP.match(entry)):
                 continue

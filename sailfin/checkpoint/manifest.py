@@ -22,6 +22,7 @@ from .serialize import FileEntry
 FORMAT = "sailfin-checkpoint/1"
 MANIFEST = "manifest.json"
 REQUIRED = ("step", "epoch", "step_in_epoch", "samples_seen", "world_size", "files")
+COUNTERS = ("step", "epoch", "step_in_epoch", "samples_seen", "world_size")
 
 
 def encode(facts: Mapping[str, Any], files: Mapping[str, FileEntry]) -> bytes:
@@ -45,6 +46,11 @@ def decode(data: bytes, shown: str) -> dict[str, Any]:
     if missing:
         raise CheckpointCorrupt(f"checkpoint manifest {shown} lacks {', '.join(missing)}: it is "
                                 "damaged", shown)
+    for key in COUNTERS:
+        value = body[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CheckpointCorrupt(f"checkpoint manifest {shown} has {key} {value!r}, not a "
+                                    "count (an integer >= 0): it is damaged", shown)
     return body
 
 

@@ -135,6 +135,9 @@ def load_object(storage: Storage, path: str, entry: FileEntry, mmap: bool = Fals
     except FileNotFoundError:
         raise CheckpointCorrupt(f"checkpoint file {shown} is missing (the manifest lists it)",
                                 shown) from None
+    except (IsADirectoryError, NotADirectoryError):
+        raise CheckpointCorrupt(f"checkpoint file {shown} is a directory, not the file the "
+                                "manifest lists: the checkpoint is damaged", shown) from None
     if size != entry.size:
         raise CheckpointCorrupt(f"checkpoint file {shown} has {size} bytes; the manifest "
                                 f"says {entry.size}: it is truncated or was overwritten", shown)

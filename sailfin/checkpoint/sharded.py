@@ -11,7 +11,8 @@ directory is renamed, ``latest`` moves last.
 Layout::
 
     step-00000120/
-        manifest.json         "sharded": {"format": "torch-dcp/1", "keys": [...], "files": {...}}
+        manifest.json         "sharded": {"format": "torch-dcp/1", "keys": [...],
+                                          "files": {name: {"size": n, "crc32": hex}, ...}}
         trainer.pt            schedulers, counters, ... (no model, no optimizers)
         rng-rank00000.pt ...
         shards/.metadata      DCP's index: which rows of which tensor are in which file
@@ -27,6 +28,8 @@ tensors under sp and ddp.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import os
 from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
@@ -34,7 +37,8 @@ import torch
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .errors import CheckpointCorrupt, CheckpointError
+from .errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError
+from .shard_checksums import checksummed_writer, describe, verify
 from .storage import LocalStorage, Storage
 
 FORMAT = "torch-dcp/1"
@@ -95,6 +99,7 @@ class ShardedWriter:
         self._keys: list[str] = []
         self._staging: Optional[str] = None  # the save whose shards are being written
         self._group: Any = None
+        self._writer_used: Any = None  # rank 0's holds every file's checksum after the save
 
     def save(self, staging: str, state: dict[str, Any], async_save: bool) -> None:
         import torch.distributed.checkpoint as dcp
@@ -109,9 +114,12 @@ class ShardedWriter:
             self.storage.remove_tree(path)
         self.storage.makedirs(path)
         self._keys, self._staging = sorted(state), staging
-        writer = self._writer(path)
+        self._writer_used = writer = self._writer(path)
         if not async_save:
-            dcp.save(state, storage_writer=writer)
+            try:
+                dcp.save(state, storage_writer=writer)
+            except _FAILURES as exc:  # every rank gets DCP's CheckpointException
+                raise _write_failure(self.storage, path, exc) from None
             return
         if self._group is None and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")  # every rank saves: collective is fine
@@ -128,8 +136,8 @@ class ShardedWriter:
         try:
             pending.result()
         except _FAILURES as exc:
-            raise CheckpointError(
-                f"writing this rank's checkpoint shards failed: {_reason(exc)}") from exc
+            raise _write_failure(self.storage, self.storage.join(self._staging or "", SHARDS),
+                                 exc) from None
         finally:
             if self._pending is pending:
                 self._pending = None
@@ -141,19 +149,22 @@ class ShardedWriter:
         if staging != self._staging:
             return None
         self.wait()
-        path = self.storage.join(staging, SHARDS)
-        files = {name: self.storage.size(self.storage.join(path, name))
-                 for name in self.storage.listdir(path)}
-        return {"format": FORMAT, "dir": SHARDS, "keys": self._keys, "files": files}
+        sums = self._writer_used.sailfin_checksums
+        listed = set(self.storage.listdir(self.storage.join(staging, SHARDS)))
+        if set(sums) != listed:  # a file no rank reported, or one reported but absent
+            raise CheckpointError(f"the shards in {self.storage.display(staging)} are "
+                                  f"{sorted(listed)}, the ranks wrote {sorted(sums)}")
+        return {"format": FORMAT, "dir": SHARDS, "keys": self._keys, "files": describe(sums)}
 
     def _writer(self, path: str) -> Any:
         import torch.distributed.checkpoint as dcp
 
         if isinstance(self.storage, LocalStorage):
-            return dcp.FileSystemWriter(path, single_file_per_rank=True)
+            return checksummed_writer(dcp.FileSystemWriter, path, single_file_per_rank=True)
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-        return FsspecWriter(self.storage.display(path), **self.storage_options)
+        return checksummed_writer(FsspecWriter, self.storage.display(path),
+                                  **self.storage_options)
 
 
 @dataclasses.dataclass
@@ -176,8 +187,11 @@ class ShardedRef:
 
 
 def locate_shards(storage: Storage, where: str, manifest: dict[str, Any],
-                  storage_options: Optional[dict] = None) -> Optional[ShardedRef]:
-    """The checkpoint's shards, checked against the manifest; None if it has none."""
+                  storage_options: Optional[dict] = None, rank: int = 0,
+                  world_size: int = 1) -> Optional[ShardedRef]:
+    """The checkpoint's shards, checked against the manifest (sizes on every rank, this
+    rank's share of the checksums: see :func:`.shard_checksums.verify`); None if it has
+    none."""
     info = manifest.get("sharded")
     if not info:
         return None
@@ -186,15 +200,15 @@ def locate_shards(storage: Storage, where: str, manifest: dict[str, Any],
         raise CheckpointCorrupt(f"checkpoint {shown} holds shards in format "
                                 f"{info.get('format')!r}; this sailfin reads {FORMAT!r}", shown)
     path = storage.join(where, info.get("dir", SHARDS))
-    for name, size in (info.get("files") or {}).items():
-        file = storage.join(path, name)
-        if not storage.exists(file):
-            raise CheckpointCorrupt(f"checkpoint shard {storage.display(file)} is missing",
-                                    storage.display(file))
-        if storage.size(file) != int(size):
-            raise CheckpointCorrupt(f"checkpoint shard {storage.display(file)} has "
-                                    f"{storage.size(file)} bytes, the manifest says {size}: "
-                                    "it is truncated or damaged", storage.display(file))
+    files = info.get("files") or {}
+    if not isinstance(files, dict):
+        raise CheckpointCorrupt(f"checkpoint manifest in {shown} has a malformed shard list",
+                                shown)
+    try:
+        verify(storage, path, files, rank, world_size)
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointCorrupt(f"checkpoint manifest in {shown} has a malformed shard list",
+                                shown) from None
     return ShardedRef(storage, path, list(info.get("keys", [])), dict(storage_options or {}))
 
 
@@ -241,6 +255,49 @@ def load_sharded(ref: ShardedRef, module: torch.nn.Module,
     if loaded_callbacks:
         state[CALLBACKS] = loaded_callbacks
     return state
+
+
+def _write_failure(storage: Storage, path: str, exc: BaseException) -> CheckpointWriteError:
+    """DCP's failure to write shards, as one line; a full disk (torch.save reports it as
+    ``unexpected pos``, the OSError lost on the way) is told by the space left there."""
+    code = _errno_in(exc)
+    if code is None and _full(storage, path):
+        code = errno.ENOSPC
+    reason = "no space left on device" if code == errno.ENOSPC else _reason(exc)
+    return CheckpointWriteError(f"writing the checkpoint shards in {storage.display(path)} "
+                                f"failed: {reason}", storage.display(path), code)
+
+
+def _errno_in(exc: BaseException) -> Optional[int]:
+    """The errno of an OSError in ``exc``, in DCP's per-rank failures, or in their causes."""
+    stack: list[Any] = [exc]
+    seen = 0
+    while stack and seen < 50:
+        item, seen = stack.pop(), seen + 1
+        if isinstance(item, tuple):
+            stack.extend(x for x in item if isinstance(x, BaseException))
+            continue
+        if isinstance(item, OSError) and item.errno is not None:
+            return item.errno
+        failures = getattr(item, "failures", None)
+        if isinstance(failures, dict):
+            stack.extend(failures.values())
+        stack.extend(x for x in (item.__cause__, item.__context__) if x is not None)
+    return None
+
+
+def _full(storage: Storage, path: str) -> bool:
+    """Whether the local file system holding ``path`` has (almost) no space left."""
+    local = storage.local_path(path)
+    if local is None:
+        return False
+    while local and not os.path.exists(local):
+        local = os.path.dirname(local)
+    try:
+        stat = os.statvfs(local or "/")
+    except OSError:
+        return False
+    return stat.f_bavail * stat.f_frsize < 1 << 20  # less than 1 MiB: what failed was full
 
 
 def _reason(exc: BaseException) -> str:

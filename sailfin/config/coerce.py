@@ -8,6 +8,8 @@ programming error in the schema, reported as such.
 from __future__ import annotations
 
 import dataclasses
+import math
+import sys
 import types
 import typing
 from typing import Any, Literal, Union
@@ -46,8 +48,12 @@ def parse_cli_value(text: str, tp: Any) -> Any:
         raise ConfigError(f"could not parse {text!r}: {exc}") from None
 
 
-def coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check ``value`` against ``tp`` and convert where it is lossless."""
+def coerce(value: Any, tp: Any, key: str, finite: bool = False) -> Any:
+    """Check ``value`` against ``tp`` and convert where it is lossless.
+
+    ``finite`` (sailfin's own options): a float must be a number, not NaN or
+    infinity (an option that can be turned off says so with null), and an int
+    must fit a machine word (what loaders, ``range`` and ``islice`` take)."""
     origin = typing.get_origin(tp)
     if tp is Any:
         return value
@@ -55,14 +61,15 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
-                return coerce(value, arg, key)
-            except ConfigError as exc:
-                errors.append(exc)
+                return coerce(value, arg, key, finite)
+            except OutOfRange:
+                raise  # the right type, a value it cannot take: say why, not "expected ..."
+            except ConfigError:
+                continue
         raise _wrong(key, value, tp)
     if origin is Literal:
         allowed = typing.get_args(tp)
@@ -80,7 +87,7 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
             value = [value]  # `--trainer.writers stdout` means a list of one
         if not isinstance(value, list):
             raise _wrong(key, value, tp)
-        return [coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [coerce(v, item, f"{key}[{i}]", finite) for i, v in enumerate(value)]
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise _wrong(key, value, tp)
@@ -97,19 +104,29 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         raise _wrong(key, value, tp)
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
+            return _in_word(value, key) if finite else value
         if isinstance(value, float) and value.is_integer():
-            return int(value)  # 1e3 written in YAML
+            return _in_word(int(value), key) if finite else int(value)  # 1e3 written in YAML
         raise _wrong(key, value, tp)
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
             try:
-                return float(value)
+                number = float(value)
+            except OverflowError:  # an int past the float range (10**400)
+                number = math.copysign(math.inf, value)
+        elif isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                number = float(value)
             except ValueError:
                 pass
-        raise _wrong(key, value, tp)
+        if number is None:
+            raise _wrong(key, value, tp)
+        if finite and not math.isfinite(number):
+            raise OutOfRange(f"config key '{key}' got {value!r}; expected a finite number "
+                              "(NaN and infinity mean nothing for this option; an option that "
+                              "can be off takes null)")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -117,6 +134,17 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
             return str(value)
         raise _wrong(key, value, tp)
     raise TypeError(f"sailfin config schema uses an unsupported type {tp!r} for '{key}'")
+
+
+class OutOfRange(ConfigError):
+    """A value of the right type that the option cannot take (NaN, 10**30)."""
+
+
+def _in_word(value: int, key: str) -> int:
+    if abs(value) > sys.maxsize:
+        raise OutOfRange(f"config key '{key}' got {value}, which is out of range: at most "
+                          f"{sys.maxsize} (2**63 - 1)")
+    return value
 
 
 def _wrong(key: str, value: Any, tp: Any) -> ConfigError:
@@ -143,7 +171,7 @@ def build_dataclass(cls: type, values: dict, prefix: str = "") -> Any:
             raise ConfigError(
                 f"config key '{prefix}{key}' is given twice (once as '{raw_key}'); keep one"
             )
-        kwargs[key] = coerce(value, types_[key], prefix + key)
+        kwargs[key] = coerce(value, types_[key], prefix + key, finite=True)
     try:
         return cls(**kwargs)
     except ConfigError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
@@ -55,6 +56,10 @@ class DistArguments:
     """A rank that makes no progress for this long ends the job with a report naming it
     (stacks of every rank, then a non-zero exit torchrun can restart). ``auto``: 300 s in a
     job of several processes, off in a single process; null: off."""
+    hang_seconds_slow_phases: Union[float, Literal["auto"], None] = "auto"
+    """The same limit while every rank is in a phase known to be slow: a checkpoint save,
+    validation (with ``on_end_val_epoch``), the end-of-step and end-of-epoch callbacks.
+    ``auto``: 4 x hang_seconds; null: hang_seconds; never less than hang_seconds."""
 
     def __post_init__(self) -> None:
         if self.launcher == "manual":
@@ -83,9 +88,13 @@ class DistArguments:
                 f"trainer.distributed.master_port must be a TCP port (1-65535), got "
                 f"{self.master_port}")
         hang = self.hang_seconds
-        if hang is not None and hang != "auto" and (isinstance(hang, str) or not hang > 0):
+        if hang is not None and hang != "auto" and (isinstance(hang, str) or not 0 < hang < math.inf):
             raise ConfigError(f"trainer.distributed.hang_seconds must be > 0 seconds, auto "
                               f"or null (off), got {hang!r}")
-        if self.timeout_seconds <= 0:
+        slow = self.hang_seconds_slow_phases
+        if slow is not None and slow != "auto" and (isinstance(slow, str) or not 0 < slow):
+            raise ConfigError(f"trainer.distributed.hang_seconds_slow_phases must be > 0 "
+                              f"seconds, auto or null (= hang_seconds), got {slow!r}")
+        if not 0 < self.timeout_seconds < math.inf:
             raise ConfigError(f"trainer.distributed.timeout_seconds must be > 0, got "
                               f"{self.timeout_seconds}")

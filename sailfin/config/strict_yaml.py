@@ -64,9 +64,33 @@ def load_yaml_file(path: str | os.PathLike) -> Any:
                           ) from None
     loader = StrictLoader(text)
     loader.source = str(path)
+    too_deep = ConfigError(f"config file {path} nests values more than {MAX_DEPTH} levels "
+                           "deep; a config is a few levels of mappings: flatten it")
     try:
-        return loader.get_single_data()
+        document = loader.get_single_data()
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    except RecursionError:  # PyYAML composes and constructs recursively
+        raise too_deep from None
     finally:
         loader.dispose()
+    if _depth(document) > MAX_DEPTH:  # what loads may still be too deep to copy or print
+        raise too_deep
+    return document
+
+
+# Deeper than this is no config: the schema's deepest key is a few levels down.
+MAX_DEPTH = 100
+
+
+def _depth(document: Any) -> int:
+    """How many mappings and lists deep ``document`` goes (without recursion)."""
+    deepest, stack, seen = 0, [(document, 1)], set()
+    while stack:
+        value, depth = stack.pop()
+        if not isinstance(value, (dict, list)) or id(value) in seen:
+            continue
+        seen.add(id(value))  # YAML aliases can share a node: visit it once
+        deepest = max(deepest, depth)
+        stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return deepest

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union, get_args, get_type_hints
 
@@ -154,7 +155,7 @@ class TrainerArguments:
         if self.preemption_check_every_n_steps < 1:
             raise ConfigError("trainer.preemption_check_every_n_steps must be >= 1, got "
                               f"{self.preemption_check_every_n_steps}")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+        if self.max_grad_norm is not None and not 0 < self.max_grad_norm < math.inf:
             raise ConfigError(
                 f"trainer.max_grad_norm must be > 0 or null (no clipping), got {self.max_grad_norm}")
         check_resume(self.resume)
@@ -200,7 +201,7 @@ class TrainerArguments:
                     f"available writers: {', '.join(WRITERS)}")
         if len(set(self.writers)) != len(self.writers):
             raise ConfigError(f"trainer.writers lists a writer twice: {self.writers}")
-        if not self.progress_interval > 0:
+        if not 0 < self.progress_interval < math.inf:
             raise ConfigError(
                 f"trainer.progress_interval must be > 0 seconds, got {self.progress_interval}")
         steps = self.profile_steps
@@ -241,7 +242,7 @@ class TrainerArguments:
                                                   prefix="trainer.early_stopping.")
         if isinstance(self.ema, dict):
             self.ema = build_dataclass(EmaArguments, self.ema, prefix="trainer.ema.")
-        if self.peak_tflops is not None and not self.peak_tflops > 0:
+        if self.peak_tflops is not None and not 0 < self.peak_tflops < math.inf:
             raise ConfigError(f"trainer.peak_tflops must be > 0 (dense TFLOP/s of one device) "
                               f"or null, got {self.peak_tflops}")
         if (self.early_stopping.enabled and not self.val_every_n_epochs

@@ -45,15 +45,21 @@ BACKWARD = "backward"  # a step's last micro-batch: DDP's gradient all-reduce ru
 ALL_REDUCE = "gradient all-reduce"
 OPTIMIZER = "optimizer"
 END_OF_STEP = "end of step (logging, checkpoint save, callbacks)"
+CHECKPOINT_SAVE = "checkpoint save"
 VALIDATION = "validation"
 END_OF_EPOCH = "end of epoch (checkpoint save, callbacks)"
 SETUP = "starting"
 FINISHED = "finished"
 FAILED = "stopped by an error"  # training raised on this rank: the others wait for it
 _ORDER = {p: i for i, p in enumerate((FAILED, SETUP, DATA, FORWARD, BACKWARD, ALL_REDUCE,
-                                       OPTIMIZER, END_OF_STEP, VALIDATION, END_OF_EPOCH,
-                                       FINISHED))}
-_AFTER_STEP = {END_OF_STEP, VALIDATION, END_OF_EPOCH, FINISHED}
+                                       OPTIMIZER, END_OF_STEP, CHECKPOINT_SAVE, VALIDATION,
+                                       END_OF_EPOCH, FINISHED))}
+_AFTER_STEP = {END_OF_STEP, CHECKPOINT_SAVE, VALIDATION, END_OF_EPOCH, FINISHED}
+# Phases known to take long on every rank at once (saves, validation, user callbacks):
+# they get trainer.distributed.hang_seconds_slow_phases, not hang_seconds.
+SLOW_PHASES = frozenset({END_OF_STEP, CHECKPOINT_SAVE, VALIDATION, END_OF_EPOCH})
+HANG_KEY = "trainer.distributed.hang_seconds"
+SLOW_KEY = "trainer.distributed.hang_seconds_slow_phases"
 
 
 class Heartbeat:
@@ -125,18 +131,29 @@ def culprits(records: list[RankRecord], stale: Iterable[int] = ()) -> list[int]:
 
 
 def hang_report(records: list[RankRecord], hang_seconds: float,
-                stale: Optional[dict[int, float]] = None) -> list[str]:
-    """The lines rank 0 prints: a header naming the rank(s) waited for, one line per rank."""
+                stale: Optional[dict[int, float]] = None,
+                slow_seconds: Optional[float] = None) -> list[str]:
+    """The lines rank 0 prints: a header naming the rank(s) waited for and the phase they
+    are in, with the limit that was hit and the key that raises it; one line per rank."""
     stale = stale or {}
     names = culprits(records, stale)
     everyone = len(names) == len({r.rank for r in records}) and not stale and len(names) > 1
-    if everyone:
-        who = ("every rank is at the same place: a collective that does not complete "
-               "(network, NCCL), or work every rank shares, is stuck")
+    phases = {r.phase for r in records if r.rank in names}
+    slow = bool(phases) and phases <= SLOW_PHASES and not stale
+    limit, key = (slow_seconds or hang_seconds, SLOW_KEY) if slow else (hang_seconds, HANG_KEY)
+    idle = max((r.idle for r in records if r.rank in names), default=0.0)
+    if everyone and slow:
+        who = (f"all ranks in {' / '.join(sorted(phases))} for {idle:.0f} s: if this work "
+               f"is this slow on purpose (a large save, a long validation or callback), "
+               f"raise {key}")
+    elif everyone:
+        who = (f"all ranks in {' / '.join(sorted(phases))} for {idle:.0f} s; every rank is "
+               "at the same place: a collective that does not complete (network, NCCL), or "
+               "work every rank shares, is stuck")
     else:
-        who = "waiting for rank " + ", ".join(map(str, names))
-    lines = [f"hang watchdog: no progress for more than {hang_seconds:g} s "
-             f"(trainer.distributed.hang_seconds); {who}"]
+        who = (f"waiting for rank {', '.join(map(str, names))} "
+               f"(in {' / '.join(sorted(phases))})")
+    lines = [f"hang watchdog: no progress for more than {limit:g} s ({key}); {who}"]
     for r in sorted(records, key=lambda r: r.rank):
         mark = "   <- stuck" if r.rank in names and not everyone else ""
         note = ""
@@ -167,10 +184,13 @@ class Watchdog:
     def __init__(self, heartbeat: Heartbeat, store: Any, rank: int, world_size: int,
                  hang_seconds: float, interval: float = 1.0,
                  report_dir: Optional[str] = None,
-                 on_hang: Optional[Callable[[int], None]] = None) -> None:
+                 on_hang: Optional[Callable[[int], None]] = None,
+                 slow_seconds: Optional[float] = None) -> None:
         self.heartbeat, self.store = heartbeat, store
         self.rank, self.world_size = rank, world_size
         self.hang_seconds, self.interval = float(hang_seconds), interval
+        # The limit in SLOW_PHASES (saves, validation, callbacks); hang_seconds when unset.
+        self.slow_seconds = max(float(slow_seconds or hang_seconds), self.hang_seconds)
         self.report_dir = report_dir
         self.on_hang = on_hang or _exit
         self.report: Optional[list[str]] = None  # rank 0: the lines it printed
@@ -255,11 +275,15 @@ class Watchdog:
             seq, when = self._seen.get(r.rank, (None, now))
             if seq != r.seq:
                 self._seen[r.rank] = (r.seq, now)
-            elif r.phase not in (FINISHED, FAILED) and now - when > self.hang_seconds:
+            elif r.phase not in (FINISHED, FAILED) and now - when > self._limit(r.phase):
                 stale[r.rank] = now - when
-        if stale or any(r.idle > self.hang_seconds and r.phase != FINISHED for r in records):
-            self.report = hang_report(records, self.hang_seconds, stale)
+        if stale or any(r.idle > self._limit(r.phase) and r.phase != FINISHED
+                        for r in records):
+            self.report = hang_report(records, self.hang_seconds, stale, self.slow_seconds)
             self.store.set(_HANG, "\n".join(self.report))
+
+    def _limit(self, phase: str) -> float:
+        return self.slow_seconds if phase in SLOW_PHASES else self.hang_seconds
 
     def _end(self) -> None:
         """Every rank: its stack; rank 0: the report; then the exit."""
@@ -339,8 +363,19 @@ def resolve_hang_seconds(value: Any, world_size: int) -> Optional[float]:
     return float(value)
 
 
+def resolve_slow_seconds(value: Any, hang_seconds: float) -> float:
+    """``trainer.distributed.hang_seconds_slow_phases``: auto is 4 x hang_seconds; null
+    is hang_seconds itself; never below hang_seconds."""
+    if value is None:
+        return hang_seconds
+    if value == "auto":
+        return 4 * hang_seconds
+    return max(float(value), hang_seconds)
+
+
 def build_watchdog(hang_setting: Any, rank: int, world_size: int, store: Any,
-                   heartbeat: Heartbeat, report_dir: Optional[str]) -> Optional[Watchdog]:
+                   heartbeat: Heartbeat, report_dir: Optional[str],
+                   slow_setting: Any = "auto") -> Optional[Watchdog]:
     """A started :class:`Watchdog` as ``trainer.distributed.hang_seconds`` asks, or None.
 
     ``store`` is the process group's (None on one process: a private store serves)."""
@@ -351,6 +386,7 @@ def build_watchdog(hang_setting: Any, rank: int, world_size: int, store: Any,
         import torch.distributed as dist
         store = dist.HashStore()
     dog = Watchdog(heartbeat, store, rank, world_size, seconds,
-                   interval=min(1.0, seconds / 4), report_dir=report_dir)
+                   interval=min(1.0, seconds / 4), report_dir=report_dir,
+                   slow_seconds=resolve_slow_seconds(slow_setting, seconds))
     dog.start()
     return dog

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import math
+import re
 import time
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
@@ -17,6 +18,7 @@ from ...checkpoint.serialize import check_plain
 from ...checkpoint.sharded import split_sharded
 from ...config.checkpoint import CheckpointArguments
 from ...config.errors import suggest
+from ...distributed.watchdog import CHECKPOINT_SAVE
 from ...version import __version__
 from ..core.callbacks import Callback
 
@@ -109,10 +111,17 @@ class CheckpointCallback(Callback):
             "trainer": state}
         snapshot = Snapshot(step=trainer.global_step, facts=facts, shared=shared,
                             rank_state=rng_state(), is_best=self._improved, sharded=sharded)
+        beat = trainer.heartbeat
+        phase, beat.phase = beat.phase, CHECKPOINT_SAVE  # the watchdog's slow-phase limit
         try:
             self.checkpointer.save(snapshot)
         except (OSError, CheckpointError) as exc:
-            raise self._failed(trainer, exc) from exc
+            failure = self._failed(trainer, exc)
+            if sharded:  # DCP failed on every rank: leave together, every one with exit 2
+                self.checkpointer.barrier()
+            raise failure from exc
+        finally:
+            beat.phase = phase
         self._saved_step, self._improved = trainer.global_step, False
         self.stall_seconds.append(time.perf_counter() - started)
 
@@ -128,7 +137,8 @@ class CheckpointCallback(Callback):
                      else "no earlier checkpoint exists")
         if _no_space(exc):
             return CheckpointError(
-                f"saving step {trainer.global_step} to {self.checkpointer.location} failed: "
+                f"saving step {_failed_step(exc, trainer.global_step)} to "
+                f"{self.checkpointer.location} failed: "
                 f"no space left on device; removed the partial save, {kept_text}. Free space "
                 "there, or set trainer.checkpoint.dir (or keep_last) to need less")
         if isinstance(exc, CheckpointError):
@@ -166,6 +176,18 @@ def _no_space(exc: Optional[BaseException]) -> bool:
             return True
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return False
+
+
+def _failed_step(exc: Optional[BaseException], default: int) -> int:
+    """The step whose save failed: an asynchronous save's failure is seen a save later;
+    the file it names (``.tmp-step-00000003/...``) says which."""
+    seen = 0
+    while exc is not None and seen < 10:
+        match = re.search(r"step-(\d+)", str(getattr(exc, "file", "") or ""))
+        if match:
+            return int(match.group(1))
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return default
 
 
 def checkpoint_callback(checkpointer: Checkpointer, args: CheckpointArguments

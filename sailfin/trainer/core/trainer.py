@@ -105,7 +105,8 @@ class Trainer:
             self.watchdog = build_watchdog(  # trainer.distributed.hang_seconds
                 args.distributed.hang_seconds, self.dist.rank, self.dist.world_size,
                 self.backend.group_store(), self.heartbeat,
-                os.path.join(args.output_dir, "hang"))
+                os.path.join(args.output_dir, "hang"),
+                args.distributed.hang_seconds_slow_phases)
             self.train_log.ready_since = self.global_step
             self.preemption.install(self.global_step)
             self._notify("on_train_start")

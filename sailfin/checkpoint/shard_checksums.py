@@ -1,0 +1,167 @@
+"""Checksums of a sharded checkpoint's files: computed by the rank that wrote each file,
+listed in the manifest, checked before a resume uses the checkpoint.
+
+DCP writes each rank's rows to ``__R_0.distcp`` and rank 0 writes the index
+``.metadata``. :func:`checksummed_writer` wraps DCP's writer so that each rank,
+once its files are written, reads them back (from the page cache, just
+written) and computes their size and checksum; the figures travel to rank 0
+with DCP's own write results, and rank 0 adds the index's. The manifest then
+lists every file with ``{"size": ..., "crc32c": "..."}`` (CRC-32C with the
+``crc32c`` or ``google-crc32c`` package installed, ``crc32`` from zlib
+otherwise; the manifest names which).
+
+On load, :func:`verify` splits the files among the ranks (file ``i`` is read by
+rank ``i % world``), so every byte is read once per job; any rank that finds
+a file unreadable, of the wrong size or with the wrong checksum raises
+:class:`CheckpointCorrupt` naming it, the ranks agree, and ``resume: auto``
+falls back to the next older checkpoint, as for a plain checkpoint's files.
+
+Example::
+
+    writer = checksummed_writer(dcp.FileSystemWriter, path, single_file_per_rank=True)
+    dcp.save(state, storage_writer=writer)
+    writer.sailfin_checksums     # rank 0: {"__0_0.distcp": (size, crc), ".metadata": ...}
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Callable, Optional
+
+from .errors import CheckpointCorrupt
+from .storage import Storage
+
+_CHUNK = 16 << 20
+# A write result that carries a rank's checksums to rank 0, never into DCP's index.
+_CARRIER = "__sailfin_checksums__"
+
+
+def _pick_algorithm() -> tuple[str, Callable[[bytes, int], int]]:
+    try:
+        import google_crc32c  # type: ignore[import-not-found]
+
+        return "crc32c", lambda data, crc: google_crc32c.extend(crc, bytes(data))
+    except ImportError:
+        pass
+    try:
+        import crc32c  # type: ignore[import-not-found]
+
+        return "crc32c", lambda data, crc: crc32c.crc32c(data, crc)
+    except ImportError:
+        return "crc32", zlib.crc32
+
+
+ALGORITHM, _update = _pick_algorithm()
+
+
+def checksum_stream(stream: Any) -> tuple[int, int]:
+    """(size, checksum) of what ``stream`` holds from its current position."""
+    size, crc = 0, 0
+    while chunk := stream.read(_CHUNK):
+        size += len(chunk)
+        crc = _update(chunk, crc)
+    return size, crc
+
+
+def checksummed_writer(base: type, *args: Any, **kwargs: Any) -> Any:
+    """A DCP writer of class ``base`` (``FileSystemWriter``, ``FsspecWriter``) built with
+    ``args``, that checksums its files; after a save, rank 0's ``sailfin_checksums``
+    holds every file's (size, checksum)."""
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = _CLASSES[base] = type(f"Checksummed{base.__name__}", (_ChecksumMixin, base), {})
+    return cls(*args, **kwargs)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+class _ChecksumMixin:
+    """Adds to DCP's writer: each rank checksums what it wrote; rank 0 collects them."""
+
+    fs: Any
+    path: Any
+    sailfin_checksums: dict[str, tuple[int, int]] = {}
+
+    def _checksum(self, relative: str) -> tuple[int, int]:
+        with self.fs.create_stream(self.fs.concat_path(self.path, relative), "rb") as stream:
+            return checksum_stream(stream)
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.storage import WriteResult
+        from torch.futures import Future
+
+        results = super().write_data(plan, planner).wait()  # type: ignore[misc]
+        files = sorted({r.storage_data.relative_path for r in results})
+        sums = {name: self._checksum(name) for name in files}  # this rank wrote them
+        carrier = WriteResult(index=MetadataIndex(_CARRIER), size_in_bytes=0, storage_data=sums)
+        done: Future = Future()
+        done.set_result([*results, carrier])
+        return done
+
+    def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+        sums: dict[str, tuple[int, int]] = {}
+        kept = []
+        for rank_results in results:
+            for result in rank_results:
+                if result.index.fqn == _CARRIER:
+                    sums.update(result.storage_data)
+            kept.append([r for r in rank_results if r.index.fqn != _CARRIER])
+        super().finish(metadata, kept)  # type: ignore[misc]
+        sums[".metadata"] = self._checksum(".metadata")  # rank 0 wrote the index
+        self.sailfin_checksums = sums
+
+
+def describe(sums: dict[str, tuple[int, int]]) -> dict[str, dict[str, Any]]:
+    """The manifest's entries for ``sums``."""
+    return {name: {"size": size, ALGORITHM: f"{crc:08x}"} for name, (size, crc) in sums.items()}
+
+
+def verify(storage: Storage, path: str, files: dict[str, Any], rank: int = 0,
+           world_size: int = 1) -> None:
+    """Check this rank's share of the files (``i % world_size == rank``) against the
+    manifest; raise :class:`CheckpointCorrupt` naming the first damaged one.
+
+    Entries are ``{"size": n, "crc32c"|"crc32": hex}`` or, from sailfin before
+    checksums, a bare size (then only the size is checked, on every rank)."""
+    for i, (name, entry) in enumerate(sorted(files.items())):
+        file = storage.join(path, name)
+        shown = storage.display(file)
+        expected_size = int(entry["size"] if isinstance(entry, dict) else entry)
+        try:
+            size = storage.size(file)
+        except FileNotFoundError:
+            raise CheckpointCorrupt(f"checkpoint shard {shown} is missing", shown) from None
+        except OSError as exc:
+            raise CheckpointCorrupt(f"checkpoint shard {shown} is unreadable: {exc}",
+                                    shown) from None
+        if size != expected_size:
+            raise CheckpointCorrupt(f"checkpoint shard {shown} has {size} bytes, the manifest "
+                                    f"says {expected_size}: it is truncated or damaged", shown)
+        algorithm = _algorithm_of(entry)
+        if algorithm is None or i % world_size != rank:
+            continue
+        if algorithm != ALGORITHM:
+            raise CheckpointCorrupt(
+                f"checkpoint shard {shown} has a {algorithm} checksum, which this machine "
+                f"cannot compute (it has {ALGORITHM}): pip install google-crc32c", shown)
+        try:
+            with storage.open_read(file) as stream:
+                got_size, crc = checksum_stream(stream)
+        except OSError as exc:  # a directory in its place, an I/O error
+            raise CheckpointCorrupt(f"checkpoint shard {shown} is unreadable: {exc}",
+                                    shown) from None
+        if got_size != expected_size or crc != int(entry[algorithm], 16):
+            raise CheckpointCorrupt(f"checkpoint shard {shown} does not match its {algorithm} "
+                                    "in the manifest: it was altered or damaged after it was "
+                                    "saved", shown)
+
+
+def _algorithm_of(entry: Any) -> Optional[str]:
+    if not isinstance(entry, dict):
+        return None
+    for name in ("crc32c", "crc32"):
+        if name in entry:
+            return name
+    return None
