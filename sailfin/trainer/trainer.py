@@ -27,6 +27,7 @@ from .autobatch import auto_micro_batch
 from .callbacks import Callback
 from .checkpointing import checkpoint_callback
 from .loop_features import build_loop_features
+from .memory_snapshots import memory_snapshot_callback
 from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
 from .nonfinite import NonFiniteGuard
 from .observe import build_observers
@@ -206,6 +207,8 @@ class Trainer:
         self.ema, self.flops = features.ema, features.flops
         self.callbacks += features.callbacks
         self.callbacks += [self.run_stats] + ([saver] if saver is not None else [])
+        # trainer.checkpoint.memory: snapshots in shared memory (after every stateful piece).
+        self.callbacks += memory_snapshot_callback(self.checkpointer, args, saver, self.module)
         if self.autobatch is not None:  # its size is kept in checkpoints
             self.callbacks.append(self.autobatch)
         # Before the writers open metrics.jsonl: resuming trims events past the checkpoint.
