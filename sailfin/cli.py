@@ -32,6 +32,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="overlay these runs' output directories")
     report.add_argument("--out", help="where to write (default: OUTPUT_DIR/report)")
     report.add_argument("--dpi", type=int, default=100, help="PNG resolution")
+    clean = sub.add_parser("clean", help="remove a run's memory snapshots from this machine",
+                           description="Remove the memory snapshots (trainer.checkpoint."
+                                       "memory) a run left in shared memory on this machine; "
+                                       "its checkpoints and outputs stay")
+    clean.add_argument("output_dir", help="the run's trainer.output_dir")
     shard_cli.add_parser(sub)
     return parser
 
@@ -120,6 +125,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         from .report import report_command
         return report_command(args.output_dir, args.compare, args.out, args.dpi)
+    if args.command == "clean":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        from .checkpoint.memory_dirs import clean
+        removed = clean(args.output_dir)
+        for path in removed:
+            print(f"removed {path}")
+        print(f"sailfin clean: {len(removed)} memory snapshot director"
+              f"{'y' if len(removed) == 1 else 'ies'} of {args.output_dir} removed")
+        return 0
     try:
         if args.command == "train":
             return _recorded(train_command)(args.config, rest, args.print_config)
