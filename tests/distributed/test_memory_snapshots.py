@@ -147,3 +147,27 @@ def test_a_lost_node_comes_back_from_the_replica(tmp_path, ddp_reference, replic
               (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e["split"] == "train"] == list(range(1, TOTAL + 1))
     assert not shm_dirs(tmp_path, name)
+
+
+@pytest.mark.slow
+def test_fsdp_ranks_snapshot_their_own_shards_and_resume_exactly(tmp_path):
+    logs = {name: tmp_path / f"{name}.log" for name in ("ref", "kill")}
+    fsdp = ["fsdp" if a == "ddp" else a for a in single_node(2, Path("X"), restarts=2)]
+    procs = {}
+    try:
+        for name in ("ref", "kill"):
+            cfg = memory_config(tmp_path, name, step_seconds=0 if name == "ref" else 0.15)
+            procs[name] = torchrun([str(cfg) if a == "X" else a for a in fsdp], logs[name])
+        records = tmp_path / "kill" / "records"
+        wait_until(lambda: reached(records, 1, "0-") >= 8, [procs["kill"]], 180,
+                   [logs["kill"]], "step 8")
+        os.kill(pid_of(records, 1, "0-w2"), signal.SIGKILL)
+        assert wait(list(procs.values()), 300, list(logs.values())) == [0, 0], \
+            tail(list(logs.values()))
+    finally:
+        stop(*procs.values())
+        for name in ("ref", "kill"):
+            memory_dirs.clean(str(tmp_path / name / "run"))
+    assert re.search(r"resuming from memory, step (8|9|10) ", logs["kill"].read_text()), \
+        tail([logs["kill"]])
+    same_bits(weights(tmp_path, "kill"), weights(tmp_path, "ref"))
