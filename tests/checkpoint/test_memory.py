@@ -163,3 +163,23 @@ def test_nothing_is_left_in_dev_shm_after_a_normal_end(tmp_path):
     assert not os.path.exists(root)
     prefix = f"sailfin-{memory_dirs.run_id(str(tmp_path))}"
     assert not [e for e in os.listdir("/dev/shm") if e.startswith(prefix)]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_persisted_every_n_steps_through_the_async_path(tmp_path, async_save):
+    ref = reference(tmp_path)
+    shm = tmp_path / "shm"
+    run = tmp_path / "run"
+    args = trainer_args(run, shm, memory={"persist_every_n_steps": 4})
+    args.checkpoint.async_save = async_save
+    trainer = Trainer(recipe(), args, callbacks=[CrashAt(7)])
+    with pytest.raises(Crash):
+        trainer.train()
+    assert trainer.checkpointer.inner.args.async_save  # persisting saves are async
+    assert (run / "checkpoints" / "step-00000004" / "manifest.json").exists()
+    assert not (run / "checkpoints" / "step-00000006").exists()
+    model = recipe()
+    Trainer(model, trainer_args(run, shm, memory={"persist_every_n_steps": 4})).train()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+    assert (run / "checkpoints" / "step-00000012" / "manifest.json").exists()
