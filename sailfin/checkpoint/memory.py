@@ -8,11 +8,11 @@ worker, so a restarted worker reads them back instead of a disk checkpoint.
 The step pays only the copy of the state into reused staging buffers; a
 writer thread writes the files under ``.tmp-step-N``, renames the directory
 when complete, and (``replicas: 1``) sends the files to a rank on the next
-node, which keeps them under ``replica-rank<r>/``. Before the next snapshot
-every rank confirms its previous one is complete (one tiny all-reduce), and
-only then are older ones removed: every rank always holds a step that all
-ranks hold complete, and at most two snapshots (that one and the one being
-written).
+node, which keeps them under ``replica-rank<r>/``. At the next snapshot every
+rank says whether its previous one is complete (one tiny all-reduce): if one
+is still being written, every rank skips this step rather than wait; else the
+older ones are removed. Every rank therefore always holds a step that all ranks
+hold complete, and at most two snapshots (that one and the one being written).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from .serialize import FileEntry, StagingBuffers, _checksum_file, load_object, s
 from .storage import LocalStorage
 
 _STEP = re.compile(r"^step-(\d+)$")
+_FAILED, _BUSY, _READY = 0, 1, 2  # the previous snapshot, as the ranks agree on it (MIN)
 _OWN = re.compile(r"^rank(\d+)$")
 _REPLICA = re.compile(r"^replica-rank(\d+)$")
 
@@ -64,6 +65,7 @@ class MemoryStore:
         self._executor: Optional[ThreadPoolExecutor] = None
         self._pending: Optional[tuple[int, Future]] = None
         self._last: Optional[int] = None  # the step of the last snapshot started
+        self.skipped = 0  # snapshots skipped: the previous one was still being written
         # Replicas go to the same local rank on the next node, and come from the previous.
         self.replica_dst = self.replica_src = None
         if replicas and world_size > local_world_size:
@@ -79,12 +81,21 @@ class MemoryStore:
 
     # -- writing -----------------------------------------------------------------------
     def save(self, step: int, facts: dict[str, Any], shared: dict[str, Any],
-             rank_state: Any) -> None:
-        """Snapshot ``step`` on every rank: waits for the previous one (normally written
-        already), agrees with every rank that it is complete, copies the state into the
-        staging buffers and returns; the files are written in the background."""
+             rank_state: Any) -> bool:
+        """Snapshot ``step`` on every rank; False when skipped. Every rank says whether its
+        previous snapshot is written (one tiny all-reduce): if one is still being written,
+        every rank skips this step (the step never waits for a write); once all are, older
+        snapshots go, the state is copied into the staging buffers, and the files are
+        written in the background."""
+        busy = self._pending is not None and not self._pending[1].done()
+        failed = (self._pending is not None and not busy
+                  and self._pending[1].exception() is not None)
+        agreed = self.peers.min(_FAILED if failed else _BUSY if busy else _READY)
+        if agreed == _BUSY:
+            self.skipped += 1
+            return False
         error = self._finish()
-        if not self.peers.all_ok(error is None):
+        if agreed == _FAILED:
             raise CheckpointError(
                 f"the memory snapshot of step {self._last} failed"
                 + (f" on rank {self.rank}: {error}" if error else " on another rank")
@@ -98,6 +109,7 @@ class MemoryStore:
         self._last = step
         self._pending = (step, self._executor.submit(
             self._write, step, dict(facts), staged["shared"], staged["rank"]))
+        return True
 
     def _finish(self) -> Optional[BaseException]:
         if self._pending is None:

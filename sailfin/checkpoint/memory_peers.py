@@ -19,7 +19,7 @@ class Peers:
     Example (on every rank)::
 
         peers = Peers(rank, world_size)
-        if not peers.all_ok(wrote_fine):
+        if peers.min(1 if wrote_fine else 0) == 0:
             raise RuntimeError("a rank failed")
         got = peers.exchange(my_bytes, dst=(rank + 1) % world, src=(rank - 1) % world)
     """
@@ -41,15 +41,15 @@ class Peers:
     def distributed(self) -> bool:
         return self._group is not None
 
-    def all_ok(self, ok: bool) -> bool:
-        """True on every rank when ``ok`` is True on every rank."""
+    def min(self, value: int) -> int:
+        """The smallest of every rank's ``value``."""
         if not self.distributed:
-            return ok
+            return value
         import torch.distributed as dist
 
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
-        return bool(flag.item())
+        box = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self._group)
+        return int(box.item())
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order."""

@@ -18,6 +18,7 @@ import torch
 
 from ..checkpoint import CheckpointError, Checkpointer
 from ..checkpoint import memory_dirs
+from ..checkpoint.checkpointer import say
 from ..checkpoint.memory_checkpointer import MemoryFirstCheckpointer
 from ..checkpoint.memory_shards import local_shards, mesh_of
 from ..checkpoint.rng import rng_state
@@ -77,6 +78,10 @@ class MemorySnapshots(Callback):
         self.stall_seconds.append(time.perf_counter() - started)
 
     def on_train_end(self, trainer: "Trainer") -> None:
+        if self.store.skipped and trainer.dist.is_main:
+            say(f"memory snapshots: {self.store.skipped} of {len(self.stall_seconds)} skipped: "
+                "the previous one was still being written (a write took longer than the "
+                "steps between snapshots; a restart may lose that many more steps)")
         # The final state is on disk (the saver's on_train_end ran first): the RAM goes back.
         self.store.remove_mine()
         trainer.backend.barrier()

@@ -12,7 +12,7 @@ from tests.checkpoint.test_kill import assert_same_run, kill, start, wait_for, w
 from sailfin.cli import main
 
 
-def memory_config(tmp_path, name, step_seconds=0.03):
+def memory_config(tmp_path, name, step_seconds=0.08):
     shm = tmp_path / f"{name}-shm"
     return write_config(tmp_path, name, step_seconds, checkpoint=(
         f"keep_last: 2, memory: {{every_n_steps: 1, dir: '{shm}'}}")), shm
