@@ -91,14 +91,3 @@ class Peers:
         got = torch.empty(int(size.item()), dtype=torch.uint8)
         dist.recv(got, src, group=self._group)
         return got.numpy().tobytes()
-
-    def close(self) -> None:
-        import torch.distributed as dist
-
-        for group in (self._group, self._background):
-            if group is not None and dist.is_initialized():
-                try:
-                    dist.destroy_process_group(group)
-                except (RuntimeError, ValueError):
-                    pass
-        self._group = self._background = None
