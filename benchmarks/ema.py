@@ -24,7 +24,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from sailfin.config import EmaArguments  # noqa: E402
-from sailfin.trainer.ema import WeightAverage  # noqa: E402
+from sailfin.trainer.features.ema import WeightAverage  # noqa: E402
 
 
 def model(width: int, layers: int = 4) -> nn.Module:

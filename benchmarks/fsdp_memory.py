@@ -36,7 +36,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import sailfin.trainer.trainer as trainer_module  # noqa: E402
+import sailfin.trainer.core.trainer as trainer_module  # noqa: E402
 from sailfin import Callback, DataInterface, ModuleInterface, Trainer, TrainerArguments  # noqa: E402
 from sailfin.config.distributed import DistArguments  # noqa: E402
 

@@ -45,7 +45,7 @@ from overhead import BATCH, Data, Recipe, make_data  # noqa: E402
 
 from sailfin import Trainer, TrainerArguments  # noqa: E402
 from sailfin.logging import build_writers  # noqa: E402
-from sailfin.trainer.progress import Progress  # noqa: E402
+from sailfin.trainer.features.progress import Progress  # noqa: E402
 
 VARIANTS = {
     "none": dict(writers=[], progress="none"),

@@ -15,11 +15,19 @@ from .logging.writers import WriterError
 
 
 def _parser() -> argparse.ArgumentParser:
+    from .config.help import trainer_keys_help
+    from .version import __version__
+
     parser = argparse.ArgumentParser(prog="sailfin", description="sailfin training library")
+    parser.add_argument("--version", action="version", version=f"sailfin {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a recipe from a YAML config",
                            description="Train a recipe. Overrides: --trainer.epochs 3, "
-                                       "--trainer.backend=sp, --module.init_args.lr 0.1")
+                                       "--trainer.backend=sp, --module.init_args.lr 0.1",
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog="config keys (key  type = default  doc); set them in the "
+                                  "YAML's trainer: section or as --key value:\n"
+                                  + trainer_keys_help())
     train.add_argument("config", help="the run's YAML config")
     train.add_argument("--print-config", action="store_true",
                        help="print the resolved config and exit")
@@ -52,9 +60,9 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
     from .checkpoint import CheckpointError
     from .data.shards.errors import ShardError
     from .trainer import Trainer
-    from .trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
-    from .trainer.run_lock import RunLockError
-    from .trainer.startup_checks import StartupCheckError
+    from .trainer.safety.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
+    from .trainer.safety.run_lock import RunLockError
+    from .trainer.safety.startup_checks import StartupCheckError
 
     try:
         module = cfg.build()
@@ -62,15 +70,16 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         with Trainer(module, cfg.trainer, hparams=cfg.to_dict()) as trainer:
             summary = trainer.train()
     except CheckpointError as exc:
-        print(f"sailfin: checkpoint error: {exc}", file=sys.stderr)
+        _user_error(f"sailfin: checkpoint error: {exc}")
         return 2
     except StartupCheckError as exc:  # the recipe returned something unusable, seen at start
-        print(f"sailfin: recipe error: {exc}", file=sys.stderr)
+        _user_error(f"sailfin: recipe error: {exc}")
         return 2
     except RunLockError as exc:
-        print(f"sailfin: {exc}", file=sys.stderr)
+        _user_error(f"sailfin: {exc}")
         return 2
     except ShardError as exc:
+        # A damaged shard is this rank's own finding: every rank says what it read.
         print(f"sailfin: shard error: {_without_worker_traceback(exc)}", file=sys.stderr)
         return 2
     except TrainingPreempted as exc:  # SIGTERM / first Ctrl-C: saved, writers closed
@@ -85,6 +94,17 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         print(f"validation {name}: {value:.4f}" if isinstance(value, float)
               else f"validation {name}: {value}")
     return 0
+
+
+def _user_error(message: str) -> None:
+    """A user error, printed once: by rank 0 (every rank under torchrun hits the same)."""
+    try:
+        from .distributed import DistEnv
+        rank = DistEnv.from_environ().rank
+    except Exception:  # a launcher's variables that do not add up: say it here anyway
+        rank = 0
+    if rank == 0:
+        print(message, file=sys.stderr)
 
 
 def _without_worker_traceback(exc: BaseException) -> str:
@@ -117,6 +137,20 @@ def _recorded(fn):
     return record(fn)
 
 
+def _user_errors(fn):
+    """``fn`` with config and writer errors turned into one line (rank 0) and exit 2."""
+    def run(*args):
+        try:
+            return fn(*args)
+        except ConfigError as exc:
+            _user_error(f"sailfin: config error: {exc}")
+            return 2
+        except WriterError as exc:  # a writer cannot write where the config says
+            _user_error(f"sailfin: {exc}")
+            return 2
+    return run
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
@@ -137,7 +171,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     try:
         if args.command == "train":
-            return _recorded(train_command)(args.config, rest, args.print_config)
+            # User errors end inside the recorded call: torchrun reports no traceback.
+            return _recorded(_user_errors(train_command))(args.config, rest, args.print_config)
         if args.command == "shard":
             return shard_cli.run(args, rest)
     except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops)
@@ -147,9 +182,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "lost, the checkpoints already saved are intact", file=sys.stderr)
         return 130
     except ConfigError as exc:
-        print(f"sailfin: config error: {exc}", file=sys.stderr)
+        _user_error(f"sailfin: config error: {exc}")
         return 2
     except WriterError as exc:  # a writer cannot write where the config says
-        print(f"sailfin: {exc}", file=sys.stderr)
+        _user_error(f"sailfin: {exc}")
         return 2
     return 1

@@ -56,8 +56,9 @@ class DataProcessor:
     def node_share(self, inputs: Sequence[Any], node_rank: Optional[int] = None,
                    num_nodes: Optional[int] = None) -> list:
         """This node's contiguous part of ``inputs`` (balanced, order kept)."""
-        node_rank = self.node_rank if node_rank is None else node_rank
-        num_nodes = self.num_nodes if num_nodes is None else num_nodes
+        # getattr: PyMarlin's processors often skip super().__init__() (one node then).
+        node_rank = getattr(self, "node_rank", 0) if node_rank is None else node_rank
+        num_nodes = getattr(self, "num_nodes", 1) if num_nodes is None else num_nodes
         _check_node_split(node_rank, num_nodes)
         inputs = list(inputs)
         base, extra = divmod(len(inputs), num_nodes)
@@ -207,7 +208,10 @@ class ModuleInterface(nn.Module):
 
     def val_step(self, global_step: int, batch: Batch, device: torch.device
                  ) -> dict[str, torch.Tensor]:
-        """Return a dict of tensors whose first dimension is the batch."""
+        """Return a dict of tensors whose first dimension is the batch. A 0-d tensor is
+        the batch's mean: it counts once per sample of the batch, so its epoch mean is
+        exact. PyMarlin's tuple return reaches ``on_end_val_epoch(global_step, *outputs,
+        key=name)`` when that is its signature."""
         raise NotImplementedError(
             f"{type(self).__name__} has validation data but no val_step(); implement it")
 
@@ -243,7 +247,11 @@ class ModuleInterface(nn.Module):
     def on_begin_train_epoch(self, global_step: int, epoch: int) -> None: ...
 
     def on_end_train_step(self, global_step: int, loss: torch.Tensor,
-                          stats: Optional[dict]) -> None: ...
+                          stats: Optional[dict]) -> None:
+        """After each optimizer step. ``stats`` is ``train_step``'s dict (or None); with
+        PyMarlin's ``(loss, t1, t2...)`` return it is ``t1, t2...`` instead
+        (``on_end_train_step(global_step, loss, t1, t2)``). A shorter signature, such as
+        PyMarlin's ``(global_step, loss)``, gets what it takes."""
 
     def on_end_backward(self, global_step: int, loss: torch.Tensor) -> None:
         """After all micro-batches of a step ran backward, before clipping and stepping."""

@@ -88,3 +88,37 @@ def test_import_sailfin_is_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=ROOT)
     assert out.stdout.strip() == "False"
+
+
+def test_train_help_lists_every_config_key_from_the_schema(capsys):
+    """(#28) Generated from the dataclasses: every key, with its type, default and doc."""
+    import dataclasses
+
+    import pytest
+
+    from sailfin import __version__
+    from sailfin.config.trainer import TrainerArguments
+    from sailfin.cli import main as cli_main
+
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--help"])
+    out = capsys.readouterr().out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  --trainer.")}
+
+    def keys(cls, prefix):
+        for f in dataclasses.fields(cls):
+            default = getattr(cls(), f.name) if f.name else None
+            if dataclasses.is_dataclass(default):
+                yield from keys(type(default), f"{prefix}{f.name}.")
+            else:
+                yield f"--{prefix}{f.name}"
+
+    expected = list(keys(TrainerArguments, "trainer."))
+    assert set(expected) == set(lines)
+    for key in expected:  # "--trainer.seed  int = 42  Seeds the data order..."
+        name, rest = lines[key].split(None, 1)
+        assert " = " in rest and len(rest.split(" = ", 1)[1].split("  ", 1)) == 2, lines[key]
+    assert "--trainer.seed  int = 42  Seeds the data order" in out
+    with pytest.raises(SystemExit):
+        cli_main(["--version"])
+    assert capsys.readouterr().out.strip() == f"sailfin {__version__}"

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from sailfin.cli import main
 from tests.data.shards.helpers import write_shards
 
@@ -102,3 +104,29 @@ def test_a_worker_error_keeps_only_its_own_message():
             "sailfin.data.shards.errors.ShardError: shard a.tar, sample '7' at byte 512: bad\n")
     assert _without_worker_traceback(ShardError(text)) == "shard a.tar, sample '7' at byte 512: bad"
     assert _without_worker_traceback(ShardError("plain")) == "plain"
+
+
+def test_a_user_error_is_printed_by_rank_0_only(tmp_path, monkeypatch, capsys):
+    """(#28) Every rank under torchrun meets the same config error: rank 1 is silent."""
+    from sailfin.cli import main
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("trainer: {epochz: 2}\n")
+    for rank, says in (("1", False), ("0", True)):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        assert main(["train", str(cfg)]) == 2
+        err = capsys.readouterr().err
+        assert ("sailfin: config error: " in err) is says, err
+
+
+@pytest.mark.slow
+def test_a_user_error_under_torchrun_is_printed_once(tmp_path):
+    import subprocess
+    import sys
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("trainer: {epochz: 2}\n")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "2", "-m", "sailfin", "train", str(cfg)], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert proc.stderr.count("trainer.epochz") == 1, proc.stderr

@@ -33,3 +33,12 @@ def test_the_doc_covers_what_the_issue_found_missing():
                  "multi_process_data(inputs, *args, process_count=N)", "resume_config accept",
                  "init_from", "examples/cifar_pymarlin"):
         assert text in DOC, text
+
+
+def test_the_doc_covers_the_data_pipeline_and_pymarlins_forms():
+    """(#28) process_data, setup_datasets and __main__ have replacements, with a
+    before/after text-classification recipe; the PyMarlin forms are described as accepted."""
+    for text in ("`DataInterface.process_data(processor, *args)`", "`DataInterface.setup_datasets()`",
+                 "`__main__`", "once per sample of\n  its batch",
+                 "def on_end_val_epoch(self, global_step, *inputs, key=\"default\")"):
+        assert text in DOC, text

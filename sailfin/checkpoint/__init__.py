@@ -1,7 +1,7 @@
-"""Checkpoints: save every stateful piece, atomically, locally or at any fsspec URL; resume.
+"""Checkpoints: save every stateful piece, atomically, locally or at any fsspec URL.
 
-The trainer builds a :class:`Checkpointer` from ``trainer.checkpoint`` and
-resumes as ``trainer.resume`` says, before its first step.
+Storage only: the trainer builds a :class:`Checkpointer` from ``trainer.checkpoint``
+and hands it named state; resuming lives in ``sailfin.trainer.checkpointing``.
 """
 
 from __future__ import annotations
@@ -18,11 +18,9 @@ from .checkpointer import Checkpointer, DirectoryCheckpointer, Loaded, Snapshot
 from .errors import CheckpointCorrupt, CheckpointError
 from .memory_checkpointer import persisting_args, with_memory_snapshots
 from .metrics_log import trim_metrics_log
-from .resume import resume
 
 __all__ = ["CheckpointArguments", "CheckpointCorrupt", "CheckpointError", "Checkpointer",
-           "DirectoryCheckpointer", "Loaded", "Snapshot", "build_checkpointer", "resume",
-           "trim_metrics_log"]
+           "DirectoryCheckpointer", "Loaded", "Snapshot", "build_checkpointer", "trim_metrics_log"]
 
 
 def build_checkpointer(args: TrainerArguments, dist: DistEnv,

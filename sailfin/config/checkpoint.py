@@ -29,6 +29,7 @@ class CheckpointArguments:
     best_metric: Optional[str] = None
     """Save when this validation metric improves: ``accuracy``, or ``<set>/<metric>``."""
     best_mode: Literal["min", "max"] = "min"
+    """Whether a lower (min) or higher (max) best_metric is better."""
     keep_last: Optional[int] = 3
     """Keep the newest N checkpoints (plus the best); null keeps every one."""
     async_save: bool = False

@@ -27,17 +27,25 @@ class DistArguments:
     """
 
     launcher: Launcher = "auto"
+    """auto (torchrun, SLURM, MPI variables) or manual (the keys below)."""
     rank: Optional[int] = None
+    """This process's rank (launcher: manual)."""
     world_size: Optional[int] = None
+    """Number of processes (launcher: manual)."""
     local_rank: Optional[int] = None
+    """Rank on this node: picks the GPU (launcher: manual)."""
     local_world_size: Optional[int] = None
+    """Processes on this node (launcher: manual)."""
     master_addr: Optional[str] = None
+    """Address of rank 0 for the rendezvous (launcher: manual)."""
     master_port: Optional[int] = None
+    """Port of rank 0 for the rendezvous (launcher: manual)."""
     comm_backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group back end: auto is NCCL on CUDA, gloo on CPU."""
     timeout_seconds: float = 1800.0
     """How long a collective or the rendezvous may wait before failing."""
     find_unused_parameters: bool = False
+    """DDP: allow parameters that get no gradient in a step (costs a graph walk)."""
     sync_buffers: bool = True
     """Copy rank 0's buffers (BatchNorm statistics) to every rank before each step's forward."""
     threads_per_process: Optional[int] = None

@@ -26,6 +26,7 @@ class EarlyStoppingArguments:
     metric: Optional[str] = None
     """A validation metric: ``loss``, or ``<set>/<metric>`` with several validation sets."""
     mode: Literal["min", "max"] = "min"
+    """Whether a lower (min) or higher (max) metric is an improvement."""
     patience: int = 3
     """Validations without improvement before the run stops."""
     min_delta: float = 0.0

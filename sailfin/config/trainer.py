@@ -7,6 +7,7 @@ from typing import Literal, Optional, Union, get_args, get_type_hints
 
 from .checkpoint import CheckpointArguments, check_resume
 from .distributed import DistArguments
+from .dp import DPArguments, is_private
 from .loop import EarlyStoppingArguments, EmaArguments
 from .errors import ConfigError
 from .fsdp import FSDPArguments
@@ -25,9 +26,11 @@ class TrainerArguments:
     """
 
     epochs: int = 1
+    """Passes over the training set."""
     max_steps: Optional[int] = None
     """Stop after this many optimizer steps in all (null: no cap)."""
     max_train_steps_per_epoch: Optional[int] = None
+    """Cap on optimizer steps per epoch (null: the whole training set)."""
     train_batch_size: int = 32
     """GLOBAL batch: the samples behind one optimizer step, over all devices."""
     micro_batch_size: Union[int, Literal["auto"], None] = None
@@ -39,7 +42,9 @@ class TrainerArguments:
     drop_last: bool = False
     """Drop an epoch's last, smaller global batch instead of stepping on it."""
     shuffle: bool = True
+    """Shuffle the training order each epoch (a function of seed and epoch)."""
     backend: str = "sp"
+    """How a step runs: sp, sp-amp, ddp, ddp-amp, fsdp... (strategy x precision)."""
     amp_dtype: Literal["auto", "bfloat16", "float16"] = "auto"
     """Autocast type of the ``*-amp`` backends. auto: bfloat16 where the device supports it
     (CPU included), else float16 (with loss scaling)."""
@@ -47,7 +52,8 @@ class TrainerArguments:
     """Run ``train_step`` through ``torch.compile`` (compiled once, at the first step)."""
     compile_mode: Literal["default", "reduce-overhead", "max-autotune",
                           "max-autotune-no-cudagraphs"] = "default"
-    # -- compile check: is torch.compile paying? (sailfin/trainer/compile_check.py) --
+    """torch.compile's mode (with compile)."""
+    # -- compile check: is torch.compile paying? (sailfin/trainer/features/compile_check.py) --
     compile_check: bool = True
     """With ``compile``: after warm-up, time a few compiled steps against the same number
     run eagerly (once, at fixed global steps) and warn when compiling does not pay."""
@@ -58,10 +64,13 @@ class TrainerArguments:
     device: str = "auto"
     """``auto`` (CUDA when present, else CPU), ``cpu``, ``cuda``, ``cuda:1``..."""
     seed: int = 42
+    """Seeds the data order and every random stream (per rank)."""
     output_dir: str = "outputs"
+    """Where metrics, checkpoints, summary.json and final weights go."""
     max_grad_norm: Optional[float] = None
     """Clip the global gradient norm to this value (null: no clipping)."""
     log_every_n_steps: int = 10
+    """Log the train loss (one host-device sync) every N optimizer steps."""
     val_every_n_epochs: int = 1
     """Validate after every N-th epoch and after the last (0: only when asked)."""
     writers: list[str] = field(default_factory=lambda: ["stdout", "jsonl"])
@@ -69,6 +78,7 @@ class TrainerArguments:
     mlflow_tracking_uri: Optional[str] = None
     """MLflow store. Null: MLFLOW_TRACKING_URI if set, else sqlite:///<output_dir>/mlflow.db."""
     mlflow_experiment: str = "sailfin"
+    """MLflow experiment name (the mlflow writer)."""
     progress: Literal["auto", "bar", "lines", "none"] = "auto"
     """``bar`` (a terminal progress bar), ``lines`` (plain periodic lines), ``none``;
     ``auto``: a bar when stderr is a terminal, else lines."""
@@ -99,6 +109,8 @@ class TrainerArguments:
     # Sharded data parallel (the fsdp backends).
     fsdp: FSDPArguments = field(default_factory=FSDPArguments)
     """Which submodules the ``fsdp`` backends shard as units; see docs/sharding.md."""
+    dp: DPArguments = field(default_factory=DPArguments)
+    """Differential privacy of the ``*-dp`` backends (DP-SGD on Opacus); see docs/dp.md."""
 
     # -- resume checks, starting from weights, PyMarlin's meanings, start-up checks --------
     gpu_batch_size_limit: Optional[int] = None
@@ -170,6 +182,7 @@ class TrainerArguments:
         if isinstance(self.fsdp, dict):  # TrainerArguments(fsdp={...}) from Python
             from .coerce import build_dataclass
             self.fsdp = build_dataclass(FSDPArguments, self.fsdp, prefix="trainer.fsdp.")
+        self._check_dp()
         hints = get_type_hints(type(self))
         for name in ("amp_dtype", "compile_mode", "on_nonfinite",
                      "resume_config"):  # also when built in Python
@@ -195,6 +208,27 @@ class TrainerArguments:
             raise ConfigError(
                 f"trainer.profile_steps must be [start, end] with 1 <= start <= end "
                 f"(optimizer steps, counted from 1), got {steps}")
+
+    def _check_dp(self) -> None:
+        """trainer.dp against the backend and the settings DP-SGD cannot honour."""
+        if isinstance(self.dp, dict):  # TrainerArguments(dp={...}) from Python
+            from .coerce import build_dataclass
+            self.dp = build_dataclass(DPArguments, self.dp, prefix="trainer.dp.")
+        self.dp.check_for(self.backend)
+        if not is_private(self.backend):
+            return
+        clashes = {"max_grad_norm": (self.max_grad_norm is not None,
+                                     "clipping is per sample: use trainer.dp.max_grad_norm"),
+                   "micro_batch_size": (self.micro_batch_size == "auto",
+                                        "Poisson steps vary in size: give a micro_batch_size"),
+                   "compile": (self.compile, "Opacus's per-sample gradient hooks run eagerly"),
+                   "activation_checkpointing": (bool(self.activation_checkpointing),
+                                                "recomputed forwards would capture "
+                                                "per-sample activations twice")}
+        for key, (bad, why) in clashes.items():
+            if bad:
+                raise ConfigError(f"trainer.{key} does not combine with trainer.backend "
+                                  f"{self.backend}: {why}")
 
     def _check_loop_features(self) -> None:
         """val_every_n_steps, early_stopping, ema, peak_tflops."""

@@ -99,10 +99,15 @@ class RankRecord:
         return self.step, _ORDER.get(self.phase, 0)
 
     def describe(self) -> str:
-        where = (f"after step {self.step + 1}" if self.phase in _AFTER_STEP
-                 else f"step {self.step + 1}")
+        where = f"global_step {recipe_step(self.step, self.phase)}"
         return (f"rank {self.rank}: {where}, phase {self.phase}, "
                 f"{self.idle:.1f} s since its last progress")
+
+
+def recipe_step(step: int, phase: str) -> int:
+    """The ``global_step`` the recipe sees in ``phase``: ``train_step`` gets the steps done
+    before it (``step``); the end-of-step callbacks and validation get the step counted."""
+    return step + 1 if phase in _AFTER_STEP else step
 
 
 def culprits(records: list[RankRecord], stale: Iterable[int] = ()) -> list[int]:
@@ -259,7 +264,8 @@ class Watchdog:
     def _end(self) -> None:
         """Every rank: its stack; rank 0: the report; then the exit."""
         beat = self.heartbeat
-        header = (f"hang watchdog: stack of rank {self.rank} (step {beat.step + 1}, "
+        header = (f"hang watchdog: stack of rank {self.rank} (global_step "
+                  f"{recipe_step(beat.step, beat.phase)}, "
                   f"phase {beat.phase}, pid {os.getpid()})")
         _write_stack(header, sys.stderr)
         if self.report_dir:

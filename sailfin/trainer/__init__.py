@@ -1,6 +1,7 @@
-"""The trainer: the loop, validation, callbacks and run outputs."""
+"""The trainer: the loop (core/), optional features (features/), run safety (safety/)
+and the trainer's side of checkpoints (checkpointing/)."""
 
-from .callbacks import Callback
-from .trainer import Trainer
+from .core.callbacks import Callback
+from .core.trainer import Trainer
 
 __all__ = ["Callback", "Trainer"]

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from sailfin.checkpoint import DirectoryCheckpointer
-from sailfin.trainer.callbacks import Callback
+from sailfin.trainer.core.callbacks import Callback
 from tests.recipes import LinearRecipe
 
 

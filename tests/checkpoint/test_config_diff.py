@@ -6,7 +6,7 @@ import json
 import pytest
 
 from sailfin import Trainer
-from sailfin.checkpoint.config_diff import (MAY_CHANGE, ConfigChanged, compare, may_change,
+from sailfin.trainer.checkpointing.config_diff import (MAY_CHANGE, ConfigChanged, compare, may_change,
                                             recorded_config)
 from sailfin.cli import main
 from sailfin.config import load_config

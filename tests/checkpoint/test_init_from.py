@@ -8,7 +8,7 @@ import torch
 
 from sailfin import Trainer
 from sailfin.checkpoint import CheckpointError
-from sailfin.trainer.startup_checks import StartupCheckError
+from sailfin.trainer.safety.startup_checks import StartupCheckError
 from tests.checkpoint.helpers import assert_same_params, final_weights, params
 from tests.recipes import IdData, LinearRecipe, args
 from tests.trainer.test_startup_checks import OneCycle

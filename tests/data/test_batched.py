@@ -174,7 +174,7 @@ def test_trainer_results_are_bit_identical(tmp_path, monkeypatch):
 
     gathered, module = run(tmp_path / "gathered")
     assert isinstance(gathered.train_loader.dataset, GatheredTensors)
-    monkeypatch.setattr("sailfin.trainer.loaders.gathered_loader", lambda loader, s: loader)
+    monkeypatch.setattr("sailfin.trainer.core.loaders.gathered_loader", lambda loader, s: loader)
     standard, ref = run(tmp_path / "standard")
     assert isinstance(standard.train_loader.dataset, TensorDataset)
     assert module.seen == ref.seen and module.step_ids == ref.step_ids

@@ -21,8 +21,8 @@ def test_the_rank_furthest_behind_is_named():
     assert culprits(records) == [1]
     lines = hang_report(records, 10)
     assert "waiting for rank 1" in lines[0]
-    assert lines[2] == ("  rank 1: step 5, phase forward/train_step, 12.5 s since its last "
-                        "progress   <- stuck")
+    assert lines[2] == ("  rank 1: global_step 4, phase forward/train_step, 12.5 s since its "
+                        "last progress   <- stuck")
     # A rank a step behind is behind whatever its phase.
     assert culprits([RankRecord(0, 5, FORWARD, 1), RankRecord(1, 4, END_OF_STEP, 1)]) == [1]
     same = hang_report([RankRecord(0, 4, BACKWARD, 11), RankRecord(1, 4, BACKWARD, 11)], 10)
@@ -82,9 +82,10 @@ def test_a_stuck_rank_ends_every_rank_with_its_stack(tmp_path, capfd):
     assert time.monotonic() - started < 0.6 + 3
     assert exits == {0: HANG_EXIT_CODE, 1: HANG_EXIT_CODE}
     assert "waiting for rank 1" in dogs[0].report[0]
-    assert any("rank 1: step 5, phase forward/train_step" in line for line in dogs[0].report)
+    assert any("rank 1: global_step 4, phase forward/train_step" in line
+               for line in dogs[0].report)
     err = capfd.readouterr().err
-    assert "stack of rank 1 (step 5, phase forward/train_step" in err
+    assert "stack of rank 1 (global_step 4, phase forward/train_step" in err
     assert "Thread" in (tmp_path / "stack-rank1.txt").read_text()  # faulthandler's dump
     assert (tmp_path / "stack-rank0.txt").exists()
 
@@ -158,9 +159,9 @@ def test_a_rank_stuck_in_train_step_ends_the_ddp_job_naming_it(tmp_path, capfd):
         print(f"\nhang to exit: {took:.1f} s with hang_seconds {hang}\n{err}")
     assert took < hang + 10
     assert "waiting for rank 1" in err
-    assert "rank 1: step 5, phase forward/train_step" in err
-    assert "rank 0: step 5, phase backward" in err
-    assert "stack of rank 1 (step 5, phase forward/train_step" in err
+    assert "rank 1: global_step 4, phase forward/train_step" in err
+    assert "rank 0: global_step 4, phase backward" in err
+    assert "stack of rank 1 (global_step 4, phase forward/train_step" in err
     assert "in train_step" in (out / "run" / "hang" / "stack-rank1.txt").read_text()
 
 
@@ -193,7 +194,7 @@ def test_torchrun_restarts_a_hung_job_which_then_finishes_exactly(tmp_path):
     check(tmp_path, "hang", reference)
     text = log.read_text()
     assert "waiting for rank 1" in text
-    assert "rank 1: step 5, phase forward/train_step" in text
+    assert "rank 1: global_step 4, phase forward/train_step" in text
     assert "restart 1 (torchrun): resuming from" in text
     assert (tmp_path / "hang" / "records" / "hang-began").exists()
 

@@ -12,7 +12,7 @@ import torch
 from sailfin import Trainer
 from sailfin.config import ConfigError
 from sailfin.data import BatchPlan
-from sailfin.trainer.autobatch import AutoMicroBatch, MicroBatchError
+from sailfin.trainer.features.autobatch import AutoMicroBatch, MicroBatchError
 from tests.recipes import IdData, LinearRecipe, args
 from tests.trainer.oom_recipes import OomRecipe
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from sailfin import Callback, DataInterface, ModuleInterface, Trainer
 from sailfin.config import ConfigError, TrainerArguments
-from sailfin.trainer.flops import FlopsMeter, device_peak_tflops
+from sailfin.trainer.features.flops import FlopsMeter, device_peak_tflops
 from tests.recipes import IdData, LinearRecipe, args
 
 
@@ -273,7 +273,7 @@ def test_ema_turned_on_at_resume_starts_from_the_resumed_weights(tmp_path):
 
 
 def test_progress_and_summary_line_show_flops():
-    from sailfin.trainer.progress import Progress, summary_text
+    from sailfin.trainer.features.progress import Progress, summary_text
 
     progress = Progress("lines")
     progress.log_metrics({"loss": 1.0, "lr": 0.1, "samples_per_second": 10.0,
@@ -294,7 +294,7 @@ def test_ema_keeps_sharded_parameters_sharded(tmp_path):
     from torch.distributed.tensor import DTensor
 
     from sailfin.config import EmaArguments
-    from sailfin.trainer.ema import WeightAverage
+    from sailfin.trainer.features.ema import WeightAverage
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

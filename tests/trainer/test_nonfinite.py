@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sailfin import Trainer
-from sailfin.trainer.nonfinite import NonFiniteGuard, NonFiniteLossError, NonFiniteLossWarning
+from sailfin.trainer.safety.nonfinite import NonFiniteGuard, NonFiniteLossError, NonFiniteLossWarning
 from tests.recipes import IdData, LinearRecipe, args
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from sailfin import Callback, Trainer
-from sailfin.trainer import preemption
-from sailfin.trainer.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
+from sailfin.trainer.safety import preemption
+from sailfin.trainer.safety.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
 from tests.checkpoint.helpers import assert_same_params, final_weights, params
 from tests.distributed.harness import errors, run_ranks
 from tests.recipes import IdData, LinearRecipe, args
@@ -76,7 +76,7 @@ def test_the_loop_checks_one_integer_per_step_without_a_signal(tmp_path, monkeyp
             calls.append(global_step)
             return super().poll(global_step)
 
-    monkeypatch.setattr("sailfin.trainer.trainer.Preemption", Counting)
+    monkeypatch.setattr("sailfin.trainer.core.trainer.Preemption", Counting)
     run(tmp_path)[1].train()
     assert calls == []  # single process, no signal: poll() is never called
 
@@ -156,3 +156,44 @@ def test_sigterm_to_sailfin_train_exits_75_with_a_line_and_resumes(tmp_path):
     assert f"resuming from {tmp_path / 'run' / 'checkpoints' / latest}" in proc.stderr
     a, b = final_weights(tmp_path / "run"), final_weights(tmp_path / "ref")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+LOUD_RUN = """
+import sys
+from pathlib import Path
+from sailfin import Trainer
+from tests.recipes import IdData, LinearRecipe, args
+
+class Loud(LinearRecipe):
+    def on_end_train_step(self, global_step, loss, stats):
+        sys.stderr.write("x" * 20000 + "\\n")  # the pipe fills: this write blocks
+        if global_step == 2:
+            Path(sys.argv[2]).write_text("busy")
+
+module = Loud(IdData(60, 6))
+Trainer(module, args(sys.argv[1], epochs=10 ** 6, writers=[], progress="none")).train()
+"""
+
+
+def test_sigterm_during_a_blocked_log_write_still_saves(tmp_path):
+    """(#28) The handler does no I/O: a SIGTERM landing inside a write to stderr (a full
+    pipe) used to print from the handler, raise 'reentrant call' and end unsaved."""
+    marker = tmp_path / "busy"
+    proc = subprocess.Popen([sys.executable, "-c", LOUD_RUN, str(tmp_path / "out"), str(marker)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the child is now blocked writing to the unread pipe
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = err.decode(errors="replace")
+    assert "reentrant" not in text, text[-2000:]
+    assert "TrainingPreempted" in text and "SIGTERM received: stopping after this step" in text
+    assert (tmp_path / "out" / "checkpoints" / "latest").exists(), text[-2000:]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from sailfin import Trainer
-from sailfin.trainer.progress import Progress, resolve_mode, summary_text
+from sailfin.trainer.features.progress import Progress, resolve_mode, summary_text
 from tests.recipes import IdData, LinearRecipe, args
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import pytest
 
 from sailfin import Trainer
 from sailfin.cli import main
-from sailfin.trainer.run_lock import LOCK_NAME, RunLock, RunLockError
+from sailfin.trainer.safety.run_lock import LOCK_NAME, RunLock, RunLockError
 from tests.recipes import IdData, LinearRecipe, args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +24,7 @@ trainer: {epochs: 1, train_batch_size: 10, writers: [jsonl], output_dir: OUT}
 
 def holder(out, then="sleep"):
     """A process that takes the lock, prints 'locked', then sleeps or dies by SIGKILL."""
-    code = ("import os, sys, time\nfrom sailfin.trainer.run_lock import RunLock\n"
+    code = ("import os, sys, time\nfrom sailfin.trainer.safety.run_lock import RunLock\n"
             f"lock = RunLock({str(out)!r}).acquire()\nprint('locked', flush=True)\n"
             + ("time.sleep(60)\n" if then == "sleep" else "os.kill(os.getpid(), 9)\n"))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

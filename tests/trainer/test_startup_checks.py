@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from sailfin import Trainer
-from sailfin.trainer.startup_checks import StartupCheckError
+from sailfin.trainer.safety.startup_checks import StartupCheckError
 from tests.checkpoint.helpers import assert_same_params, metric_lines, params
 from tests.recipes import IdData, LinearRecipe, args
 
@@ -49,23 +49,36 @@ def train(module, tmp_path, **kw):
     return Trainer(module, args(tmp_path, **kw)).train()
 
 
+class FloatVal(LinearRecipe):
+    def val_step(self, global_step, batch, device):  # neither a dict nor a tuple
+        ids, x, y = batch
+        return float(((self(x) - y) ** 2).mean())
+
+
 def test_a_val_step_of_the_wrong_type_fails_before_the_first_step(tmp_path):
-    module = TupleVal(IdData(40, 10))
+    module = FloatVal(IdData(40, 10))
     with pytest.raises(StartupCheckError, match=r"val_step \(validation set 'val', sanity "
-                                                r"check before training.*returned tuple"):
+                                                r"check before training.*returned float"):
         train(module, tmp_path, epochs=2)
     assert module.seen == []  # no training step ran
 
 
-def test_a_zero_dim_val_output_is_explained(tmp_path):
-    module = MeanVal(IdData(40, 10))
-    with pytest.raises(StartupCheckError, match=r"(?s)0-d tensor for 'loss'.*per-sample.*"
-                                                r"reduction='none'.*world size"):
-        train(module, tmp_path)
-    assert module.seen == []
-    # With the sanity check off, validation itself refuses it (never stacked silently).
-    with pytest.raises(ValueError, match="0-d tensor for 'loss'"):
-        train(MeanVal(IdData(40, 10)), tmp_path / "off", sanity_val_batches=0)
+def test_pymarlin_tuple_and_zero_dim_val_outputs_are_accepted(tmp_path):
+    """(#28) PyMarlin's forms pass the start-up check; their exactness is tested in
+    tests/trainer/test_pymarlin_forms.py."""
+    for i, recipe in enumerate((PyMarlinVal, MeanValMetric)):
+        train(recipe(IdData(40, 10)), tmp_path / str(i))
+
+
+class MeanValMetric(MeanVal):
+    def on_end_val_epoch(self, global_step, outputs, key="val"):
+        return {"loss": outputs["loss"].mean()}
+
+
+class PyMarlinVal(TupleVal):
+    def on_end_val_epoch(self, global_step, *inputs, key="default"):
+        losses, preds = inputs
+        return {"loss": losses.mean()}
 
 
 def test_the_sanity_check_leaves_the_run_bit_identical(tmp_path):
@@ -80,14 +93,11 @@ def test_the_sanity_check_leaves_the_run_bit_identical(tmp_path):
     assert runs[0].events == runs[2].events  # no extra on_end_val_epoch
 
 
-def test_train_step_returning_loss_and_logits_says_which_forms_are_accepted(tmp_path):
+def test_train_step_returning_loss_and_logits_is_pymarlins_form(tmp_path):
+    """(#28) PyMarlin's (loss, logits): accepted; the logits go to on_end_train_step."""
     module = LogitsTrain(IdData(40, 10))
-    with pytest.raises(StartupCheckError, match=r"(?s)train_step \(step 1, the run's first\) "
-                                                r"returned a tuple \(Tensor of shape \[\], "
-                                                r"Tensor of shape \[10\]\).*mean loss.*"
-                                                r"\(loss, \{name: scalar tensor\}\)"):
-        train(module, tmp_path)
-    assert len(module.seen) == 1  # stopped at the first micro-batch, before any update
+    train(module, tmp_path)
+    assert len(module.seen) == 4
 
 
 def test_a_per_sample_train_loss_is_refused_at_the_first_step(tmp_path):

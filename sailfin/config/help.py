@@ -1,0 +1,61 @@
+"""``sailfin train --help``: every ``trainer.`` key with its type, default and one line of
+doc, generated from the schema (the dataclasses and the docstring under each field).
+
+Example::
+
+    print(trainer_keys_help())   # "  --trainer.epochs  int = 1"...
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+from typing import Any, Optional
+
+from .trainer import TrainerArguments
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The first line of the docstring under each field of dataclass ``cls`` (or '')."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs: dict[str, str] = {}
+    for node, after in zip(body, body[1:] + [None]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            text = ""
+            if isinstance(after, ast.Expr) and isinstance(getattr(after, "value", None),
+                                                          ast.Constant) \
+                    and isinstance(after.value.value, str):
+                text = " ".join(after.value.value.split())
+                text = text.split(". ")[0].rstrip(".")
+            docs[node.target.id] = text
+    return docs
+
+
+def trainer_keys_help(cls: type = TrainerArguments, prefix: str = "trainer.") -> str:
+    """One line per key, nested sections (``trainer.checkpoint.*``) expanded."""
+    lines: list[str] = []
+    docs = field_docs(cls)
+    hints = {f.name: f.type for f in dataclasses.fields(cls)}
+    for f in dataclasses.fields(cls):
+        default = _default(f)
+        if dataclasses.is_dataclass(default):
+            lines.append(trainer_keys_help(type(default), f"{prefix}{f.name}."))
+            continue
+        kind = str(hints[f.name]).replace("typing.", "")
+        doc = docs.get(f.name, "")
+        lines.append(f"  --{prefix}{f.name}  {kind} = {default!r}" + (f"  {doc}" if doc else ""))
+    return "\n".join(lines)
+
+
+def _default(f: dataclasses.Field) -> Optional[Any]:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None

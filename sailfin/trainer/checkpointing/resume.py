@@ -1,0 +1,170 @@
+"""``trainer.resume``: find the checkpoint to continue from and put the trainer back there.
+
+Resume jumps straight to the saved data position: the counters (epoch, step
+in the epoch) and the seed fix which samples come next, so nothing is
+replayed and the cost does not depend on how far into the epoch it was.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from ...checkpoint.checkpointer import Checkpointer, Loaded, say
+from .config_diff import check_config
+from ...checkpoint.errors import CheckpointCorrupt, CheckpointError
+from .init_from import load_initial_weights
+from ...checkpoint.metrics_log import last_logged_step, trim_metrics_log
+from ...checkpoint.rng import derive_rng, restore_rng
+from ...checkpoint.sharded import load_sharded
+
+if TYPE_CHECKING:
+    from ..core.trainer import Trainer
+
+
+def resume(trainer: "Trainer", checkpointer: Checkpointer) -> Optional[Loaded]:
+    """Apply ``trainer.args.resume`` (auto, never or a path); return what was loaded.
+
+    With nothing to resume, a new run starts from ``trainer.init_from``'s weights, if set.
+    """
+    loaded = _resume(trainer, checkpointer)
+    if loaded is None and trainer.args.init_from:
+        load_initial_weights(trainer, trainer.args.init_from)
+    return loaded
+
+
+def _resume(trainer: "Trainer", checkpointer: Checkpointer) -> Optional[Loaded]:
+    mode = trainer.args.resume
+    checkpointer.recover()  # a save killed between its renames left its checkpoint aside
+    if mode == "never":
+        existing = checkpointer.latest()
+        if existing is not None:
+            raise CheckpointError(
+                f"trainer.resume is never, but {checkpointer.location} holds checkpoints (newest "
+                f"{existing}) that this run's saves would mix with; use another "
+                "trainer.output_dir or trainer.checkpoint.dir, delete them, or resume (auto)")
+        return None
+    if mode == "auto":
+        loaded = _first_loadable(trainer, checkpointer)
+        if loaded is None:
+            _start_afresh(trainer)
+            return None
+    else:
+        loaded, error = _try_load(checkpointer, mode)
+        if not _all_ranks(trainer, loaded is not None):
+            raise error or CheckpointError(f"trainer.resume: another rank could not read {mode}")
+        assert loaded is not None
+    # Before anything is restored: a changed config stops here, or is printed.
+    check_config(trainer, loaded.manifest, loaded.location, say)
+    apply(trainer, loaded)
+    return loaded
+
+
+def _start_afresh(trainer: "Trainer") -> None:
+    """No checkpoint to continue from: events a killed run logged before its first save
+    would be logged again, so they go (the lock says no other run writes there)."""
+    if not trainer.dist.is_main:
+        return
+    dropped = trim_metrics_log(os.path.join(trainer.args.output_dir, "metrics.jsonl"), 0, False)
+    if dropped:
+        say(f"no checkpoint to resume from: starting at step 0 and dropping {dropped} "
+            "metrics.jsonl line(s) that an earlier run logged before it saved any")
+
+
+def _first_loadable(trainer: "Trainer", checkpointer: Checkpointer) -> Optional[Loaded]:
+    """The newest checkpoint every rank can read; say which damaged ones were skipped."""
+    skipped = []
+    for name in checkpointer.candidates():
+        loaded, error = _try_load(checkpointer, name)
+        # Every rank must continue from the same checkpoint, even if only one
+        # rank's file is damaged.
+        if _all_ranks(trainer, loaded is not None):
+            if skipped and trainer.dist.is_main:
+                say(f"resume: skipped damaged checkpoint(s) {', '.join(skipped)}; falling back "
+                    f"to {loaded.location}, the newest complete one")  # type: ignore[union-attr]
+            return loaded
+        if error is not None and not isinstance(error, CheckpointCorrupt):
+            raise error  # not damage (e.g. refused unpickling): an older one would fail alike
+        if error is not None:
+            say(f"resume: {error}")
+        skipped.append(name)
+    if skipped:
+        raise CheckpointError(
+            f"resume: every checkpoint in {checkpointer.location} is damaged "
+            f"({', '.join(skipped)}); move them away to start afresh, or set trainer.resume "
+            "to a good checkpoint")
+    return None
+
+
+def _try_load(checkpointer: Checkpointer, name: str
+              ) -> tuple[Optional[Loaded], Optional[CheckpointError]]:
+    try:
+        return checkpointer.load(name), None
+    except CheckpointError as exc:
+        return None, exc
+
+
+def _all_ranks(trainer: "Trainer", ok: bool) -> bool:
+    flag = torch.tensor(1.0 if ok else 0.0, device=trainer.device)
+    return bool(trainer.backend.all_reduce_mean(flag).item() == 1.0)
+
+
+def apply(trainer: "Trainer", loaded: Loaded) -> None:
+    """Restore every piece, this rank's random streams, and metrics.jsonl."""
+    manifest, rank = loaded.manifest, trainer.dist.rank
+    _check_data_position(trainer, manifest, loaded.location)
+    state: dict[str, Any] = dict(loaded.shared["trainer"])
+    try:
+        if loaded.sharded is not None:  # saved under fsdp: DCP cuts it for this run
+            state.update(load_sharded(loaded.sharded, trainer.module, trainer.optimizers))
+        else:
+            state["module"] = loaded.shared["model"]
+        trainer.load_state_dict(state)
+    except (RuntimeError, ValueError, KeyError, IndexError) as exc:
+        raise CheckpointError(
+            f"checkpoint {loaded.location} does not fit this run: {exc}. It was saved by "
+            "another recipe or configuration; point trainer.resume at a matching checkpoint, "
+            "or start afresh in another trainer.output_dir") from None
+    step = int(manifest["step"])
+    if loaded.rank_state is not None:
+        notes = restore_rng(loaded.rank_state)
+    else:
+        derive_rng(trainer.args.seed, rank, step)
+        notes = [f"rank {rank} has no saved random state (the checkpoint ran on "
+                 f"{manifest['world_size']} ranks): its random streams (dropout...) derive "
+                 f"from (seed {trainer.args.seed}, rank {rank}, step {step})"]
+    for note in notes:
+        say(f"resume: {note}")
+    if trainer.dist.is_main:
+        metrics = os.path.join(trainer.args.output_dir, "metrics.jsonl")
+        reached = last_logged_step(metrics)
+        dropped = trim_metrics_log(metrics, step, bool(manifest.get("validated_at_step")))
+        saved_world, world = manifest["world_size"], trainer.dist.world_size
+        restart = trainer.dist.restart_count
+        say((f"restart {restart} ({trainer.dist.launcher}): " if restart else "")
+            + f"resuming from {loaded.location}: step {step}, epoch {manifest['epoch']}, "
+            f"{manifest['step_in_epoch']} steps into it"
+            + (f"; world size {saved_world} -> {world}" if saved_world != world
+               else f"; world size {world}" if restart else "")
+            + (f"; at least {reached - step} step(s) lost (the run had logged step "
+               f"{reached})" if reached is not None and reached > step else "")
+            + (f"; dropped {dropped} metrics.jsonl line(s) past that step" if dropped else ""))
+
+
+def _check_data_position(trainer: "Trainer", manifest: dict, where: str) -> None:
+    """Mid-epoch, the saved step means the same samples only with the same G and dataset."""
+    data = manifest.get("data") or {}
+    if int(manifest["step_in_epoch"]) == 0:
+        return  # an epoch boundary: any batch size or dataset continues cleanly
+    for key, now, what in (("global_batch", trainer.plan.global_batch, "trainer.train_batch_size"),
+                           ("num_samples", trainer.num_train_samples, "the training set size"),
+                           ("seed", trainer.args.seed, "trainer.seed"),
+                           ("shuffle", trainer.args.shuffle, "trainer.shuffle")):
+        if key in data and data[key] != now:
+            raise CheckpointError(
+                f"checkpoint {where} stopped {manifest['step_in_epoch']} steps into epoch "
+                f"{manifest['epoch']} with {what} = {data[key]!r}; this run has {now!r}, so "
+                "the rest of the epoch would skip or repeat samples. Resume with the same "
+                f"{what}, or from a checkpoint taken at an epoch end")

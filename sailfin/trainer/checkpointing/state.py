@@ -1,0 +1,66 @@
+"""What a checkpoint holds of the trainer, and putting it back.
+
+The model's and the optimizers' state go through the backend: under fsdp they
+are this rank's shards. With the seed, the counters are the data position, so
+a resume replays no batch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from ..core.callbacks import Callback
+    from ..core.trainer import Trainer
+
+
+def trainer_state(trainer: "Trainer") -> dict[str, Any]:
+    """Every stateful piece but the random streams (per rank: ``checkpoint.rng``)."""
+    backend, module = trainer.backend, trainer.module
+    return {
+        "module": backend.model_state_dict(module),
+        "module_state": module.get_state(),
+        "optimizers": [backend.optimizer_state_dict(module, opt) for opt in trainer.optimizers],
+        "schedulers": [sched.state_dict() for sched in trainer.schedulers],
+        "backend": backend.state_dict(),  # the AMP grad scaler, among others
+        "counters": {"global_step": trainer.global_step, "epoch": trainer.epoch,
+                     "step_in_epoch": trainer.step_in_epoch,
+                     "samples_seen": trainer.samples_seen,
+                     "train_seconds": trainer.train_seconds,
+                     "last_val_step": trainer._last_val_step},
+        "last_val_metrics": trainer.last_val_metrics,
+        "callbacks": {state_key(c): c.state_dict() for c in trainer.callbacks
+                      if callable(getattr(c, "state_dict", None))},
+    }
+
+
+def load_trainer_state(trainer: "Trainer", state: Mapping[str, Any]) -> None:
+    """Put back what :func:`trainer_state` returned (after ``setup`` built the pieces)."""
+    backend, module = trainer.backend, trainer.module
+    backend.load_model_state_dict(module, state["module"])
+    module.update_state(state["module_state"])
+    for kind, mine in (("optimizers", trainer.optimizers), ("schedulers", trainer.schedulers)):
+        if len(state[kind]) != len(mine):
+            raise ValueError(f"the checkpoint has {len(state[kind])} {kind}, "
+                             f"get_optimizers_schedulers returned {len(mine)}")
+    for opt, saved in zip(trainer.optimizers, state["optimizers"]):
+        backend.load_optimizer_state_dict(module, opt, saved)
+    for sched, saved in zip(trainer.schedulers, state["schedulers"]):
+        sched.load_state_dict(saved)
+    backend.load_state_dict(state["backend"])
+    counters = state["counters"]
+    trainer.global_step, trainer.epoch = counters["global_step"], counters["epoch"]
+    trainer.step_in_epoch = counters["step_in_epoch"]
+    trainer.samples_seen = counters["samples_seen"]
+    trainer.train_seconds = counters["train_seconds"]
+    trainer._last_val_step = counters["last_val_step"]
+    trainer.last_val_metrics = state["last_val_metrics"]
+    for callback in trainer.callbacks:
+        saved = state["callbacks"].get(state_key(callback))
+        if saved is not None and callable(getattr(callback, "load_state_dict", None)):
+            callback.load_state_dict(saved)
+
+
+def state_key(callback: "Callback") -> str:
+    """Where a callback's state sits in a checkpoint: its ``state_key``, else its class name."""
+    return getattr(callback, "state_key", type(callback).__name__)

@@ -1,0 +1,1 @@
+"""The core loop: the Trainer, its loaders, validation, callbacks and run outputs."""

@@ -1,0 +1,106 @@
+"""Files a finished run leaves behind: summary.json and final/model.safetensors."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..features.loop_features import finish_summary
+from ..features.run_stats import peak_memory
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+
+def finish_run(trainer: "Trainer") -> dict[str, Any]:
+    """The run's summary; the final weights (and EMA weights) and summary.json written.
+    Every rank calls it: under fsdp, gathering the full weights is a collective."""
+    summary = {
+        "global_step": trainer.global_step,
+        "epoch": trainer.epoch,
+        "samples_seen": trainer.samples_seen,
+        "train_seconds": round(trainer.train_seconds, 4),
+        "samples_per_second": (trainer.samples_seen / trainer.train_seconds
+                               if trainer.train_seconds > 0 else None),
+        "world_size": trainer.dist.world_size,
+        "nonfinite_steps": trainer.nonfinite.count,
+        "val": _flat_val(trainer.last_val_metrics),
+        "best": trainer.run_stats.best,
+        "peak_memory": peak_memory(trainer.device),
+        "micro_batch_size": trainer.plan.micro_batch,
+    }
+    summary.update(finish_summary(trainer))  # stopped_early, tflops, mfu, ema
+    for callback in trainer.callbacks:  # e.g. privacy (dp)
+        fields = getattr(callback, "summary_fields", None)
+        if callable(fields):
+            summary.update(fields())
+    if trainer.autobatch is not None:
+        summary["auto_micro_batch"] = trainer.autobatch.summary()
+    backend, output_dir, is_main = trainer.backend, trainer.args.output_dir, trainer.dist.is_main
+    weights = backend.final_state_dict(trainer.module)  # fsdp: every rank gathers
+    if trainer.ema is not None:  # final/ema.safetensors, the same names
+        trainer.ema.save_final(trainer.module, output_dir, backend.final_state_dict, is_main)
+    if is_main:
+        save_final_weights(weights, output_dir)
+        write_json_atomic(os.path.join(output_dir, "summary.json"), summary)
+    return summary
+
+
+def _flat_val(results: dict[str, dict[str, float]]) -> dict[str, Any]:
+    if len(results) == 1:
+        return next(iter(results.values()))
+    return results
+
+
+def write_json_atomic(path: str, data: Any) -> None:
+    """Write JSON to a temporary file and rename it: a reader never sees half a file."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2, default=_jsonable)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return str(value)
+
+
+def save_final_weights(state: dict[str, torch.Tensor], output_dir: str) -> str:
+    """``<output_dir>/final/model.safetensors``, written to a temporary name first.
+
+    ``state`` is the model's full state dict (plain parameter names, whatever
+    backend trained it). Tied weights are stored once, under their first name.
+    """
+    return save_weights(state, os.path.join(output_dir, "final", "model.safetensors"))
+
+
+def save_weights(state: dict[str, torch.Tensor], path: str) -> str:
+    """A full state dict as safetensors at ``path``, written to a temporary name first."""
+    from safetensors.torch import save_file
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    save_file(_untied(state), tmp, metadata={"format": "pt"})
+    os.replace(tmp, path)
+    return path
+
+
+def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor once (safetensors refuses tensors that share memory), contiguous."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    out = {}
+    for name, tensor in state.items():
+        tensor = tensor.detach()
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if tensor.numel() and key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.contiguous()
+    return out

@@ -1,0 +1,133 @@
+"""PyMarlin's forms of a recipe's returns and callbacks, accepted and made exact.
+
+- ``train_step`` may return ``(loss, {name: scalar})`` (sailfin's stats, logged) or
+  PyMarlin's ``(loss, t1, t2, ...)``: the extra outputs of the step's last micro-batch
+  go to ``on_end_train_step(global_step, loss, t1, t2, ...)``.
+- ``val_step`` may return a dict or PyMarlin's tuple ``(t1, t2, ...)``; a tuple's
+  gathered columns go to ``on_end_val_epoch(global_step, *columns, key=name)``.
+- A 0-d tensor from ``val_step`` is that batch's mean: it is repeated once per sample of
+  the batch, so the epoch's mean of the column is the exact per-sample mean, whatever
+  the batch size, the short last batch and the world size.
+- Callbacks written with PyMarlin's shorter signatures (``on_end_train_step(self,
+  global_step, loss)``) get the arguments they take; the signature is read once, when
+  the loop is built, not at every step.
+
+Example::
+
+    loss, stats = unpack(module.train_step(step, batch, device))
+    call = train_step_end_caller(module)   # None when the recipe does not override it
+    call(step, loss, stats)
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from ...interfaces import ModuleInterface
+
+
+class Extras(tuple):
+    """PyMarlin's extra ``train_step`` outputs (``(loss, t1, t2)`` -> ``Extras((t1, t2))``)."""
+
+
+def unpack(out: Any) -> tuple[Any, Any]:
+    """``train_step``'s return as ``(loss, stats)``; ``stats`` is a dict, None or Extras."""
+    if type(out) is not tuple:
+        return out, None
+    if len(out) == 2 and (out[1] is None or isinstance(out[1], Mapping)):
+        return out[0], out[1]
+    return out[0], Extras(out[1:])
+
+
+def loggable(stats: Any) -> Optional[Mapping[str, Any]]:
+    """The stats to log (PyMarlin's extra outputs go to the callback, not the log)."""
+    return stats if isinstance(stats, Mapping) else None
+
+
+def train_step_end_caller(module: ModuleInterface) -> Optional[Callable[[int, Any, Any], None]]:
+    """``module.on_end_train_step`` called with what its signature takes, or None."""
+    if getattr(type(module), "on_end_train_step", None) is ModuleInterface.on_end_train_step:
+        return None
+    hook = module.on_end_train_step
+    takes = _positional_count(hook)
+
+    def call(global_step: int, loss: Any, stats: Any) -> None:
+        args = (global_step, loss) + (tuple(stats) if isinstance(stats, Extras) else (stats,))
+        hook(*(args if takes is None else args[:takes]))
+
+    return call
+
+
+def val_epoch_end_caller(module: ModuleInterface) -> Callable[[int, dict, str], Any]:
+    """``module.on_end_val_epoch``: tuple outputs (PyMarlin) are spread as ``*columns``
+    with ``key=name``; dict outputs are passed as ``(global_step, outputs, name)``."""
+    hook = module.on_end_val_epoch
+    takes = _positional_count(hook)
+    try:  # PyMarlin's on_end_val_epoch(self, global_step, *inputs, key="default")
+        spread = takes is None and "key" in inspect.signature(hook).parameters
+    except (TypeError, ValueError):
+        spread = False
+
+    def call(global_step: int, outputs: dict, name: str) -> Any:
+        if takes is None and outputs and list(outputs) == [str(i) for i in range(len(outputs))]:
+            # val_step returned a tuple: PyMarlin's on_end_val_epoch(global_step, *inputs)
+            return hook(global_step, *outputs.values(), key=name)
+        if spread:
+            return hook(global_step, outputs, key=name)
+        args = (global_step, outputs, name)
+        return hook(*(args if takes is None else args[:max(takes, 2)]))
+
+    return call
+
+
+def as_columns(out: Any) -> Any:
+    """A tuple/list ``val_step`` return as a dict of columns "0", "1", ... (else as is)."""
+    if isinstance(out, (tuple, list)):
+        return {str(i): v for i, v in enumerate(out)}
+    return out
+
+
+def per_sample(value: torch.Tensor, count: int) -> torch.Tensor:
+    """A 0-d batch mean as one entry per sample of its batch (an exact weighted mean)."""
+    return value.reshape(1).expand(count)
+
+
+def batch_size(batch: Any, out: Any = None) -> int:
+    """The number of samples in ``batch``: another per-sample output's length, else the
+    first tensor's first dimension in the batch (tensors, tuples, lists, dicts); else 1."""
+    if isinstance(out, Mapping):
+        for value in out.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                return int(value.shape[0])
+    found = _first_tensor(batch)
+    return int(found.shape[0]) if found is not None and found.dim() > 0 else 1
+
+
+def _first_tensor(batch: Any) -> Optional[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    items = batch.values() if isinstance(batch, Mapping) else \
+        batch if isinstance(batch, (tuple, list)) else ()
+    for item in items:
+        found = _first_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _positional_count(hook: Callable) -> Optional[int]:
+    """How many positional arguments ``hook`` takes (None: any number, ``*args``)."""
+    try:
+        params = inspect.signature(hook).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    count = 0
+    for p in params:
+        if p.kind is p.VAR_POSITIONAL:
+            return None
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            count += 1
+    return count

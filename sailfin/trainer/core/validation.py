@@ -1,0 +1,72 @@
+"""Collecting validation outputs: one list, one concatenation, dataset order."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+
+from ...config.trainer import TrainerArguments
+from .pymarlin_forms import as_columns, batch_size, per_sample
+
+
+def merge_outputs(batches: list[Any], where: str = "val_step",
+                  sizes: Optional[list[int]] = None) -> dict[str, Any]:
+    """Merge per-batch ``val_step`` dicts into one dict, concatenating once per key.
+
+    Tensors are concatenated on their first dimension; a 0-d tensor is the batch's mean
+    and counts once per sample of its batch (``sizes[i]``, else the length of another
+    output), so a column's mean is the exact per-sample mean. Lists are chained; any
+    other value becomes a list with one entry per batch. A tuple return (PyMarlin's
+    form) becomes columns "0", "1", ... (see :mod:`.pymarlin_forms`).
+    """
+    if not batches:
+        return {}
+    keys = None
+    columns: dict[str, list[Any]] = {}
+    for i, out in enumerate(batches):
+        out = as_columns(out)
+        zero_d = [k for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() == 0] \
+            if isinstance(out, dict) else []
+        if zero_d:
+            count = sizes[i] if sizes is not None and i < len(sizes) else batch_size(None, out)
+            out = {k: per_sample(v, count) if k in zero_d else v for k, v in out.items()}
+        if not isinstance(out, dict):
+            raise TypeError(f"{where} must return a dict of tensors (first dim = batch); "
+                            f"batch {i} returned {type(out).__name__}")
+        if keys is None:
+            keys = list(out)
+            columns = {k: [] for k in keys}
+        elif list(out) != keys and set(out) != set(keys):
+            raise ValueError(f"{where} returned keys {sorted(out)} for batch {i} but "
+                             f"{sorted(keys)} before; return the same keys every batch")
+        for k in keys:
+            columns[k].append(out[k])
+    return {k: _concat(v, k, where) for k, v in columns.items()}
+
+
+def val_batches(loader: Iterable[Any], args: TrainerArguments,
+                sizes: Optional[list[int]] = None) -> Iterable[Any]:
+    """The loader's batches, at most ``max_val_steps_per_epoch`` of them (this rank's);
+    each batch's sample count is appended to ``sizes`` (a 0-d output's weight)."""
+    limit = args.max_val_steps_per_epoch
+    batches = loader if limit is None else itertools.islice(loader, limit)
+    if sizes is None:
+        return batches
+    return _counted(batches, sizes)
+
+
+def _counted(batches: Iterable[Any], sizes: list[int]) -> Iterator[Any]:
+    for batch in batches:
+        sizes.append(batch_size(batch))
+        yield batch
+
+
+def _concat(values: list[Any], key: str, where: str) -> Any:
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(values)
+    if isinstance(first, list):
+        return [x for v in values for x in v]
+    return list(values)

@@ -1,0 +1,211 @@
+"""``micro_batch_size: auto``: the largest micro-batch that fits, the global batch untouched.
+
+The search starts from the largest micro-batch the batch plan allows on this
+world size (the global batch over the world size, or a ceiling) and walks
+down :meth:`BatchPlan.micro_batch_sizes`. When a step's micro-batches raise
+``torch.OutOfMemoryError``, the step's gradients are dropped, memory is freed,
+the plan and the loaders are rebuilt with the next smaller size, and the step
+runs again from its first micro-batch. The sampler is positioned at the step,
+so the same samples form it; nothing has touched the optimizer or the
+learning-rate schedule yet, because the optimizer step comes after the
+micro-batches. The result is the run with that micro-batch fixed.
+
+Several ranks must agree, and a rank that runs out of memory must not leave
+its partners waiting in DDP's gradient all-reduce. So for its first
+``PROBE_STEPS`` steps at a size (after a start, a resume, a resize or a size
+change) a multi-rank run *probes*: every micro-batch keeps its gradients local
+(``backend.local_gradients``), then one small all-reduce (the smallest size
+any rank proposes) says whether every rank got through; if so the gradients
+are averaged in one flat all-reduce (``backend.reduce_gradients``), if not
+every rank moves to the agreed size. Peak memory comes in the second step at a
+size (the first one creates the optimizer's state), hence two probing steps.
+After them a step costs nothing extra: no collective, no host sync, a ``try``
+block. A rank that still runs out of memory later (inputs that grow: longer
+sequences) cannot tell its partners in time; it stops with an error that
+names the size to fix. On one process any step may retry.
+
+The size is kept in checkpoints: a resume on the same world size starts from
+it; a resize searches again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+import torch
+
+from ...data.plan import BatchPlan
+from ...distributed.watchdog import ALL_REDUCE
+from ..core.callbacks import Callback
+from ..core.loaders import build_train_loader, build_val_loaders, dataset_set_epoch
+
+if TYPE_CHECKING:
+    from ..core.trainer import Trainer
+
+log = logging.getLogger("sailfin")
+
+PROBE_STEPS = 2
+"""Steps at a new size during which ranks agree after every step (see the module doc)."""
+
+
+class MicroBatchError(RuntimeError):
+    """No micro-batch fits, or one stopped fitting after the ranks had agreed on it."""
+
+
+class AutoMicroBatch(Callback):
+    """Finds and keeps the micro-batch size for ``trainer.micro_batch_size: auto``.
+
+    The trainer builds one (see :func:`auto_micro_batch`) and calls
+    :meth:`begin_step`, :meth:`out_of_memory` and :meth:`end_step` around each
+    step's micro-batches.
+
+    Example::
+
+        auto = AutoMicroBatch(global_batch=64, world_size=2)
+        auto.sizes          # (32, 16, 8, 4, 2, 1): tried in this order
+    """
+
+    state_key = "auto_micro_batch"
+
+    def __init__(self, global_batch: int, world_size: int, ceiling: Optional[int] = None,
+                 rank: int = 0) -> None:
+        self.sizes = BatchPlan.micro_batch_sizes(global_batch, world_size, ceiling)
+        self.global_batch, self.world_size, self.rank = global_batch, world_size, rank
+        self.size = self.sizes[0]
+        self.clean_steps = 0          # steps finished at self.size by this process
+        self.out_of_memory_steps: list[dict[str, int]] = []  # {"step", "size"}
+        self._failed = False
+        self._local: Optional[contextlib.ExitStack] = None
+        self._saved: Optional[Mapping[str, Any]] = None
+
+    @property
+    def probing(self) -> bool:
+        """Ranks agree after every step (several ranks, a size not yet proven)."""
+        return self.world_size > 1 and self.clean_steps < PROBE_STEPS
+
+    # -- the run -----------------------------------------------------------------
+    def start(self, trainer: "Trainer") -> None:
+        """After resume: continue with the checkpoint's size if it ran on this world size."""
+        saved = self._saved
+        if (saved and saved.get("world_size") == self.world_size
+                and saved.get("global_batch") == self.global_batch
+                and saved.get("size") in self.sizes):
+            self.size = int(saved["size"])
+            self.out_of_memory_steps = list(saved.get("out_of_memory_steps", []))
+            how = "from the checkpoint"
+        else:
+            how = ("searching again after a resize (the checkpoint's size was for "
+                   f"{saved.get('world_size')} ranks)" if saved else "searching from the largest")
+        if trainer.plan.micro_batch != self.size:
+            self._use(trainer, self.size)
+        if trainer.dist.is_main:
+            log.info("micro_batch_size auto: starting with %d per device (%s; sizes %s)",
+                     self.size, how, ", ".join(map(str, self.sizes)))
+
+    def begin_step(self, backend: Any) -> None:
+        if self.probing:
+            self._local = contextlib.ExitStack()
+            self._local.enter_context(backend.local_gradients())
+
+    def out_of_memory(self, step: int, global_step: int) -> None:
+        """Called in the trainer's ``except torch.OutOfMemoryError``."""
+        if self.world_size > 1 and not self.probing:
+            smaller = self._next_size()
+            raise MicroBatchError(
+                f"rank {self.rank} ran out of memory at step {global_step + 1} with "
+                f"micro_batch_size {self.size} (auto), after the ranks had agreed on it; "
+                f"ranks only agree during a size's first {PROBE_STEPS} steps, so this run "
+                f"cannot retry. Set trainer.micro_batch_size to "
+                f"{smaller if smaller else 1} or smaller and resume (inputs that grow, like "
+                "longer sequences, need room to spare)") from None
+        self._failed = True
+        log.warning("micro_batch_size auto: rank %d ran out of memory at step %d with "
+                    "micro-batch %d", self.rank, global_step + 1, self.size)
+
+    def end_step(self, trainer: "Trainer", step: int) -> bool:
+        """After the step's micro-batches: True if the step must run again (the plan and
+        loaders were rebuilt for a smaller size)."""
+        failed, self._failed = self._failed, False
+        if self._local is None:  # one process, or a proven size: nothing to agree on
+            if not failed:
+                self.clean_steps += 1
+                if self.clean_steps == 1 and self.world_size == 1:
+                    log.info("micro_batch_size auto: %d fits", self.size)
+                return False
+            new = self._next_size()
+        else:
+            self._local.close()
+            self._local = None
+            trainer.heartbeat.phase = ALL_REDUCE
+            new = trainer.backend.agree_min(self._next_size() if failed else self.size)
+            if new == self.size:  # every rank got through: combine the local gradients
+                trainer.backend.reduce_gradients(trainer._params)
+                self.clean_steps += 1
+                if not self.probing and trainer.dist.is_main:
+                    log.info("micro_batch_size auto: %d per device fits on every rank",
+                             self.size)
+                return False
+        for opt in trainer.optimizers:  # the failed attempt's gradients go
+            opt.zero_grad(set_to_none=True)
+        old = self.size
+        self.out_of_memory_steps.append({"step": trainer.global_step + 1, "size": old})
+        if new == 0:
+            raise MicroBatchError(
+                f"micro_batch_size auto: even a micro-batch of {old} sample(s) per device "
+                f"runs out of memory (step {trainer.global_step + 1}); the model does not fit "
+                "this device: use a smaller model, activation_checkpointing, a *-amp "
+                "backend, or more memory")
+        _free_memory(trainer.device)
+        self.size, self.clean_steps = new, 0
+        self._use(trainer, new)
+        if trainer.dist.is_main:
+            log.info("micro_batch_size auto: step %d runs again with micro-batch %d "
+                     "(%d ran out of memory)", trainer.global_step + 1, new, old)
+        return True
+
+    def summary(self) -> dict[str, Any]:
+        return {"micro_batch_size": self.size, "tried": list(self.sizes[:self.sizes.index(
+            self.size) + 1]), "out_of_memory_steps": list(self.out_of_memory_steps)}
+
+    # -- checkpoint state ----------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"size": self.size, "world_size": self.world_size,
+                "global_batch": self.global_batch,
+                "out_of_memory_steps": list(self.out_of_memory_steps)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._saved = dict(state)  # applied by start(), once the trainer knows its world
+
+    # -- helpers ----------------------------------------------------------------------
+    def _next_size(self) -> int:
+        """The next smaller size the plan allows; 0 when there is none."""
+        i = self.sizes.index(self.size)
+        return self.sizes[i + 1] if i + 1 < len(self.sizes) else 0
+
+    def _use(self, trainer: "Trainer", size: int) -> None:
+        """Rebuild the plan and the loaders for ``size``; the loop positions the sampler."""
+        args, dist = trainer.args, trainer.dist
+        trainer.plan = BatchPlan.create(args.train_batch_size, size, dist.world_size,
+                                        args.drop_last, args.max_train_steps_per_epoch)
+        trainer.train_loader, trainer.train_sampler = build_train_loader(
+            trainer.module, trainer.plan, dist, args)
+        trainer._dataset_set_epoch = dataset_set_epoch(trainer.train_loader)
+        if args.val_batch_size is None:  # validation batches follow the micro-batch
+            trainer.val_loaders = build_val_loaders(trainer.module, size, dist)
+
+
+def auto_micro_batch(args: Any, rank: int, world_size: int) -> Optional[AutoMicroBatch]:
+    """An :class:`AutoMicroBatch` when ``trainer.micro_batch_size`` is ``auto``, else None."""
+    if args.micro_batch_size != "auto":
+        return None
+    # PyMarlin's gpu_batch_size_limit, given with auto, is the search's ceiling.
+    return AutoMicroBatch(args.train_batch_size, world_size, args.gpu_batch_size_limit, rank)
+
+
+def _free_memory(device: torch.device) -> None:
+    gc.collect()  # activations held by reference cycles (a traceback's frames)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,101 @@
+"""``trainer.early_stopping``: end the run when validation stops improving."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+from ...config.errors import ConfigError, suggest
+from ...config.loop import EarlyStoppingArguments
+from ...utils.log import log
+from ..core.callbacks import Callback
+from .run_stats import flat_metrics
+
+if TYPE_CHECKING:
+    from ..core.trainer import Trainer
+
+
+class EarlyStopping(Callback):
+    """Counts validations without improvement; at ``patience`` it asks the trainer to stop.
+
+    The trainer then ends as at its last step: the end-of-run checkpoint, the final
+    weights and ``summary.json`` (whose ``stopped_early`` says why). The count and
+    the best value travel in checkpoints: a resumed run goes on counting, and a
+    run that had stopped stops again at once (raise ``patience`` to continue it).
+
+    Example::
+
+        stopper = EarlyStopping(EarlyStoppingArguments(metric="loss", patience=3))
+        Trainer(module, args, callbacks=[stopper]).train()   # or trainer.early_stopping
+    """
+
+    state_key = "early_stopping"
+
+    def __init__(self, args: EarlyStoppingArguments) -> None:
+        if args.metric is None:
+            raise ValueError("EarlyStopping needs EarlyStoppingArguments.metric")
+        self.args = args
+        self.best: Optional[float] = None
+        self.best_step: Optional[int] = None
+        self.bad_validations = 0  # in a row, since the best
+
+    def on_train_start(self, trainer: "Trainer") -> None:
+        if self.bad_validations >= self.args.patience:  # resumed from a stopped run
+            self._stop(trainer, resumed=True)
+
+    def on_validation_end(self, trainer: "Trainer",
+                          metrics: Mapping[str, Mapping[str, float]]) -> None:
+        value = self._value(metrics)
+        if value is None:
+            return
+        delta = self.args.min_delta
+        # A non-finite value (a NaN loss) never improves.
+        if math.isfinite(value) and (self.best is None or (
+                value < self.best - delta if self.args.mode == "min"
+                else value > self.best + delta)):
+            self.best, self.best_step, self.bad_validations = value, trainer.global_step, 0
+            return
+        self.bad_validations += 1
+        if self.bad_validations >= self.args.patience:
+            self._stop(trainer)
+
+    def _stop(self, trainer: "Trainer", resumed: bool = False) -> None:
+        args = self.args
+        best = ("no finite value yet" if self.best is None
+                else f"its best {self.best:.6g} (step {self.best_step})")
+        reason = (f"early stopping: {args.metric} did not improve on {best} by more than "
+                  f"min_delta {args.min_delta:g} in {self.bad_validations} validations "
+                  f"(patience {args.patience}, mode {args.mode})")
+        trainer.stop_reason = {"reason": reason, "step": trainer.global_step,
+                               "metric": args.metric, "best": self.best,
+                               "best_step": self.best_step}
+        if trainer.dist.is_main:
+            log.warning("%s; %s at step %d", reason,
+                        "the resumed run had stopped" if resumed else "stopping",
+                        trainer.global_step)
+
+    def _value(self, metrics: Mapping[str, Mapping[str, float]]) -> Optional[float]:
+        if not metrics:
+            return None
+        flat = flat_metrics(metrics)
+        if len(metrics) == 1:  # a single set also answers to "<set name>/<metric>"
+            name = next(iter(metrics))
+            flat.update({f"{name}/{k}": v for k, v in metrics[name].items()})
+        key = self.args.metric
+        if key not in flat:
+            raise ConfigError(f"trainer.early_stopping.metric {key!r} is not among the "
+                              f"validation metrics{suggest(str(key), flat)}: "
+                              f"{', '.join(sorted(flat))}")
+        value = flat[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"trainer.early_stopping.metric {key!r} is {value!r}, not a number")
+        return float(value)
+
+    # -- carried in checkpoints ---------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "best_step": self.best_step,
+                "bad_validations": self.bad_validations}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.best, self.best_step = state.get("best"), state.get("best_step")
+        self.bad_validations = int(state.get("bad_validations", 0))

@@ -1,0 +1,153 @@
+"""``trainer.ema``: an exponential moving average of the weights, kept on their device.
+
+After every ``every_n_steps``-th optimizer step, ``ema = decay * ema + (1 - decay) * w``
+for each parameter, starting from the weights the run began with. The average
+is one ``torch._foreach_lerp_`` over the module's parameters, whatever they are:
+plain tensors, parameters DDP keeps equal on every rank (so every rank's
+average is equal too, with no communication), or sharded parameters (each rank
+averages its own shard; ``clone`` and the foreach ops keep the tensor type).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
+
+import torch
+
+from ...config.loop import EmaArguments
+from ...utils.log import log
+from ..core.callbacks import Callback
+
+if TYPE_CHECKING:
+    from ..core.trainer import Trainer
+
+
+class WeightAverage(Callback):
+    """Keeps the average of ``module``'s parameters; a callback of the trainer.
+
+    Example::
+
+        ema = WeightAverage(module, EmaArguments(decay=0.999))
+        Trainer(module, args, callbacks=[ema]).train()   # the trainer adds one from args.ema
+        with ema.swapped_in(module):
+            evaluate(module)                              # the averaged weights
+    """
+
+    state_key = "ema"
+
+    def __init__(self, module: torch.nn.Module, args: EmaArguments) -> None:
+        if args.decay is None:
+            raise ValueError("WeightAverage needs EmaArguments.decay (e.g. 0.999)")
+        self.args = args
+        self.decay = float(args.decay)
+        self.every = args.every_n_steps
+        named = [(n, p) for n, p in module.named_parameters()]
+        self.names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        with torch.no_grad():
+            self.shadow = [p.detach().clone() for p in self._params]
+        # Integer parameters (rare) are not averaged: they stay as they started.
+        floats = [i for i, p in enumerate(self._params) if p.is_floating_point()]
+        self._lerp_shadow = [self.shadow[i] for i in floats]
+        self._lerp_params = [self._params[i] for i in floats]
+        self.updates = 0  # averaging steps done (the warm-up's n)
+        self._restored = False
+
+    def on_train_start(self, trainer: "Trainer") -> None:
+        if trainer.global_step and not self._restored:
+            # Resumed from a checkpoint saved without trainer.ema: the average starts
+            # from the resumed weights, not from the fresh model's.
+            _copy(self.shadow, self._params)
+            if trainer.dist.is_main:
+                log.info("trainer.ema: the checkpoint holds no average; it starts from the "
+                         "resumed weights at step %d", trainer.global_step)
+
+    # -- the average ---------------------------------------------------------------
+    def on_step_end(self, trainer: "Trainer") -> None:
+        if trainer.global_step % self.every == 0:
+            self.update()
+
+    def current_decay(self) -> float:
+        if not self.args.warmup:
+            return self.decay
+        return min(self.decay, (1 + self.updates) / (10 + self.updates))
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """ema += (1 - decay) * (w - ema): one fused op over every parameter."""
+        if self._lerp_shadow:
+            torch._foreach_lerp_(self._lerp_shadow, self._lerp_params, 1.0 - self.current_decay())
+        self.updates += 1
+
+    # -- using the averaged weights --------------------------------------------------
+    @contextlib.contextmanager
+    def swapped_in(self, module: torch.nn.Module) -> Iterator[None]:
+        """The averaged weights in ``module`` inside the block; the trained ones after,
+        whatever happens inside. Costs one extra copy of the weights meanwhile."""
+        with torch.no_grad():
+            saved = [p.detach().clone() for p in self._params]
+        _copy(self._params, self.shadow)
+        try:
+            yield
+        finally:
+            _copy(self._params, saved)
+
+    def save_final(self, module: torch.nn.Module, output_dir: str,
+                   state_of: Callable[[torch.nn.Module], dict[str, torch.Tensor]],
+                   write: bool) -> Optional[str]:
+        """``<output_dir>/final/ema.safetensors``: the averaged weights under the names of
+        ``final/model.safetensors`` (buffers, e.g. batch-norm statistics, are the model's).
+        Every rank calls it (``state_of`` is the backend's full state dict: a collective
+        under fsdp); the rank with ``write`` writes the file."""
+        from ..core.outputs import save_weights
+
+        with self.swapped_in(module):
+            state = state_of(module)
+            if write:  # inside: a plain state dict holds the live (swapped-in) tensors
+                return save_weights(state, os.path.join(output_dir, "final", "ema.safetensors"))
+        return None
+
+    # -- carried in the checkpoint ------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        # Every rank calls it at a save; sharded (fsdp) averages are gathered whole, as the
+        # trainer state that holds them is written by rank 0 alone.
+        return {"decay": self.decay, "updates": self.updates,
+                "shadow": {n: _whole(t) for n, t in zip(self.names, self.shadow)}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        saved = state["shadow"]
+        missing = [n for n in self.names if n not in saved]
+        if missing:
+            raise ValueError(f"the checkpoint's EMA weights lack {', '.join(missing[:5])}"
+                             f"{' ...' if len(missing) > 5 else ''} (trainer.ema)")
+        _copy(self.shadow, [_like(saved[n], t) for n, t in zip(self.names, self.shadow)])
+        self.updates = int(state["updates"])
+        self._restored = True
+
+
+@torch.no_grad()
+def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i] = src[i]`` in place. One copy per tensor (rare: validation, resume), as
+    sharded tensor types support ``copy_`` more widely than the foreach copy."""
+    for d, s in zip(dst, src):
+        d.copy_(s)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a sharded one (a collective: every rank calls it), else itself."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if callable(full) else tensor
+
+
+def _like(saved: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+    """``saved`` (a full tensor) cut as ``mine`` is: this rank's shard under fsdp, on any
+    world size; a plain tensor as it is."""
+    mesh = getattr(mine, "device_mesh", None)
+    if mesh is None:
+        return saved
+    from torch.distributed.tensor import distribute_tensor
+
+    # Every rank read the same file: each takes its own piece, no communication.
+    return distribute_tensor(saved.to(mine.device), mesh, mine.placements, src_data_rank=None)

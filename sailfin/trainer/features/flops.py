@@ -1,0 +1,145 @@
+"""Model FLOPs of a training step, achieved TFLOP/s and model FLOPs utilisation (MFU).
+
+The FLOPs of one training step (forward and backward) are counted once, on the
+first step this process runs, with :class:`torch.utils.flop_counter.FlopCounterMode`
+around that step's micro-batches: the step itself runs as any other (the mode
+only counts), so the training result is unchanged. A recipe may give the count
+itself (an attribute or method ``flops_per_sample``: forward + backward FLOPs
+of one sample), e.g. ``6 * n_params * tokens`` for a transformer, or when
+``torch.compile`` hides the operators from the counter.
+
+Each train log line then carries ``tflops``: model TFLOP/s achieved per
+device (FLOPs per sample x samples/s / world size), and ``mfu``: that over the
+device's dense peak (``trainer.peak_tflops``, or :data:`PEAK_TFLOPS` for a
+known GPU). The counter counts what runs: with activation checkpointing that
+includes the recomputed forwards (a recipe's ``flops_per_sample`` avoids that).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from ...utils.log import log
+
+# Dense peak TFLOP/s of one GPU, from the vendors' datasheets. Datasheets often
+# quote tensor-core figures "with sparsity", twice these. Keys: bf16 / fp16
+# (tensor cores, fp32 accumulation), tf32 (fp32 matmuls on tensor cores) and
+# fp32 (no tensor cores). Matched in order against torch.cuda.get_device_name().
+PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
+    # H100 SXM5 (name "NVIDIA H100 80GB HBM3"): 989.4 bf16 dense (1979 sparse).
+    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0}),
+    ("H100 NVL", {}),  # not in the table: set trainer.peak_tflops
+    ("H100", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    ("H200", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    ("GH200", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    # A100 SXM4 and PCIe, 40 and 80 GB: 312 bf16 dense (624 sparse).
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    ("L40S", {"bf16": 362.05, "fp16": 362.05, "tf32": 183.0, "fp32": 91.6}),
+    ("L4", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    ("A10G", {}),  # not in the table (AWS's variant of the A10): set trainer.peak_tflops
+    ("A10", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}),
+    ("RTX A6000", {"bf16": 154.8, "fp16": 154.8, "tf32": 77.4, "fp32": 38.7}),
+    # GeForce RTX 4090: 165.2 with fp32 accumulation (330.3 with fp16 accumulation).
+    ("RTX 4090", {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6}),
+    # V100 and T4 have fp16 tensor cores only (no bf16, no tf32).
+    ("V100-PCIE", {"fp16": 112.0, "fp32": 14.0}),
+    ("V100", {"fp16": 125.0, "fp32": 15.7}),
+    ("T4", {"fp16": 65.0, "fp32": 8.1}),
+]
+
+
+def device_peak_tflops(device: Any, precision: str) -> Optional[float]:
+    """The table's dense peak for ``device`` (a CUDA device) at ``precision``
+    (``bf16``, ``fp16``, ``fp32``: TF32 if PyTorch lets fp32 matmuls use it); None
+    when the device or the precision is not in the table."""
+    if getattr(device, "type", None) != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device)
+    if precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+        precision = "tf32"
+    for key, peaks in PEAK_TFLOPS:
+        if key in name:
+            if precision == "tf32" and "tf32" not in peaks:  # no TF32 cores (V100, T4)
+                precision = "fp32"
+            return peaks.get(precision)
+    return None
+
+
+def recipe_flops_per_sample(module: Any) -> Optional[float]:
+    """The recipe's own ``flops_per_sample`` (a number or a method), if it has one."""
+    given = getattr(module, "flops_per_sample", None)
+    if callable(given):
+        given = given()
+    return None if given is None else float(given)
+
+
+class FlopsMeter:
+    """Counts the first step's FLOPs (unless the recipe gave them) and turns the
+    trainer's samples/s into ``tflops`` and ``mfu``.
+
+    Example::
+
+        meter = FlopsMeter(world_size=1, peak_tflops=312.0)
+        meter.start(); loss = model(x).sum(); loss.backward(); meter.stop(samples=len(x))
+        meter.metrics(samples_per_second=5000.0)   # {"tflops": ..., "mfu": ...}
+    """
+
+    def __init__(self, world_size: int = 1, peak_tflops: Optional[float] = None,
+                 flops_per_sample: Optional[float] = None, count: bool = True) -> None:
+        self.world_size = world_size
+        self.peak_tflops = peak_tflops
+        self.flops_per_sample = flops_per_sample
+        self.pending = count and flops_per_sample is None  # count on the next step
+        self._mode: Any = None
+
+    def start(self) -> None:
+        """Begin counting (the step's forwards and backwards follow)."""
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self._mode = FlopCounterMode(display=False)
+        self._mode.__enter__()
+
+    def stop(self, samples: int) -> None:
+        """End counting; ``samples``: the samples this rank's counted step forwarded."""
+        mode, self._mode = self._mode, None
+        mode.__exit__(None, None, None)
+        self.pending = False
+        total = mode.get_total_flops()
+        if total and samples:
+            self.flops_per_sample = total / samples
+        else:
+            log.info("no FLOPs counted in the first step (no matmul or convolution the "
+                     "counter knows): no tflops/mfu; a recipe can give flops_per_sample")
+
+    def abort(self) -> None:
+        """Leave the counting mode if an error ended the step inside it."""
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+
+    def metrics(self, samples_per_second: float) -> dict[str, float]:
+        """``tflops`` per device and, with a known peak, ``mfu`` (0..1)."""
+        if self.flops_per_sample is None:
+            return {}
+        tflops = self.flops_per_sample * samples_per_second / self.world_size / 1e12
+        out = {"tflops": tflops}
+        if self.peak_tflops:
+            out["mfu"] = tflops / self.peak_tflops
+        return out
+
+
+def build_flops_meter(module: Any, args: Any, world_size: int, device: Any,
+                      precision: str, compiled: bool,
+                      say: Callable[[str], None] = log.info) -> FlopsMeter:
+    """The meter ``trainer.count_flops`` and ``trainer.peak_tflops`` ask for."""
+    given = recipe_flops_per_sample(module)
+    peak = args.peak_tflops or device_peak_tflops(device, precision)
+    count = args.count_flops and given is None
+    if count and compiled:
+        # Compiled code runs fused kernels the counter does not see op by op.
+        say("trainer.count_flops: FLOPs are not counted under torch.compile; give the "
+            "recipe a flops_per_sample for tflops/mfu")
+        count = False
+    return FlopsMeter(world_size, peak, given, count)

@@ -1,0 +1,94 @@
+"""What the end-of-run summary reports beyond counters: the best validation
+value (and its step) and peak memory."""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import TYPE_CHECKING, Any, Mapping, Optional
+
+from ..core.callbacks import Callback
+
+if TYPE_CHECKING:
+    from ..core.trainer import Trainer
+
+
+def flat_metrics(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """``{"val": {"acc": 1}}`` -> ``{"acc": 1}``; with several sets ``{"a/acc": ...}``."""
+    if len(results) == 1:
+        return dict(next(iter(results.values())))
+    return {f"{name}/{k}": v for name, metrics in results.items() for k, v in metrics.items()}
+
+
+class RunStats(Callback):
+    """Follows validation to keep the best value of one metric and the step it came at.
+
+    ``metric`` is a validation metric name (``accuracy``; ``test/accuracy`` when
+    there are several validation sets; ``val/accuracy`` also matches a single
+    set named ``val``). With ``metric=None`` it follows ``loss`` (mode ``min``)
+    if validation reports one, else nothing.
+
+    Example::
+
+        stats = RunStats("accuracy", "max")
+        Trainer(module, args, callbacks=[stats]).train()
+        stats.best   # {"metric": "accuracy", "mode": "max", "value": 0.97, "step": 340}
+    """
+
+    state_key = "run_stats"
+
+    def __init__(self, metric: Optional[str] = None, mode: str = "min") -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+        self.metric, self.mode = metric, mode
+        self.best: Optional[dict[str, Any]] = None
+
+    def on_validation_end(self, trainer: "Trainer", metrics) -> None:
+        flat = flat_metrics(metrics)
+        if len(metrics) == 1:  # a single set also answers to "<set name>/<metric>"
+            name = next(iter(metrics))
+            flat.update({f"{name}/{k}": v for k, v in metrics[name].items()})
+        key, mode = self.metric, self.mode
+        if key is None:
+            if "loss" not in flat:
+                return
+            key, mode = "loss", "min"
+        if key not in flat:
+            return  # a name that never matches is the checkpoint callback's error
+        value = flat[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
+                value):
+            return
+        best = self.best
+        if best is None or (value < best["value"] if mode == "min" else value > best["value"]):
+            self.best = {"metric": key, "mode": mode, "value": float(value),
+                         "step": trainer.global_step}
+
+
+    # -- carried in checkpoints: a resumed run still knows its best so far ---------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.best = state.get("best")
+
+
+def peak_memory(device: Any = None) -> dict[str, Optional[int]]:
+    """Peak resident memory of this process and, on CUDA, peak allocated tensor memory.
+
+    Both in bytes; ``None`` where the platform cannot tell (no ``resource``
+    module on Windows; no CUDA device).
+    """
+    rss: Optional[int] = None
+    try:
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        # Linux reports KiB, macOS bytes.
+        rss = int(peak) if sys.platform == "darwin" else int(peak) * 1024
+    except (ImportError, OSError):
+        pass
+    cuda: Optional[int] = None
+    if device is not None and getattr(device, "type", None) == "cuda":
+        import torch
+        cuda = int(torch.cuda.max_memory_allocated(device))
+    return {"cpu_rss_bytes": rss, "cuda_max_allocated_bytes": cuda}

@@ -1,0 +1,160 @@
+"""Preemption: SIGTERM (or a first Ctrl-C) ends the run cleanly, with a checkpoint.
+
+SLURM, Kubernetes and spot instances send SIGTERM some time before they kill.
+The handler only notes the signal; the training loop finishes the optimizer
+step it is in, every rank saves a checkpoint of the same step, the writers are
+closed and the run exits with :data:`PREEMPTED_EXIT_CODE` and one line saying
+so. Running the same command again resumes from that checkpoint. A second
+Ctrl-C aborts at once (``KeyboardInterrupt``, exit 130); the previous
+checkpoints are safe whatever moment it lands.
+
+Ranks must stop at the same step, but a signal reaches each worker at its own
+moment. A single process stops after the step in progress. With several ranks
+they agree every ``trainer.preemption_check_every_n_steps`` optimizer steps
+(default 10) with one all-reduce of a single number; a stop lands at most that
+many steps after the signal. Between those steps the loop pays one integer
+comparison per step, nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+PREEMPTED_EXIT_CODE = 75
+"""``sailfin train``'s exit code after a SIGTERM/SIGINT stop with a checkpoint (EX_TEMPFAIL:
+try again)."""
+
+_NEVER = sys.maxsize
+# torchrun's agent passes a Ctrl-C it received on to its workers, which got the same
+# Ctrl-C from the terminal: a second SIGINT this soon is that copy, not a second press.
+_SAME_PRESS_SECONDS = 1.0
+
+
+class TrainingPreempted(Exception):
+    """The run stopped on a signal after saving ``checkpoint`` at ``step``."""
+
+    def __init__(self, signal_name: str, step: int, checkpoint: Optional[str]) -> None:
+        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
+        saved = (f"saved checkpoint {checkpoint}" if checkpoint
+                 else "no checkpoint could be saved")
+        super().__init__(f"stopped by {signal_name} after step {step}; {saved}. Run the same "
+                         "command again to resume from it")
+
+
+def save_and_stop(trainer: Any) -> None:
+    """Every rank: save this step (unless saved already), wait until it is on storage,
+    and raise :class:`TrainingPreempted`."""
+    from ..checkpointing.saver import CheckpointCallback
+
+    saver = trainer.saver or CheckpointCallback(trainer.checkpointer, trainer.args.checkpoint)
+    saver.save(trainer)
+    trainer.checkpointer.wait()
+    latest = trainer.checkpointer.latest()
+    raise TrainingPreempted(trainer.preemption.signal_name or "a signal", trainer.global_step,
+                            f"{trainer.checkpointer.location}/{latest}" if latest else None)
+
+
+class Preemption:
+    """Notes SIGTERM/SIGINT and tells the loop when every rank should stop.
+
+    The loop tests ``global_step >= preemption.check_at`` after each step and
+    calls :meth:`poll` only when that holds.
+
+    Example::
+
+        preemption = Preemption(world_size=1, all_reduce_mean=lambda t: t,
+                                device=torch.device("cpu"))
+        preemption.install(global_step=0)
+        try:
+            for step in range(1, n + 1):
+                train_one_step()
+                if step >= preemption.check_at and preemption.poll(step):
+                    save()
+                    break
+        finally:
+            preemption.uninstall()
+    """
+
+    def __init__(self, world_size: int, all_reduce_mean: Callable[[torch.Tensor], torch.Tensor],
+                 device: torch.device, check_every: int = 10) -> None:
+        self.distributed = world_size > 1
+        self.all_reduce_mean = all_reduce_mean
+        self.device = device
+        self.check_every = check_every
+        self.signal_name: Optional[str] = None
+        self.check_at = _NEVER
+        self._sigint_at: Optional[float] = None
+        self._previous: dict[int, Any] = {}
+        self._pid = os.getpid()
+
+    # -- handlers ----------------------------------------------------------------------
+    def install(self, global_step: int) -> None:
+        """Take over SIGTERM and SIGINT (main thread only: Python's rule for handlers)."""
+        if self.distributed:  # the same steps on every rank: a pure function of the step
+            self.check_at = (global_step // self.check_every + 1) * self.check_every
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._pid = os.getpid()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self._pid:
+            # A forked DataLoader worker inherits this handler. SLURM signals every process
+            # of the step: the worker keeps serving batches until the trainer stops it.
+            return
+        name = signal.Signals(signum).name
+        now = time.monotonic()
+        if signum == signal.SIGINT:
+            if self._sigint_at is not None and now - self._sigint_at > _SAME_PRESS_SECONDS:
+                self.uninstall()
+                raise KeyboardInterrupt  # a second Ctrl-C: abort now, no save
+            if self._sigint_at is not None:
+                return
+            self._sigint_at = now
+        if self.signal_name is not None:
+            return  # the stop is under way (torchrun forwards the scheduler's SIGTERM again)
+        # No I/O here: a print landing while the loop writes to the same stream raises
+        # "reentrant call" and ends the run without its save. poll() reports it.
+        self.signal_name = name
+        if not self.distributed:
+            self.check_at = 0  # the loop stops after the step in progress
+
+    # -- the loop's question -------------------------------------------------------------
+    def poll(self, global_step: int) -> bool:
+        """True when every rank stops after ``global_step``; with several ranks, one small
+        all-reduce, so every rank calls it at the same steps."""
+        if not self.distributed:
+            if self.signal_name is not None:
+                self._report(global_step)
+            return self.signal_name is not None
+        self.check_at = global_step + self.check_every
+        flag = torch.tensor(0.0 if self.signal_name is None else 1.0, device=self.device)
+        if self.all_reduce_mean(flag).item() > 0:
+            if self.signal_name is None:
+                self.signal_name = "SIGTERM (on another rank)"
+            else:
+                self._report(global_step)
+            return True
+        return False
+
+    def _report(self, global_step: int) -> None:
+        """The signal handler's message, printed from the loop (the handler does no I/O)."""
+        where = (f" (step {global_step}: the ranks agree every {self.check_every} steps)"
+                 if self.distributed else "")
+        print(f"sailfin: {self.signal_name} received: stopping after this step{where}, "
+              "with a checkpoint" + (" (Ctrl-C again to abort without saving)"
+                                     if self._sigint_at is not None else ""),
+              file=sys.stderr, flush=True)

@@ -1,0 +1,157 @@
+"""A run owns its output directory: an OS file lock held for the run's life.
+
+Rank 0 takes ``<output_dir>/.sailfin.lock`` with ``fcntl.flock`` before it
+writes anything there, and writes the owner (host, pid, start time) into the
+file. A second run into the same directory stops at once with a message
+naming the owner. The kernel releases the lock when its process dies, however
+it dies (SIGKILL, OOM killer, power loss on a local disk); the next run then
+finds the lock free but the owner's line still in the file, and says that it
+takes over from a run that is no longer running. A run that ends normally
+empties the file before it lets go.
+
+Shared file systems: on Linux NFS (v3 through the lock manager, v4 natively)
+``flock`` is carried out as a whole-file byte-range lock that every client
+sees, so two nodes cannot both hold it; a client that loses its lease (a
+crashed node) has its locks released by the server after the lease time.
+File systems that do not support locks (some FUSE mounts; NFS mounted with
+``nolock`` or ``local_lock=all``) lock only within one node: see
+docs/robustness.md. Object stores have no locks at all: this lock protects
+``output_dir`` (metrics, summary, final weights, and checkpoints when they are
+kept there), not a ``trainer.checkpoint.dir`` that is a URL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import IO, Any, Optional
+
+LOCK_NAME = ".sailfin.lock"
+
+
+# How long a busy lock is waited for before it counts as another run's.
+GRACE_SECONDS = 5.0
+
+
+class RunLockError(RuntimeError):
+    """Another run holds the output directory; the message names it and what to do."""
+
+
+class RunLock:
+    """The exclusive lock of one output directory.
+
+    Example::
+
+        lock = RunLock("outputs/run1").acquire()   # RunLockError if another run has it
+        try:
+            train()
+        finally:
+            lock.release()
+    """
+
+    def __init__(self, output_dir: str) -> None:
+        self.output_dir = output_dir
+        self.path = os.path.join(output_dir, LOCK_NAME)
+        self._file: Optional[IO[str]] = None
+        self.took_over: Optional[dict[str, Any]] = None
+        """The owner a dead run left in the file, when this run took its lock over."""
+
+    @property
+    def held(self) -> bool:
+        return self._file is not None
+
+    def acquire(self, grace_seconds: float = GRACE_SECONDS) -> "RunLock":
+        """Take the lock; a holder still there after ``grace_seconds`` is another run."""
+        import fcntl
+
+        os.makedirs(self.output_dir, exist_ok=True)
+        fh = open(self.path, "a+", encoding="utf-8")
+        deadline = time.monotonic() + grace_seconds
+        try:
+            while True:
+                try:
+                    fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    # A run killed a moment ago holds it until its process is gone (a
+                    # restart under torchrun, a re-run right after kill -9): wait a little.
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.1)
+        except BlockingIOError:
+            owner = _read_owner(fh)
+            fh.close()
+            raise RunLockError(
+                f"trainer.output_dir {self.output_dir} is in use by another run "
+                f"({_describe(owner)}): two runs in one directory would mix their "
+                "checkpoints and metrics. Wait for it to end or stop it, or choose another "
+                "trainer.output_dir") from None
+        except OSError as exc:  # a file system without locks
+            fh.close()
+            raise RunLockError(
+                f"cannot lock trainer.output_dir {self.output_dir} ({exc.strerror}): its "
+                "file system does not support file locks; put the output directory on one "
+                "that does (see docs/robustness.md)") from None
+        previous = _read_owner(fh)
+        self.took_over = previous or None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+        self._file = fh
+        return self
+
+    def release(self) -> None:
+        """Empty the owner line and let go: the next run starts without a takeover note."""
+        fh, self._file = self._file, None
+        if fh is None:
+            return
+        try:
+            fh.seek(0)
+            fh.truncate()
+            fh.flush()
+        finally:
+            fh.close()  # closing the descriptor releases the flock
+
+
+def take_run_lock(output_dir: str, is_main: bool) -> Optional[RunLock]:
+    """Rank 0 locks ``output_dir`` (other ranks get None); say so when a dead run's lock
+    is taken over."""
+    if not is_main:
+        return None
+    from ...logging.destination import check_directory
+
+    # A path through a file, a read-only directory...: the writer's clear message first.
+    check_directory(output_dir, "output", who="sailfin (summary.json, final weights, checkpoints)")
+    lock = RunLock(output_dir).acquire()
+    if lock.took_over:
+        from ...checkpoint.checkpointer import say
+
+        say(f"took over the lock of {output_dir} from a run that is no longer running "
+            f"({_describe(lock.took_over)}); it ended without releasing it (killed?)")
+    return lock
+
+
+def _read_owner(fh: IO[str]) -> dict[str, Any]:
+    fh.seek(0)
+    text = fh.read().strip()
+    if not text:
+        return {}
+    try:
+        owner = json.loads(text)
+    except ValueError:
+        return {"raw": text[:200]}
+    return owner if isinstance(owner, dict) else {"raw": text[:200]}
+
+
+def _describe(owner: dict[str, Any]) -> str:
+    if not owner:
+        return "owner unknown: it has not written its name yet"
+    if "raw" in owner:
+        return f"owner {owner['raw']!r}"
+    return (f"pid {owner.get('pid')} on host {owner.get('host')}, started "
+            f"{owner.get('started')}")

@@ -1,0 +1,151 @@
+"""Checks that fail a run at its start rather than after an epoch.
+
+- :func:`check_schedulers_fit`: a scheduler built for a fixed number of steps
+  (``OneCycleLR``'s ``total_steps``) cannot run past them; a run extended with
+  more epochs or ``max_steps`` stops before its first step, naming it.
+- :func:`sanity_validate`: ``trainer.sanity_val_batches`` validation batches go
+  through ``val_step`` before the first training step, and their outputs are
+  checked. It draws nothing from the training's random streams, so the run's
+  result is the same with or without it.
+- :func:`train_output_checker`: the first ``train_step`` return value is
+  checked once; the loop then unpacks returns without checking.
+
+Example::
+
+    check_schedulers_fit(trainer)    # in Trainer.train, before the first step
+    sanity_validate(trainer)
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from ..core.trainer import Trainer
+
+TRAIN_STEP_FORMS = ("the batch's mean loss (a tensor with one value), "
+                    "(loss, {name: scalar tensor}) to log more values, or PyMarlin's "
+                    "(loss, outputs...) passed to on_end_train_step")
+
+
+class StartupCheckError(ValueError):
+    """A recipe piece returned something the trainer cannot use; found before training."""
+
+
+# -- schedulers ---------------------------------------------------------------------
+def steps_left(trainer: "Trainer") -> int:
+    """Optimizer steps this run still takes (the rest of the epochs, capped by max_steps)."""
+    args = trainer.args
+    left = max(0, trainer.steps_per_epoch - trainer.step_in_epoch) if \
+        trainer.epoch < args.epochs else 0
+    left += max(0, args.epochs - trainer.epoch - 1) * trainer.steps_per_epoch
+    if args.max_steps is not None:
+        left = min(left, max(0, args.max_steps - trainer.global_step))
+    return left
+
+
+def check_schedulers_fit(trainer: "Trainer") -> None:
+    """Stop now if a scheduler with a fixed length would run out during this run."""
+    left = steps_left(trainer)
+    if not left and trainer.resumed_from is not None and trainer.dist.is_main:
+        from ...checkpoint.checkpointer import say
+        say(f"resume: nothing left to train: the checkpoint is at step {trainer.global_step} "
+            f"(epoch {trainer.epoch}), where this run (trainer.epochs {trainer.args.epochs}, "
+            f"trainer.max_steps {trainer.args.max_steps}) ends; raise them to train on")
+    for i, scheduler in enumerate(trainer.schedulers):
+        total = getattr(scheduler, "total_steps", None)
+        done = getattr(scheduler, "last_epoch", None)
+        if not isinstance(total, int) or not isinstance(done, int) or done + left <= total:
+            continue
+        name = type(scheduler).__name__
+        resumed = trainer.resumed_from is not None
+        where = trainer.resumed_from.location if resumed else None  # type: ignore[union-attr]
+        raise StartupCheckError(
+            f"scheduler {i} ({name}) was built for total_steps={total} and has taken {done}; "
+            f"this run takes {left} more optimizer step(s) (trainer.epochs "
+            f"{trainer.args.epochs}, trainer.max_steps {trainer.args.max_steps}), "
+            f"{done + left - total} past its end, where {name} cannot go. "
+            + (f"The checkpoint's schedule cannot be extended: keep trainer.epochs / "
+               f"max_steps as they were, or start a new run with a new schedule from its "
+               f"weights: --trainer.init_from {where} --trainer.output_dir NEW_DIR"
+               if resumed else
+               f"Build it with total_steps = estimated_global_steps_per_epoch * epochs "
+               f"(the arguments of get_optimizers_schedulers), or cap trainer.max_steps"))
+
+
+# -- validation sanity check -----------------------------------------------------------
+def sanity_validate(trainer: "Trainer") -> None:
+    """Run ``sanity_val_batches`` batches of each validation set through ``val_step``."""
+    count = trainer.args.sanity_val_batches
+    if not count or not trainer.val_loaders:
+        return
+    module, device = trainer.module, trainer.device
+    was_training = module.training
+    states = (random.getstate(), np.random.get_state())
+    devices = [device.index or 0] if device.type == "cuda" else []
+    # fork_rng puts torch's streams back (iter(loader) draws its worker seed from them).
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        module.eval()
+        try:
+            for name, loader in trainer.val_loaders.items():
+                for i, batch in enumerate(loader):
+                    if i >= count:
+                        break
+                    out = trainer.backend.val_step(module, trainer.global_step, batch)
+                    check_val_output(out, f"val_step (validation set {name!r}, sanity "
+                                          f"check before training; trainer.sanity_val_batches "
+                                          f"{count})")
+        finally:
+            module.train(was_training)
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+
+
+def check_val_output(out: Any, where: str = "val_step") -> None:
+    """A dict (or PyMarlin's tuple) of per-sample values; a 0-d tensor is the batch's
+    mean and is counted once per sample (see :mod:`.pymarlin_forms`)."""
+    if not isinstance(out, (Mapping, tuple, list)):
+        raise StartupCheckError(
+            f"{where} returned {type(out).__name__}; it must return a dict of per-sample "
+            "values, e.g. {'pred': logits.argmax(1), 'label': y} (first dimension = batch), "
+            "or PyMarlin's tuple (loss, logits, labels)")
+
+
+# -- the first train_step ------------------------------------------------------------------
+def train_output_checker(step: int) -> Callable[[Any], None]:
+    """A check of ``train_step``'s return; the loop calls it on the run's first micro-batch."""
+
+    def check(out: Any) -> None:
+        where = f"train_step (step {step + 1}, the run's first)"
+        if type(out) is tuple:
+            if not out:
+                raise StartupCheckError(f"{where} returned an empty tuple; it must return "
+                                        f"{TRAIN_STEP_FORMS}")
+            loss = out[0]  # (loss, stats) or PyMarlin's (loss, outputs...): pymarlin_forms
+        else:
+            loss = out
+        if not isinstance(loss, torch.Tensor):
+            raise StartupCheckError(f"{where} returned {_describe(loss)} as the loss; it must "
+                                    f"return {TRAIN_STEP_FORMS}")
+        if loss.numel() != 1:
+            raise StartupCheckError(
+                f"{where} returned a loss of shape {list(loss.shape)}; return the batch's "
+                "MEAN loss (one value, e.g. loss.mean()): sailfin weights each micro-batch "
+                "by its share of the step itself")
+        if not loss.requires_grad:
+            raise StartupCheckError(
+                f"{where} returned a loss that does not require grad: it was computed under "
+                "torch.no_grad(), from detached tensors, or the model has no trainable "
+                "parameters")
+
+    return check
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor of shape {list(value.shape)}"
+    return type(value).__name__
