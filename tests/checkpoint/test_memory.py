@@ -9,11 +9,10 @@ import sys
 import pytest
 import torch
 
-from sailfin import Trainer
+from sailfin import Callback, Trainer
 from sailfin.checkpoint import CheckpointError, memory_dirs
 from sailfin.checkpoint.memory import MemoryStore
 from sailfin.cli import main
-from sailfin.trainer.callbacks import Callback
 from tests.recipes import IdData, LinearRecipe, args as make_args
 
 
