@@ -161,7 +161,8 @@ class MemoryStore:
     def inventory(self) -> dict[int, dict[int, str]]:
         """Rank -> step -> directory of every complete, intact snapshot in this node's
         directory (own or replica). A snapshot without a manifest, or whose files do
-        not match it (a half-written or damaged one), is left out."""
+        not match it (a half-written or damaged one), or taken on another world size
+        (a resized job resumes from disk), is left out."""
         found: dict[int, dict[int, str]] = {}
         for entry in self.storage.listdir(self.root):
             match = _OWN.match(entry) or _REPLICA.match(entry)
@@ -171,7 +172,8 @@ class MemoryStore:
             for name in self.storage.listdir(os.path.join(self.root, entry)):
                 step = _STEP.match(name)
                 path = os.path.join(self.root, entry, name)
-                if step and int(step.group(1)) not in found.get(rank, {}) and intact(path):
+                if (step and int(step.group(1)) not in found.get(rank, {})
+                        and intact(path, self.world_size)):
                     found.setdefault(rank, {})[int(step.group(1))] = path
         return found
 
@@ -227,13 +229,16 @@ class MemoryStore:
             self._staging.release()
 
 
-def intact(path: str) -> bool:
-    """Whether the snapshot in ``path`` has a manifest and every file matches it."""
+def intact(path: str, world_size: Optional[int] = None) -> bool:
+    """Whether the snapshot in ``path`` has a manifest and every file matches it (and it
+    was taken on ``world_size`` ranks)."""
     manifest_path = os.path.join(path, manifests.MANIFEST)
     try:
         with open(manifest_path, "rb") as fh:
-            files = manifests.files_of(manifests.decode(fh.read(), manifest_path),
-                                       manifest_path)
+            manifest = manifests.decode(fh.read(), manifest_path)
+        files = manifests.files_of(manifest, manifest_path)
+        if world_size is not None and manifest.get("world_size") != world_size:
+            return False
         return all(_checksum_file(os.path.join(path, name)) == (entry.size, entry.crc32)
                    for name, entry in files.items())
     except (OSError, CheckpointCorrupt):

@@ -104,7 +104,7 @@ class MemoryFirstCheckpointer(Checkpointer):
                 lost = [r for r, steps in held.items() if not steps]
                 say(f"memory snapshots: no step is held for every rank (rank(s) "
                     f"{_ranks(lost) or 'all'} lack one: their node's memory was lost and no "
-                    f"replica holds it); resuming from "
+                    f"replica holds it, or the world size changed); resuming from "
                     f"{'disk step ' + str(disk) if disk is not None else 'the start'}, "
                     f"{newest - (disk or 0)} step(s) behind the newest snapshot (step {newest})")
             return None

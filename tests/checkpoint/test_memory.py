@@ -190,3 +190,12 @@ def test_persisted_every_n_steps_through_the_async_path(tmp_path, async_save):
     for a, b in zip(model.parameters(), ref.parameters()):
         assert torch.equal(a, b)
     assert (run / "checkpoints" / "step-00000012" / "manifest.json").exists()
+
+
+def test_a_snapshot_of_another_world_size_is_not_offered(tmp_path):
+    store = MemoryStore(str(tmp_path / "shm"), rank=0, world_size=1)
+    facts = {"step": 4, "epoch": 0, "step_in_epoch": 4, "samples_seen": 0, "world_size": 2}
+    store.save(4, facts, {"model": {"w": torch.ones(2)}, "trainer": {}}, {})
+    store.wait()
+    assert store.inventory() == {}  # a resized job resumes from disk
+    store.close()

@@ -137,7 +137,8 @@ def test_a_lost_node_comes_back_from_the_replica(tmp_path, ddp_reference, replic
         assert re.search(r"resuming from memory, step \d+ \(held by every rank; rank 1 from "
                          r"the replica held by rank 0", text), tail(logs)
     else:
-        assert "memory snapshots: no step is held for every rank (rank(s) 1 lack one" in text
+        assert "memory snapshots: no step is held for every rank (rank(s) 1 lack one: their " \
+            "node's memory was lost and no replica holds it" in text
         assert re.search(r"resuming from disk step 6, \d+ step\(s\) behind", text), tail(logs)
     weights_ref, _ = ddp_reference
     same_bits(weights(tmp_path, name), weights_ref)
