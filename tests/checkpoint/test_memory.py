@@ -199,3 +199,27 @@ def test_a_snapshot_of_another_world_size_is_not_offered(tmp_path):
     store.wait()
     assert store.inventory() == {}  # a resized job resumes from disk
     store.close()
+
+
+def test_a_real_tiny_tmpfs_stops_the_run_before_its_first_step(tmp_path):
+    """The memory check against a real 64 KiB tmpfs (a private mount namespace)."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    probe = subprocess.run(["unshare", "-r", "-m", "sh", "-c",
+                            f"mount -t tmpfs -o size=64k tmpfs {mount}"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a user namespace here: {probe.stderr!r}")
+    from tests.checkpoint.test_kill import write_config
+    config = write_config(tmp_path, "run", 0, checkpoint=(
+        f"memory: {{every_n_steps: 1, dir: '{mount}/shm'}}"))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(
+        ["unshare", "-r", "-m", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {mount} && "
+         f"exec {sys.executable} -m sailfin train {config}"],
+        capture_output=True, text=True, cwd=root, timeout=300,
+        env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 2, done.stderr
+    [line] = [x for x in done.stderr.splitlines() if "trainer.checkpoint.memory" in x]
+    assert "free; enlarge /dev/shm" in line and f"{mount}/shm has 0.1 MiB free" in line
+    events = (tmp_path / "run" / "metrics.jsonl")
+    assert not events.exists() or '"train"' not in events.read_text()  # no step trained
