@@ -11,7 +11,9 @@ start vs the end of an epoch.
    trains without saves in the same rounds: (run time - the no-save run's) /
    saves is a save's true cost, whatever it does in the background (a
    background write still takes CPU and memory bandwidth from training). Every
-   clock starts after ``Trainer.setup()``.
+   clock starts after ``Trainer.setup()``. A fourth arm takes a memory snapshot
+   (``trainer.checkpoint.memory.every_n_steps: 1``, in /dev/shm) every step and
+   saves nothing to disk: its stall per step, as a share of the no-save step.
 
 2. Resume. A 100k-sample epoch of 6250 steps is checkpointed after its first
    step and before its last; a fresh trainer resumes from each in turn
@@ -23,7 +25,7 @@ start vs the end of an epoch.
    first step includes planning the rest of the epoch's sample order, which is
    less work near its end: a resume never costs more than starting an epoch.)
 
-    python benchmarks/checkpoint.py [--rounds 5] [--threads 1] [--no-resume]
+    python benchmarks/checkpoint.py [--rounds 5] [--threads 1] [--no-resume] [--no-memory]
 """
 
 from __future__ import annotations
@@ -83,14 +85,17 @@ BIG = [1024, 2048, 2048, 2048, 1024, 10]   # 12.6 M parameters
 
 
 def stall_run(out_dir: str, mode: str, steps: int, every: int) -> tuple[list[float], float]:
-    """mode: "sync", "async" or "none" (no saves). Returns (stall per save, run seconds)."""
+    """mode: "sync", "async", "none" (no saves) or "memory" (a memory snapshot every step,
+    no disk saves). Returns (stall per save or snapshot, run seconds)."""
     module = Recipe(Data(steps * 8, BIG[0]), BIG)
-    saves = mode != "none"
+    saves = mode in ("sync", "async")
+    memory = {"every_n_steps": 1} if mode == "memory" else {}
     args = TrainerArguments(epochs=1, train_batch_size=8, output_dir=out_dir, writers=[],
                             val_every_n_epochs=0, log_every_n_steps=1000, resume="never",
                             checkpoint=CheckpointArguments(every_n_steps=every if saves else None,
                                                            at_epoch_end=False, keep_last=1,
-                                                           async_save=mode == "async"))
+                                                           async_save=mode == "async",
+                                                           memory=memory))
     trainer = Trainer(module, args)
     trainer.setup()
     begin = time.perf_counter()
@@ -156,6 +161,8 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=8, help="save every N steps")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-resume", action="store_true", help="only the stall figures")
+    parser.add_argument("--no-memory", action="store_true",
+                        help="leave out the arm with a memory snapshot every step")
     add_load_options(parser)
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
@@ -178,9 +185,12 @@ def main() -> None:
                 return (statistics.median(stall) if stall else 0.0), total
             return run
 
-        rounds = interleave(opts.rounds, {m: arm(m) for m in ("sync", "async", "none")})
+        stalls["memory"], firsts["memory"] = [], []
+        modes = ("sync", "async", "none") + (() if opts.no_memory else ("memory",))
+        rounds = interleave(opts.rounds, {m: arm(m) for m in modes})
         per_round = [r["async"][0] / r["sync"][0] for r in rounds]
-        cost = {m: [(r[m][1] - r["none"][1]) / saves for r in rounds] for m in stalls}
+        cost = {m: [(r[m][1] - r["none"][1]) / saves for r in rounds] for m in ("sync", "async")}
+        memory_stall = stalls.pop("memory")
         print(f"model: {params / 1e6:.1f} M parameters ({params * 4 / 2**20:.0f} MB, "
               f"checkpoint ~{params * 8 / 2**20:.0f} MB with SGD momentum); a save every "
               f"{opts.every} steps ({saves} per run), {opts.rounds} rounds, "
@@ -192,6 +202,15 @@ def main() -> None:
                   f"per save (run time over the no-save run): median "
                   f"{statistics.median(cost[mode]) * 1000:.1f} ms; first save of a run (no "
                   f"wait for a previous one): {statistics.median(firsts[mode]) * 1000:.1f} ms")
+        if memory_stall:
+            step = statistics.median(r["none"][1] for r in rounds) / opts.steps
+            extra = [(r["memory"][1] - r["none"][1]) / opts.steps for r in rounds]
+            print(f"memory snapshot every step: stall median "
+                  f"{statistics.median(memory_stall) * 1000:.1f} ms per step = "
+                  f"{statistics.median(memory_stall) / step * 100:.1f} % of a {step * 1000:.0f} "
+                  f"ms step (n={len(memory_stall)}); true cost per step (run time over the "
+                  f"no-save run): median {statistics.median(extra) * 1000:.1f} ms = "
+                  f"{statistics.median(extra) / step * 100:.1f} %")
         true_ratio = [a / s for a, s in zip(cost["async"], cost["sync"])]
         print(f"async / sync stall, per round: {spread(per_round)}")
         print(f"async / sync true cost per save, per round: {spread(true_ratio)}")

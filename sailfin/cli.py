@@ -42,6 +42,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="overlay these runs' output directories")
     report.add_argument("--out", help="where to write (default: OUTPUT_DIR/report)")
     report.add_argument("--dpi", type=int, default=100, help="PNG resolution")
+    clean = sub.add_parser("clean", help="remove a run's memory snapshots from this machine",
+                           description="Remove the memory snapshots (trainer.checkpoint."
+                                       "memory) a run left in shared memory on this machine; "
+                                       "its checkpoints and outputs stay")
+    clean.add_argument("output_dir", help="the run's trainer.output_dir")
     shard_cli.add_parser(sub)
     sub.add_parser("launch", add_help=False,
                    help="torchrun with the same arguments, exiting 75 when preempted",
@@ -181,6 +186,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "launch":
         from .launch import launch_command
         return launch_command(list(argv if argv is not None else sys.argv[1:])[1:])
+    if args.command == "clean":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        from .checkpoint.memory_dirs import clean_command
+        return clean_command(args.output_dir)
     try:
         if args.command == "train":
             # User errors end inside the recorded call: torchrun reports no traceback.

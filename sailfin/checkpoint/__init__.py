@@ -16,6 +16,7 @@ from ..config.trainer import TrainerArguments
 from ..distributed import DistEnv
 from .checkpointer import Checkpointer, DirectoryCheckpointer, Loaded, Snapshot
 from .errors import CheckpointCorrupt, CheckpointError
+from .memory_checkpointer import persisting_args, with_memory_snapshots
 from .metrics_log import trim_metrics_log
 
 __all__ = ["CheckpointArguments", "CheckpointCorrupt", "CheckpointError", "Checkpointer",
@@ -26,14 +27,16 @@ def build_checkpointer(args: TrainerArguments, dist: DistEnv,
                        barrier: Callable[[], None] = lambda: None) -> Checkpointer:
     """The checkpointer ``args.checkpoint`` asks for, at its ``dir``.
 
-    The default dir is ``<output_dir>/checkpoints``.
+    The default dir is ``<output_dir>/checkpoints``. With ``trainer.checkpoint.memory``
+    it comes wrapped in a :class:`~.memory_checkpointer.MemoryFirstCheckpointer`.
     """
-    ckpt = args.checkpoint
+    ckpt = persisting_args(args)  # trainer.checkpoint.memory.persist_every_n_steps: async
     location = ckpt.dir or os.path.join(args.output_dir, "checkpoints")
     cls: type = DirectoryCheckpointer
     if ckpt.class_path:
         cls = _resolve(ckpt.class_path)
-    return cls(location, ckpt, dist, barrier)
+    # trainer.checkpoint.memory: snapshots in shared memory, first in line on resume.
+    return with_memory_snapshots(cls(location, ckpt, dist, barrier), args, dist)
 
 
 def _resolve(class_path: str) -> type:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from .errors import ConfigError
+from .memory import MemorySnapshotArguments
 
 
 @dataclass
@@ -37,10 +38,16 @@ class CheckpointArguments:
     """Passed to fsspec for a URL ``dir`` (``{client_kwargs: {endpoint_url: ...}}``)."""
     class_path: Optional[str] = None
     """A ``Checkpointer`` subclass (``package.module.Class``) to use instead of the default."""
+    memory: MemorySnapshotArguments = field(default_factory=MemorySnapshotArguments)
+    """Snapshots in shared memory every N steps (see docs/memory-snapshots.md)."""
 
     _aliases = {"async": "async_save"}
 
     def __post_init__(self) -> None:
+        if isinstance(self.memory, dict):  # CheckpointArguments(memory={...}) from Python
+            from .coerce import build_dataclass
+            self.memory = build_dataclass(MemorySnapshotArguments, self.memory,
+                                          prefix="trainer.checkpoint.memory.")
         for name in ("every_n_steps", "keep_last"):
             value = getattr(self, name)
             if value is not None and value < 1:

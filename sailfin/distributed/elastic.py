@@ -33,6 +33,11 @@ def attempt_prefix(environ: Mapping[str, str]) -> str:
     run_id = environ.get("TORCHELASTIC_RUN_ID", "none")
     restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     world = environ.get("WORLD_SIZE", "0")
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False":
+        # Rank 0 hosts a fresh store every round (no stale keys), and the restart count
+        # differs between nodes: an agent whose own workers did not fail does not count
+        # the round its partner's failure started. One name for all of them.
+        return f"sailfin/{run_id}/port-{environ.get('MASTER_PORT', '0')}-world-{world}"
     return f"sailfin/{run_id}/attempt-{restart}-world-{world}"
 
 

@@ -52,3 +52,15 @@ def test_workers_killed_twice_rejoin_through_the_per_attempt_store(tmp_path):
         kill_tree(proc)
     assert proc.returncode == 0, out.decode(errors="replace")[-3000:]
     assert [(tmp_path / f"done-{r}").read_text() for r in (0, 1)] == ["2", "2"]
+
+
+def test_without_the_agent_store_every_node_names_the_round_alike():
+    """An agent whose workers did not fail keeps its restart count when its partner's
+    failure starts a new round: the namespace must not depend on it."""
+    a = attempt_prefix({"TORCHELASTIC_RUN_ID": "r", "TORCHELASTIC_RESTART_COUNT": "0",
+                        "TORCHELASTIC_USE_AGENT_STORE": "False", "MASTER_PORT": "4100",
+                        "WORLD_SIZE": "2"})
+    b = attempt_prefix({"TORCHELASTIC_RUN_ID": "r", "TORCHELASTIC_RESTART_COUNT": "1",
+                        "TORCHELASTIC_USE_AGENT_STORE": "False", "MASTER_PORT": "4100",
+                        "WORLD_SIZE": "2"})
+    assert a == b

@@ -28,6 +28,7 @@ from ..features.autobatch import auto_micro_batch
 from .callbacks import Callback
 from .hooks import (any_says_again, as_list, overridden, overriding, padding_micro_batch,
                     recipe_callbacks)
+from ..checkpointing.memory_snapshots import memory_snapshot_callback
 from ..checkpointing.resume import resume
 from ..checkpointing.saver import checkpoint_callback
 from ..features.loop_features import build_loop_features
@@ -216,6 +217,8 @@ class Trainer:
         self.ema, self.flops = features.ema, features.flops
         self.callbacks += features.callbacks
         self.callbacks += [self.run_stats] + ([saver] if saver is not None else [])
+        # trainer.checkpoint.memory: snapshots in shared memory (after every stateful piece).
+        self.callbacks += memory_snapshot_callback(self.checkpointer, args, saver, self.module)
         if self.autobatch is not None:  # its size is kept in checkpoints
             self.callbacks.append(self.autobatch)
         self.callbacks += features.last_callbacks  # the first step's FLOPs

@@ -1,0 +1,177 @@
+"""Resuming from memory snapshots: the ranks agree on the newest step all of them hold.
+
+:class:`MemoryFirstCheckpointer` wraps the run's checkpointer. Saves go to the
+wrapped one; on resume it offers the newest memory snapshot that every rank
+holds complete (in its node's memory, or as a replica on another node) ahead
+of the disk checkpoints, when it is at least as new as the newest of those.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, Optional
+
+from ..config.trainer import TrainerArguments
+from ..distributed import DistEnv
+from . import memory_dirs
+from .checkpointer import Checkpointer, Loaded, say
+from .memory import MemoryStore, pack, step_name, unpack
+from .memory_peers import Peers
+from .memory_shards import global_shards
+
+PREFIX = "memory:"
+_DISK_STEP = re.compile(r"step-(\d+)$")
+
+
+class MemoryFirstCheckpointer(Checkpointer):
+    """The run's checkpointer, with memory snapshots first in line for ``resume: auto``.
+
+    Example::
+
+        ckpt = MemoryFirstCheckpointer(DirectoryCheckpointer(dir, args, dist), store,
+                                       output_dir="outputs/run")
+        ckpt.recover()                 # every rank: agree on a step, fetch lost replicas
+        ckpt.candidates()              # ["memory:step-00000012", "step-00000008", ...]
+    """
+
+    def __init__(self, inner: Checkpointer, store: MemoryStore, output_dir: str,
+                 local_rank: int = 0, node: int = 0) -> None:
+        super().__init__(inner.location, inner.args, inner.dist, inner.barrier)
+        self.inner, self.store = inner, store
+        self.output_dir, self.local_rank, self.node = output_dir, local_rank, node
+        self._agreed: Optional[tuple[int, str]] = None  # (step, this rank's snapshot dir)
+        self.mesh: Any = None  # fsdp: the model's device mesh, to rebuild shards on
+
+    @property
+    def writes_shards(self) -> bool:
+        return bool(getattr(self.inner, "writes_shards", False))
+
+    # -- the wrapped checkpointer ------------------------------------------------------
+    def save(self, snapshot: Any) -> None:
+        self.inner.save(snapshot)
+
+    def latest(self) -> Optional[str]:
+        return self.inner.latest()
+
+    def wait(self) -> None:
+        self.inner.wait()
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+    def close(self) -> None:
+        try:
+            self.inner.close()
+        finally:
+            self.store.close()
+
+    def candidates(self) -> list[str]:
+        memory = [f"{PREFIX}{step_name(self._agreed[0])}"] if self._agreed else []
+        return memory + self.inner.candidates()
+
+    # -- resuming ------------------------------------------------------------------------
+    def recover(self) -> None:
+        self.inner.recover()
+        store = self.store
+        store.peers.start()
+        memory_dirs.claim(store.root, store.rank, self.output_dir)
+        if self.local_rank == 0:
+            memory_dirs.record_root(self.output_dir, self.node, store.root)
+            parent = os.path.dirname(store.root)
+            for path in memory_dirs.remove_leftovers(parent, keep=store.root):
+                say(f"removed the memory snapshots of a run that is gone: {path}")
+        self._agreed = self._agree()
+
+    def _agree(self) -> Optional[tuple[int, str]]:
+        """The newest step every rank holds; ranks whose node lost it get the replica."""
+        store, rank, world = self.store, self.store.rank, self.store.world_size
+        mine = store.inventory()
+        reports = store.peers.all_gather({r: sorted(s) for r, s in mine.items()})
+        held: dict[int, set[int]] = {r: set() for r in range(world)}
+        for report in reports:
+            for r, steps in report.items():
+                held[r].update(steps)
+        newest = max((s for steps in held.values() for s in steps), default=None)
+        if newest is None:
+            return None
+        common = set.intersection(*held.values())
+        disk = self._disk_step()
+        main = rank == 0
+        if not common:
+            if main:
+                lost = [r for r, steps in held.items() if not steps]
+                say(f"memory snapshots: no step is held for every rank (rank(s) "
+                    f"{_ranks(lost) or 'all'} lack one: their node's memory was lost and no "
+                    f"replica holds it, or the world size changed); resuming from "
+                    f"{'disk step ' + str(disk) if disk is not None else 'the start'}, "
+                    f"{newest - (disk or 0)} step(s) behind the newest snapshot (step {newest})")
+            return None
+        step = max(common)
+        if disk is not None and disk > step:
+            if main:
+                say(f"memory snapshots: the newest common step {step} is older than the disk "
+                    f"checkpoint of step {disk}; resuming from disk")
+            return None
+        fetched = []
+        for r in range(world):  # the same order on every rank: blocking pairs never deadlock
+            if step in reports[r].get(r, []):
+                continue
+            holder = min(q for q in range(world) if step in reports[q].get(r, []))
+            fetched.append((r, holder))
+            if rank == holder:
+                store.peers.send(pack(mine[r][step]), r)
+            elif rank == r:
+                mine.setdefault(r, {})[step] = unpack(store.peers.recv(holder), store.own_dir(),
+                                                      step)
+        if main:
+            via = "; ".join(f"rank {r} from the replica held by rank {h}" for r, h in fetched)
+            say(f"memory snapshots: resuming from memory, step {step} (held by every rank"
+                + (f"; {via}, its node's memory being lost" if via else "")
+                + f"); newest snapshot step {newest}, newest disk checkpoint "
+                + (f"step {disk}" if disk is not None else "none"))
+        return step, mine[rank][step]
+
+    def _disk_step(self) -> Optional[int]:
+        names = self.inner.candidates()
+        match = _DISK_STEP.search(names[0]) if names else None
+        return int(match.group(1)) if match else (None if not names else -1)
+
+    def load(self, name: str) -> Loaded:
+        if not name.startswith(PREFIX):
+            return self.inner.load(name)
+        assert self._agreed is not None, name
+        step, path = self._agreed
+        self._agreed = None  # resumed (or skipped): no longer a candidate
+        manifest, shared, rank_state = self.store.load(path)
+        return Loaded(name, path, manifest, global_shards(shared, self.mesh), rank_state)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks[:8]) + (" ..." if len(ranks) > 8 else "")
+
+
+def with_memory_snapshots(inner: Checkpointer, args: TrainerArguments,
+                          dist: DistEnv) -> Checkpointer:
+    """``inner`` with memory snapshots when ``trainer.checkpoint.memory.every_n_steps`` is set."""
+    memory = args.checkpoint.memory
+    if not memory.enabled:
+        return inner
+    node = dist.rank // dist.local_world_size
+    root = memory_dirs.snapshot_root(memory.dir, args.output_dir, node)
+    store = MemoryStore(root, dist.rank, dist.world_size, dist.local_world_size,
+                        memory.replicas, Peers(dist.rank, dist.world_size))
+    if memory.replicas and store.replica_dst is None and dist.is_main:
+        say("trainer.checkpoint.memory.replicas is 1 but the job runs on one node: there "
+            "is no other node to keep replicas; a lost node resumes from disk")
+    return MemoryFirstCheckpointer(inner, store, args.output_dir, dist.local_rank, node)
+
+
+def persisting_args(args: TrainerArguments) -> Any:
+    """The disk checkpointer's settings: with ``persist_every_n_steps`` saves are async,
+    so persisting a snapshot costs the step the copy only."""
+    ckpt = args.checkpoint
+    if ckpt.memory.enabled and ckpt.memory.persist_every_n_steps and not ckpt.async_save:
+        return dataclasses.replace(ckpt, async_save=True)
+    return ckpt

@@ -1,0 +1,153 @@
+"""``trainer.checkpoint.memory``: snapshot the trainer's state to shared memory every N steps.
+
+The storage (files in ``/dev/shm``, the background writer, replicas, the
+resume agreement) is :mod:`sailfin.checkpoint.memory`; this callback decides
+when, hands it the state, checks before the first step that snapshots fit,
+persists every ``persist_every_n_steps`` as an ordinary checkpoint, and
+removes the snapshots when the run ends normally.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from ...checkpoint import CheckpointError, Checkpointer
+from ...checkpoint import memory_dirs
+from ...checkpoint.checkpointer import say
+from ...checkpoint.memory_checkpointer import MemoryFirstCheckpointer
+from ...checkpoint.memory_shards import local_shards, mesh_of
+from ...checkpoint.rng import rng_state
+from ...config.trainer import TrainerArguments
+from ..core.callbacks import Callback
+from .saver import CheckpointCallback, manifest_facts
+
+if TYPE_CHECKING:
+    from ..core.trainer import Trainer
+
+_FILE_OVERHEAD = 1 << 16  # torch.save's archive around the tensors, per file (generous)
+
+
+class MemorySnapshots(Callback):
+    """Snapshots every ``every_n_steps`` optimizer steps; the step waits for the copy only.
+
+    ``stall_seconds`` records how long each snapshot held the step.
+
+    Example::
+
+        args = TrainerArguments(checkpoint={"memory": {"every_n_steps": 1}})
+        Trainer(module, args).train()   # the trainer adds this callback itself
+    """
+
+    def __init__(self, checkpointer: MemoryFirstCheckpointer, args: TrainerArguments,
+                 saver: Optional[CheckpointCallback]) -> None:
+        self.checkpointer, self.store = checkpointer, checkpointer.store
+        memory = args.checkpoint.memory
+        self.every, self.persist = memory.every_n_steps or 1, memory.persist_every_n_steps
+        self.replicas = int(self.store.replica_dst is not None)
+        # Persisting is an ordinary (async) save; the saver also supplies the best metric.
+        self.saver = saver or CheckpointCallback(checkpointer, args.checkpoint)
+        self.stall_seconds: list[float] = []
+        self.snapshot_bytes = 0
+
+    def on_train_start(self, trainer: "Trainer") -> None:
+        # What a run before this one left (newer steps above all) must never be resumed.
+        self.store.prune(only=trainer.global_step)
+        self.check_space(trainer)
+
+    def on_step_end(self, trainer: "Trainer") -> None:
+        step = trainer.global_step
+        if step % self.every == 0:
+            self.snapshot(trainer)
+        if self.persist and step % self.persist == 0:
+            self.saver.save(trainer)  # skipped when a step save of the same step just ran
+
+    def snapshot(self, trainer: "Trainer") -> None:
+        started = time.perf_counter()
+        trainer.nonfinite.check()  # never snapshot weights a non-finite loss spoiled
+        trainer.writers.flush()  # metrics.jsonl holds every event up to the snapshot
+        state = trainer.state_dict()
+        facts = manifest_facts(trainer, self.saver, state)
+        state = local_shards(state)  # fsdp: this rank's rows, as plain tensors
+        shared = {"model": state.pop("module"), "trainer": state}
+        self.store.save(trainer.global_step, facts, shared, rng_state())
+        self.stall_seconds.append(time.perf_counter() - started)
+
+    def on_train_end(self, trainer: "Trainer") -> None:
+        if self.store.skipped and trainer.dist.is_main:
+            say(f"memory snapshots: {self.store.skipped} of {len(self.stall_seconds)} skipped: "
+                "the previous one was still being written (a write took longer than the "
+                "steps between snapshots; a restart may lose that many more steps)")
+        # The final state is on disk (the saver's on_train_end ran first): the RAM goes back.
+        self.store.remove_mine()
+        trainer.backend.barrier()
+        if self.checkpointer.local_rank == 0:
+            shutil.rmtree(self.store.root, ignore_errors=True)
+            record = os.path.join(trainer.args.output_dir,
+                                  f"{memory_dirs.RECORD}{self.checkpointer.node}")
+            if os.path.exists(record):
+                os.remove(record)
+
+    # -- before the first step ---------------------------------------------------------
+    def check_space(self, trainer: "Trainer") -> None:
+        """Two snapshots per rank (plus two replicas) must fit the free shared memory of
+        each node; else stop before the first step, on every rank, with the numbers."""
+        state = local_shards(trainer.state_dict())
+        size = state_bytes(state) + state_bytes(rng_state()) + 3 * _FILE_OVERHEAD
+        self.snapshot_bytes = size
+        root = self.store.root
+        free = memory_dirs.free_bytes(root) + memory_dirs.used_bytes(root)
+        node = self.checkpointer.node
+        reports = self.store.peers.all_gather((node, size, free, root))
+        problems = []
+        for where in sorted({r[0] for r in reports}):
+            on_node = [r for r in reports if r[0] == where]
+            need = sum(2 * r[1] * (1 + self.replicas) for r in on_node)
+            if need > on_node[0][2]:
+                problems.append((where, len(on_node), max(r[1] for r in on_node), need,
+                                 on_node[0][2], on_node[0][3]))
+        if problems:
+            where, ranks, size, need, free, root = problems[0]
+            raise CheckpointError(
+                f"trainer.checkpoint.memory: snapshots need {_mb(need)} on node {where} "
+                f"(2 x {_mb(size)} per rank x {ranks} rank(s)"
+                + (" x 2 with replicas" if self.replicas else "")
+                + f") but {root} has {_mb(free)} free; enlarge /dev/shm (docker run "
+                "--shm-size), point trainer.checkpoint.memory.dir at a larger tmpfs"
+                + (", set trainer.checkpoint.memory.replicas: 0" if self.replicas else "")
+                + ", or turn snapshots off (trainer.checkpoint.memory.every_n_steps: null)")
+
+
+def state_bytes(obj: Any) -> int:
+    """Bytes of the tensors in ``obj`` (shared storages counted once)."""
+    seen: dict[tuple[int, str], int] = {}
+    stack = [obj]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            seen[(storage.data_ptr(), str(value.device))] = storage.nbytes()
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return sum(seen.values())
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def memory_snapshot_callback(checkpointer: Checkpointer, args: TrainerArguments,
+                             saver: Optional[CheckpointCallback],
+                             module: torch.nn.Module) -> list[Callback]:
+    """The callback ``trainer.checkpoint.memory`` asks for (none when it is off); before
+    resume, which rebuilds fsdp shards from a snapshot on the model's device mesh."""
+    if not isinstance(checkpointer, MemoryFirstCheckpointer):
+        return []
+    checkpointer.mesh = mesh_of(module)
+    return [MemorySnapshots(checkpointer, args, saver)]

@@ -1,0 +1,174 @@
+"""Memory snapshots under torchrun on loopback: a worker SIGKILLed at random steps
+resumes from the last or last-but-one step; a lost "node" (its snapshot directory
+removed, its worker killed) comes back from the replica on the other node, or from
+disk without one. Every run ends bit-identical to an uninterrupted run."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from sailfin.checkpoint import memory_dirs
+from tests.distributed.elastic_helpers import (pid_of, reached, single_node, stop, tail,
+                                               torchrun, wait, wait_until, write_config)
+from tests.distributed.harness import free_port
+from tests.distributed.test_elastic import TOTAL, check
+
+
+def memory_config(tmp: Path, name: str, replicas: int = 0, step_seconds: float = 0.15) -> Path:
+    """The elastic tests' run, with disk checkpoints every 6 steps and snapshots every step."""
+    path = write_config(tmp, name, every=6, step_seconds=step_seconds)
+    text = path.read_text().replace(
+        "checkpoint: {every_n_steps: 6}",
+        f"checkpoint: {{every_n_steps: 6, memory: {{every_n_steps: 1, replicas: {replicas}}}}}")
+    assert "memory:" in text
+    path.write_text(text)
+    return path
+
+
+def weights(tmp: Path, name: str) -> dict[str, torch.Tensor]:
+    return load_file(str(tmp / name / "run" / "final" / "model.safetensors"))
+
+
+def shm_dirs(tmp: Path, name: str) -> list[str]:
+    prefix = f"sailfin-{memory_dirs.run_id(str(tmp / name / 'run'))}"
+    return [e for e in os.listdir(memory_dirs.DEFAULT_PARENT) if e.startswith(prefix)]
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory):
+    """The uninterrupted run on 2 ranks, with snapshots: its weights, its one-process twin."""
+    tmp = tmp_path_factory.mktemp("memory-reference")
+    log = tmp / "ref.log"
+    proc = torchrun(single_node(2, memory_config(tmp, "ref", step_seconds=0), restarts=0), log)
+    try:
+        assert wait([proc], 240, [log]) == [0], tail([log])
+    finally:
+        stop(proc)
+        memory_dirs.clean(str(tmp / "ref" / "run"))
+    from sailfin.cli import main
+    assert main(["train", str(write_config(tmp, "one", step_seconds=0))]) == 0
+    from tests.distributed.elastic_helpers import final_steps
+    one = load_file(str(tmp / "one" / "run" / "final" / "model.safetensors"))
+    assert not shm_dirs(tmp, "ref")  # nothing left in /dev/shm after a normal end
+    return weights(tmp, "ref"), (one, final_steps(tmp / "one" / "records"))
+
+
+def same_bits(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key} differs from the uninterrupted run"
+
+
+@pytest.mark.slow
+def test_workers_killed_at_random_steps_lose_at_most_one_step(tmp_path, ddp_reference):
+    cfg = memory_config(tmp_path, "kill")
+    records, log = tmp_path / "kill" / "records", tmp_path / "kill.log"
+    seed = int(time.time())
+    rng = random.Random(seed)
+    proc = torchrun(single_node(2, cfg, restarts=2), log)
+    at_kill = []
+    try:
+        for attempt in range(2):
+            target = reached(records, 0, f"{attempt}-") + rng.randint(3, 7)
+            wait_until(lambda: reached(records, 0, f"{attempt}-") >= target, [proc], 180,
+                       [log], f"step {target}")
+            time.sleep(rng.uniform(0.0, 0.15))  # anywhere in a step, or in its snapshot
+            victim = rng.randint(0, 1)
+            # The last step every rank finished (the next may finish before the kill lands).
+            at_kill.append(min(reached(records, r, f"{attempt}-") for r in (0, 1)))
+            os.kill(pid_of(records, victim, f"{attempt}-w2"), signal.SIGKILL)
+            wait_until(lambda: f"restart {attempt + 1} (torchrun): resuming" in log.read_text(),
+                       [proc], 180, [log], f"restart {attempt + 1}")
+        assert wait([proc], 300, [log]) == [0], tail([log])
+    finally:
+        stop(proc)
+        memory_dirs.clean(str(tmp_path / "kill" / "run"))
+    text = log.read_text()
+    resumed = [int(s) for s in re.findall(r"resuming from memory, step (\d+)", text)]
+    assert len(resumed) == 2, (seed, tail([log]))
+    for step, finished in zip(resumed, at_kill):
+        assert finished - 1 <= step <= finished + 1, (resumed, at_kill, seed)  # last or the one before
+    weights_ref, one = ddp_reference
+    same_bits(weights(tmp_path, "kill"), weights_ref)
+    check(tmp_path, "kill", one)  # every sample once per epoch, step k on the same samples
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("replicas", [1, 0])
+def test_a_lost_node_comes_back_from_the_replica(tmp_path, ddp_reference, replicas):
+    name = f"node{replicas}"
+    cfg = memory_config(tmp_path, name, replicas=replicas)
+    records = tmp_path / name / "records"
+    logs = [tmp_path / f"{name}-a.log", tmp_path / f"{name}-b.log"]
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True,
+                          wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
+    args = ["--nnodes=2", "--nproc-per-node=1", "--max-restarts=2", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={name}", "--monitor-interval=0.1",
+            "--rdzv-conf=is_host=false", "-m", "sailfin", "train", str(cfg),
+            "--trainer.backend", "ddp"]
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    procs = [torchrun(args, logs[0], env), torchrun(args, logs[1], env)]
+    run = str(tmp_path / name / "run")
+    try:
+        wait_until(lambda: reached(records, 1, "0-") >= 9, procs, 180, logs, "step 9")
+        os.kill(pid_of(records, 1, "0-w2"), signal.SIGKILL)
+        shutil.rmtree(memory_dirs.snapshot_root(None, run, 1))  # the node's memory is gone
+        assert wait(procs, 300, logs) == [0, 0], tail(logs)
+    finally:
+        stop(*procs)
+        memory_dirs.clean(run)
+        del store
+    text = logs[0].read_text() + logs[1].read_text()
+    if replicas:
+        assert re.search(r"resuming from memory, step \d+ \(held by every rank; rank 1 from "
+                         r"the replica held by rank 0", text), tail(logs)
+    else:
+        assert "memory snapshots: no step is held for every rank (rank(s) 1 lack one: their " \
+            "node's memory was lost and no replica holds it" in text
+        assert re.search(r"resuming from disk step 6, \d+ step\(s\) behind", text), tail(logs)
+    weights_ref, _ = ddp_reference
+    same_bits(weights(tmp_path, name), weights_ref)
+    # (The records' attempt keys cannot tell this run's rounds apart: an agent whose
+    # worker did not fail keeps its restart count. The bits above say enough.)
+    events = [json.loads(line) for line in
+              (tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["split"] == "train"] == list(range(1, TOTAL + 1))
+    assert not shm_dirs(tmp_path, name)
+
+
+@pytest.mark.slow
+def test_fsdp_ranks_snapshot_their_own_shards_and_resume_exactly(tmp_path):
+    logs = {name: tmp_path / f"{name}.log" for name in ("ref", "kill")}
+    fsdp = ["fsdp" if a == "ddp" else a for a in single_node(2, Path("X"), restarts=2)]
+    procs = {}
+    try:
+        for name in ("ref", "kill"):
+            cfg = memory_config(tmp_path, name, step_seconds=0 if name == "ref" else 0.15)
+            procs[name] = torchrun([str(cfg) if a == "X" else a for a in fsdp], logs[name])
+        records = tmp_path / "kill" / "records"
+        wait_until(lambda: reached(records, 1, "0-") >= 8, [procs["kill"]], 180,
+                   [logs["kill"]], "step 8")
+        os.kill(pid_of(records, 1, "0-w2"), signal.SIGKILL)
+        assert wait(list(procs.values()), 300, list(logs.values())) == [0, 0], \
+            tail(list(logs.values()))
+    finally:
+        stop(*procs.values())
+        for name in ("ref", "kill"):
+            memory_dirs.clean(str(tmp_path / name / "run"))
+    assert re.search(r"resuming from memory, step (7|8|9) ", logs["kill"].read_text()), \
+        tail([logs["kill"]])
+    same_bits(weights(tmp_path, "kill"), weights(tmp_path, "ref"))
