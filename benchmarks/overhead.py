@@ -24,12 +24,16 @@ and printed). The figures:
 Clocks, the same for every variant: steady (after set-up, to the end of the
 last optimizer step) and end to end (from before anything is built to the
 return). Rounds interleave, each figure is the median of per-round ratios
-(``_measure.py``). ``--instructions`` counts instructions per step under
-callgrind (``_callgrind.py``), which the machine's load does not move;
+(``_measure.py``). Two counts the machine's load does not move:
+``--bytecodes`` counts Python bytecodes and C calls per step, by function
+(``_bytecodes.py``; runs anywhere, a minute), ``--instructions`` machine
+instructions per step under callgrind (``_callgrind.py``; needs valgrind, and
+an idle machine: torch's import under callgrind alone takes minutes);
 ``--profile`` prints which functions sailfin's step spends more in than the hand
 loop's (cProfile: times inflated by the profiler, call counts exact).
 
     python benchmarks/overhead.py [--rounds 9] [--steps 3000] [--threads 1]
+    python benchmarks/overhead.py --bytecodes         # load-independent, by function
     python benchmarks/overhead.py --instructions      # needs valgrind; minutes
     python benchmarks/overhead.py --profile
     python benchmarks/overhead.py --watchdog 300 --ema 0.999   # extra sailfin variants
@@ -38,6 +42,7 @@ loop's (cProfile: times inflated by the profiler, call counts exact).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import importlib.util
 import io
@@ -55,6 +60,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
+from _bytecodes import Counts, per_step  # noqa: E402
 from _callgrind import instructions_per_step  # noqa: E402
 from _hand import (BATCH, batched_loader, direct_batches, fingerprint, make_data,  # noqa: E402
                    make_model, per_sample_loader)
@@ -183,6 +189,47 @@ def count_instructions(opts: argparse.Namespace) -> None:
           f"{counts['hand-per-sample'] / counts['hand']:.3f}")
 
 
+def count_bytecodes(opts: argparse.Namespace) -> None:
+    """Python bytecodes and C calls per step (``_bytecodes.py``), and where sailfin's extra
+    bytecodes are, per function."""
+    names = ["hand", "sailfin", "hand-per-sample"]
+    counted = {}
+    for name in names:
+        run_child(name, 20, opts)  # warm: lazy imports happen before the count
+        runs = []
+        for steps in (opts.short, opts.long):
+            ds = make_data(steps)
+            with tempfile.TemporaryDirectory() as tmp, \
+                    contextlib.redirect_stdout(io.StringIO()):
+                runs.append(Counts.measure(lambda: run_variant(name, ds, tmp, opts)))
+        counted[name] = per_step(runs[0], runs[1], opts.long - opts.short)
+    print(f"Python work per step (sys.settrace opcodes + sys.setprofile C calls, main thread, "
+          f"{opts.long} - {opts.short} steps of batch {BATCH}; {machine()}):")
+    for name, c in counted.items():
+        print(f"{name:>18}: {c['opcodes']:9,.1f} bytecodes, {c['c_calls']:7,.1f} C calls")
+    hand, sail = counted["hand"], counted["sailfin"]
+    print(f"(1) trainer overhead: sailfin {sail['opcodes'] - hand['opcodes']:+,.1f} bytecodes "
+          f"({sail['opcodes'] / hand['opcodes']:.3f}x the hand loop's), "
+          f"{sail['c_calls'] - hand['c_calls']:+,.1f} C calls "
+          f"({sail['c_calls'] / hand['c_calls']:.3f}x) per step")
+    per = counted["hand-per-sample"]
+    print(f"(2) batched fetch: the standard DataLoader runs {per['opcodes'] / hand['opcodes']:.2f}x "
+          f"the bytecodes and {per['c_calls'] / hand['c_calls']:.2f}x the C calls per step")
+    diff = collections.Counter(sail["by_function"])
+    diff.subtract(hand["by_function"])
+    print(f"bytecodes per step, sailfin minus hand, by function (share of sailfin's "
+          f"{sail['opcodes']:,.0f}):")
+    for (path, fn), n in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:opts.top]:
+        where = f"{os.path.relpath(path) if path.startswith('/') else path} {fn}"
+        print(f"{n:+9.1f} {n / sail['opcodes']:+7.2%}  {where[-100:]}")
+    calls = collections.Counter(sail["c_by_name"])
+    calls.subtract(hand["c_by_name"])
+    print("C calls per step, sailfin minus hand, by callee:")
+    for name, n in sorted(calls.items(), key=lambda kv: -abs(kv[1]))[:opts.top // 2]:
+        if n:
+            print(f"{n:+9.2f}  {name}")
+
+
 def profile(opts: argparse.Namespace) -> None:
     """Per-step cProfile time by function, sailfin minus the hand loop (same batches)."""
     import cProfile
@@ -228,8 +275,13 @@ def main() -> None:
     parser.add_argument("--instructions", action="store_true",
                         help="instead of timing, count instructions per step under "
                              "valgrind's callgrind (independent of the machine's load)")
-    parser.add_argument("--short", type=int, default=100, help="--instructions: short run")
-    parser.add_argument("--long", type=int, default=300, help="--instructions: long run")
+    parser.add_argument("--bytecodes", action="store_true",
+                        help="instead of timing, count Python bytecodes and C calls per "
+                             "step (independent of the load; no valgrind needed; a minute)")
+    parser.add_argument("--short", type=int, default=100,
+                        help="--instructions/--bytecodes: steps of the short run")
+    parser.add_argument("--long", type=int, default=300,
+                        help="--instructions/--bytecodes: steps of the long run")
     parser.add_argument("--profile", action="store_true",
                         help="instead of timing, print where sailfin's step spends more "
                              "than the hand loop's (cProfile, --steps steps)")
@@ -249,6 +301,8 @@ def main() -> None:
         return run_child(opts.child[0], int(opts.child[1]), opts)
     if opts.instructions:
         return count_instructions(opts)
+    if opts.bytecodes:
+        return count_bytecodes(opts)
     if opts.profile:
         return profile(opts)
     load = start(opts, "overhead.py")
