@@ -8,13 +8,19 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sailfin-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo report test test-slow test-all test-gpu bench clean
+.PHONY: demo report test test-slow test-all test-gpu bench docs clean
 
+# The first run installs torch and the extras (pip shows each download and step);
+# later runs find the stamp and start at once.
 $(STAMP): pyproject.toml Makefile
+	@echo "sailfin: [1/3] creating the virtual environment $(VENV) (once)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[dev,examples]"
+	@echo "sailfin: [2/3] installing $(TORCH) into $(VENV) (the long part of a first run)"
+	$(PY) -m pip install --progress-bar on "$(TORCH)"
+	@echo "sailfin: [3/3] installing sailfin (editable) with the dev and examples extras"
+	$(PY) -m pip install --progress-bar on -e ".[dev,examples]"
 	touch $(STAMP)
+	@echo "sailfin: installed; later runs skip these steps"
 
 demo: $(STAMP)
 	$(PY) -m sailfin train examples/digits/config.yaml
@@ -45,5 +51,15 @@ bench: $(STAMP)
 	$(PY) benchmarks/writers.py
 	$(PY) benchmarks/preprocess.py
 
+# The documentation site (mkdocs.yml, docs/) into site/; --strict fails on any broken
+# link or API reference. Installs the docs extra (MkDocs Material, mkdocstrings) once.
+DOCS_STAMP := $(VENV)/.sailfin-docs-installed
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -e ".[docs]"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(PY) -m mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) outputs site .pytest_cache

@@ -98,6 +98,8 @@ def charts(runs: Sequence[Run]) -> list[tuple[str, str, str, list[tuple[str, str
         out.append(("lr", "Learning rate", "lr", [("train", "lr")]))
     if have("train", "samples_per_second"):
         out.append(("throughput", "Throughput", "samples/s", [("train", "samples_per_second")]))
+    if have("train", "epsilon"):
+        out.append(("epsilon", "Privacy spent (ε at δ)", "ε", [("train", "epsilon")]))
     if have("train", "tflops"):
         out.append(("tflops", "Model TFLOP/s per device", "TFLOP/s", [("train", "tflops")]))
     if have("train", "mfu"):

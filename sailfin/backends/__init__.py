@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from ..config.dp import DP_SUFFIX, is_private
 from ..config.errors import ConfigError, suggest
 from ..config.trainer import TrainerArguments
 from ..distributed import DistEnv
@@ -27,6 +28,10 @@ ALIASES: dict[str, tuple[str, str]] = {
     "fsdp": ("fsdp", "fp32"),
     "fsdp-amp": ("fsdp", "amp"),
 }
+
+# PyMarlin's private backends; any name above + "-dp" composes DP-SGD on it (fsdp-dp and
+# the -amp ones are refused with the reason when built).
+PRIVATE = ("sp-dp", "ddp-dp")
 
 # Names kept for PyMarlin configs whose meaning changed: printed once when chosen.
 NOTICES: dict[str, str] = {
@@ -93,10 +98,13 @@ def resolve_device(spec: str, dist: DistEnv) -> torch.device:
 
 def build_backend(args: TrainerArguments, dist: DistEnv) -> SingleDevice:
     """Resolve ``args.backend`` into a strategy holding a precision."""
-    if args.backend not in ALIASES:
-        raise ConfigError(f"trainer.backend '{args.backend}'{suggest(args.backend, ALIASES)} "
-                          f"is not known; valid backends: {', '.join(ALIASES)}")
-    strategy, precision = ALIASES[args.backend]
+    private = is_private(args.backend)  # "<name>-dp": DP-SGD composed on <name>
+    name = args.backend[:-len(DP_SUFFIX)] if private else args.backend
+    if name not in ALIASES:
+        known = [*ALIASES, *PRIVATE]
+        raise ConfigError(f"trainer.backend '{args.backend}'{suggest(args.backend, known)} "
+                          f"is not known; valid backends: {', '.join(known)}")
+    strategy, precision = ALIASES[name]
     if precision == "fp32" and args.amp_dtype != "auto":
         amp = [name for name, (_, p) in ALIASES.items() if p == "amp"]
         raise ConfigError(f"trainer.amp_dtype is {args.amp_dtype} but trainer.backend "
@@ -106,8 +114,13 @@ def build_backend(args: TrainerArguments, dist: DistEnv) -> SingleDevice:
         print(NOTICES[args.backend], file=sys.stderr)
     device = resolve_device(args.device, dist)
     execution = Execution(args.compile, args.compile_mode, tuple(args.activation_checkpointing))
-    return _STRATEGIES[strategy](_PRECISIONS[precision](args, device), device, dist, args,
-                                 execution)
+    backend = _STRATEGIES[strategy](_PRECISIONS[precision](args, device), device, dist, args,
+                                    execution)
+    if private:
+        from .dp import make_private  # imports Opacus only when used
+
+        backend = make_private(backend, args)
+    return backend
 
 
 __all__ = ["ALIASES", "Execution", "MixedPrecision", "Precision", "SingleDevice",

@@ -111,6 +111,14 @@ class SingleDevice:
             self.backward = torch.Tensor.backward
             self.optimizer_step = _step_plain
 
+    def batch_plan(self, plan: Any) -> Any:
+        """The batch plan this backend trains with (dp: a plan of its own)."""
+        return plan
+
+    def attach_optimizers(self, optimizers: list[torch.optim.Optimizer], num_samples: int,
+                          steps_per_epoch: int) -> None:
+        """Called once the recipe built its optimizers (dp wraps them)."""
+
     def wrap(self, runner: "StepRunner") -> Optional[torch.nn.Module]:
         """Wrap the step runner for this strategy; None: call the recipe directly."""
         return None

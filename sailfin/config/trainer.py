@@ -7,6 +7,7 @@ from typing import Literal, Optional, Union, get_args, get_type_hints
 
 from .checkpoint import CheckpointArguments, check_resume
 from .distributed import DistArguments
+from .dp import DPArguments, is_private
 from .loop import EarlyStoppingArguments, EmaArguments
 from .errors import ConfigError
 from .fsdp import FSDPArguments
@@ -108,6 +109,8 @@ class TrainerArguments:
     # Sharded data parallel (the fsdp backends).
     fsdp: FSDPArguments = field(default_factory=FSDPArguments)
     """Which submodules the ``fsdp`` backends shard as units; see docs/sharding.md."""
+    dp: DPArguments = field(default_factory=DPArguments)
+    """Differential privacy of the ``*-dp`` backends (DP-SGD on Opacus); see docs/dp.md."""
 
     # -- resume checks, starting from weights, PyMarlin's meanings, start-up checks --------
     gpu_batch_size_limit: Optional[int] = None
@@ -179,6 +182,7 @@ class TrainerArguments:
         if isinstance(self.fsdp, dict):  # TrainerArguments(fsdp={...}) from Python
             from .coerce import build_dataclass
             self.fsdp = build_dataclass(FSDPArguments, self.fsdp, prefix="trainer.fsdp.")
+        self._check_dp()
         hints = get_type_hints(type(self))
         for name in ("amp_dtype", "compile_mode", "on_nonfinite",
                      "resume_config"):  # also when built in Python
@@ -204,6 +208,27 @@ class TrainerArguments:
             raise ConfigError(
                 f"trainer.profile_steps must be [start, end] with 1 <= start <= end "
                 f"(optimizer steps, counted from 1), got {steps}")
+
+    def _check_dp(self) -> None:
+        """trainer.dp against the backend and the settings DP-SGD cannot honour."""
+        if isinstance(self.dp, dict):  # TrainerArguments(dp={...}) from Python
+            from .coerce import build_dataclass
+            self.dp = build_dataclass(DPArguments, self.dp, prefix="trainer.dp.")
+        self.dp.check_for(self.backend)
+        if not is_private(self.backend):
+            return
+        clashes = {"max_grad_norm": (self.max_grad_norm is not None,
+                                     "clipping is per sample: use trainer.dp.max_grad_norm"),
+                   "micro_batch_size": (self.micro_batch_size == "auto",
+                                        "Poisson steps vary in size: give a micro_batch_size"),
+                   "compile": (self.compile, "Opacus's per-sample gradient hooks run eagerly"),
+                   "activation_checkpointing": (bool(self.activation_checkpointing),
+                                                "recomputed forwards would capture "
+                                                "per-sample activations twice")}
+        for key, (bad, why) in clashes.items():
+            if bad:
+                raise ConfigError(f"trainer.{key} does not combine with trainer.backend "
+                                  f"{self.backend}: {why}")
 
     def _check_loop_features(self) -> None:
         """val_every_n_steps, early_stopping, ema, peak_tflops."""

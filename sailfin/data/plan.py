@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Optional
+from typing import Any, Optional
 
 from ..config.errors import ConfigError
 
@@ -111,6 +111,17 @@ class BatchPlan:
         if self.max_steps_per_epoch is not None:
             steps = min(steps, self.max_steps_per_epoch)
         return steps
+
+    def uniform_steps(self, num_samples: int) -> int:
+        """How many leading steps of an epoch share one shape (all but a short last one)."""
+        return num_samples // self.global_batch
+
+    def sampler(self, num_samples: int, rank: int = 0, seed: int = 0, shuffle: bool = True,
+                order: Any = None) -> Any:
+        """The training sampler that follows this plan (a :class:`ResumableSampler`)."""
+        from .sampler import ResumableSampler  # the sampler module imports this one
+
+        return ResumableSampler(num_samples, self, rank, seed, shuffle, order=order)
 
     def step_positions(self, step: int, num_samples: int) -> tuple[int, int]:
         """Global positions ``[start, stop)`` of step ``step`` in the epoch order."""

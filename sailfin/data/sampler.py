@@ -7,12 +7,12 @@ run resumed on another world size continues the same order.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, Iterator, Optional, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
-from .plan import BatchPlan, _split
+from .plan import BatchPlan, MicroBatch, _split
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
@@ -135,6 +135,15 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         if span is not None:
             return span[1] - span[0]
         return sum(hi - lo for lo, hi in self._ranges())
+
+    def micro_batches(self, step: int) -> tuple[MicroBatch, ...]:
+        """This rank's micro-batches of ``step`` in the current epoch."""
+        return self.plan.micro_batches(step, self.num_samples, self.rank)
+
+    def step_samples(self, step: int) -> int:
+        """Samples (over all ranks) in ``step``, padding excluded."""
+        lo, hi = self.plan.step_positions(step, self.num_samples)
+        return hi - lo
 
     def step_indices(self, epoch: int, step: int) -> list[int]:
         """Dataset indices of every rank's samples in optimizer step ``step`` of ``epoch``."""

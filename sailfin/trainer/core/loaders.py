@@ -28,8 +28,8 @@ def build_train_loader(module: ModuleInterface, plan: BatchPlan, dist: DistEnv,
 
     def sampler(dataset: Any) -> ResumableSampler:
         # A dataset with its own epoch order (sharded data) keeps its reads local.
-        s = ResumableSampler(len(dataset), plan, dist.rank, args.seed, args.shuffle,
-                             order=getattr(dataset, "epoch_order", None))
+        s = plan.sampler(len(dataset), dist.rank, args.seed, args.shuffle,
+                         order=getattr(dataset, "epoch_order", None))
         made.append(s)
         return s
 
@@ -46,7 +46,9 @@ def build_train_loader(module: ModuleInterface, plan: BatchPlan, dist: DistEnv,
             f"batch_size argument) and drop_last=False; got batch_size="
             f"{getattr(loader, 'batch_size', None)}, drop_last="
             f"{getattr(loader, 'drop_last', None)}. Use trainer.drop_last instead.")
-    return gathered_loader(loader, made[-1]), made[-1]
+    # A sampler with steps of varying size (dp's Poisson sampler) rebuilds the loader itself.
+    rebuild = getattr(made[-1], "wrap_loader", None)
+    return (rebuild(loader) if rebuild else gathered_loader(loader, made[-1])), made[-1]
 
 
 def build_val_loaders(module: ModuleInterface, batch_size: int, dist: DistEnv

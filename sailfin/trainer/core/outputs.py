@@ -33,6 +33,10 @@ def finish_run(trainer: "Trainer") -> dict[str, Any]:
         "micro_batch_size": trainer.plan.micro_batch,
     }
     summary.update(finish_summary(trainer))  # stopped_early, tflops, mfu, ema
+    for callback in trainer.callbacks:  # e.g. privacy (dp)
+        fields = getattr(callback, "summary_fields", None)
+        if callable(fields):
+            summary.update(fields())
     if trainer.autobatch is not None:
         summary["auto_micro_batch"] = trainer.autobatch.summary()
     backend, output_dir, is_main = trainer.backend, trainer.args.output_dir, trainer.dist.is_main

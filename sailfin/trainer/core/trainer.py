@@ -184,6 +184,7 @@ class Trainer:
                                      args.max_train_steps_per_epoch,
                                      micro_batch_limit=args.gpu_batch_size_limit)
         self.backend.setup(self.module)
+        self.plan = self.backend.batch_plan(self.plan)  # dp: unweighted, Poisson steps
         self.device = self.backend.device
         self.train_loader, self.train_sampler = build_train_loader(
             self.module, self.plan, dist, args)
@@ -197,6 +198,9 @@ class Trainer:
         self.schedulers = _as_list(schedulers, "schedulers")
         if not self.optimizers:
             raise ValueError("get_optimizers_schedulers returned no optimizer")
+        # dp: clipping, noise and accounting around the optimizers (a no-op otherwise).
+        self.backend.attach_optimizers(self.optimizers, self.num_train_samples,
+                                       self.steps_per_epoch)
         if dist.is_main:
             # summary.json, weights, metrics and (by default) checkpoints go here:
             # fail now, not after training.
@@ -252,7 +256,8 @@ class Trainer:
         check = self._check_first_output  # None once the first train_step was checked
         preemption = self.preemption
         # Every step but an epoch's last has the same shape: look it up once.
-        full_steps = n // plan.global_batch
+        full_steps = plan.uniform_steps(n)
+        sampler = self.train_sampler
         full_micros = plan.micro_batches(0, n, rank) if full_steps else ()
         global_batch = plan.global_batch
         flops = self.flops if self.flops.pending else None  # counts the first step only
@@ -272,7 +277,7 @@ class Trainer:
             step_loss, stats = None, None
             beat.step = self.global_step
             started = ready = clock()
-            micros = full_micros if step < full_steps else plan.micro_batches(step, n, rank)
+            micros = full_micros if step < full_steps else sampler.micro_batches(step)
             if flops is not None:
                 flops.start()
             if auto is not None:
@@ -326,7 +331,7 @@ class Trainer:
             self.global_step += 1
             self.step_in_epoch = step + 1
             self.samples_seen += (global_batch if step < full_steps
-                                  else n - step * global_batch)
+                                  else sampler.step_samples(step))
             beat.phase = END_OF_STEP
             if on_end_train_step is not None:
                 on_end_train_step(self.global_step, step_loss.detach(), stats)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+from ...config.dp import is_private
 from ...config.trainer import TrainerArguments
 from ...distributed import DistEnv
 from ..core.callbacks import Callback
@@ -13,6 +14,7 @@ from .bf16_check import bf16_cpu_check
 from .early_stopping import EarlyStopping
 from .ema import WeightAverage
 from .flops import FlopsMeter, build_flops_meter
+from .privacy import PrivacyCallback
 from .step_validation import StepValidation
 
 if TYPE_CHECKING:
@@ -40,6 +42,8 @@ def build_loop_features(module: Any, args: TrainerArguments, backend: Any,
         callbacks.append(StepValidation(args.val_every_n_steps))
     if args.early_stopping.enabled:
         callbacks.append(EarlyStopping(args.early_stopping))
+    if is_private(args.backend):  # epsilon in the metrics and summary, max_epsilon
+        callbacks.append(PrivacyCallback(args.dp, args.log_every_n_steps))
     # What the backend runs: a backend built in Python may compile whatever args say.
     precision = getattr(getattr(backend, "precision", None), "name", "fp32")
     compiled = bool(getattr(getattr(backend, "execution", None), "compile", args.compile))

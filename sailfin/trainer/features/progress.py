@@ -109,6 +109,7 @@ class Progress(Writer, Callback):
         self.samples_per_second: Optional[float] = None  # moving average
         self.tflops: Optional[float] = None  # model TFLOP/s per device, and its share of peak
         self.mfu: Optional[float] = None
+        self.epsilon: Optional[float] = None  # privacy spent (the dp backends)
         self._step_rate: Optional[float] = None           # lines mode: steps/s, moving
         self._start = 0.0
         self._start_samples = 0
@@ -194,6 +195,7 @@ class Progress(Writer, Callback):
         self.lr = metrics.get("lr", self.lr)
         self.tflops = metrics.get("tflops", self.tflops)
         self.mfu = metrics.get("mfu", self.mfu)
+        self.epsilon = metrics.get("epsilon", self.epsilon)  # dp backends
         rate = metrics.get("samples_per_second")
         if rate is not None:
             self.samples_per_second = rate if self.samples_per_second is None else (
@@ -231,6 +233,8 @@ class Progress(Writer, Callback):
             parts.append(f"lr {self.lr:.2e}")
         parts.append(f"{human(self.samples_per_second)} samples/s "
                      f"(avg {human(self._average_rate(samples_seen, now))})")
+        if self.epsilon is not None:
+            parts.append(f"ε {self.epsilon:.3g}")
         if self.tflops is not None:
             parts.append(flop_rate(self.tflops)
                          + (f" (MFU {100 * self.mfu:.1f}%)" if self.mfu is not None else ""))

@@ -1,0 +1,302 @@
+"""Differential privacy (DP-SGD on Opacus) as a composition on a strategy: ``sp-dp``, ``ddp-dp``.
+
+What it adds to a step, all from Opacus's own pieces:
+
+- set-up: the model is checked with ``ModuleValidator`` (BatchNorm refused, or fixed
+  with ``trainer.dp.fix_model``) and Opacus's per-sample gradient hooks are attached
+  to it (``GradSampleHooks``; ghost clipping: ``GradSampleHooksFastGradientClipping``).
+  Under ``ddp-dp`` there is no DDP wrapper: as Opacus's ``DPDDP``, rank 0's weights
+  are broadcast once and the ``DistributedDPOptimizer`` all-reduces the clipped,
+  noised gradients at the step.
+- each micro-batch: backward, then (but on a step's last micro-batch) the per-sample
+  gradients are clipped and summed and dropped, as Opacus's ``BatchMemoryManager``
+  does with ``signal_skip_step``: memory holds one micro-batch of them.
+- the optimizer step: ``DPOptimizer.step`` clips the last micro-batch, adds Gaussian
+  noise of std ``noise_multiplier * max_grad_norm`` (only rank 0 draws it), divides by
+  the expected global batch, steps the accountant and the recipe's optimizer.
+
+The noise generator's state and the accountant's history are backend state: they
+ride in every checkpoint, so a resumed run adds the same noise and reports the
+same epsilon as one never interrupted.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import warnings
+from functools import lru_cache
+from itertools import chain
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from ..config.errors import ConfigError
+from ..config.trainer import TrainerArguments
+from ..data.plan import BatchPlan
+from ..data.poisson import PoissonPlan, PrivatePlan
+from .precision import Precision
+from .privacy_model import attach_hooks, check_model, import_opacus
+from .strategy import SingleDevice, StepRunner
+
+
+def make_private(backend: SingleDevice, args: TrainerArguments) -> SingleDevice:
+    """``backend`` with DP-SGD composed on it (its class becomes a private subclass)."""
+    if backend.strategy == "fsdp":
+        raise ConfigError(
+            f"trainer.backend {args.backend} is not supported: Opacus's FSDP path "
+            "(grad_sample_mode ghost_fsdp) shards the model with its own wrapper and supports "
+            "only flat ghost clipping, which sailfin's fsdp strategy does not drive yet; use "
+            "ddp-dp (trainer.dp.clipping: ghost for memory)")
+    if type(backend.precision) is not Precision:
+        raise ConfigError(
+            f"trainer.backend {args.backend}: mixed precision does not combine with dp "
+            "(per-sample gradients and their norms are computed in float32); use "
+            f"{backend.strategy.replace('single', 'sp')}-dp")
+    import_opacus()
+    backend.__class__ = _private_class(type(backend))
+    backend.init_privacy(args)
+    return backend
+
+
+@lru_cache(maxsize=None)
+def _private_class(strategy: type) -> type:
+    return type(f"Private{strategy.__name__}", (PrivateStrategy, strategy),
+                {"__doc__": f"{strategy.__name__} with DP-SGD (see sailfin.backends.dp)."})
+
+
+class PrivateStrategy(SingleDevice):
+    """The DP-SGD pieces of a step, placed before a strategy class in the MRO.
+
+    Example::
+
+        backend = make_private(SingleDevice(Precision(), torch.device("cpu")),
+                               TrainerArguments(backend="sp-dp", dp={"noise_multiplier": 1.0}))
+        backend.setup(module)                                # checks, hooks
+        backend.attach_optimizers([opt], num_samples=1000, steps_per_epoch=16)
+        backend.epsilon()                                    # 0.0 before the first step
+    """
+
+    def init_privacy(self, args: TrainerArguments) -> None:
+        self.dp_args, self.train_args = args.dp, args
+        self.hooks: Any = None
+        self.dp_optimizer: Any = None
+        self.accountant: Any = None
+        self.noise_rng: Optional[torch.Generator] = None
+        self.noise_multiplier = args.dp.noise_multiplier
+        self.sample_rate = 0.0
+        self.delta = 0.0
+        self.planned_steps = 0
+        self._seed = args.seed          # the Poisson draws' and the noise's seed
+        self._open_step = -1            # the global step whose micro-batches run now
+        self._last_micro = True
+        self._ghost_loss: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    @property
+    def name(self) -> str:
+        return f"{super().name}+dp"
+
+    # -- set-up -----------------------------------------------------------------------
+    def setup(self, module: torch.nn.Module) -> None:
+        check_model(module, self.dp_args.fix_model, self.train_args.backend)
+        super().setup(module)
+        # The fp32 fast paths SingleDevice installs skip this class's methods.
+        for attr in ("train_step", "backward", "optimizer_step"):
+            self.__dict__.pop(attr, None)
+        # PyTorch notes that a full backward hook fires on a layer whose input needs no
+        # gradient (the first layer): Opacus's hooks want exactly that.
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        self.hooks = attach_hooks(module, self.dp_args.clipping, self.dp_args.max_grad_norm)
+        if self.dp_args.secure_rng:  # rank 0's secret seed: every rank draws the same batches
+            self._seed = self.broadcast_object(secrets.randbits(63))
+
+    def wrap(self, runner: StepRunner) -> Optional[torch.nn.Module]:
+        if self.strategy != "single":
+            # Opacus's DPDDP: no gradient hooks, rank 0's weights everywhere once.
+            import torch.distributed as dist
+            for tensor in chain(runner.parameters(), runner.buffers()):
+                dist.broadcast(tensor.data, 0)
+        return None
+
+    def batch_plan(self, plan: BatchPlan) -> BatchPlan:
+        if self.dp_args.poisson_sampling:
+            return PoissonPlan.from_plan(
+                plan, seed=self._seed if self.dp_args.secure_rng else None)
+        return PrivatePlan.from_plan(plan)
+
+    def attach_optimizers(self, optimizers: list[torch.optim.Optimizer], num_samples: int,
+                          steps_per_epoch: int) -> None:
+        from opacus.accountants import create_accountant
+        from opacus.accountants.utils import get_noise_multiplier
+        from opacus.optimizers import get_optimizer_class
+
+        dp, args = self.dp_args, self.train_args
+        if len(optimizers) != 1:
+            raise ConfigError(
+                f"trainer.backend {args.backend}: get_optimizers_schedulers returned "
+                f"{len(optimizers)} optimizers; DP-SGD clips and noises one gradient: return "
+                "one optimizer (with parameter groups for different learning rates)")
+        world = self.dist.world_size
+        self.sample_rate = min(1.0, args.train_batch_size / num_samples)
+        self.delta = dp.delta if dp.delta is not None else 1.0 / num_samples
+        if self.delta >= 1.0 / num_samples and not dp.allow_large_delta and dp.delta is not None:
+            raise ConfigError(
+                f"trainer.dp.delta {dp.delta} is >= 1/N = 1/{num_samples}: such a guarantee "
+                "allows publishing a whole record; lower it (null: 1/N) or set "
+                "trainer.dp.allow_large_delta: true")
+        self.planned_steps = steps_per_epoch * args.epochs
+        if args.max_steps is not None:
+            self.planned_steps = min(self.planned_steps, args.max_steps)
+        if dp.target_epsilon is not None:
+            try:
+                self.noise_multiplier = get_noise_multiplier(
+                    target_epsilon=dp.target_epsilon, target_delta=self.delta,
+                    sample_rate=self.sample_rate, steps=max(1, self.planned_steps),
+                    accountant=dp.accountant)
+            except ValueError as exc:
+                raise ConfigError(
+                    f"trainer.dp.target_epsilon {dp.target_epsilon} is unreachable for "
+                    f"{self.planned_steps} steps at sampling rate {self.sample_rate:.4g} and "
+                    f"delta {self.delta:.3g} ({exc}): raise target_epsilon, train fewer "
+                    "steps, or use a smaller train_batch_size") from None
+        self.noise_rng = torch.Generator(device=self.device)
+        self.noise_rng.manual_seed(
+            int(secrets.randbits(63)) if dp.secure_rng else _noise_seed(self._seed))
+        params = [p for g in optimizers[0].param_groups for p in g["params"]]
+        max_norm: Any = dp.max_grad_norm
+        if dp.clipping == "per_layer":  # equal shares: the total norm stays max_grad_norm
+            max_norm = [dp.max_grad_norm / math.sqrt(len(params))] * len(params)
+        mode = "ghost" if dp.clipping == "ghost" else "hooks"
+        cls = get_optimizer_class(dp.clipping if mode == "hooks" else "flat",
+                                  self.strategy != "single", mode)
+        # The mean over the expected global batch; distributed optimizers also divide by W.
+        expected = args.train_batch_size / (world if self.strategy != "single" else 1)
+        self.dp_optimizer = cls(optimizers[0], noise_multiplier=self.noise_multiplier,
+                                max_grad_norm=max_norm, expected_batch_size=expected,
+                                loss_reduction="mean", generator=self.noise_rng,
+                                secure_mode=dp.secure_rng)
+        self.accountant = create_accountant(mechanism=dp.accountant)
+        self.dp_optimizer.attach_step_hook(
+            self.accountant.get_optimizer_hook_fn(sample_rate=self.sample_rate))
+
+    def teardown(self) -> None:
+        if self.hooks is not None:
+            self.hooks.remove_hooks()
+            self.hooks = None
+        super().teardown()
+
+    # -- one step -------------------------------------------------------------------------
+    def train_step(self, module: torch.nn.Module, global_step: int, batch: Any,
+                   sync: bool = True) -> Any:
+        if global_step != self._open_step:
+            self._begin_step(global_step)
+        self._last_micro = sync
+        out = self._train_step(global_step, batch, self.device)
+        loss, rest = (out[0], out[1:]) if type(out) is tuple else (out, None)
+        if isinstance(loss, torch.Tensor) and loss.dim() == 1:
+            # Per-sample losses (what ghost clipping needs): the loop sees their mean.
+            mean = loss.mean()
+            if self.dp_args.clipping == "ghost":
+                self._ghost_loss = (loss, mean)
+            loss = mean
+        elif self.dp_args.clipping == "ghost":
+            raise ValueError(
+                "trainer.dp.clipping ghost: train_step must return the per-sample losses "
+                "(a 1-d tensor, e.g. F.cross_entropy(..., reduction='none')), got a tensor of "
+                f"shape {tuple(getattr(loss, 'shape', ()))}")
+        return loss if rest is None else (loss, *rest)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        opt = self.dp_optimizer
+        if self.dp_args.clipping == "ghost":
+            from opacus.utils.fast_gradient_clipping_utils import DPTensorFastGradientClipping
+            per_sample, returned = self._ghost_loss
+            self._ghost_loss = None
+            if loss is not returned:  # the loop passes a padding micro-batch's loss times 0
+                per_sample = per_sample * 0.0
+            # Two backward passes: per-sample norms (no per-sample gradients), then the
+            # losses re-weighted by their clipping factors.
+            DPTensorFastGradientClipping(self.hooks, opt, per_sample, "mean").backward()
+        else:
+            loss.backward()
+        if not self._last_micro:
+            # Clip and sum this micro-batch's per-sample gradients, then free them.
+            opt.signal_skip_step(do_skip=True)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    def optimizer_step(self, optimizers: list[torch.optim.Optimizer]) -> bool:
+        # Clip the last micro-batch, add noise (rank 0), average, account, step.
+        self.dp_optimizer.step()
+        self.dp_optimizer.zero_grad(set_to_none=True)  # per-sample gradients, sums, .grad
+        return True
+
+    def _begin_step(self, global_step: int) -> None:
+        """A new step: drop what a step that never reached the optimizer left (a
+        non-finite loss skipped it); nothing of it was released, nothing is accounted."""
+        self._open_step = global_step
+        opt = self.dp_optimizer
+        opt._step_skip_queue.clear()
+        opt._is_last_step_skipped = False
+        for p in opt.params:
+            p.grad_sample = None
+            p.summed_grad = None
+
+    # -- privacy spent -------------------------------------------------------------------------
+    def epsilon(self, extra_steps: int = 0) -> float:
+        """Epsilon at ``delta`` after the steps taken (and ``extra_steps`` more)."""
+        acc = self.accountant
+        if extra_steps:
+            from opacus.accountants import create_accountant
+            acc = create_accountant(mechanism=self.dp_args.accountant)
+            acc.history = list(self.accountant.history)
+            for _ in range(extra_steps):
+                acc.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
+        if not acc.history:
+            return 0.0
+        return float(acc.get_epsilon(delta=self.delta))
+
+    def privacy_facts(self) -> dict[str, Any]:
+        """What summary.json says of the privacy of the run."""
+        return {"epsilon": self.epsilon(), "delta": self.delta,
+                "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
+                "max_grad_norm": self.dp_args.max_grad_norm, "clipping": self.dp_args.clipping,
+                "poisson_sampling": self.dp_args.poisson_sampling,
+                "accountant": self.dp_args.accountant,
+                "accounted_steps": sum(int(h[-1]) for h in self.accountant.history)}
+
+    # -- checkpoint state -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["dp"] = {
+            "history": [list(h) for h in self.accountant.history],
+            "mechanism": self.accountant.mechanism(),
+            # secure_rng: a secret generator is never written down.
+            "noise_rng": None if self.dp_args.secure_rng else self.noise_rng.get_state(),
+            "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
+            "delta": self.delta}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        saved = state.get("dp")
+        if saved is None:
+            raise ConfigError(
+                f"trainer.backend {self.train_args.backend}: the checkpoint was not trained with "
+                "dp, so the privacy already spent on these weights is unknown; start from it "
+                "with trainer.init_from only if its training data is not private")
+        if saved["mechanism"] != self.accountant.mechanism():
+            raise ConfigError(
+                f"trainer.dp.accountant {self.accountant.mechanism()}: the checkpoint was "
+                f"accounted with {saved['mechanism']}; keep it")
+        # Past steps keep the noise and rate they were taken with.
+        self.accountant.history = [tuple(h) for h in saved["history"]]
+        if saved["noise_rng"] is not None and not self.dp_args.secure_rng:
+            self.noise_rng.set_state(saved["noise_rng"])
+
+
+def _noise_seed(seed: int) -> int:
+    """The noise generator's seed: apart from every other stream drawn from ``seed``."""
+    hi, lo = np.random.SeedSequence([seed, 0x401CE]).generate_state(2, np.uint32)
+    return (int(hi) << 31) ^ int(lo)

@@ -1,0 +1,91 @@
+"""The model side of DP-SGD: which layers Opacus can train privately, and its hooks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config.errors import ConfigError
+
+
+def import_opacus() -> Any:
+    """Opacus, or an error naming the extra that installs it."""
+    try:
+        import opacus
+    except ImportError:
+        raise ConfigError("the *-dp backends train with Opacus, which is not installed: "
+                          "pip install 'sailfin[dp]'") from None
+    return opacus
+
+
+def unsupported_layers(module: torch.nn.Module) -> list[str]:
+    """``name (Type)`` of each layer Opacus cannot compute per-sample gradients for:
+    Opacus's ``ModuleValidator`` findings, and trainable layers that hold buffers."""
+    from opacus.utils.module_utils import trainable_modules
+    from opacus.validators import ModuleValidator
+
+    bad, flagged = [], set()
+    for name, sub in module.named_modules():
+        check = ModuleValidator.VALIDATORS.get(type(sub))
+        if check is not None and check(sub):
+            bad.append(f"{name or '<root>'} ({type(sub).__name__})")
+            flagged.add(name)
+    for name, sub in trainable_modules(module):  # GradSampleHooks' own (strict) check
+        if name not in flagged and list(sub.buffers(recurse=False)):
+            bad.append(f"{name or '<root>'} ({type(sub).__name__}, trainable with buffers)")
+    return bad
+
+
+def fix_in_place(module: torch.nn.Module) -> list[str]:
+    """Opacus's ``ModuleValidator.fix`` without its copy: the recipe stays the object the
+    trainer holds. Returns ``name: Old -> New`` for each replaced layer."""
+    from opacus.utils.module_utils import trainable_modules
+    from opacus.validators import ModuleValidator
+
+    done = []
+    for name in [n for n, _ in trainable_modules(module)]:
+        sub = module.get_submodule(name)
+        fixer = ModuleValidator.FIXERS.get(type(sub))
+        if fixer is None or not name:
+            continue
+        new = fixer(sub)
+        new.to(next(sub.parameters()).device)
+        ModuleValidator._replace_sub_module(root=module, sub_module_name=name,
+                                            new_sub_module=new)
+        done.append(f"{name}: {type(sub).__name__} -> {type(new).__name__}")
+    return done
+
+
+def check_model(module: torch.nn.Module, fix: bool, backend: str) -> None:
+    """Refuse (or, with ``trainer.dp.fix_model``, fix) layers that mix samples."""
+    bad = unsupported_layers(module)
+    if bad and fix:
+        import logging
+        for line in fix_in_place(module):
+            logging.getLogger("sailfin").info("trainer.dp.fix_model: replaced %s", line)
+        bad = unsupported_layers(module)
+    if bad:
+        batchnorm = any("BatchNorm" in b for b in bad)
+        raise ConfigError(
+            f"trainer.backend {backend}: Opacus cannot compute per-sample gradients for "
+            f"{', '.join(bad)}"
+            + (": BatchNorm mixes the samples of a batch; use GroupNorm "
+               "(torch.nn.GroupNorm) instead, or set trainer.dp.fix_model: true to let "
+               "Opacus's ModuleValidator.fix replace it" if batchnorm else
+               "; replace these layers, or set trainer.dp.fix_model: true if Opacus "
+               "has a fix for them"))
+
+
+def attach_hooks(module: torch.nn.Module, clipping: str, max_grad_norm: float) -> Any:
+    """Opacus's per-sample gradient hooks on ``module`` (not a wrapper: the recipe's
+    ``train_step`` calls its submodules, whose hooks fire)."""
+    from opacus.grad_sample import GradSampleHooks
+    from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
+        GradSampleHooksFastGradientClipping)
+
+    if clipping == "ghost":
+        return GradSampleHooksFastGradientClipping(
+            module, batch_first=True, loss_reduction="mean", strict=False,
+            max_grad_norm=max_grad_norm, use_ghost_clipping=True)
+    return GradSampleHooks(module, batch_first=True, loss_reduction="mean", strict=False)

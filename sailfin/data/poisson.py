@@ -1,0 +1,195 @@
+"""The batch plan and sampler of differentially private training.
+
+DP-SGD clips each sample's gradient, so a micro-batch's mean loss is never
+re-weighted (weight 1; Opacus's hooks undo the mean): :class:`PrivatePlan`.
+With Poisson sampling (:class:`PoissonPlan`, what DP accounting assumes) step
+``k`` of epoch ``e`` takes each of the N samples independently with
+probability ``q = train_batch_size / N``: its logical batch varies around the
+global batch. The draw is a pure function of (seed, e, k), the same on every
+rank and world size, so the sampler's state is the data position the
+checkpoint already holds (epoch, step): a resumed run draws the same batches.
+Inside a step the drawn samples split over the ranks and into micro-batches of
+at most ``micro_batch_size`` as for fixed batches (what Opacus's
+``BatchMemoryManager`` does); every rank runs as many micro-batches as the
+largest share needs, padding with weight-0 samples, and an empty step is one
+padding micro-batch: its noise is still added and its step still accounted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+
+from .plan import BatchPlan, MicroBatch, _split
+from .sampler import ResumableSampler
+
+
+@dataclass(frozen=True)
+class PrivatePlan(BatchPlan):
+    """A :class:`BatchPlan` whose micro-batches are not re-weighted (DP-SGD averages
+    clipped per-sample gradients over the expected batch itself).
+
+    Example::
+
+        plan = PrivatePlan.from_plan(BatchPlan.create(64, 16, 1))
+        plan.micro_batches(0, 1000, 0)[0].weight     # 1.0
+    """
+
+    @classmethod
+    def from_plan(cls, plan: BatchPlan, **extra: Any) -> "PrivatePlan":
+        return cls(plan.global_batch, plan.micro_batch, plan.world_size, plan.accumulation,
+                   plan.drop_last, plan.max_steps_per_epoch, **extra)
+
+    def micro_batches(self, step: int, num_samples: int, rank: int) -> tuple[MicroBatch, ...]:
+        start, stop = self.step_positions(step, num_samples)
+        return private_micro_batches(self.micro_batch, self.world_size, stop - start, rank)
+
+
+@dataclass(frozen=True)
+class PoissonPlan(PrivatePlan):
+    """Poisson sampling: the global batch is the expected logical batch of a step.
+
+    ``seed`` replaces the run's seed for the draws (``trainer.dp.secure_rng``).
+
+    Example::
+
+        plan = PoissonPlan.from_plan(BatchPlan.create(64, 16, 1))
+        sampler = plan.sampler(1000, rank=0, seed=42)
+        sampler.set_epoch(0)
+        sampler.micro_batches(0)     # this step's micro-batches, e.g. 5 of sizes 16,16,16,16,3
+    """
+
+    seed: Optional[int] = None
+
+    def uniform_steps(self, num_samples: int) -> int:
+        return 0  # every step has its own shape
+
+    def sampler(self, num_samples: int, rank: int = 0, seed: int = 0, shuffle: bool = True,
+                order: Any = None) -> "PoissonSampler":
+        return PoissonSampler(num_samples, self, rank, seed if self.seed is None else self.seed)
+
+
+def private_micro_batches(micro: int, world: int, n_step: int, rank: int
+                          ) -> tuple[MicroBatch, ...]:
+    """This rank's micro-batches of a step of ``n_step`` samples: weight 1, at least one
+    (a weight-0 padding sample when its share needs fewer than the largest share)."""
+    return _private_micro_batches(micro, world, n_step, rank)
+
+
+@lru_cache(maxsize=1024)
+def _private_micro_batches(micro: int, world: int, n_step: int, rank: int
+                           ) -> tuple[MicroBatch, ...]:
+    lo, hi = _split(n_step, world, rank)
+    share = hi - lo
+    count = max(1, math.ceil(math.ceil(n_step / world) / micro))
+    real = math.ceil(share / micro)
+    sizes = [micro] * (real - 1) + [share - micro * (real - 1)] if real else []
+    out = [MicroBatch(c, 1.0, i == count - 1) for i, c in enumerate(sizes)]
+    if real < count:
+        out.append(MicroBatch(count=1, weight=0.0, last=True, padding=True))
+    return tuple(out)
+
+
+@lru_cache(maxsize=64)
+def poisson_draw(num_samples: int, rate: float, seed: int, epoch: int, step: int
+                 ) -> np.ndarray:
+    """Dataset indices of step ``step`` of ``epoch``: each sample independently with
+    probability ``rate`` (a binomial count, then that many distinct samples uniformly:
+    the same distribution, in time proportional to the batch, not to N)."""
+    rng = np.random.default_rng([seed, epoch, step, 0xD1FF])
+    count = int(rng.binomial(num_samples, rate))
+    drawn = rng.choice(num_samples, size=count, replace=False)
+    drawn.setflags(write=False)
+    return drawn
+
+
+class PoissonSampler(ResumableSampler):
+    """This rank's dataset indices for the Poisson steps ``[start_step, steps_in_epoch)``.
+
+    Iterated flat it yields every micro-batch's indices in order; :meth:`batches`
+    yields them micro-batch by micro-batch (the train loader's batch sampler).
+
+    Example::
+
+        sampler = PoissonSampler(1000, PoissonPlan.from_plan(BatchPlan.create(64, 16, 1)))
+        sampler.set_epoch(2, start_step=5)
+        [len(b) for b in sampler.batches()][:3]
+    """
+
+    def __init__(self, num_samples: int, plan: BatchPlan, rank: int = 0, seed: int = 0) -> None:
+        super().__init__(num_samples, plan, rank, seed, shuffle=True)
+        self.rate = min(1.0, plan.global_batch / num_samples)
+
+    def draw(self, step: int, epoch: Optional[int] = None) -> np.ndarray:
+        """Every rank's dataset indices of ``step`` (default: in the current epoch)."""
+        epoch = self.epoch if epoch is None else epoch
+        return poisson_draw(self.num_samples, self.rate, self.seed, epoch, step)
+
+    def micro_batches(self, step: int) -> tuple[MicroBatch, ...]:
+        return private_micro_batches(self.plan.micro_batch, self.plan.world_size,
+                                     len(self.draw(step)), self.rank)
+
+    def step_samples(self, step: int) -> int:
+        return len(self.draw(step))
+
+    def step_indices(self, epoch: int, step: int) -> list[int]:
+        return self.draw(step, epoch).tolist()
+
+    def batches(self) -> Iterator[list[int]]:
+        """This rank's micro-batches (lists of dataset indices) of the remaining steps."""
+        micro, world = self.plan.micro_batch, self.plan.world_size
+        for step in range(self.start_step, self.steps_in_epoch):
+            drawn = self.draw(step)
+            lo, hi = _split(len(drawn), world, self.rank)
+            mine = drawn[lo:hi].tolist()
+            for i, mb in enumerate(self.micro_batches(step)):
+                if mb.padding:  # the step's first sample (any sample of an empty step)
+                    yield [int(drawn[0]) if len(drawn) else 0]
+                else:
+                    yield mine[i * micro:i * micro + mb.count]
+
+    def __iter__(self) -> Iterator[int]:
+        return (i for batch in self.batches() for i in batch)
+
+    def __len__(self) -> int:
+        return sum(len(b) for b in self.batches())
+
+    def wrap_loader(self, loader: Any) -> Any:
+        """The recipe's loader rebuilt to read this sampler's micro-batches of varying size
+        (as Opacus's ``DPDataLoader`` rebuilds one with its batch sampler)."""
+        return poisson_loader(loader, self)
+
+
+class _Batches(torch.utils.data.Sampler[list[int]]):
+    def __init__(self, sampler: PoissonSampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self.sampler.batches()
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self.sampler.batches())
+
+
+def poisson_loader(loader: Any, sampler: PoissonSampler) -> torch.utils.data.DataLoader:
+    """``loader`` with ``sampler``'s micro-batches as its batch sampler: same dataset,
+    collate function, workers and pinning."""
+    from torch.utils.data import DataLoader
+    from .batched import GatheredTensors, can_gather, pass_through
+
+    dataset, collate = loader.dataset, loader.collate_fn
+    if can_gather(loader, sampler):  # in-memory tensors: one gather per micro-batch
+        dataset, collate = GatheredTensors(loader.dataset), pass_through
+    workers = loader.num_workers
+    return DataLoader(dataset, batch_sampler=_Batches(sampler), collate_fn=collate,
+                      num_workers=workers, pin_memory=loader.pin_memory,
+                      timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+                      multiprocessing_context=loader.multiprocessing_context,
+                      generator=loader.generator,
+                      prefetch_factor=loader.prefetch_factor if workers else None,
+                      persistent_workers=loader.persistent_workers if workers else False)
