@@ -9,6 +9,9 @@ ratio. A benchmark refuses to start when the 1-minute load average is above
 busy machine says more about the machine than about the code;
 ``--allow-load`` runs anyway and marks the summary ``LOADED``. The load is
 read again at the end and printed beside the figure with the thread count.
+Every benchmark names the machine it ran on (:func:`machine`): the CPU model
+and ``torch.backends.cpu.get_cpu_capability()`` (a bf16 or int8 figure means
+little without them).
 
     from _measure import add_load_options, start, interleave, summary
 """
@@ -29,6 +32,29 @@ def loadavg() -> float:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
         return 0.0
+
+
+def cpu_model() -> str:
+    """The CPU's model name as ``lscpu`` says it (read from /proc/cpuinfo), else the platform's."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def machine() -> str:
+    """``CPU AMD EPYC, capability AVX2, 2 CPUs, torch 2.13.0``: printed beside every figure."""
+    import torch  # here, not at the top: the harness itself needs no torch
+
+    return (f"CPU {cpu_model()}, capability {torch.backends.cpu.get_cpu_capability()}, "
+            f"{os.cpu_count()} CPUs, torch {torch.__version__}")
 
 
 def add_load_options(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +92,7 @@ class Load:
 def start(opts: argparse.Namespace, name: str) -> Load:
     """Check the load before a benchmark: refuse (exit 3) above the threshold unless allowed."""
     load = Load(opts.max_load, opts.allow_load)
+    print(f"{name}: {machine()}; load1 {load.before:.2f}", flush=True)
     if load.before > opts.max_load:
         message = (f"{name}: the 1-minute load average is {load.before:.2f}, above "
                    f"--max-load {opts.max_load:g}; other work would be measured too.")
@@ -120,6 +147,6 @@ def summary(bench: str, what: str, values: Sequence[float], load: Load, threads:
     """The one line to look for: ``SUMMARY <bench>: <what> = median ... | threads | load``."""
     load.finish()
     line = (f"SUMMARY {bench}: {what} = {spread(values)}{'; ' + extra if extra else ''} | "
-            f"torch threads {threads} | {load.describe()}")
+            f"torch threads {threads} | {load.describe()} | {machine()}")
     print(line, flush=True)
     return line

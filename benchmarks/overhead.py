@@ -1,43 +1,48 @@
-"""The trainer's own overhead per step, as a ratio against a hand-written loop.
+"""Two figures, named for what they are: the trainer's own overhead, and what batched
+fetching gains over the standard ``DataLoader``.
 
-The same tiny MLP (64 -> 256 -> 256 -> 10, batch 32, SGD) on the same data is
-trained by a plain PyTorch loop (the standard ``DataLoader``, ``shuffle=True``)
-and by sailfin's Trainer (default writers and progress), interleaved A B, B A,
-... so that machine noise and run order hit both alike.
+The same tiny MLP (64 -> 256 -> 256 -> 10, batch 32, SGD), the same data in the
+same order (sailfin's permutation for seed 42), trained by:
 
-Two clocks, the same for every variant:
+- ``hand``: a hand-written loop that fetches whole batches by index exactly as
+  sailfin's loader does (``_hand.batched_loader``: a ``DataLoader`` whose dataset
+  gathers each batch with one ``index_select`` per tensor; sailfin/data/batched.py);
+- ``sailfin``: the Trainer, default writers and progress, no checkpoints;
+- ``hand-per-sample``: the hand loop with the standard ``DataLoader``
+  (``dataset[i]`` per sample, then ``default_collate``);
+- ``hand-direct``: the hand loop indexing the tensors itself, no ``DataLoader``
+  (what the ``DataLoader`` machinery costs);
+- Lightning's Trainer, Lightning Fabric and Accelerate when installed, on the
+  same batched loader as ``hand``.
 
-- steady: starts after set-up (model, optimizer and loader built; for sailfin
-  ``Trainer.setup()`` done) and stops when the last optimizer step ends;
-- end to end: starts before anything is built and stops when the run returns
-  (for sailfin: ``Trainer(...).train()`` including its summary and final weights).
+Every loop does the same work per step and ends with the same weights (checked
+and printed). The figures:
 
-The figure is the median over rounds of the per-round ratio
-(sailfin steps/s) / (raw steps/s) on the steady clock; 1.00 means no
-overhead, above 1.00 sailfin is faster (it gathers each in-memory micro-batch
-in one call where the raw loop fetches 32 samples and collates them). The
-benchmark refuses to run when the machine is busy (see ``_measure.py``).
+(1) trainer overhead = sailfin steps/s / hand steps/s (same fetch; 1.00 = none);
+(2) batched fetch gain = hand steps/s / hand-per-sample steps/s.
 
-When installed (`pip install -e .[bench]`), Lightning's Trainer, Lightning
-Fabric and Accelerate run the same model in the same rounds, for comparison
-(end-to-end clock only for Lightning's Trainer, whose ``fit`` does its set-up).
-
-``--instructions`` gives a figure that does not depend on the machine's load:
-instructions per step of both loops counted by valgrind's callgrind, start-up
-cancelled out by subtracting a short run from a long one. It still moves by
-about ±0.5 % of a step from run to run (memory layout, and output that is
-timed: under callgrind's ~50x slowdown the progress line and the stdout
-flush, each at most once a second, run far more often per step than they do
-at full speed, which counts against sailfin); compare several runs.
+Clocks, the same for every variant: steady (after set-up, to the end of the
+last optimizer step) and end to end (from before anything is built to the
+return). Rounds interleave, each figure is the median of per-round ratios
+(``_measure.py``). Two counts the machine's load does not move:
+``--bytecodes`` counts Python bytecodes and C calls per step, by function
+(``_bytecodes.py``; runs anywhere, a minute), ``--instructions`` machine
+instructions per step under callgrind (``_callgrind.py``; needs valgrind, and
+an idle machine: torch's import under callgrind alone takes minutes);
+``--profile`` prints which functions sailfin's step spends more in than the hand
+loop's (cProfile: times inflated by the profiler, call counts exact).
 
     python benchmarks/overhead.py [--rounds 9] [--steps 3000] [--threads 1]
-    python benchmarks/overhead.py --instructions     # needs valgrind; about 10 minutes
-    python benchmarks/overhead.py --watchdog 300     # also sailfin with the watchdog on
+    python benchmarks/overhead.py --bytecodes         # load-independent, by function
+    python benchmarks/overhead.py --instructions      # needs valgrind; minutes
+    python benchmarks/overhead.py --profile
+    python benchmarks/overhead.py --watchdog 300 --ema 0.999   # extra sailfin variants
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import importlib.util
 import io
@@ -46,46 +51,40 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
 
-from _measure import add_load_options, interleave, spread, start, summary  # noqa: E402
+from _bytecodes import Counts, per_step  # noqa: E402
+from _callgrind import instructions_per_step  # noqa: E402
+from _hand import (BATCH, batched_loader, direct_batches, fingerprint, make_data,  # noqa: E402
+                   make_model, per_sample_loader)
+from _measure import add_load_options, interleave, machine, spread, start, summary  # noqa
+from _peers import PEERS  # noqa: E402
 from sailfin import Callback, DataInterface, ModuleInterface, Trainer, TrainerArguments  # noqa
 from sailfin.config import CheckpointArguments, EmaArguments  # noqa: E402
 from sailfin.config.distributed import DistArguments  # noqa: E402
 
-BATCH = 32
 LOG_EVERY = 10
-HANG_SECONDS = None  # --watchdog: trainer.distributed.hang_seconds (null: off)
+LOADERS: dict[str, Callable[[Any], Any]] = {
+    "hand": batched_loader, "hand-per-sample": per_sample_loader, "hand-direct": direct_batches}
 
 
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                         nn.Linear(256, 10))
-
-
-def make_data(steps: int) -> torch.utils.data.TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    n = steps * BATCH
-    return torch.utils.data.TensorDataset(torch.randn(n, 64, generator=g),
-                                          torch.randint(0, 10, (n,), generator=g))
-
-
-# -- A: the hand-written loop -------------------------------------------------------------
-def run_raw(ds) -> tuple[float, float]:
-    """Seconds per step: (steady, end to end)."""
+# -- the hand-written loop -----------------------------------------------------------------
+def run_hand(ds, fetch: str = "hand") -> tuple[float, float, float]:
+    """Seconds per step (steady, end to end) and the final weights' fingerprint."""
     begin = time.perf_counter()
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=True)
+    batches = LOADERS[fetch](ds)
     start = time.perf_counter()
-    for step, (x, y) in enumerate(loader, 1):
+    step = 0
+    for step, (x, y) in enumerate(batches, 1):
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
@@ -93,10 +92,10 @@ def run_raw(ds) -> tuple[float, float]:
         if step % LOG_EVERY == 0:
             print(f"step {step} loss {loss.item():.4f}")
     end = time.perf_counter()
-    return (end - start) / len(loader), (end - begin) / len(loader)
+    return (end - start) / step, (end - begin) / step, fingerprint(model)
 
 
-# -- B: sailfin -------------------------------------------------------------------------
+# -- sailfin -------------------------------------------------------------------------------
 class Data(DataInterface):
     def __init__(self, ds):
         self.ds = ds
@@ -129,14 +128,14 @@ class LastStep(Callback):
 
 
 def run_sailfin(ds, out_dir, ema: Optional[float] = None,
-                hang_seconds: Optional[float] = None) -> tuple[float, float]:
-    """Seconds per step: (steady, end to end)."""
+                hang_seconds: Optional[float] = None) -> tuple[float, float, float]:
+    """Seconds per step (steady, end to end) and the final weights' fingerprint."""
     begin = time.perf_counter()
     module = Recipe(Data(ds))
     args = TrainerArguments(epochs=1, train_batch_size=BATCH, log_every_n_steps=LOG_EVERY,
                             output_dir=out_dir, val_every_n_epochs=0,
                             ema=EmaArguments(decay=ema),  # decay None: off
-                            # no checkpoints, as Lightning's enable_checkpointing=False below
+                            # no checkpoints, as Lightning's enable_checkpointing=False
                             checkpoint=CheckpointArguments(at_epoch_end=False),
                             distributed=DistArguments(hang_seconds=hang_seconds))
     last = LastStep()
@@ -145,134 +144,126 @@ def run_sailfin(ds, out_dir, ema: Optional[float] = None,
     start = time.perf_counter()
     steps = trainer.train()["global_step"]
     end = time.perf_counter()
-    return (last.at - start) / steps, (end - begin) / steps
+    return (last.at - start) / steps, (end - begin) / steps, fingerprint(module.net)
 
 
-# -- optional: other trainers around the same model ------------------------------------
-def run_lightning(ds, out_dir) -> float:
-    import lightning as L
-
-    class LitModel(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = make_model()
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            loss = nn.functional.cross_entropy(self.net(x), y)
-            self.log("loss", loss)
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    begin = time.perf_counter()
-    loader = torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=True)
-    trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, log_every_n_steps=LOG_EVERY,
-                        default_root_dir=out_dir)
-    trainer.fit(LitModel(), loader)
-    per_step = (time.perf_counter() - begin) / len(loader)
-    return per_step, per_step  # fit() does its own set-up: end to end only
+def run_variant(name: str, ds, out_dir: str, opts: argparse.Namespace) -> tuple[float, ...]:
+    if name in LOADERS:
+        return run_hand(ds, name)
+    if name == "sailfin":
+        return run_sailfin(ds, out_dir)
+    if name == "sailfin+ema":
+        return run_sailfin(ds, out_dir, ema=opts.ema)
+    if name == "sailfin+watchdog":  # the same trainer with the watchdog's thread running
+        return run_sailfin(ds, out_dir, hang_seconds=opts.watchdog)
+    steady, whole = PEERS[name][1](make_model, batched_loader(ds), out_dir, LOG_EVERY)
+    return steady, whole, float("nan")
 
 
-def run_fabric(ds, out_dir) -> float:
-    from lightning.fabric import Fabric
-
-    begin = time.perf_counter()
-    fabric = Fabric(accelerator="cpu", devices=1)
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    model, opt = fabric.setup(model, opt)
-    loader = fabric.setup_dataloaders(
-        torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=True))
-    start = time.perf_counter()
-    for step, (x, y) in enumerate(loader, 1):
-        loss = nn.functional.cross_entropy(model(x), y)
-        fabric.backward(loss)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step % LOG_EVERY == 0:
-            print(f"step {step} loss {loss.item():.4f}")
-    end = time.perf_counter()
-    return (end - start) / len(loader), (end - begin) / len(loader)
-
-
-def run_accelerate(ds, out_dir) -> float:
-    from accelerate import Accelerator
-
-    begin = time.perf_counter()
-    accelerator = Accelerator(cpu=True)
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=True)
-    model, opt, loader = accelerator.prepare(model, opt, loader)
-    start = time.perf_counter()
-    steps = 0
-    for step, (x, y) in enumerate(loader, 1):
-        loss = nn.functional.cross_entropy(model(x), y)
-        accelerator.backward(loss)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        steps = step
-        if step % LOG_EVERY == 0:
-            print(f"step {step} loss {loss.item():.4f}")
-    end = time.perf_counter()
-    return (end - start) / steps, (end - begin) / steps
-
-
-OTHERS = {"lightning": ("lightning", run_lightning), "fabric": ("lightning", run_fabric),
-          "accelerate": ("accelerate", run_accelerate)}
-
-
-# -- the load-independent figure: instructions per step under callgrind ----------------
-def run_child(variant: str, steps: int) -> None:
+# -- the load-independent figure and the profile ----------------------------------------------
+def run_child(variant: str, steps: int, opts: argparse.Namespace) -> None:
     ds = make_data(steps)
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()), \
             contextlib.redirect_stderr(io.StringIO()):
-        run_raw(ds) if variant == "raw" else run_sailfin(ds, tmp, hang_seconds=HANG_SECONDS)
+        run_variant(variant, ds, tmp, opts)
 
 
-def count_instructions(short: int = 200, long: int = 600) -> None:
-    """Instructions per step = (I(long) - I(short)) / (long - short): start-up, imports
-    and set-up cancel out, and the count does not depend on what else the machine runs."""
-    import re
-    import shutil
-    import subprocess
-
-    if shutil.which("valgrind") is None:
-        raise SystemExit("--instructions needs valgrind (apt-get install valgrind)")
-    counts: dict[tuple[str, int], int] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        jobs = {}
-        for variant in ("raw", "sailfin"):
-            for steps in (short, long):
-                cmd = ["valgrind", "--tool=callgrind",
-                       f"--callgrind-out-file={tmp}/{variant}-{steps}.out", sys.executable,
-                       os.path.abspath(__file__), "--child", variant, str(steps)]
-                if HANG_SECONDS is not None:
-                    cmd += ["--watchdog", str(HANG_SECONDS)]
-                jobs[(variant, steps)] = subprocess.Popen(
-                    cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                    env={**os.environ, "PYTHONHASHSEED": "0"})  # the same dict layouts
-        for key, proc in jobs.items():
-            _, err = proc.communicate()
-            found = re.search(r"Collected : (\d+)", err)
-            if proc.returncode != 0 or found is None:
-                raise SystemExit(f"callgrind run {key} failed:\n{err[-2000:]}")
-            counts[key] = int(found.group(1))
-    per_step = {v: (counts[(v, long)] - counts[(v, short)]) / (long - short)
-                for v in ("raw", "sailfin")}
-    print(f"instructions per step (callgrind, {long} - {short} steps of batch {BATCH}):")
-    for variant, n in per_step.items():
-        print(f"{variant:>10}: {n:,.0f}")
-    extra = per_step["sailfin"] - per_step["raw"]
-    print(f"sailfin's own work per step: {extra:+,.0f} instructions "
-          f"({extra / per_step['raw']:+.3%} of the raw loop's step); "
-          f"instruction ratio raw / sailfin = {per_step['raw'] / per_step['sailfin']:.4f}")
+def count_instructions(opts: argparse.Namespace) -> None:
+    names = ["hand", "sailfin", "hand-per-sample"]
+    if opts.watchdog is not None:
+        names.append("sailfin+watchdog")
+    extra = ["--watchdog", str(opts.watchdog)] if opts.watchdog is not None else []
+    counts = instructions_per_step(
+        {n: (lambda steps, n=n: [sys.executable, os.path.abspath(__file__), "--child", n,
+                                 str(steps), *extra]) for n in names},
+        short=opts.short, long=opts.long)
+    print(f"instructions per step (callgrind, {opts.long} - {opts.short} steps of batch "
+          f"{BATCH}; {machine()}):")
+    for name, n in counts.items():
+        print(f"{name:>18}: {n:,.0f}")
+    own = counts["sailfin"] - counts["hand"]
+    print(f"(1) trainer overhead: sailfin's own work {own:+,.0f} instructions per step "
+          f"({own / counts['hand']:+.2%} of the hand loop's step); "
+          f"instruction ratio hand / sailfin = {counts['hand'] / counts['sailfin']:.4f}")
+    print(f"(2) batched fetch: instruction ratio hand-per-sample / hand = "
+          f"{counts['hand-per-sample'] / counts['hand']:.3f}")
 
 
+def count_bytecodes(opts: argparse.Namespace) -> None:
+    """Python bytecodes and C calls per step (``_bytecodes.py``), and where sailfin's extra
+    bytecodes are, per function."""
+    names = ["hand", "sailfin", "hand-per-sample"]
+    counted = {}
+    for name in names:
+        run_child(name, 20, opts)  # warm: lazy imports happen before the count
+        runs = []
+        for steps in (opts.short, opts.long):
+            ds = make_data(steps)
+            with tempfile.TemporaryDirectory() as tmp, \
+                    contextlib.redirect_stdout(io.StringIO()):
+                runs.append(Counts.measure(lambda: run_variant(name, ds, tmp, opts)))
+        counted[name] = per_step(runs[0], runs[1], opts.long - opts.short)
+    print(f"Python work per step (sys.settrace opcodes + sys.setprofile C calls, main thread, "
+          f"{opts.long} - {opts.short} steps of batch {BATCH}; {machine()}):")
+    for name, c in counted.items():
+        print(f"{name:>18}: {c['opcodes']:9,.1f} bytecodes, {c['c_calls']:7,.1f} C calls")
+    hand, sail = counted["hand"], counted["sailfin"]
+    print(f"(1) trainer overhead: sailfin {sail['opcodes'] - hand['opcodes']:+,.1f} bytecodes "
+          f"({sail['opcodes'] / hand['opcodes']:.3f}x the hand loop's), "
+          f"{sail['c_calls'] - hand['c_calls']:+,.1f} C calls "
+          f"({sail['c_calls'] / hand['c_calls']:.3f}x) per step")
+    per = counted["hand-per-sample"]
+    print(f"(2) batched fetch: the standard DataLoader runs {per['opcodes'] / hand['opcodes']:.2f}x "
+          f"the bytecodes and {per['c_calls'] / hand['c_calls']:.2f}x the C calls per step")
+    diff = collections.Counter(sail["by_function"])
+    diff.subtract(hand["by_function"])
+    print(f"bytecodes per step, sailfin minus hand, by function (share of sailfin's "
+          f"{sail['opcodes']:,.0f}):")
+    for (path, fn), n in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:opts.top]:
+        where = f"{os.path.relpath(path) if path.startswith('/') else path} {fn}"
+        print(f"{n:+9.1f} {n / sail['opcodes']:+7.2%}  {where[-100:]}")
+    calls = collections.Counter(sail["c_by_name"])
+    calls.subtract(hand["c_by_name"])
+    print("C calls per step, sailfin minus hand, by callee:")
+    for name, n in sorted(calls.items(), key=lambda kv: -abs(kv[1]))[:opts.top // 2]:
+        if n:
+            print(f"{n:+9.2f}  {name}")
+
+
+def profile(opts: argparse.Namespace) -> None:
+    """Per-step cProfile time by function, sailfin minus the hand loop (same batches)."""
+    import cProfile
+    import pstats
+
+    ds = make_data(opts.steps)
+    stats = {}
+    for name in ("hand", "sailfin"):
+        run_child(name, 20, opts)  # warm: lazy imports, allocator
+        prof = cProfile.Profile()
+        with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
+            prof.runcall(run_variant, name, ds, tmp, opts)
+        stats[name] = pstats.Stats(prof).stats  # (file, line, fn) -> (cc, nc, tt, ct, callers)
+    steps = opts.steps
+    hand_total = sum(v[2] for v in stats["hand"].values()) / steps
+    sail_total = sum(v[2] for v in stats["sailfin"].values()) / steps
+    print(f"cProfile, {steps} steps ({machine()}): hand {hand_total * 1e6:.0f} us/step, "
+          f"sailfin {sail_total * 1e6:.0f} us/step (profiled; set-up and final files included, "
+          f"{steps} steps)")
+    rows = []
+    for key in set(stats["hand"]) | set(stats["sailfin"]):
+        s = stats["sailfin"].get(key, (0, 0, 0.0, 0.0))
+        h = stats["hand"].get(key, (0, 0, 0.0, 0.0))
+        rows.append(((s[2] - h[2]) / steps, (s[1] - h[1]) / steps, s[3] / steps, key))
+    rows.sort(key=lambda r: -r[0])
+    print("own time per step, sailfin minus hand (share of the hand loop's profiled step), "
+          "calls per step more, sailfin's cumulative per step:")
+    for extra, calls, cum, (path, line, fn) in rows[:opts.top]:
+        where = f"{os.path.relpath(path) if path.startswith('/') else path}:{line} {fn}"
+        print(f"{extra * 1e6:+8.2f} us {extra / hand_total:+7.2%} {calls:+8.2f} calls "
+              f"{cum * 1e6:9.2f} us  {where[-90:]}")
+
+
+# -- the timed rounds ----------------------------------------------------------------------
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", "--pairs", type=int, default=9)
@@ -283,85 +274,96 @@ def main() -> None:
                         help="skip Lightning/Fabric/Accelerate even when installed")
     parser.add_argument("--instructions", action="store_true",
                         help="instead of timing, count instructions per step under "
-                             "valgrind's callgrind (independent of the machine's load; "
-                             "about 10 minutes)")
+                             "valgrind's callgrind (independent of the machine's load)")
+    parser.add_argument("--bytecodes", action="store_true",
+                        help="instead of timing, count Python bytecodes and C calls per "
+                             "step (independent of the load; no valgrind needed; a minute)")
+    parser.add_argument("--short", type=int, default=100,
+                        help="--instructions/--bytecodes: steps of the short run")
+    parser.add_argument("--long", type=int, default=300,
+                        help="--instructions/--bytecodes: steps of the long run")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of timing, print where sailfin's step spends more "
+                             "than the hand loop's (cProfile, --steps steps)")
+    parser.add_argument("--top", type=int, default=25, help="--profile: rows to print")
     parser.add_argument("--ema", type=float, default=None, metavar="DECAY",
                         help="also run sailfin with trainer.ema.decay DECAY and print "
                              "the cost of the average per step")
     parser.add_argument("--watchdog", type=float, default=None, metavar="SECONDS",
                         help="also run sailfin with the hang watchdog on (hang_seconds "
-                             "SECONDS; on one process it is off unless asked) in the same "
-                             "rounds; with --instructions, count that variant instead")
+                             "SECONDS) in the same rounds (and under --instructions)")
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "STEPS"),
                         help=argparse.SUPPRESS)  # one run under callgrind
     add_load_options(parser)
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
-    global HANG_SECONDS
-    HANG_SECONDS = opts.watchdog
     if opts.child:
-        return run_child(opts.child[0], int(opts.child[1]))
+        return run_child(opts.child[0], int(opts.child[1]), opts)
     if opts.instructions:
-        return count_instructions()
+        return count_instructions(opts)
+    if opts.bytecodes:
+        return count_bytecodes(opts)
+    if opts.profile:
+        return profile(opts)
     load = start(opts, "overhead.py")
     ds = make_data(opts.steps)
-    others = {} if opts.no_others else {
-        name: fn for name, (pkg, fn) in OTHERS.items() if importlib.util.find_spec(pkg)}
+    names = ["hand", "sailfin", "hand-per-sample", "hand-direct"]
+    if not opts.no_others:
+        names += [name for name, (pkg, _) in PEERS.items() if importlib.util.find_spec(pkg)]
     if opts.ema is not None:
-        others["sailfin+ema"] = lambda ds, out: run_sailfin(ds, out, ema=opts.ema)
-    if opts.watchdog is not None:  # the same trainer with the watchdog's thread running
-        others["sailfin+watchdog"] = lambda ds, out: run_sailfin(ds, out,
-                                                                 hang_seconds=opts.watchdog)
-    results: dict[str, tuple[float, float]] = {}
+        names.append("sailfin+ema")
+    if opts.watchdog is not None:
+        names.append("sailfin+watchdog")
+    results: dict[str, tuple[float, ...]] = {}
+    ends: dict[str, list[float]] = {name: [] for name in names}
+    weights: dict[str, set[float]] = {name: set() for name in names}
     with tempfile.TemporaryDirectory() as tmp:
-        def variant(name, fn):
+        def variant(name):
             def run(i):
                 sink = io.StringIO()
                 with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-                    results[name] = (fn(ds) if name == "raw"
-                                     else fn(ds, os.path.join(tmp, f"{name}{i}")))
+                    results[name] = run_variant(name, ds, os.path.join(tmp, f"{name}{i}"), opts)
                 return results[name][0]  # steady seconds per step
             return run
 
-        variants = {"raw": variant("raw", run_raw), "sailfin": variant("sailfin", run_sailfin)}
-        variants.update({name: variant(name, fn) for name, fn in others.items()})
-        ends: dict[str, list[float]] = {name: [] for name in variants}
-
         def on_round(i, steady):
-            for name in variants:
+            for name in names:
                 ends[name].append(results[name][1])
-            print(f"round {i}: raw {1 / steady['raw']:8.1f} steps/s | " + " | ".join(
-                f"{k} {steady['raw'] / v:.3f}" for k, v in steady.items() if k != "raw")
+                weights[name].add(results[name][2])
+            print(f"round {i}: hand {1 / steady['hand']:8.1f} steps/s | " + " | ".join(
+                f"{k} {steady['hand'] / v:.3f}" for k, v in steady.items() if k != "hand")
                 + f" | load1 {os.getloadavg()[0]:.2f}", flush=True)
 
-        rounds = interleave(opts.rounds, variants, on_round=on_round)
-    raw_rates = [1 / r["raw"] for r in rounds]
-    print(f"\nraw loop: median {statistics.median(raw_rates):.1f} steps/s "
+        rounds = interleave(opts.rounds, {name: variant(name) for name in names},
+                            on_round=on_round)
+    hand_rates = [1 / r["hand"] for r in rounds]
+    print(f"\nhand loop (batched fetch): median {statistics.median(hand_rates):.1f} steps/s "
           f"({opts.steps} steps of batch {BATCH}, {opts.threads} thread(s))")
-    print("speed relative to the raw loop, per-round ratios (steady clock: after set-up, "
-          "to the last step; end to end: all of it):")
-    for name in variants:
-        if name == "raw":
-            continue
-        steady = [r["raw"] / r[name] for r in rounds]
-        whole = [a / b for a, b in zip(ends["raw"], ends[name])]
-        print(f"{name:>10}: steady {spread(steady)}; end to end {spread(whole)}")
-    if "sailfin+ema" in variants:  # seconds per step with the average minus without
+    same = {name: weights[name] == weights["hand"] for name in names
+            if name in LOADERS or name == "sailfin"}
+    print("same final weights as the hand loop (same work per step): " +
+          ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in same.items()))
+    print("steps/s relative to the hand loop with the same batched fetch, per-round ratios "
+          "(steady: after set-up, to the last step; end to end: all of it):")
+    for name in names[1:]:
+        steady = [r["hand"] / r[name] for r in rounds]
+        whole = [a / b for a, b in zip(ends["hand"], ends[name])]
+        print(f"{name:>18}: steady {spread(steady)}; end to end {spread(whole)}")
+    if "sailfin+ema" in names:  # seconds per step with the average minus without
         cost = [r["sailfin+ema"] - r["sailfin"] for r in rounds]
-        params = sum(p.numel() for p in make_model().parameters())
-        print(f"EMA (decay {opts.ema}, every step, {params:,} parameters): median "
+        print(f"EMA (decay {opts.ema}, every step): median "
               f"{statistics.median(cost) * 1e6:+.1f} us per step (min "
               f"{min(cost) * 1e6:+.1f}, max {max(cost) * 1e6:+.1f})")
-    if "sailfin+watchdog" in variants:
+    if "sailfin+watchdog" in names:
         paired = [r["sailfin"] / r["sailfin+watchdog"] for r in rounds]
-        print(f"watchdog on / off (same rounds): median {statistics.median(paired):.3f} "
-              f"(min {min(paired):.3f}, max {max(paired):.3f})")
-    if not others and not opts.no_others:
-        print("(install the bench extra to compare Lightning, Fabric and Accelerate)")
-    sailfin_whole = [a / b for a, b in zip(ends["raw"], ends["sailfin"])]
-    summary("overhead.py", "sailfin / raw loop steps/s (steady, per-round)",
-            [r["raw"] / r["sailfin"] for r in rounds], load, opts.threads,
-            extra=f"end to end {statistics.median(sailfin_whole):.3f}")
+        print(f"watchdog on / off (same rounds): {spread(paired)}")
+    gain = [r["hand-per-sample"] / r["hand"] for r in rounds]
+    whole = [a / b for a, b in zip(ends["hand"], ends["sailfin"])]
+    print(f"(2) batched fetch gain: hand loop batched / standard DataLoader {spread(gain)}")
+    summary("overhead.py", "(1) trainer overhead: sailfin / hand loop on the same batched "
+            "fetch, steps/s (steady, per-round)",
+            [r["hand"] / r["sailfin"] for r in rounds], load, opts.threads,
+            extra=f"end to end {statistics.median(whole):.3f}; (2) batched fetch gain {statistics.median(gain):.3f}")
 
 
 if __name__ == "__main__":

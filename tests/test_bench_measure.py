@@ -38,3 +38,17 @@ def test_quiet_summary_and_interleaved_rounds(monkeypatch):
     assert _measure.ratios(rounds, "a", "b") == [2.0, 2.0]
     line = _measure.summary("x.py", "a / b", [2.0], _measure.start(options(), "x.py"), 1)
     assert "LOADED" not in line and "load1 0.20 -> 0.20" in line
+
+
+def test_the_machine_is_named_with_its_cpu_and_capability():
+    torch = pytest.importorskip("torch")
+    described = _measure.machine()
+    assert _measure.cpu_model() in described
+    assert f"capability {torch.backends.cpu.get_cpu_capability()}" in described
+    assert f"torch {torch.__version__}" in described
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as fh:
+            names = [line.split(":", 1)[1].strip() for line in fh
+                     if line.split(":", 1)[0].strip() == "model name"]
+        if names:
+            assert _measure.cpu_model() == names[0]

@@ -35,8 +35,6 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError
 from .shard_checksums import checksummed_writer, describe, verify
 from .storage import LocalStorage, Storage
@@ -44,8 +42,15 @@ from .storage import LocalStorage, Storage
 FORMAT = "torch-dcp/1"
 SHARDS = "shards"
 CALLBACKS = "callbacks"
-# DCP's CheckpointException (one error per failed rank) derives from BaseException.
-_FAILURES = (Exception, CheckpointException)
+
+
+def _failures() -> tuple[type[BaseException], ...]:
+    """What a DCP call raises: DCP's CheckpointException (one error per failed rank) derives
+    from BaseException. Imported here, not at the top: importing torch.distributed.checkpoint
+    takes about a second, which every run would pay for a module only fsdp saves use."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
 
 
 def split_sharded(state: dict[str, Any]) -> dict[str, Any]:
@@ -118,7 +123,7 @@ class ShardedWriter:
         if not async_save:
             try:
                 dcp.save(state, storage_writer=writer)
-            except _FAILURES as exc:  # every rank gets DCP's CheckpointException
+            except _failures() as exc:  # every rank gets DCP's CheckpointException
                 raise _write_failure(self.storage, path, exc) from None
             return
         if self._group is None and dist.is_initialized():
@@ -135,7 +140,7 @@ class ShardedWriter:
             return
         try:
             pending.result()
-        except _FAILURES as exc:
+        except _failures() as exc:
             raise _write_failure(self.storage, self.storage.join(self._staging or "", SHARDS),
                                  exc) from None
         finally:
@@ -245,7 +250,7 @@ def load_sharded(ref: ShardedRef, module: torch.nn.Module,
         import torch.distributed as dist
 
         dcp.load(state, storage_reader=ref.reader(), no_dist=not dist.is_initialized())
-    except _FAILURES as exc:  # DCP names the missing or mismatched key
+    except _failures() as exc:  # DCP names the missing or mismatched key
         raise CheckpointError(f"the shards in {ref.storage.display(ref.path)} do not fit this "
                               f"model: {_reason(exc)}") from exc
     if "optimizers" in state:
