@@ -10,8 +10,6 @@ from typing import Any, Iterable, Iterator, Mapping, Optional
 import torch
 
 from ...backends import build_backend
-from ...checkpoint import build_checkpointer
-from ...checkpoint.checkpointer import say
 from ...checkpoint.rng import seed_loader
 from ...config.trainer import TrainerArguments
 from ...data.plan import BatchPlan
@@ -20,28 +18,17 @@ from ...distributed.watchdog import (BACKWARD, DATA, END_OF_EPOCH, END_OF_STEP, 
                                     OPTIMIZER, Heartbeat, build_watchdog)
 from ...interfaces import ModuleInterface
 from ...logging import Writer
-from ...logging.destination import check_directory
 from ...utils.log import configure_logging
-from ...utils.seed import seed_everything
-from ..checkpointing.accepted import FreshHyperparameters, apply_accepted
-from ..features.autobatch import auto_micro_batch
 from .callbacks import Callback
-from .hooks import (any_says_again, as_list, overridden, overriding, padding_micro_batch,
-                    recipe_callbacks)
-from ..checkpointing.memory_snapshots import memory_snapshot_callback
-from ..checkpointing.resume import resume
-from ..checkpointing.saver import checkpoint_callback
-from ..features.loop_features import build_loop_features
+from .hooks import any_says_again, overriding, padding_micro_batch, recipe_callbacks
 from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
-from ..safety.nonfinite import NonFiniteGuard
-from ..features.observe import build_observers
+from .setup import build_run
 from ..safety.preemption import Preemption, save_and_stop
 from ..safety.run_lock import RunLock, take_run_lock
-from ..features.run_stats import RunStats
 from ..safety.startup_checks import check_schedulers_fit, sanity_validate, train_output_checker
 from .outputs import finish_run
 from ..checkpointing.state import load_trainer_state, trainer_state
-from .pymarlin_forms import train_step_end_caller, unpack, val_epoch_end_caller
+from .pymarlin_forms import unpack
 from .train_log import TrainLog
 from .validation import due_after_epoch, run_validation
 
@@ -174,73 +161,10 @@ class Trainer:
         writers, and resume from a checkpoint as ``trainer.resume`` says."""
         if self._is_setup:
             return
-        args, dist = self.args, self.dist
-        configure_logging(dist.rank)
+        configure_logging(self.dist.rank)
         if self._run_lock is None:  # before anything is written there: one run per directory
-            self._run_lock = take_run_lock(args.output_dir, dist.is_main)
-        seed_everything(args.seed + dist.rank)  # per-rank streams (dropout) differ
-        # micro_batch_size: auto searches from the largest size (see autobatch.py).
-        self.autobatch = auto_micro_batch(args, dist.rank, dist.world_size)
-        self.plan = BatchPlan.create(args.train_batch_size, args.micro_batch_size
-                                     if self.autobatch is None else self.autobatch.size,
-                                     dist.world_size, args.drop_last,
-                                     args.max_train_steps_per_epoch,
-                                     micro_batch_limit=args.gpu_batch_size_limit)
-        self.backend.setup(self.module)
-        self.plan = self.backend.batch_plan(self.plan)  # dp: unweighted, Poisson steps
-        self.device = self.backend.device
-        self.train_loader, self.train_sampler = build_train_loader(
-            self.module, self.plan, dist, args)
-        self.num_train_samples = self.train_sampler.num_samples
-        self.steps_per_epoch = self.plan.steps_in_epoch(self.num_train_samples)
-        self.val_loaders = build_val_loaders(
-            self.module, args.val_batch_size or self.plan.micro_batch, dist)
-        optimizers, schedulers = self.module.get_optimizers_schedulers(
-            self.steps_per_epoch, args.epochs)
-        self.optimizers = as_list(optimizers, "optimizers")
-        self.schedulers = as_list(schedulers, "schedulers")
-        if not self.optimizers:
-            raise ValueError("get_optimizers_schedulers returned no optimizer")
-        # dp: clipping, noise and accounting around the optimizers (a no-op otherwise).
-        self.backend.attach_optimizers(self.optimizers, self.num_train_samples,
-                                       self.steps_per_epoch)
-        if dist.is_main:
-            # summary.json, weights, metrics and (by default) checkpoints go here:
-            # fail now, not after training.
-            check_directory(args.output_dir, "output",
-                            who="sailfin (summary.json, final weights, checkpoints)")
-        self.checkpointer = build_checkpointer(args, dist, self.backend.barrier)
-        saver = self.saver = checkpoint_callback(self.checkpointer, args.checkpoint)
-        self.run_stats = RunStats(args.checkpoint.best_metric, args.checkpoint.best_mode)
-        # EMA, step validation, early stopping: before the saver, which saves their state.
-        features = build_loop_features(self.module, args, self.backend, self.dist)
-        self.ema, self.flops = features.ema, features.flops
-        self.callbacks += features.callbacks
-        self.callbacks += [self.run_stats] + ([saver] if saver is not None else [])
-        # trainer.checkpoint.memory: snapshots in shared memory (after every stateful piece).
-        self.callbacks += memory_snapshot_callback(self.checkpointer, args, saver, self.module)
-        if self.autobatch is not None:  # its size is kept in checkpoints
-            self.callbacks.append(self.autobatch)
-        self.callbacks += features.last_callbacks  # the first step's FLOPs
-        # Before the writers open metrics.jsonl: resuming trims events past the checkpoint.
-        fresh = FreshHyperparameters.capture(self.optimizers, self.schedulers)
-        self.resumed_from = resume(self, self.checkpointer)
-        apply_accepted(self, fresh, say)  # resume_config: accept: the new lr... take effect
-        if self.autobatch is not None:
-            self.autobatch.start(self)  # the checkpoint's size, or a search after a resize
-        # Writers and progress (rank 0), profiler: destination errors surface here.
-        observers = build_observers(args, dist, self._writers, self._hparams, self.callbacks)
-        self.writers = observers.writers
-        self.callbacks.extend(observers.callbacks)
-        self.nonfinite = NonFiniteGuard(args.on_nonfinite, self.device, dist.world_size,
-                                        self.backend.all_reduce_mean,
-                                        getattr(self.train_sampler, "step_indices", None))
-        self.trainable_params = [p for p in self.module.parameters() if p.requires_grad]
-        self._on_end_backward = overridden(self.module, "on_end_backward")
-        # The recipe's callbacks, called with what their signatures take (PyMarlin's too).
-        self._on_end_train_step, self._on_end_val_epoch = (
-            train_step_end_caller(self.module), val_epoch_end_caller(self.module))
-        self._dataset_set_epoch = dataset_set_epoch(self.train_loader)
+            self._run_lock = take_run_lock(self.args.output_dir, self.dist.is_main)
+        build_run(self)
         self._is_setup = True
 
     # -- one epoch -------------------------------------------------------------

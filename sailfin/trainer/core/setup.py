@@ -1,0 +1,96 @@
+"""What :meth:`Trainer.setup` builds, in order: the batch plan and loaders, the
+optimizers, the checkpointer and the callbacks behind each feature, the resume, then
+the writers. Each piece is an attribute of the trainer the loop reads."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ...checkpoint import build_checkpointer
+from ...checkpoint.checkpointer import say
+from ...data.plan import BatchPlan
+from ...logging.destination import check_directory
+from ...utils.seed import seed_everything
+from ..checkpointing.accepted import FreshHyperparameters, apply_accepted
+from ..checkpointing.memory_snapshots import memory_snapshot_callback
+from ..checkpointing.resume import resume
+from ..checkpointing.saver import checkpoint_callback
+from ..features.autobatch import auto_micro_batch
+from ..features.loop_features import build_loop_features
+from ..features.observe import build_observers
+from ..features.run_stats import RunStats
+from ..safety.nonfinite import NonFiniteGuard
+from .hooks import as_list, overridden
+from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
+from .pymarlin_forms import train_step_end_caller, val_epoch_end_caller
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+
+def build_run(trainer: "Trainer") -> None:
+    """Set up ``trainer`` for its run (called once, by :meth:`Trainer.setup`)."""
+    args, dist = trainer.args, trainer.dist
+    seed_everything(args.seed + dist.rank)  # per-rank streams (dropout) differ
+    # micro_batch_size: auto searches from the largest size (see autobatch.py).
+    trainer.autobatch = auto_micro_batch(args, dist.rank, dist.world_size)
+    size = args.micro_batch_size if trainer.autobatch is None else trainer.autobatch.size
+    trainer.plan = BatchPlan.create(args.train_batch_size, size, dist.world_size,
+                                    args.drop_last, args.max_train_steps_per_epoch,
+                                    micro_batch_limit=args.gpu_batch_size_limit)
+    trainer.backend.setup(trainer.module)
+    trainer.plan = trainer.backend.batch_plan(trainer.plan)  # dp: unweighted, Poisson steps
+    trainer.device = trainer.backend.device
+    trainer.train_loader, trainer.train_sampler = build_train_loader(
+        trainer.module, trainer.plan, dist, args)
+    trainer.num_train_samples = trainer.train_sampler.num_samples
+    trainer.steps_per_epoch = trainer.plan.steps_in_epoch(trainer.num_train_samples)
+    trainer.val_loaders = build_val_loaders(
+        trainer.module, args.val_batch_size or trainer.plan.micro_batch, dist)
+    optimizers, schedulers = trainer.module.get_optimizers_schedulers(
+        trainer.steps_per_epoch, args.epochs)
+    trainer.optimizers = as_list(optimizers, "optimizers")
+    trainer.schedulers = as_list(schedulers, "schedulers")
+    if not trainer.optimizers:
+        raise ValueError("get_optimizers_schedulers returned no optimizer")
+    # dp: clipping, noise and accounting around the optimizers (a no-op otherwise).
+    trainer.backend.attach_optimizers(trainer.optimizers, trainer.num_train_samples,
+                                   trainer.steps_per_epoch)
+    if dist.is_main:
+        # summary.json, weights, metrics and (by default) checkpoints go here:
+        # fail now, not after training.
+        check_directory(args.output_dir, "output",
+                        who="sailfin (summary.json, final weights, checkpoints)")
+    trainer.checkpointer = build_checkpointer(args, dist, trainer.backend.barrier)
+    saver = trainer.saver = checkpoint_callback(trainer.checkpointer, args.checkpoint)
+    trainer.run_stats = RunStats(args.checkpoint.best_metric, args.checkpoint.best_mode)
+    # EMA, step validation, early stopping: before the saver, which saves their state.
+    features = build_loop_features(trainer.module, args, trainer.backend, trainer.dist)
+    trainer.ema, trainer.flops = features.ema, features.flops
+    trainer.callbacks += features.callbacks
+    trainer.callbacks += [trainer.run_stats] + ([saver] if saver is not None else [])
+    # trainer.checkpoint.memory: snapshots in shared memory (after every stateful piece).
+    trainer.callbacks += memory_snapshot_callback(trainer.checkpointer, args, saver, trainer.module)
+    if trainer.autobatch is not None:  # its size is kept in checkpoints
+        trainer.callbacks.append(trainer.autobatch)
+    trainer.callbacks += features.last_callbacks  # the first step's FLOPs
+    # Before the writers open metrics.jsonl: resuming trims events past the checkpoint.
+    fresh = FreshHyperparameters.capture(trainer.optimizers, trainer.schedulers)
+    trainer.resumed_from = resume(trainer, trainer.checkpointer)
+    apply_accepted(trainer, fresh, say)  # resume_config: accept: the new lr... take effect
+    if trainer.autobatch is not None:
+        trainer.autobatch.start(trainer)  # the checkpoint's size, or a search after a resize
+    # Writers and progress (rank 0), profiler: destination errors surface here.
+    observers = build_observers(args, dist, trainer._writers, trainer._hparams,
+                                trainer.callbacks)
+    trainer.writers = observers.writers
+    trainer.callbacks.extend(observers.callbacks)
+    trainer.nonfinite = NonFiniteGuard(args.on_nonfinite, trainer.device, dist.world_size,
+                                    trainer.backend.all_reduce_mean,
+                                    getattr(trainer.train_sampler, "step_indices", None))
+    trainer.trainable_params = [p for p in trainer.module.parameters() if p.requires_grad]
+    trainer._on_end_backward = overridden(trainer.module, "on_end_backward")
+    # The recipe's callbacks, called with what their signatures take (PyMarlin's too).
+    trainer._on_end_train_step, trainer._on_end_val_epoch = (
+        train_step_end_caller(trainer.module), val_epoch_end_caller(trainer.module))
+    trainer._dataset_set_epoch = dataset_set_epoch(trainer.train_loader)
