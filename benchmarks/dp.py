@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from torch import nn  # noqa: E402
 from _measure import add_load_options, interleave, ratios, spread, start, summary  # noqa: E402
 from examples.digits.recipe import DigitsClassifier, DigitsData  # noqa: E402
 from sailfin import Callback, Trainer, TrainerArguments  # noqa: E402
+from sailfin.utils.memory import peak_rss_bytes  # noqa: E402
 
 MODES = {"sp": ("sp", None), "sp-dp flat": ("sp-dp", "flat"), "sp-dp ghost": ("sp-dp", "ghost")}
 
@@ -67,11 +67,11 @@ def child(mode: str, steps: int, hidden: int, batch: int) -> None:
     clock = Clock(warmup=5)
     trainer = Trainer(module, args, callbacks=[clock])
     cuda = trainer.backend.device.type == "cuda"
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = peak_rss_bytes()
     trainer.train()
     rate = (steps - clock.warmup) / (time.perf_counter() - clock.started)
     peak = (torch.cuda.max_memory_allocated() if cuda else
-            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base)
+            peak_rss_bytes() - base)
     trainer.close()
     print(json.dumps({"steps_per_second": rate, "peak_bytes": peak}))
 

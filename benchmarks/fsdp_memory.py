@@ -53,9 +53,10 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import sailfin.trainer.core.trainer as trainer_module  # noqa: E402
+import sailfin.trainer.core.setup as trainer_module  # noqa: E402 (resume is called there)
 from sailfin import Callback, DataInterface, ModuleInterface, Trainer, TrainerArguments  # noqa: E402
 from sailfin.config.distributed import DistArguments  # noqa: E402
+from sailfin.utils.memory import peak_rss_bytes  # noqa: E402
 
 SEQ, VOCAB = 32, 10_000
 
@@ -148,7 +149,7 @@ def _rank(rank: int, ports: tuple[int, int], opts, backend: str, async_save: boo
                                  if isinstance(v, torch.Tensor) and v.dim() > 0)}
         saver = next(c for c in trainer.callbacks if hasattr(c, "stall_seconds"))
         stalls = list(saver.stall_seconds)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss = peak_rss_bytes()
     # Resume: a new trainer of the same run picks up the last checkpoint.
     timed: list[float] = []
     original = trainer_module.resume
@@ -236,7 +237,7 @@ def _memory_rank(rank: int, port: int, opts, backend: str, accumulate: str,
                                           for st in opt.state.values() for v in st.values()
                                           if isinstance(v, torch.Tensor) and v.dim() > 0))
             if trainer.global_step == opts.steps:  # training's peak, before the final save
-                held["train_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+                held["train_peak"] = peak_rss_bytes()
 
     dist_args = DistArguments(launcher="manual", rank=rank, world_size=2,
                               master_addr="127.0.0.1", master_port=port,
@@ -250,7 +251,7 @@ def _memory_rank(rank: int, port: int, opts, backend: str, accumulate: str,
         with Trainer(module, targs, callbacks=[clock, Held()]) as trainer:
             trainer.train()
     stop.append(True)
-    end = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    end = peak_rss_bytes() - before
     peak = held.pop("train_peak") - before
     queue.put((rank, {"n_params": sum(p.numel() for p in module.parameters()),
                       "peak": peak, "end_peak": end, "held": held,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -89,8 +88,10 @@ def child(variant: str, work: str, steps: int, batch: int) -> dict:
                                        data_collator=data.collate, callbacks=[HFStamp()])
         trainer.train()
     steady = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    from sailfin.utils.memory import peak_rss_bytes  # this child's own peak, not its parent's
+
     return {"steps_per_s": steady, "first_step_s": stamps[0] - started,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mib": peak_rss_bytes() / 2**20}
 
 
 def run_child(variant: str, work: str, steps: int, batch: int) -> dict:

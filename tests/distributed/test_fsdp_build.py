@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from sailfin import Trainer, deferred_build
+from sailfin.utils.memory import peak_rss_bytes
 from tests.distributed.harness import errors, run_ranks
 from tests.distributed.test_ddp import ddp
 from tests.recipes import IdData, LinearRecipe, WideRecipe, args
@@ -112,7 +113,7 @@ def build_big(rank, world, dist_args, out):
                               micro_batch_size=5, fsdp={"units": ["Linear"]})) as t:
         t.setup()
         t.validate()  # every unit gathered once, one at a time
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+        peak = peak_rss_bytes() - before
         held = sum(p.to_local().numel() * 4 for p in module.parameters())
     torch.save({"peak": peak, "held": held}, out / f"rss-{rank}.pt")
 

@@ -7,6 +7,7 @@ import math
 import sys
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
+from ...utils.memory import peak_rss_bytes
 from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
@@ -76,17 +77,9 @@ class RunStats(Callback):
 def peak_memory(device: Any = None) -> dict[str, Optional[int]]:
     """Peak resident memory of this process and, on CUDA, peak allocated tensor memory.
 
-    Both in bytes; ``None`` where the platform cannot tell (no ``resource``
-    module on Windows; no CUDA device).
+    Both in bytes; ``None`` where the platform cannot tell (Windows; no CUDA device).
     """
-    rss: Optional[int] = None
-    try:
-        import resource
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        # Linux reports KiB, macOS bytes.
-        rss = int(peak) if sys.platform == "darwin" else int(peak) * 1024
-    except (ImportError, OSError):
-        pass
+    rss = peak_rss_bytes()
     cuda: Optional[int] = None
     if device is not None and getattr(device, "type", None) == "cuda":
         import torch
