@@ -63,6 +63,7 @@ class GatheredTensors(torch.utils.data.Dataset):
             base = base.dataset
         self.base: TensorDataset = base
         self.positions: Optional[torch.Tensor] = positions
+        self._on_cpu = all(t.device.type == "cpu" for t in base.tensors)
 
     def __len__(self) -> int:
         return len(self.source)
@@ -74,6 +75,8 @@ class GatheredTensors(torch.utils.data.Dataset):
         index = torch.as_tensor(indices, dtype=torch.long)
         if self.positions is not None:
             index = self.positions[index]
+        if self._on_cpu and torch.utils.data.get_worker_info() is None:  # the common case
+            return [t.index_select(0, index) for t in self.base.tensors]
         return [_gather(t, index) for t in self.base.tensors]
 
 
