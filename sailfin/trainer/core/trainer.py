@@ -265,7 +265,8 @@ class Trainer:
                 if self._check_first_output is not None:
                     self._check_first_output(out)
                     self._check_first_output = None
-                loss, stats = unpack(out)  # stats: a dict, None or PyMarlin's extras
+                # stats: a dict, None or PyMarlin's extras; a bare loss needs no unpacking
+                loss, stats = (out, None) if type(out) is not tuple else unpack(out)
                 if micro.weight != 1.0:
                     # Weight by the micro-batch's share of the step: the summed
                     # gradient is the one-big-batch gradient even for short batches.
