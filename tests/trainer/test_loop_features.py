@@ -234,6 +234,29 @@ def test_flops_of_a_known_mlp(tmp_path):
     assert summary["mfu"] == pytest.approx(summary["tflops"] / 0.5)
 
 
+def test_the_flops_counter_leaves_the_loop_after_the_first_step(tmp_path):
+    """Counted once, the callback is removed: no per-step call for the rest of the run."""
+    from sailfin.trainer.features.flops_count import FirstStepFlops
+
+    calls = []
+
+    class Watch(FirstStepFlops):
+        def on_step_begin(self, trainer):
+            calls.append(trainer.global_step)
+            super().on_step_begin(trainer)
+
+    trainer = Trainer(MLP(MLPData()), args(tmp_path, epochs=2, train_batch_size=16,
+                                            micro_batch_size=8))
+    trainer.setup()
+    [counter] = [c for c in trainer.callbacks if type(c) is FirstStepFlops]
+    watched = Watch(counter.meter)
+    trainer.callbacks[trainer.callbacks.index(counter)] = watched
+    summary = trainer.train()
+    assert calls == [0]  # the first step only
+    assert watched not in trainer.callbacks
+    assert summary["flops_per_sample"] > 0
+
+
 def test_counting_flops_leaves_training_unchanged(tmp_path):
     counted, plain = MLP(MLPData()), MLP(MLPData())
     Trainer(counted, args(tmp_path / "a", train_batch_size=16, micro_batch_size=8)).train()

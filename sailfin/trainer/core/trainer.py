@@ -72,6 +72,7 @@ class Trainer:
         self.heartbeat = Heartbeat()  # where the loop is, for the hang watchdog
         self.watchdog = None
         self.train_log = TrainLog()   # the train log line's clocks
+        self._hooks_changed = False   # set by remove_callback: the loop looks them up again
 
     # -- the run ---------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -176,10 +177,7 @@ class Trainer:
         last = self.steps_per_epoch  # or fewer, when max_steps comes first
         if args.max_steps is not None:
             last = min(last, self.step_in_epoch + max(0, args.max_steps - self.global_step))
-        # Each hook's callbacks, looked up once: a feature that is off costs nothing per step.
-        begin, backward_end, step_end = (overriding(self.callbacks, hook) for hook in (
-            "on_step_begin", "on_backward_end", "on_step_end"))
-        out_of_memory = overriding(self.callbacks, "on_out_of_memory")
+        begin, backward_end, step_end, out_of_memory = self._hook_lists()
         on_end_train_step = self._on_end_train_step
         log_every, beat, log, preemption = (args.log_every_n_steps, self.heartbeat,
                                             self.train_log, self.preemption)
@@ -212,6 +210,8 @@ class Trainer:
                 log.write(self, step_loss, stats)
             for callback in step_end:
                 callback.on_step_end(self)
+            if self._hooks_changed:  # a callback left (remove_callback)
+                begin, backward_end, step_end, out_of_memory = self._hook_lists()
             if self.global_step >= preemption.check_at and preemption.poll(self.global_step):
                 save_and_stop(self)  # raises TrainingPreempted
             if self.stop_reason is not None:
@@ -220,6 +220,18 @@ class Trainer:
             return False  # max_steps reached inside the epoch
         module.on_end_train_epoch(self.global_step, self.epoch)
         return True
+
+    def _hook_lists(self) -> tuple[list[Callback], ...]:
+        """Each per-step hook's callbacks, looked up once: one that is off costs nothing."""
+        self._hooks_changed = False
+        return tuple(overriding(self.callbacks, hook) for hook in (
+            "on_step_begin", "on_backward_end", "on_step_end", "on_out_of_memory"))
+
+    def remove_callback(self, callback: Callback) -> None:
+        """Stop calling ``callback``, from the next step on (a feature whose work is done,
+        such as counting the first step's FLOPs, leaves the loop)."""
+        self.callbacks.remove(callback)
+        self._hooks_changed = True
 
     def _epoch_batches(self) -> Iterator[Any]:
         """The train loader's batches from the current step of the current epoch."""
@@ -253,7 +265,8 @@ class Trainer:
                 if self._check_first_output is not None:
                     self._check_first_output(out)
                     self._check_first_output = None
-                loss, stats = unpack(out)  # stats: a dict, None or PyMarlin's extras
+                # stats: a dict, None or PyMarlin's extras; a bare loss needs no unpacking
+                loss, stats = (out, None) if type(out) is not tuple else unpack(out)
                 if micro.weight != 1.0:
                     # Weight by the micro-batch's share of the step: the summed
                     # gradient is the one-big-batch gradient even for short batches.

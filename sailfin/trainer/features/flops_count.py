@@ -15,7 +15,7 @@ class FirstStepFlops(Callback):
     """Counts the FLOPs of the first step's forwards and backwards with ``meter``.
 
     A step run again (a smaller micro-batch after running out of memory) is
-    counted afresh. After the first step both hooks return at once.
+    counted afresh. Once a step is counted it leaves the loop (``remove_callback``).
 
     Example::
 
@@ -34,3 +34,7 @@ class FirstStepFlops(Callback):
         if self.meter.pending:
             self.meter.stop(samples)  # before the optimizer step: forwards and backwards
         return False
+
+    def on_step_end(self, trainer: "Trainer") -> None:
+        if not self.meter.pending:  # counted: no call at all from the next step on
+            trainer.remove_callback(self)

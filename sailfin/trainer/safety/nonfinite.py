@@ -74,7 +74,8 @@ class NonFiniteGuard:
         self.deferred = defer
         self._pending: list[torch.Tensor] = []
         self._first: tuple[int, int, int] = (0, 0, 0)  # global step, epoch, step of pending[0]
-        self.observe = self._observe_deferred if defer else self._observe_now
+        self.observe = (self._observe_deferred if defer else
+                        self._observe_now if world_size > 1 else self._observe_local)
 
     # -- per step ---------------------------------------------------------------------
     def _observe_now(self, loss: torch.Tensor, global_step: int, epoch: int, step: int) -> bool:
@@ -83,6 +84,16 @@ class NonFiniteGuard:
             value = self._reduce(loss.detach().clone()).item()
         else:
             value = loss.item()  # a host-device sync on accelerators: skip mode only
+        if math.isfinite(value):
+            return True
+        self._found(value, global_step, epoch, step, applied=False)
+        return self.policy == "warn"
+
+    def _observe_local(self, loss: torch.Tensor, global_step: int, epoch: int,
+                       step: int) -> bool:
+        """One process: this rank's own loss decides (``_observe_now`` without the
+        collective)."""
+        value = loss.item()
         if math.isfinite(value):
             return True
         self._found(value, global_step, epoch, step, applied=False)
