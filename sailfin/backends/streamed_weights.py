@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint.weights_file import SafetensorsWriter, TensorSpec, file_order
+from ..utils.memory import release_free_memory
 
 
 @torch.no_grad()
@@ -48,6 +49,7 @@ def save_streamed(module: torch.nn.Module, path: str, write: bool) -> Optional[s
                 error = exc
                 writer.abort()
         del full  # before the next gather: one full tensor at a time
+        release_free_memory()  # gloo's freed buffers, or each gather would add its size
     if error is not None:
         raise error
     return writer.commit() if writer is not None else None
