@@ -38,18 +38,23 @@ def save_streamed(module: torch.nn.Module, path: str, write: bool) -> Optional[s
     if write:
         try:
             writer = SafetensorsWriter(path, order)
-        except Exception as exc:  # noqa: BLE001 - raised after the collectives below
+        except Exception as exc:  # noqa: BLE001 - raised once the gathers are done
             error = exc
-    for spec in order:
-        full = _full(state[spec.name])
-        if writer is not None and error is None:
-            try:
-                writer.write(spec.name, full)
-            except Exception as exc:  # noqa: BLE001 - raised after the collectives below
-                error = exc
-                writer.abort()
-        del full  # before the next gather: one full tensor at a time
-        release_free_memory()  # gloo's freed buffers, or each gather would add its size
+    try:
+        for spec in order:
+            full = _full(state[spec.name])
+            if writer is not None and error is None:
+                try:
+                    writer.write(spec.name, full)
+                except Exception as exc:  # noqa: BLE001 - raised once the gathers are done
+                    error = exc
+                    writer.abort()
+            del full  # before the next gather: one full tensor at a time
+            release_free_memory()  # gloo's freed buffers, or each gather would add its size
+    except BaseException:  # a collective failed: no half-written file stays behind
+        if writer is not None:
+            writer.abort()
+        raise
     if error is not None:
         raise error
     return writer.commit() if writer is not None else None

@@ -40,3 +40,32 @@ def test_the_final_file_on_a_gpu_is_the_gathered_state(tmp_path, offload):
     assert set(saved) == set(gathered) - {"head.weight"}
     for key, value in saved.items():
         assert torch.equal(value, gathered[key]), key
+
+
+@pytest.mark.parametrize("failing", ["write", "gather"])
+def test_a_save_that_fails_midway_leaves_no_file(tmp_path, monkeypatch, failing):
+    from sailfin.backends import streamed_weights
+    from sailfin.checkpoint.weights_file import SafetensorsWriter
+
+    calls = []
+
+    def third_fails(original):
+        def run(*a):
+            calls.append(a[-1])
+            if len(calls) == 3:
+                raise OSError(28, "No space left on device")
+            return original(*a)
+        return run
+
+    if failing == "write":  # rank 0's disk fills up
+        monkeypatch.setattr(SafetensorsWriter, "write", third_fails(SafetensorsWriter.write))
+    else:  # a collective fails
+        monkeypatch.setattr(streamed_weights, "_full", third_fails(streamed_weights._full))
+    module = Tied(IdData(24, 0))
+    with Trainer(module, args(tmp_path / "run", backend="fsdp",
+                              fsdp={"units": ["hidden"]})) as trainer:
+        trainer.setup()
+        with pytest.raises(OSError, match="No space left"):
+            trainer.backend.save_final_weights(module, str(tmp_path / "out" / "w.safetensors"),
+                                               True)
+    assert len(calls) >= 3 and list((tmp_path / "out").iterdir()) == []
