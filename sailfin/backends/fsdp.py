@@ -39,6 +39,7 @@ from .deferred import init_plan
 from .precision import Precision
 from .state import named_optimizer_state, optimizer_state_is_named
 from .strategy import Execution, StepRunner
+from .streamed_weights import save_streamed
 
 log = logging.getLogger("sailfin")
 _END = object()
@@ -248,6 +249,12 @@ class FSDPStrategy(DDPStrategy):
         # memory, one tensor at a time), the others an empty dict.
         return get_model_state_dict(
             module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def save_final_weights(self, module: torch.nn.Module, path: str, write: bool
+                           ) -> Optional[str]:
+        # One tensor gathered at a time and appended to the file: no rank ever holds the
+        # whole model (final_state_dict would put all of it in rank 0's memory at once).
+        return save_streamed(module, path, write)
 
 
 def _overrides_hook(recipe: torch.nn.Module) -> bool:

@@ -248,6 +248,16 @@ class SingleDevice:
         collective under fsdp); rank 0 saves what it returns."""
         return module.state_dict()
 
+    def save_final_weights(self, module: torch.nn.Module, path: str, write: bool
+                           ) -> Optional[str]:
+        """The full weights as safetensors at ``path``, under the plain model's names,
+        tied weights once (under their first name). Every rank calls it (a collective
+        under fsdp); the rank with ``write`` writes the file and gets its path."""
+        from ..checkpoint.weights_file import save_weights
+
+        state = self.final_state_dict(module)
+        return save_weights(state, path) if write else None
+
     # -- checkpoint state -------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"precision": self.precision.state_dict()}

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 class SavePretrained(Callback):
     """After training, rank 0 turns ``final/model.safetensors`` (which the trainer has
-    just written: under fsdp, gathered once) into ``final/hf/``: ``config.json``,
+    just written: under fsdp, gathered one tensor at a time) into ``final/hf/``: ``config.json``,
     ``model.safetensors`` and the tokenizer, written under a temporary name and renamed.
     No rank gathers the weights a second time.
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 def finish_run(trainer: "Trainer") -> dict[str, Any]:
     """The run's summary; the final weights (and EMA weights) and summary.json written.
-    Every rank calls it: under fsdp, gathering the full weights is a collective."""
+    Every rank calls it: under fsdp, gathering each full tensor is a collective."""
     summary = {
         "global_step": trainer.global_step,
         "epoch": trainer.epoch,
@@ -40,11 +40,12 @@ def finish_run(trainer: "Trainer") -> dict[str, Any]:
     if trainer.autobatch is not None:
         summary["auto_micro_batch"] = trainer.autobatch.summary()
     backend, output_dir, is_main = trainer.backend, trainer.args.output_dir, trainer.dist.is_main
-    weights = backend.final_state_dict(trainer.module)  # fsdp: every rank gathers
+    # Every rank takes part (fsdp gathers one tensor at a time); rank 0 writes.
+    backend.save_final_weights(trainer.module,
+                               os.path.join(output_dir, "final", "model.safetensors"), is_main)
     if trainer.ema is not None:  # final/ema.safetensors, the same names
-        trainer.ema.save_final(trainer.module, output_dir, backend.final_state_dict, is_main)
+        trainer.ema.save_final(trainer.module, output_dir, backend.save_final_weights, is_main)
     if is_main:
-        save_final_weights(weights, output_dir)
         write_json_atomic(os.path.join(output_dir, "summary.json"), summary)
     return summary
 
@@ -71,36 +72,3 @@ def _jsonable(value: Any) -> Any:
         return value.item()
     return str(value)
 
-
-def save_final_weights(state: dict[str, torch.Tensor], output_dir: str) -> str:
-    """``<output_dir>/final/model.safetensors``, written to a temporary name first.
-
-    ``state`` is the model's full state dict (plain parameter names, whatever
-    backend trained it). Tied weights are stored once, under their first name.
-    """
-    return save_weights(state, os.path.join(output_dir, "final", "model.safetensors"))
-
-
-def save_weights(state: dict[str, torch.Tensor], path: str) -> str:
-    """A full state dict as safetensors at ``path``, written to a temporary name first."""
-    from safetensors.torch import save_file
-
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    save_file(_untied(state), tmp, metadata={"format": "pt"})
-    os.replace(tmp, path)
-    return path
-
-
-def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Each tensor once (safetensors refuses tensors that share memory), contiguous."""
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
-    out = {}
-    for name, tensor in state.items():
-        tensor = tensor.detach()
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        if tensor.numel() and key in seen:
-            continue
-        seen.add(key)
-        out[name] = tensor.contiguous()
-    return out

@@ -95,19 +95,15 @@ class WeightAverage(Callback):
             _copy(self._params, saved)
 
     def save_final(self, module: torch.nn.Module, output_dir: str,
-                   state_of: Callable[[torch.nn.Module], dict[str, torch.Tensor]],
+                   save: Callable[[torch.nn.Module, str, bool], Optional[str]],
                    write: bool) -> Optional[str]:
         """``<output_dir>/final/ema.safetensors``: the averaged weights under the names of
         ``final/model.safetensors`` (buffers, e.g. batch-norm statistics, are the model's).
-        Every rank calls it (``state_of`` is the backend's full state dict: a collective
-        under fsdp); the rank with ``write`` writes the file."""
-        from ..core.outputs import save_weights
-
-        with self.swapped_in(module):
-            state = state_of(module)
-            if write:  # inside: a plain state dict holds the live (swapped-in) tensors
-                return save_weights(state, os.path.join(output_dir, "final", "ema.safetensors"))
-        return None
+        Every rank calls it with the backend's ``save_final_weights`` as ``save`` (under
+        fsdp a collective: each averaged tensor gathered in turn); the rank with ``write``
+        writes the file."""
+        with self.swapped_in(module):  # the live (swapped-in) tensors are saved
+            return save(module, os.path.join(output_dir, "final", "ema.safetensors"), write)
 
     # -- carried in the checkpoint ------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
