@@ -22,9 +22,7 @@ import signal
 import threading
 from typing import Any, Iterator
 
-PREEMPTED_EXIT_CODE = 75
-"""The exit code of a run stopped by SIGTERM (or a first Ctrl-C): run it again to resume
-(EX_TEMPFAIL). The trainer's preemption uses the same value."""
+from .distributed.exit_codes import PREEMPTED_EXIT_CODE  # noqa: F401 (sailfin launch reads it here)
 
 LAUNCH_DIR_ENV = "SAILFIN_LAUNCH_DIR"
 """Set by ``sailfin launch`` for its workers: where each preempted worker leaves a note."""

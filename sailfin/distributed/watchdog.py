@@ -33,9 +33,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
+from .exit_codes import HANG_EXIT_CODE
+
 log = logging.getLogger("sailfin")
 
-HANG_EXIT_CODE = 75  # EX_TEMPFAIL: a temporary failure; try again (torchrun restarts)
 AUTO_HANG_SECONDS = 300.0
 
 # Phases, in the order a step runs them (the report compares ranks by (step, phase)).

@@ -27,9 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-PREEMPTED_EXIT_CODE = 75
-"""``sailfin train``'s exit code after a SIGTERM/SIGINT stop with a checkpoint (EX_TEMPFAIL:
-try again)."""
+from ...distributed.exit_codes import PREEMPTED_EXIT_CODE  # noqa: F401 (the CLI reads it here)
 
 _NEVER = sys.maxsize
 # torchrun's agent passes a Ctrl-C it received on to its workers, which got the same

@@ -1,0 +1,13 @@
+"""The exit codes sailfin's processes end with, for launchers and schedulers to act on.
+
+Both are 75 (``EX_TEMPFAIL``, a temporary failure): running the same command
+again continues the run, and ``torchrun --max-restarts`` does so by itself.
+"""
+
+PREEMPTED_EXIT_CODE = 75
+"""A run stopped by SIGTERM (or a first Ctrl-C), after saving or before its first step:
+run it again to resume."""
+
+HANG_EXIT_CODE = 75
+"""The hang watchdog ended every process of a stuck group: a restart resumes from the last
+checkpoint."""
