@@ -41,6 +41,7 @@ import argparse
 import multiprocessing
 import os
 import resource
+import shutil
 import socket
 import statistics
 import sys
@@ -215,7 +216,7 @@ def _watchdog(limit: int, stop: list) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _memory_rank(rank: int, port: int, opts, backend: str, accumulate: str,
+def _memory_rank(out: str, rank: int, port: int, opts, backend: str, accumulate: str,
                  budget: float, queue) -> None:
     from sailfin import deferred_build
 
@@ -242,14 +243,14 @@ def _memory_rank(rank: int, port: int, opts, backend: str, accumulate: str,
     dist_args = DistArguments(launcher="manual", rank=rank, world_size=2,
                               master_addr="127.0.0.1", master_port=port,
                               threads_per_process=1, timeout_seconds=600)
-    with tempfile.TemporaryDirectory() as out:
-        targs = TrainerArguments(
-            epochs=1, train_batch_size=8, micro_batch_size=2, max_steps=opts.steps,
-            output_dir=out, writers=[], val_every_n_epochs=0, progress="none",
-            backend=backend, distributed=dist_args,
-            fsdp={"units": ["Block"], "accumulate": accumulate})
-        with Trainer(module, targs, callbacks=[clock, Held()]) as trainer:
-            trainer.train()
+    # out: one directory for both ranks (sharded checkpoints need shared storage)
+    targs = TrainerArguments(
+        epochs=1, train_batch_size=8, micro_batch_size=2, max_steps=opts.steps,
+        output_dir=out, writers=[], val_every_n_epochs=0, progress="none",
+        backend=backend, distributed=dist_args,
+        fsdp={"units": ["Block"], "accumulate": accumulate})
+    with Trainer(module, targs, callbacks=[clock, Held()]) as trainer:
+        trainer.train()
     stop.append(True)
     end = peak_rss_bytes() - before
     peak = held.pop("train_peak") - before
@@ -265,8 +266,9 @@ def run_memory(opts, backend: str, accumulate: str = "full", budget: float = 0.0
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
+    shared = tempfile.mkdtemp(prefix="sailfin-fsdp-memory-")  # both ranks write here
     procs = [ctx.Process(target=_memory_rank,
-                         args=(r, port, opts, backend, accumulate, budget, queue))
+                         args=(shared, r, port, opts, backend, accumulate, budget, queue))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -286,6 +288,7 @@ def run_memory(opts, backend: str, accumulate: str = "full", budget: float = 0.0
             if p.is_alive():
                 p.kill()
                 p.join(10)
+        shutil.rmtree(shared, ignore_errors=True)
     if len(results) < 2:
         return [p.exitcode for p in procs]
     return [results[0], results[1]]

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or used as it is."""
+    """A checkpoint cannot be saved or used as it is.
+
+    ``every_rank`` is True when every rank raised it together (a collective write of
+    sharded state failed), False when one rank alone did (rank 0's commit).
+    """
+
+    every_rank = False
 
 
 class CheckpointCorrupt(CheckpointError):

@@ -158,7 +158,9 @@ class ShardedWriter:
         listed = set(self.storage.listdir(self.storage.join(staging, SHARDS)))
         if set(sums) != listed:  # a file no rank reported, or one reported but absent
             raise CheckpointError(f"the shards in {self.storage.display(staging)} are "
-                                  f"{sorted(listed)}, the ranks wrote {sorted(sums)}")
+                                  f"{sorted(listed)}, the ranks wrote {sorted(sums)}: put "
+                                  "trainer.checkpoint.dir (or trainer.output_dir) on storage "
+                                  "every rank shares")
         return {"format": FORMAT, "dir": SHARDS, "keys": self._keys, "files": describe(sums)}
 
     def _writer(self, path: str) -> Any:
@@ -269,8 +271,10 @@ def _write_failure(storage: Storage, path: str, exc: BaseException) -> Checkpoin
     if code is None and _full(storage, path):
         code = errno.ENOSPC
     reason = "no space left on device" if code == errno.ENOSPC else _reason(exc)
-    return CheckpointWriteError(f"writing the checkpoint shards in {storage.display(path)} "
-                                f"failed: {reason}", storage.display(path), code)
+    failure = CheckpointWriteError(f"writing the checkpoint shards in {storage.display(path)} "
+                                   f"failed: {reason}", storage.display(path), code)
+    failure.every_rank = True  # DCP's save is collective: every rank gets its failure
+    return failure
 
 
 def _errno_in(exc: BaseException) -> Optional[int]:

@@ -5,6 +5,7 @@ sharded accumulation trains as one process."""
 from __future__ import annotations
 
 import resource
+import time
 
 import pytest
 import torch
@@ -141,3 +142,24 @@ def test_sharded_accumulation_on_two_ranks_matches_one_process(tmp_path):
         torch.testing.assert_close(ranks[0]["params"][key], value, rtol=1e-5, atol=1e-6)
     # A reduce-scatter per unit and micro-batch (2 units, 2 or more micro-batches a step).
     assert ranks[0]["reduce_scatter_calls"] >= 2 * 2 * 18
+
+
+def train_apart(rank, world, dist_args, out):
+    """Each rank with an output directory of its own: not storage every rank shares."""
+    module = deferred_build(LinearRecipe, IdData(20, 0))
+    with Trainer(module, args(out / f"run-rank{rank}", backend="fsdp", distributed=dist_args,
+                              micro_batch_size=5, epochs=1)) as t:
+        t.train()
+
+
+def test_a_sharded_save_rank_0_cannot_commit_ends_the_job_instead_of_hanging(tmp_path):
+    # Rank 0 finds rank 1's shards missing and fails alone; before, it then waited in a
+    # barrier no other rank joined while rank 1 went on: both hung until a timeout ended
+    # them (70 s here, against 13 s for the whole test now).
+    started = time.monotonic()
+    codes = run_ranks(train_apart, 2, tmp_path, timeout=150)
+    took = time.monotonic() - started
+    assert codes[0] not in (0, None) and codes[1] not in (0, None), codes
+    assert took < 50, f"the job took {took:.0f} s to end: a rank waited for the other"
+    message = errors(tmp_path)[0]
+    assert "storage every rank shares" in message, message

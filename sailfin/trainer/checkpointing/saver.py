@@ -117,8 +117,10 @@ class CheckpointCallback(Callback):
             self.checkpointer.save(snapshot)
         except (OSError, CheckpointError) as exc:
             failure = self._failed(trainer, exc)
-            if sharded:  # DCP failed on every rank: leave together, every one with exit 2
-                self.checkpointer.barrier()
+            if sharded and getattr(exc, "every_rank", False):
+                self.checkpointer.barrier()  # DCP failed on every rank: leave together
+            # Else one rank failed alone (rank 0's commit): it leaves, and the others'
+            # next collective ends with it, rather than a barrier nobody else joins.
             raise failure from exc
         finally:
             beat.phase = phase
