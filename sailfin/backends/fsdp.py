@@ -34,6 +34,7 @@ from ..config.distributed import DistArguments
 from ..config.errors import ConfigError, suggest
 from ..config.fsdp import FSDPArguments
 from ..distributed import DistEnv
+from ..utils.memory import fix_mmap_threshold
 from .ddp import DDPStrategy
 from .deferred import init_plan
 from .precision import Precision
@@ -78,6 +79,10 @@ class FSDPStrategy(DDPStrategy):
 
     # -- set-up ----------------------------------------------------------------------
     def setup(self, module: torch.nn.Module) -> None:
+        if self.device.type == "cpu" or self.fsdp.cpu_offload:
+            # Gathered units (host memory) go back to the system when freed, not into
+            # heaps that count as resident: before the first unit is materialised.
+            fix_mmap_threshold()
         if not self.dist.launched and not dist.is_initialized():
             # Started alone: a group of one, in memory, so fully_shard has a mesh.
             self._set_threads()

@@ -53,6 +53,31 @@ def release_free_memory() -> None:
         trim(0)
 
 
+def fix_mmap_threshold(size: int = 1 << 20) -> bool:
+    """Have the C allocator map each block of ``size`` bytes or more on its own, and
+    unmap it when freed (glibc's ``mallopt(M_MMAP_THRESHOLD)``); False where the C
+    library has no such call.
+
+    By default glibc raises this threshold to the size of each large block freed, so
+    after a few gathers of a sharded model's units (tens of MB each) those buffers come
+    from heaps it keeps: the resident memory then holds units no tensor uses any more.
+
+    Example::
+
+        fix_mmap_threshold()   # before the first gather
+    """
+    try:
+        import ctypes
+
+        mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    except (OSError, TypeError, AttributeError):  # no C library handle (Windows)
+        return False
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, int(size)))
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 _TRIM: list = []
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from sailfin import Trainer, deferred_build
 from sailfin.checkpoint.weights_file import save_weights
 from sailfin.utils.memory import peak_rss_bytes
-from tests.distributed.harness import errors, run_ranks
+from tests.distributed.harness import errors, reset_peak_rss, run_ranks
 from tests.recipes import IdData, LinearRecipe, WideRecipe, args
 
 EMA = {"decay": 0.8, "every_n_steps": 1}
@@ -106,17 +106,6 @@ class Big(LinearRecipe):
 def rss_bytes() -> int:
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * resource.getpagesize()
-
-
-def reset_peak_rss() -> bool:
-    """Start VmHWM afresh from the current RSS (Linux 4.0+); False where that is refused:
-    the peak then still holds older highs, so a measure against it is an upper bound."""
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def save_big(rank, world, dist_args, out):
