@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 TRAIN_STEP_FORMS = ("the batch's mean loss (a tensor with one value), "
                     "(loss, {name: scalar tensor}) to log more values, or PyMarlin's "
@@ -37,7 +37,7 @@ class StartupCheckError(ValueError):
 
 
 # -- schedulers ---------------------------------------------------------------------
-def steps_left(trainer: "Trainer") -> int:
+def steps_left(trainer: "RunView") -> int:
     """Optimizer steps this run still takes (the rest of the epochs, capped by max_steps)."""
     args = trainer.args
     left = max(0, trainer.steps_per_epoch - trainer.step_in_epoch) if \
@@ -48,7 +48,7 @@ def steps_left(trainer: "Trainer") -> int:
     return left
 
 
-def check_schedulers_fit(trainer: "Trainer") -> None:
+def check_schedulers_fit(trainer: "RunView") -> None:
     """Stop now if a scheduler with a fixed length would run out during this run."""
     left = steps_left(trainer)
     if not left and trainer.resumed_from is not None and trainer.dist.is_main:
@@ -78,7 +78,7 @@ def check_schedulers_fit(trainer: "Trainer") -> None:
 
 
 # -- validation sanity check -----------------------------------------------------------
-def sanity_validate(trainer: "Trainer") -> None:
+def sanity_validate(trainer: "RunView") -> None:
     """Run ``sanity_val_batches`` batches of each validation set through ``val_step``."""
     count = trainer.args.sanity_val_batches
     if not count or not trainer.val_loaders:

@@ -20,9 +20,9 @@ from ..features.loop_features import build_loop_features
 from ..features.observe import build_observers
 from ..features.run_stats import RunStats
 from ..safety.nonfinite import NonFiniteGuard
-from .hooks import as_list, overridden
-from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
-from .pymarlin_forms import train_step_end_caller, val_epoch_end_caller
+from ..core.hooks import as_list, overridden
+from ..core.loaders import build_train_loader, build_val_loaders, dataset_set_epoch
+from ..core.pymarlin_forms import train_step_end_caller, val_epoch_end_caller
 
 if TYPE_CHECKING:
     from .trainer import Trainer
