@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ...checkpoint import build_checkpointer
 from ...checkpoint.checkpointer import say
 from ...data.plan import BatchPlan
+from ...interfaces import RecipeError
 from ...logging.destination import check_directory
 from ...utils.seed import seed_everything
 from ..checkpointing.accepted import FreshHyperparameters, apply_accepted
@@ -52,7 +53,8 @@ def build_run(trainer: "Trainer") -> None:
     trainer.optimizers = as_list(optimizers, "optimizers")
     trainer.schedulers = as_list(schedulers, "schedulers")
     if not trainer.optimizers:
-        raise ValueError("get_optimizers_schedulers returned no optimizer")
+        raise RecipeError("get_optimizers_schedulers returned no optimizer: return "
+                          "([optimizer, ...], [scheduler, ...]) (the schedulers may be [])")
     # dp: clipping, noise and accounting around the optimizers (a no-op otherwise).
     trainer.backend.attach_optimizers(trainer.optimizers, trainer.num_train_samples,
                                    trainer.steps_per_epoch)

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import numpy as np
 import torch
 
+from ...interfaces import RecipeError
+
 if TYPE_CHECKING:
     from ..core.view import RunView
 
@@ -32,7 +34,7 @@ TRAIN_STEP_FORMS = ("the batch's mean loss (a tensor with one value), "
                     "(loss, outputs...) passed to on_end_train_step")
 
 
-class StartupCheckError(ValueError):
+class StartupCheckError(RecipeError):
     """A recipe piece returned something the trainer cannot use; found before training."""
 
 
