@@ -18,8 +18,9 @@ Figures depend on the machine and its load: print ``/proc/loadavg`` beside them.
 ``--part memory`` (the default part) compares per-rank memory where the model is
 big enough for its parameters to dominate (8 blocks of width 1024 and a 10k
 head: about 120 M parameters, AdamW), ``ddp`` against ``fsdp`` with each
-``trainer.fsdp.accumulate`` mode (2 micro-batches a step), fsdp built on the meta
-device (``sailfin.deferred_build``) as ``sailfin train`` builds it:
+``trainer.fsdp.accumulate`` mode (2 micro-batches a step), fsdp built as ``sailfin train``
+builds it (``sailfin.sharded_build``: rank 0 builds the model, the others on the meta
+device and receive their rows):
 
 * peak RSS of the rank over its RSS before the model was built (high-water mark);
 * bytes of parameters + gradients + optimizer state held after the first step;
@@ -218,15 +219,18 @@ def _watchdog(limit: int, stop: list) -> None:
 
 def _memory_rank(out: str, rank: int, port: int, opts, backend: str, accumulate: str,
                  budget: float, queue) -> None:
-    from sailfin import deferred_build
+    import contextlib
+
+    from sailfin import sharded_build
 
     stop: list = []
     before = _rss()
     if budget:
         _watchdog(before + int(budget), stop)
     clock = StepClock()
-    build = deferred_build if backend == "fsdp" else (lambda cls, *a: cls(*a))
-    module = build(GPT, Tokens(8 * opts.steps), opts.mem_layers, opts.mem_width)
+    data = Tokens(8 * opts.steps)
+    with sharded_build(rank) if backend == "fsdp" else contextlib.nullcontext():
+        module = GPT(data, opts.mem_layers, opts.mem_width)
     held: dict = {}
 
     class Held(Callback):
