@@ -148,6 +148,44 @@ def test_only_rank_0_ever_holds_the_whole_model(tmp_path):
     assert got[0]["peak"] < 1.8 * model_bytes, got[0]["peak"] / 2**20
 
 
+def init_from_big(rank, world, dist_args, out, path):
+    from sailfin.trainer.checkpointing.init_from import load_initial_weights
+
+    data = IdData(20, 0)
+    with sharded_build(rank):
+        module = Big(data)
+    with Trainer(module, args(out / "run", backend="fsdp", distributed=dist_args,
+                              micro_batch_size=5, fsdp={"units": ["Linear"]})) as t:
+        t.setup()
+        before = _rss_bytes()
+        reset_peak_rss()
+        load_initial_weights(t, path)
+        peak = peak_rss_bytes() - before
+        last = module.layers[15].weight
+        rows = last.to_local().clone()
+    torch.save({"peak": peak, "rows": rows}, out / f"init-{rank}.pt")
+
+
+def test_init_from_into_fsdp_reads_only_each_ranks_rows(tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(5)
+    weights = Big(IdData(20, 0)).state_dict()
+    path = tmp_path / "big.safetensors"
+    save_file(weights, str(path))
+    want = weights["layers.15.weight"]
+    del weights
+    assert run_ranks(init_from_big, 2, tmp_path, timeout=180, path=str(path)) == [0, 0], \
+        errors(tmp_path)
+    model_bytes = 16 * 2048 * 2048 * 4
+    for rank in range(2):
+        got = torch.load(tmp_path / f"init-{rank}.pt")
+        assert torch.equal(got["rows"], want[rank * 1024:(rank + 1) * 1024])
+        # Its half of the file (memory-mapped pages) and a tensor's rows at a time: a rank
+        # that read the whole file would hold all of it.
+        assert got["peak"] < 0.75 * model_bytes, (rank, got["peak"] / 2**20)
+
+
 @pytest.mark.slow
 def test_sharded_accumulation_on_two_ranks_matches_one_process(tmp_path):
     ref = WideRecipe(IdData(**DATA), **RECIPE)
