@@ -164,8 +164,8 @@ class FSDPStrategy(DDPStrategy):
             init_on_shards(recipe, recipe, home, self.broadcast_object)
         else:
             comm = self.device if self.comm_backend == "nccl" else torch.device("cpu")
-            receive_from_rank0(recipe, self._start or RankZeroStart(), self.dist.rank, home,
-                               comm)
+            receive_from_rank0(recipe, self._start or RankZeroStart(), self.dist.rank,
+                               self.device, comm, every_rank_empty=self.fsdp.cpu_offload)
             self._start = None
         # FSDP2 names its root at the first forward through it. Validation (the start-up
         # sanity batch runs before any training step) calls the units directly, so each

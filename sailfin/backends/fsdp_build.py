@@ -110,9 +110,15 @@ def check_same_model(module: nn.Module, rank: int,
 
 @torch.no_grad()
 def receive_from_rank0(module: nn.Module, start: RankZeroStart, rank: int,
-                       device: torch.device, comm_device: torch.device) -> None:
-    """Fill ``module``'s shards (already ``fully_shard``-ed) from rank 0's model."""
-    if is_meta(module):
+                       device: torch.device, comm_device: torch.device,
+                       every_rank_empty: bool = False) -> None:
+    """Fill ``module``'s shards (already ``fully_shard``-ed) from rank 0's model.
+
+    ``every_rank_empty`` (cpu_offload): rank 0's shards sit in CPU memory, the others'
+    would be allocated on ``device``; allocating every rank's on ``device`` keeps the
+    broadcast on the collective's device, and FSDP2 moves them to CPU memory at its
+    lazy init (the offload policy's pinned copy)."""
+    if every_rank_empty or is_meta(module):
         module.to_empty(device=device)  # this rank's rows only: the parameters are shards
     set_model_state_dict(module, start.state if rank == 0 else {},
                          options=StateDictOptions(full_state_dict=True,
