@@ -109,15 +109,21 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
 
 
 def _module_builder(trainer):
-    """Under the fsdp backends the recipe is built on the meta device and initialised
-    after sharding (trainer.fsdp.meta_build): no rank ever holds the whole model."""
+    """Under the fsdp backends rank 0 builds the recipe as sp does and the other ranks on
+    the meta device (trainer.fsdp.build): no rank but 0 ever holds the whole model."""
     from .backends import ALIASES
 
-    if ALIASES.get(trainer.backend, ("", ""))[0] != "fsdp" or not trainer.fsdp.meta_build:
+    if ALIASES.get(trainer.backend, ("", ""))[0] != "fsdp":
         return None
-    from .backends.deferred import deferred_build
+    from .backends.fsdp_build import sharded_build
+    from .distributed import DistEnv
 
-    return deferred_build
+    rank = DistEnv.from_config(trainer.distributed).rank
+
+    def build(cls, **kwargs):
+        with sharded_build(rank, trainer.fsdp.build):
+            return cls(**kwargs)
+    return build
 
 
 def _user_error(message: str) -> None:

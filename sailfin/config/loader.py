@@ -80,7 +80,8 @@ class RunConfig:
         ``sailfin train`` builds them. The module keeps its sections as ``sailfin_config``,
         so a resume can compare them with the checkpoint's. ``construct(cls, **kwargs)``
         builds the module class (default: calls it); ``sailfin train`` passes
-        ``sailfin.deferred_build`` under fsdp, the data interface is built as usual."""
+        one that builds under ``sailfin.sharded_build`` under fsdp (on the meta device on
+        ranks but 0); the data interface is built as usual."""
         from ..utils.seed import seed_everything  # torch only when building
 
         seed_everything(self.trainer.seed)
