@@ -89,7 +89,7 @@ TABLE = [
      "has step 'x', not a count (an integer >= 0): it is damaged"),
     ("trainer.pt a directory, resume: that checkpoint",
      _two_saves_then(_trainer_pt_is_a_directory), ["--trainer.resume", "STEP2"], "", 2,
-     "trainer.pt is a directory, not the file the manifest lists"),
+     "trainer.pt is a directory, not a regular file"),
     ("manifest step 'x', resume: auto falls back",
      _two_saves_then(_manifest_step_is_x), [], "", 0,
      "skipped damaged checkpoint(s) step-00000002; falling back to"),
