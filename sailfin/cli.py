@@ -11,6 +11,7 @@ import yaml
 
 from . import shard_cli
 from .config import ConfigError, load_config
+from .distributed.launch_notes import USER_ERROR, leave_note
 from .logging.writers import WriterError
 from .signals import (PREEMPTED_EXIT_CODE, StoppedDuringSetup, note_preempted, setup_over,
                       stop_during_setup)
@@ -64,6 +65,7 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
     from .checkpoint import CheckpointError
+    from .checkpoint.errors import CheckpointWriteError
     from .data.shards.errors import ShardError
     from .trainer import Trainer
     from .trainer.safety.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
@@ -82,7 +84,12 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
             finally:
                 setup_over()  # a SIGTERM from now on (torchrun stopping us) is not set-up
     except CheckpointError as exc:
-        _user_error(f"sailfin: checkpoint error: {exc}")
+        # A save that failed on this rank alone (its disk, its files) is said here: the
+        # rank that would print it (rank 0) may be stopped by torchrun first.
+        cause = exc.__cause__
+        alone = (isinstance(cause, (OSError, CheckpointWriteError))
+                 and not getattr(cause, "every_rank", False))
+        _user_error(f"sailfin: checkpoint error: {exc}", here=alone)
         return 2
     except StartupCheckError as exc:  # the recipe returned something unusable, seen at start
         _user_error(f"sailfin: recipe error: {exc}")
@@ -120,15 +127,16 @@ def _module_builder(trainer):
     return deferred_build
 
 
-def _user_error(message: str) -> None:
-    """A user error, printed once: by rank 0 (every rank under torchrun hits the same)."""
+def _user_error(message: str, here: bool = False) -> None:
+    """A user error, printed once: by rank 0 (every rank under torchrun hits the same),
+    or ``here``, by the rank that alone met it."""
     try:
         from .distributed import DistEnv
         rank = DistEnv.from_environ().rank
     except Exception:  # a launcher's variables that do not add up: say it here anyway
         rank = 0
-    if rank == 0:
-        print(message, file=sys.stderr)
+    if rank == 0 or here:
+        print(message, file=sys.stderr, flush=True)
 
 
 def _without_worker_traceback(exc: BaseException) -> str:
@@ -195,8 +203,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "train":
             # User errors end inside the recorded call: torchrun reports no traceback.
             with stop_during_setup():  # until the trainer takes SIGTERM over
-                return _recorded(_user_errors(train_command))(args.config, rest,
+                code = _recorded(_user_errors(train_command))(args.config, rest,
                                                               args.print_config)
+                if code == 2:  # sailfin launch: this rank's error, not torchrun's stop
+                    leave_note(USER_ERROR)
+                return code
         if args.command == "shard":
             return shard_cli.run(args, rest)
     except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops)
