@@ -75,7 +75,8 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
     try:
         module = cfg.build(_module_builder(cfg.trainer))
         # The context manager leaves the process group on every path.
-        with Trainer(module, cfg.trainer, hparams=cfg.to_dict()) as trainer:
+        with Trainer(module, cfg.trainer, hparams=cfg.to_dict(),
+                     callbacks=[_setup_over_callback()]) as trainer:
             try:
                 summary = trainer.train()
             except TrainingPreempted:
@@ -113,6 +114,18 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         print(f"validation {name}: {value:.4f}" if isinstance(value, float)
               else f"validation {name}: {value}")
     return 0
+
+
+def _setup_over_callback():
+    from .trainer.core.callbacks import Callback
+
+    class SetupOver(Callback):
+        """Training begins: a signal from now on is the loop's, not set-up's."""
+
+        def on_train_start(self, trainer) -> None:
+            setup_over()
+
+    return SetupOver()
 
 
 def _module_builder(trainer):

@@ -62,6 +62,8 @@ class _SetupStop:
 
     def __init__(self) -> None:
         self.first: Optional[tuple[str, float]] = None  # the first stop: signal, when
+        self.over = False  # training began: no longer set-up (the loop's handler returns
+        #                    this one when it leaves)
         self.done = threading.Event()
         self.previous: dict[int, Any] = {}
         self._pipe: Optional[tuple[int, int]] = None
@@ -69,6 +71,10 @@ class _SetupStop:
         self._thread: Optional[threading.Thread] = None
 
     def on_signal(self, signum: int, frame: Any) -> None:
+        if self.over:  # training began: put back what was there, and let it act
+            signal.signal(signum, self.previous.get(signum, signal.SIG_DFL))
+            os.kill(os.getpid(), signum)
+            return
         name, now = signal.Signals(signum).name, time.monotonic()
         if self.first is None:
             self.first = (name, now)
@@ -125,14 +131,16 @@ class _SetupStop:
                 data = os.read(read, 64)
             except OSError:
                 return
-            stops = [b for b in data if b in _SIGNALS and
+            stops = [b for b in data if b in _SIGNALS and not self.over and
                      signal.getsignal(b) == self.on_signal]  # set-up's, not the loop's
             if stops and not self.done.wait(STUCK_SECONDS):
                 name = self.first[0] if self.first else signal.Signals(stops[0]).name
                 _end_stuck_setup(name)
 
     def restore(self) -> None:
-        """Training ran: the signals get their previous actions back."""
+        """Training began (or ran): set-up is over, the signals get their previous actions
+        back (also later, when the loop's handler returns this one)."""
+        self.over = True
         for sig, handler in self.previous.items():
             if signal.getsignal(sig) == self.on_signal:
                 signal.signal(sig, handler)
@@ -170,8 +178,9 @@ _installed: list[_SetupStop] = []
 
 
 def setup_over() -> None:
-    """Training ran (or failed): SIGTERM and SIGINT get their previous actions back, also
-    where the trainer's handler, on leaving, put the set-up handler back."""
+    """Training began, ran or failed: set-up is over. SIGTERM and SIGINT get their previous
+    actions back, also where the trainer's handler, on leaving, put the set-up handler
+    back (a SIGTERM while a failed run tears down is no stop "during set-up")."""
     for stop in _installed:
         stop.restore()
 

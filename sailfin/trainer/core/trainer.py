@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any, Iterable, Iterator, Mapping, Optional
@@ -15,7 +14,7 @@ from ...config.trainer import TrainerArguments
 from ...data.plan import BatchPlan
 from ...distributed import DistEnv
 from ...distributed.watchdog import (BACKWARD, DATA, END_OF_EPOCH, END_OF_STEP, FORWARD,
-                                    OPTIMIZER, Heartbeat, build_watchdog)
+                                    OPTIMIZER, Heartbeat)
 from ...interfaces import ModuleInterface
 from ...logging import Writer
 from ...utils.log import configure_logging
@@ -23,6 +22,7 @@ from .callbacks import Callback
 from .hooks import any_says_again, overriding, padding_micro_batch, recipe_callbacks
 from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
 from .setup import build_run
+from ..safety.hang_watch import start_watchdog
 from ..safety.preemption import Preemption, save_and_stop
 from ..safety.run_lock import RunLock, take_run_lock
 from ..safety.startup_checks import check_schedulers_fit, sanity_validate, train_output_checker
@@ -83,6 +83,7 @@ class Trainer:
             check_schedulers_fit(self)
             sanity_validate(self)
         except BaseException:
+            self._stop_watchdog()  # its record says this rank failed (the others may wait)
             self._release_run_lock()
             raise
         self._check_first_output = train_output_checker(self.global_step)
@@ -91,11 +92,7 @@ class Trainer:
         self.preemption = Preemption(self.dist.world_size, self.backend.all_reduce_mean,
                                      self.device, args.preemption_check_every_n_steps)
         try:
-            self.watchdog = build_watchdog(  # trainer.distributed.hang_seconds
-                args.distributed.hang_seconds, self.dist.rank, self.dist.world_size,
-                self.backend.group_store(), self.heartbeat,
-                os.path.join(args.output_dir, "hang"),
-                args.distributed.hang_seconds_slow_phases)
+            start_watchdog(self)  # one process; several: running since set-up joined the group
             self.train_log.ready_since = self.global_step
             self.preemption.install(self.global_step)
             self._notify("on_train_start")

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import numpy as np
 import torch
 
+from ...distributed.watchdog import STARTUP_CHECKS
+
 if TYPE_CHECKING:
     from ..core.trainer import Trainer
 
@@ -83,6 +85,7 @@ def sanity_validate(trainer: "Trainer") -> None:
     count = trainer.args.sanity_val_batches
     if not count or not trainer.val_loaders:
         return
+    trainer.heartbeat.phase = STARTUP_CHECKS  # watched: a rank may stop in these batches
     module, device = trainer.module, trainer.device
     was_training = module.training
     states = (random.getstate(), np.random.get_state())
@@ -92,7 +95,7 @@ def sanity_validate(trainer: "Trainer") -> None:
         module.eval()
         try:
             for name, loader in trainer.val_loaders.items():
-                for i, batch in enumerate(loader):
+                for i, batch in enumerate(trainer.heartbeat.count(loader)):
                     if i >= count:
                         break
                     out = trainer.backend.val_step(module, trainer.global_step, batch)

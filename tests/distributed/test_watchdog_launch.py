@@ -1,0 +1,75 @@
+"""The hang watchdog under ``sailfin launch``: a rank stopped with SIGSTOP, rank 0 or rank 1.
+
+Each run: two CPU workers, ``hang_seconds: 5``; once both train, one worker is
+stopped. The other names it within hang_seconds plus a few seconds, ends the stopped
+process (a stopped process takes only SIGKILL; torchrun would wait 30 s for it),
+and the launcher exits 75 with a closing line that says the watchdog ended the job,
+not that checkpoints were saved. The stopped worker is always continued and killed
+in teardown.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.distributed.elastic_helpers import ROOT, reached, stop, tail, wait, wait_until, \
+    write_config
+
+HANG = 5
+
+
+def _launch(cfg, log):
+    args = ["--nnodes=1", "--nproc-per-node=2", "--max-restarts=0", "--rdzv-backend=c10d",
+            "--rdzv-endpoint=127.0.0.1:0", "--monitor-interval=0.1", "-m", "sailfin", "train",
+            str(cfg), "--trainer.backend", "ddp", "--trainer.distributed.hang_seconds",
+            str(HANG)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    with open(log, "ab") as fh:
+        return subprocess.Popen([sys.executable, "-m", "sailfin", "launch", *args], env=env,
+                                stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True)
+
+
+def _release(pid: int) -> None:
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_stopped_rank_is_named_and_the_job_ends_with_75(tmp_path, rank):
+    cfg = write_config(tmp_path, "job", every=3, step_seconds=0.1)
+    records, log = tmp_path / "job" / "records", tmp_path / "job.log"
+    proc = _launch(cfg, log)
+    pid = None
+    try:
+        wait_until(lambda: reached(records, 0, "0-") >= 2, [proc], 180, [log], "step 2")
+        [pid_file] = records.glob(f"pid-rank{rank}-*")
+        pid = int(pid_file.read_text())
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        [code] = wait([proc], 90, [log])
+        took = time.monotonic() - stopped
+    finally:
+        if pid is not None:
+            _release(pid)
+        stop(proc)
+    text = log.read_text(errors="replace")
+    assert code == 75, tail([log])
+    assert took < HANG + 12, (took, tail([log]))  # not torchrun's 30 s wait, nor gloo's
+    header = next(line for line in text.splitlines() if "hang watchdog: no progress" in line)
+    assert f"waiting for rank {rank}" in header, header
+    assert f"rank {rank}: its records stopped" in text
+    assert f"ended the frozen process(es) of rank {rank}" in text
+    assert "sailfin launch: the hang watchdog ended the job" in text
+    assert "saved a checkpoint" not in text.split("sailfin launch:")[-1]
+    assert "Traceback" not in text, tail([log])
