@@ -73,3 +73,25 @@ def test_a_stopped_rank_is_named_and_the_job_ends_with_75(tmp_path, rank):
     assert "sailfin launch: the hang watchdog ended the job" in text
     assert "saved a checkpoint" not in text.split("sailfin launch:")[-1]
     assert "Traceback" not in text, tail([log])
+
+
+@pytest.mark.slow
+def test_a_rank_stuck_in_the_check_batch_is_named(tmp_path):
+    """The sanity validation batch runs before the first step: it is watched too."""
+    cfg = write_config(tmp_path, "job", every=3, step_seconds=0.0)
+    cfg.write_text(cfg.read_text().replace("elastic_recipe.ElasticRecipe",
+                                           "hang_recipe.StuckInCheckRecipe"))
+    log = tmp_path / "job.log"
+    proc = _launch(cfg, log)
+    try:
+        [code] = wait([proc], 120, [log])
+    finally:
+        stop(proc)
+    text = log.read_text(errors="replace")
+    began = float((tmp_path / "job" / "records" / "check-began").read_text())
+    assert code == 75, tail([log])
+    header = next(line for line in text.splitlines() if "hang watchdog: no progress" in line)
+    assert "waiting for rank 1 (in start-up checks (sanity validation batches))" in header
+    assert "in val_step" in (tmp_path / "job" / "run" / "hang" / "stack-rank1.txt").read_text()
+    assert "sailfin launch: the hang watchdog ended the job" in text
+    assert time.time() - began < HANG + 20
