@@ -11,7 +11,7 @@ import yaml
 
 from . import shard_cli
 from .config import ConfigError, load_config
-from .distributed.launch_notes import USER_ERROR, leave_note
+from .distributed.launch_notes import USER_ERROR, leave_note, noted_by_others
 from .logging.writers import WriterError
 from .signals import (PREEMPTED_EXIT_CODE, StoppedDuringSetup, note_preempted, setup_over,
                       stop_during_setup)
@@ -193,6 +193,16 @@ def _user_errors(fn):
         except WriterError as exc:  # a writer cannot write where the config says
             _user_error(f"sailfin: {exc}")
             return 2
+        except Exception as exc:
+            # Under sailfin launch: a collective broken because another rank stopped on a
+            # user error it printed is no failure of this rank's (no traceback).
+            others = noted_by_others(USER_ERROR)
+            if not others:
+                raise
+            print(f"sailfin: rank {os.environ.get('RANK', '?')} stopped ({type(exc).__name__}) "
+                  f"because rank {', '.join(map(str, others))} stopped on the error it "
+                  "printed", file=sys.stderr, flush=True)
+            return 1
     return run
 
 

@@ -94,9 +94,10 @@ def _closing_line(codes: dict[int, int], notes: dict[str, set[int]]
     """What the failed workers' codes and notes say happened, and the launcher's code;
     (None, code) for a failure torchrun's own report describes best."""
     if notes[USER_ERROR]:  # the others' ends (SIGTERM, a broken collective) follow from it
-        ranks = ", ".join(map(str, sorted(notes[USER_ERROR])))
-        return (f"rank {ranks} stopped on the error it printed above; torchrun then stopped "
-                "the other workers", 2)
+        ranks = sorted(notes[USER_ERROR])
+        who = (f"rank {ranks[0]} stopped on the error it printed above" if len(ranks) == 1
+               else f"ranks {', '.join(map(str, ranks))} stopped on the error printed above")
+        return f"{who}; torchrun stopped any other worker", 2
     if notes[HANG] and all(c == HANG_EXIT_CODE or c in _STOPPED_BY_AGENT
                            for c in codes.values()):
         return ("the hang watchdog ended the job: a rank stopped making progress (its report "

@@ -62,6 +62,15 @@ def clear_notes() -> None:
             os.remove(os.path.join(where, f"{kind}-rank{_rank()}"))
 
 
+def noted_by_others(kind: str) -> list[int]:
+    """The other local workers that left a ``kind`` note (empty outside sailfin launch)."""
+    where = _directory()
+    if not where:
+        return []
+    me = _rank()
+    return sorted(r for r in read_notes(where)[kind] if str(r) != me)
+
+
 def read_notes(where: str) -> dict[str, set[int]]:
     """The launcher's view: for each kind, the ranks that left that note."""
     out: dict[str, set[int]] = {kind: set() for kind in KINDS}

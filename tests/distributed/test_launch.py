@@ -218,3 +218,40 @@ def test_a_signal_to_the_launcher_while_rank_0_builds_gives_75_at_once(tmp_path,
     assert "Traceback" not in text and "second Ctrl-C" not in text, text
     assert (f"sailfin launch: stopped by {name}; 0 of 2 worker(s) saved a checkpoint and the "
             "others had not begun training: nothing was lost") in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failing", ["Rank0DiskFull", "Rank1DiskFull"])
+def test_a_save_failing_on_one_rank_is_its_line_and_exit_2(tmp_path, failing):
+    """Rank 0's commit or rank 1's own file meets a full disk: the failing rank prints its
+    line (rank 1 used to stay silent: only rank 0 printed user errors), the other stops
+    without a traceback, and the launcher exits 2."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"""
+data: {{class_path: tests.recipes.IdData, init_args: {{n_train: 40, n_val: 4}}}}
+module: {{class_path: tests.recipes.LinearRecipe}}
+trainer: {{epochs: 1, train_batch_size: 10, writers: [jsonl], output_dir: {tmp_path / 'out'},
+           checkpoint: {{every_n_steps: 1, class_path: tests.checkpoint.helpers.{failing}}}}}
+""")
+    log = tmp_path / "launch.log"
+    args = ["--nnodes=1", "--nproc-per-node=2", "--max-restarts=0", "--rdzv-backend=c10d",
+            "--rdzv-endpoint=127.0.0.1:0", "--monitor-interval=0.1", "-m", "sailfin", "train",
+            str(cfg), "--trainer.backend", "ddp"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "sailfin", "launch", *args], env=env,
+                                stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True)
+    try:
+        [code] = wait([proc], 120, [log])
+    finally:
+        stop(proc)
+    text = log.read_text(errors="replace")
+    rank = int(failing[4])
+    assert code == 2, tail([log])
+    errors = [line for line in text.splitlines() if line.startswith("sailfin: checkpoint error")]
+    assert len(errors) == 1 and "saving step 2 to" in errors[0] \
+        and "no space left on device" in errors[0], text
+    assert (f"sailfin launch: rank {rank} stopped on the error it printed above; torchrun "
+            "stopped any other worker (exit code 2)") in text
+    assert "Traceback" not in text, text
