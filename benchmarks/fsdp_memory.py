@@ -54,7 +54,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import sailfin.trainer.core.setup as trainer_module  # noqa: E402 (resume is called there)
+import sailfin.trainer.compose.setup as trainer_module  # noqa: E402 (resume is called there)
 from sailfin import Callback, DataInterface, ModuleInterface, Trainer, TrainerArguments  # noqa: E402
 from sailfin.config.distributed import DistArguments  # noqa: E402
 from sailfin.utils.memory import peak_rss_bytes  # noqa: E402

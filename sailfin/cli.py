@@ -67,10 +67,10 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
     from .checkpoint import CheckpointError
     from .checkpoint.errors import CheckpointWriteError
     from .data.shards.errors import ShardError
+    from .interfaces import RecipeError
     from .trainer import Trainer
     from .trainer.safety.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
     from .trainer.safety.run_lock import RunLockError
-    from .trainer.safety.startup_checks import StartupCheckError
 
     try:
         module = cfg.build(_module_builder(cfg.trainer))
@@ -92,7 +92,7 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
                  and not getattr(cause, "every_rank", False))
         _user_error(f"sailfin: checkpoint error: {exc}", here=alone)
         return 2
-    except StartupCheckError as exc:  # the recipe returned something unusable, seen at start
+    except RecipeError as exc:  # the recipe gave something unusable, seen before step 1
         _user_error(f"sailfin: recipe error: {exc}")
         return 2
     except RunLockError as exc:

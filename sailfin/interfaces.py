@@ -19,6 +19,13 @@ Batch = Any
 TrainStepOutput = Union[torch.Tensor, tuple]
 
 
+class RecipeError(ValueError):
+    """A recipe piece (``get_train_dataloader``, ``get_optimizers_schedulers``,
+    ``train_step``, ``val_step``...) broke its contract, found before the first step.
+    ``sailfin train`` says it in one line, ``sailfin: recipe error: ...``, and exits 2;
+    the message names the piece and how to fix it."""
+
+
 class DataProcessor:
     """One step of preprocessing (read, clean, tokenize, write shards).
 

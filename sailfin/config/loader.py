@@ -129,13 +129,9 @@ def _check_interface(cls: Any, class_path: str, section: str) -> None:
             f"{section}.class_path must name a subclass of sailfin.{expected}; "
             f"{class_path} is {what}. sailfin calls nothing else that a config names")
     if cls.__module__ == "sailfin.interfaces" and cls.__qualname__ == expected:
+        # The interface itself, known by name as above (``expected`` is a string).
         raise ConfigError(
             f"{section}.class_path names sailfin.{expected} itself, which holds no "
-            f"{'data' if section == 'data' else 'model'}: name your subclass of it "
-            f"(e.g. {'mypkg.MyData' if section == 'data' else 'mypkg.MyRecipe'})")
-    if cls is expected:
-        raise ConfigError(
-            f"{section}.class_path names sailfin.{expected.__name__} itself, which holds no "
             f"{'data' if section == 'data' else 'model'}: name your subclass of it "
             f"(e.g. {'mypkg.MyData' if section == 'data' else 'mypkg.MyRecipe'})")
 

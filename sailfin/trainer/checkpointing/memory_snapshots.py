@@ -27,7 +27,7 @@ from ..core.callbacks import Callback
 from .saver import CheckpointCallback, manifest_facts
 
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 _FILE_OVERHEAD = 1 << 16  # torch.save's archive around the tensors, per file (generous)
 
@@ -54,19 +54,19 @@ class MemorySnapshots(Callback):
         self.stall_seconds: list[float] = []
         self.snapshot_bytes = 0
 
-    def on_train_start(self, trainer: "Trainer") -> None:
+    def on_train_start(self, trainer: "RunView") -> None:
         # What a run before this one left (newer steps above all) must never be resumed.
         self.store.prune(only=trainer.global_step)
         self.check_space(trainer)
 
-    def on_step_end(self, trainer: "Trainer") -> None:
+    def on_step_end(self, trainer: "RunView") -> None:
         step = trainer.global_step
         if step % self.every == 0:
             self.snapshot(trainer)
         if self.persist and step % self.persist == 0:
             self.saver.save(trainer)  # skipped when a step save of the same step just ran
 
-    def snapshot(self, trainer: "Trainer") -> None:
+    def snapshot(self, trainer: "RunView") -> None:
         started = time.perf_counter()
         trainer.nonfinite.check()  # never snapshot weights a non-finite loss spoiled
         trainer.writers.flush()  # metrics.jsonl holds every event up to the snapshot
@@ -77,7 +77,7 @@ class MemorySnapshots(Callback):
         self.store.save(trainer.global_step, facts, shared, rng_state())
         self.stall_seconds.append(time.perf_counter() - started)
 
-    def on_train_end(self, trainer: "Trainer") -> None:
+    def on_train_end(self, trainer: "RunView") -> None:
         if self.store.skipped and trainer.dist.is_main:
             say(f"memory snapshots: {self.store.skipped} of {len(self.stall_seconds)} skipped: "
                 "the previous one was still being written (a write took longer than the "
@@ -93,7 +93,7 @@ class MemorySnapshots(Callback):
                 os.remove(record)
 
     # -- before the first step ---------------------------------------------------------
-    def check_space(self, trainer: "Trainer") -> None:
+    def check_space(self, trainer: "RunView") -> None:
         """Two snapshots per rank (plus two replicas) must fit the free shared memory of
         each node; else stop before the first step, on every rank, with the numbers."""
         state = local_shards(trainer.state_dict())

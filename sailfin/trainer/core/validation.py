@@ -16,10 +16,10 @@ from .pymarlin_forms import as_columns, batch_size, per_sample
 from .train_log import scalar
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from .trainer import Loop
 
 
-def run_validation(trainer: "Trainer") -> dict[str, dict[str, float]]:
+def run_validation(trainer: "Loop") -> dict[str, dict[str, float]]:
     """Every validation set through ``val_step`` and ``on_end_val_epoch``: name -> metrics."""
     results: dict[str, dict[str, float]] = {}
     module, args = trainer.module, trainer.args
@@ -54,7 +54,7 @@ def due_after_epoch(args: TrainerArguments, epoch: int) -> bool:
     return bool(every) and ((epoch + 1) % every == 0 or epoch + 1 == args.epochs)
 
 
-def validation_weights(trainer: "Trainer") -> Any:
+def validation_weights(trainer: "Loop") -> Any:
     """The EMA weights swapped in for validation when ``trainer.ema.validate`` says."""
     if trainer.ema is not None and trainer.args.ema.validate:
         return trainer.ema.swapped_in(trainer.module)

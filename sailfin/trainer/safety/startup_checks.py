@@ -25,21 +25,22 @@ import numpy as np
 import torch
 
 from ...distributed.watchdog import STARTUP_CHECKS
+from ...interfaces import RecipeError
 
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 TRAIN_STEP_FORMS = ("the batch's mean loss (a tensor with one value), "
                     "(loss, {name: scalar tensor}) to log more values, or PyMarlin's "
                     "(loss, outputs...) passed to on_end_train_step")
 
 
-class StartupCheckError(ValueError):
+class StartupCheckError(RecipeError):
     """A recipe piece returned something the trainer cannot use; found before training."""
 
 
 # -- schedulers ---------------------------------------------------------------------
-def steps_left(trainer: "Trainer") -> int:
+def steps_left(trainer: "RunView") -> int:
     """Optimizer steps this run still takes (the rest of the epochs, capped by max_steps)."""
     args = trainer.args
     left = max(0, trainer.steps_per_epoch - trainer.step_in_epoch) if \
@@ -50,7 +51,7 @@ def steps_left(trainer: "Trainer") -> int:
     return left
 
 
-def check_schedulers_fit(trainer: "Trainer") -> None:
+def check_schedulers_fit(trainer: "RunView") -> None:
     """Stop now if a scheduler with a fixed length would run out during this run."""
     left = steps_left(trainer)
     if not left and trainer.resumed_from is not None and trainer.dist.is_main:
@@ -80,7 +81,7 @@ def check_schedulers_fit(trainer: "Trainer") -> None:
 
 
 # -- validation sanity check -----------------------------------------------------------
-def sanity_validate(trainer: "Trainer") -> None:
+def sanity_validate(trainer: "RunView") -> None:
     """Run ``sanity_val_batches`` batches of each validation set through ``val_step``."""
     count = trainer.args.sanity_val_batches
     if not count or not trainer.val_loaders:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ...checkpoint import build_checkpointer
 from ...checkpoint.checkpointer import say
 from ...data.plan import BatchPlan
+from ...interfaces import RecipeError
 from ...logging.destination import check_directory
 from ...utils.seed import seed_everything
 from ..checkpointing.accepted import FreshHyperparameters, apply_accepted
@@ -19,11 +20,11 @@ from ..features.autobatch import auto_micro_batch
 from ..features.loop_features import build_loop_features
 from ..features.observe import build_observers
 from ..features.run_stats import RunStats
-from ..safety.hang_watch import start_watchdog
+from .watchdog import start_watchdog
 from ..safety.nonfinite import NonFiniteGuard
-from .hooks import as_list, overridden
-from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
-from .pymarlin_forms import train_step_end_caller, val_epoch_end_caller
+from ..core.hooks import as_list, overridden
+from ..core.loaders import build_train_loader, build_val_loaders, dataset_set_epoch
+from ..core.pymarlin_forms import train_step_end_caller, val_epoch_end_caller
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -54,7 +55,8 @@ def build_run(trainer: "Trainer") -> None:
     trainer.optimizers = as_list(optimizers, "optimizers")
     trainer.schedulers = as_list(schedulers, "schedulers")
     if not trainer.optimizers:
-        raise ValueError("get_optimizers_schedulers returned no optimizer")
+        raise RecipeError("get_optimizers_schedulers returned no optimizer: return "
+                          "([optimizer, ...], [scheduler, ...]) (the schedulers may be [])")
     # dp: clipping, noise and accounting around the optimizers (a no-op otherwise).
     trainer.backend.attach_optimizers(trainer.optimizers, trainer.num_train_samples,
                                    trainer.steps_per_epoch)

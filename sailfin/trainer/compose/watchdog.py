@@ -1,4 +1,5 @@
-"""Starting the hang watchdog for a run: as soon as its process group exists.
+"""Starting the hang watchdog for a run (the composition root): as soon as its process
+group exists.
 
 Set-up has collectives of its own (the model's broadcast, the resume's agreement,
 the start-up checks' batches), and a rank stopped there leaves the others waiting
