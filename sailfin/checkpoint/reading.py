@@ -70,7 +70,8 @@ def open_checked(storage: Storage, path: str, shown: str, *, what: str = "checkp
         return
     try:
         # O_NONBLOCK: opening a FIFO does not wait for a writer; the fstat below refuses it.
-        fd = os.open(local, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(local, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
     except (IsADirectoryError, NotADirectoryError):
         raise CheckpointCorrupt(f"{what} {shown} is a directory, not a regular file: the "
                                 "checkpoint is damaged", shown) from None
@@ -91,7 +92,8 @@ def open_checked(storage: Storage, path: str, shown: str, *, what: str = "checkp
                                         f"checkpoint directory {within}: sailfin reads "
                                         "checkpoint files only inside it", shown)
         _check_size(info.st_size, shown, what, expected_size, limit)
-        os.set_blocking(fd, True)
+        if hasattr(os, "O_NONBLOCK"):
+            os.set_blocking(fd, True)
         fh = os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)

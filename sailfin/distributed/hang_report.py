@@ -4,8 +4,8 @@ rank(s) the others wait for.
 A rank is waited for when its records stopped coming (a frozen or vanished
 process), else when it is furthest behind (an earlier step, or an earlier phase of
 the same step), else, every rank being at the same place, when it is still making
-progress while the others have waited past the limit (one rank slow alone in
-validation is named alone). Only when every rank waits is the whole group named.
+progress, or moved clearly later, while the others have waited past the limit (one
+rank slow alone in validation is named alone). Only when every rank waits is the whole group named.
 
 Example::
 
@@ -30,19 +30,24 @@ OPTIMIZER = "optimizer"
 END_OF_STEP = "end of step (logging, checkpoint save, callbacks)"
 CHECKPOINT_SAVE = "checkpoint save"
 VALIDATION = "validation"
+# Done with its own validation batches, waiting for the other ranks' outputs: a rank still
+# in VALIDATION is behind it.
+VALIDATION_GATHER = "validation (gathering every rank's outputs)"
 END_OF_EPOCH = "end of epoch (checkpoint save, callbacks)"
 FINISHED = "finished"
 FAILED = "stopped by an error"  # training raised on this rank: the others wait for it
 _ORDER = {p: i for i, p in enumerate((FAILED, SETUP, STARTUP_CHECKS, DATA, FORWARD, BACKWARD,
                                        ALL_REDUCE, OPTIMIZER, END_OF_STEP, CHECKPOINT_SAVE,
-                                       VALIDATION, END_OF_EPOCH, FINISHED))}
-_AFTER_STEP = {END_OF_STEP, CHECKPOINT_SAVE, VALIDATION, END_OF_EPOCH, FINISHED}
+                                       VALIDATION, VALIDATION_GATHER, END_OF_EPOCH,
+                                       FINISHED))}
+_AFTER_STEP = {END_OF_STEP, CHECKPOINT_SAVE, VALIDATION, VALIDATION_GATHER, END_OF_EPOCH,
+               FINISHED}
 # Phases known to take long on every rank at once (building and loading a model, the first
 # forward, saves, validation, user callbacks): they get
 # trainer.distributed.hang_seconds_slow_phases, not hang_seconds. A rank whose records
 # stop (a frozen process) is named after hang_seconds whatever its phase.
 SLOW_PHASES = frozenset({SETUP, STARTUP_CHECKS, END_OF_STEP, CHECKPOINT_SAVE, VALIDATION,
-                         END_OF_EPOCH})
+                         VALIDATION_GATHER, END_OF_EPOCH})
 HANG_KEY = "trainer.distributed.hang_seconds"
 SLOW_KEY = "trainer.distributed.hang_seconds_slow_phases"
 
@@ -87,7 +92,7 @@ def culprits(records: list[RankRecord], stale: Iterable[int] = (),
              busy: Iterable[int] = ()) -> list[int]:
     """The rank(s) the others wait for: records that stopped coming, else the ranks
     furthest behind (earliest step, then earliest phase); among ranks at the same place,
-    the ones still ``busy`` (progress within half the limit) when others waited past it;
+    the ones still ``busy`` (they moved clearly later than the others);
     every rank when all wait at the same place."""
     stale = sorted(stale)
     if stale:
@@ -107,9 +112,12 @@ def hang_report(records: list[RankRecord], hang_seconds: float,
     """The lines the watchdog prints: a header naming the rank(s) waited for and the phase
     they are in, with the limit that was hit and the key that raises it; one line per rank."""
     stale = stale or {}
-    # Still making progress: moved within half the limit (the others waited past it).
-    busy = [r.rank for r in records
-            if r.idle <= limit_of(r.phase, hang_seconds, slow_seconds) / 2]
+    # Still making progress: moved clearly later than the rank that waited longest (more
+    # than the records' one-second cadence and a tenth of the limit): the others wait for it.
+    live = [r for r in records if r.phase not in (FINISHED, FAILED)]
+    longest = max((r.idle for r in live), default=0.0)
+    busy = [r.rank for r in live if r.idle <= longest - max(
+        2.0, 0.1 * limit_of(r.phase, hang_seconds, slow_seconds))]
     names = culprits(records, stale, busy)
     everyone = len(names) == len({r.rank for r in records}) and not stale and len(names) > 1
     phases = {r.phase for r in records if r.rank in names}

@@ -159,7 +159,10 @@ def test_a_rank_slow_alone_is_named_alone():
                         10, slow_seconds=40)
     assert "waiting for rank 1 (in validation)" in lines[0], lines
     assert lines[2].endswith("<- stuck") and not lines[1].endswith("<- stuck")
-    together = hang_report([RankRecord(0, 4, VALIDATION, 41), RankRecord(1, 4, VALIDATION, 41)],
+    one_batch = hang_report([RankRecord(0, 4, VALIDATION, 41),  # on one long batch
+                             RankRecord(1, 4, VALIDATION, 30)], 10, slow_seconds=40)
+    assert "waiting for rank 1 (in validation)" in one_batch[0], one_batch
+    together = hang_report([RankRecord(0, 4, VALIDATION, 41), RankRecord(1, 4, VALIDATION, 40.2)],
                            10, slow_seconds=40)
     assert "all ranks in validation" in together[0]
 

@@ -24,11 +24,11 @@ from tests.distributed.elastic_helpers import ROOT, reached, stop, tail, wait, w
 HANG = 5
 
 
-def _launch(cfg, log):
+def _launch(cfg, log, *extra):
     args = ["--nnodes=1", "--nproc-per-node=2", "--max-restarts=0", "--rdzv-backend=c10d",
             "--rdzv-endpoint=127.0.0.1:0", "--monitor-interval=0.1", "-m", "sailfin", "train",
             str(cfg), "--trainer.backend", "ddp", "--trainer.distributed.hang_seconds",
-            str(HANG)]
+            str(HANG), *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     with open(log, "ab") as fh:
         return subprocess.Popen([sys.executable, "-m", "sailfin", "launch", *args], env=env,
@@ -96,3 +96,24 @@ def test_a_rank_stuck_in_the_check_batch_is_named(tmp_path):
     assert "in val_step" in (tmp_path / "job" / "run" / "hang" / "stack-rank1.txt").read_text()
     assert "sailfin launch: the hang watchdog ended the job" in text
     assert time.time() - began < HANG + 20
+
+
+@pytest.mark.slow
+def test_a_rank_slow_alone_in_validation_is_named_alone(tmp_path):
+    """(#34) Rank 0 done with its validation batches waits for rank 1's outputs: the report
+    used to say 'all ranks in validation'."""
+    cfg = write_config(tmp_path, "job", every=100, step_seconds=0.0, epochs=2)
+    cfg.write_text(cfg.read_text().replace("elastic_recipe.ElasticRecipe",
+                                           "hang_recipe.SlowValidationOnRank1"))
+    log = tmp_path / "job.log"
+    proc = _launch(cfg, log, "--trainer.distributed.hang_seconds_slow_phases", str(HANG))
+    try:
+        [code] = wait([proc], 120, [log])
+    finally:
+        stop(proc)
+    text = log.read_text(errors="replace")
+    assert code == 75, tail([log])
+    header = next(line for line in text.splitlines() if "hang watchdog: no progress" in line)
+    assert "waiting for rank 1 (in validation)" in header, header
+    assert "all ranks" not in header
+    assert "rank 0: global_step 12, phase validation (gathering every rank's outputs)" in text
