@@ -11,7 +11,7 @@ import yaml
 
 from . import shard_cli
 from .config import ConfigError, load_config
-from .distributed.launch_notes import USER_ERROR, leave_note, noted_by_others
+from .distributed.launch_notes import FINISHED, USER_ERROR, leave_note, noted_by_others
 from .logging.writers import WriterError
 from .signals import (PREEMPTED_EXIT_CODE, StoppedDuringSetup, note_preempted, setup_over,
                       stop_during_setup)
@@ -79,6 +79,7 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
                      callbacks=[_setup_over_callback()]) as trainer:
             try:
                 summary = trainer.train()
+                leave_note(FINISHED)  # sailfin launch: a stop from now on loses nothing
             except TrainingPreempted:
                 note_preempted()  # saved: before the teardown, which torchrun may cut short
                 raise

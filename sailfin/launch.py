@@ -37,8 +37,8 @@ import tempfile
 from typing import Optional, Sequence
 
 from .distributed.exit_codes import HANG_EXIT_CODE, PREEMPTED_EXIT_CODE
-from .distributed.launch_notes import (HANG, LAUNCH_DIR_ENV, PREEMPTED, TRAINING, USER_ERROR,
-                                      read_notes)
+from .distributed.launch_notes import (FINISHED, HANG, LAUNCH_DIR_ENV, PREEMPTED, TRAINING,
+                                      USER_ERROR, read_notes)
 
 # Exit codes of a worker the agent stopped after another worker had exited.
 _STOPPED_BY_AGENT = (-signal.SIGTERM, -signal.SIGKILL)
@@ -68,12 +68,12 @@ def launch_command(argv: Sequence[str]) -> int:
     except SignalException as exc:
         local = determine_local_world_size(args.nproc_per_node)
         found = read_notes(notes)
-        lost = sorted(found[TRAINING] - found[PREEMPTED])
+        lost = sorted(found[TRAINING] - found[PREEMPTED] - found[FINISHED])
         saved = len(found[TRAINING] & found[PREEMPTED])
         if not lost:
             print(f"sailfin launch: stopped by {exc.sigval.name}; {saved} of {local} worker(s) "
-                  "saved a checkpoint and the others had not begun training: nothing was "
-                  f"lost, run the same command again to resume (exit code "
+                  "saved a checkpoint, the others had not begun training or had finished "
+                  f"it: nothing was lost, run the same command again to resume (exit code "
                   f"{PREEMPTED_EXIT_CODE})", file=sys.stderr, flush=True)
             return PREEMPTED_EXIT_CODE
         print(f"sailfin launch: stopped by {exc.sigval.name}; rank(s) "

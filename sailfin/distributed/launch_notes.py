@@ -8,6 +8,7 @@ small file in the directory the launcher names in ``SAILFIN_LAUNCH_DIR``:
   lost from now on);
 - ``preempted-rank<r>``: it stopped on a signal with a checkpoint saved, or before
   its first step (nothing to lose);
+- ``finished-rank<r>``: its training finished (a stop during the teardown loses nothing);
 - ``hang-rank<r>``: the hang watchdog ended it;
 - ``error-rank<r>``: it printed a user error (a config, a checkpoint, a full disk) and
   exited 2; the other workers' ends (torchrun stops them) follow from it.
@@ -30,8 +31,9 @@ from typing import Optional
 LAUNCH_DIR_ENV = "SAILFIN_LAUNCH_DIR"
 """Set by ``sailfin launch`` for its workers: where each worker leaves its notes."""
 
-TRAINING, PREEMPTED, HANG, USER_ERROR = "training", "preempted", "hang", "error"
-KINDS = (TRAINING, PREEMPTED, HANG, USER_ERROR)
+TRAINING, PREEMPTED, FINISHED, HANG, USER_ERROR = ("training", "preempted", "finished",
+                                                   "hang", "error")
+KINDS = (TRAINING, PREEMPTED, FINISHED, HANG, USER_ERROR)
 
 
 def _directory() -> Optional[str]:

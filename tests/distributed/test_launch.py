@@ -216,8 +216,8 @@ def test_a_signal_to_the_launcher_while_rank_0_builds_gives_75_at_once(tmp_path,
     name = signal.Signals(sig).name
     assert text.count(f"sailfin: stopped by {name} during set-up, before the first step") == 2
     assert "Traceback" not in text and "second Ctrl-C" not in text, text
-    assert (f"sailfin launch: stopped by {name}; 0 of 2 worker(s) saved a checkpoint and the "
-            "others had not begun training: nothing was lost") in text
+    assert (f"sailfin launch: stopped by {name}; 0 of 2 worker(s) saved a checkpoint, the "
+            "others had not begun training or had finished it: nothing was lost") in text
 
 
 @pytest.mark.slow
@@ -255,3 +255,29 @@ trainer: {{epochs: 1, train_batch_size: 10, writers: [jsonl], output_dir: {tmp_p
     assert (f"sailfin launch: rank {rank} stopped on the error it printed above; torchrun "
             "stopped any other worker (exit code 2)") in text
     assert "Traceback" not in text, text
+
+
+def test_the_closing_line_comes_from_the_workers_notes():
+    from sailfin.launch import _closing_line
+
+    def notes(**kinds):
+        out = {k: set() for k in ("training", "preempted", "finished", "hang", "error")}
+        out.update({k: set(v) for k, v in kinds.items()})
+        return out
+
+    # The watchdog ended the job; the frozen rank was SIGKILLed: a hang, not a preemption.
+    line, code = _closing_line({0: -9, 1: 75}, notes(training={0, 1}, hang={1}))
+    assert code == 75 and line.startswith("the hang watchdog ended the job")
+    assert "saved a checkpoint" not in line
+    # Exit 75 without any note (a hang before this launcher's notes): torchrun's report.
+    assert _closing_line({0: 75, 1: 75}, notes(training={0, 1})) == (None, 75)
+    # Rank 1 printed a user error; rank 0's collective broke (1) or the agent stopped it.
+    for other in (1, -15):
+        line, code = _closing_line({0: other, 1: 2}, notes(training={0, 1}, error={1}))
+        assert code == 2 and line.startswith("rank 1 stopped on the error it printed above")
+    # Every stopped worker saved (or stopped before training): a preemption.
+    line, code = _closing_line({0: 75, 1: -15},
+                               notes(training={0, 1}, preempted={0, 1}))
+    assert code == 75 and "2 saved a checkpoint" in line
+    # A failure that is none of these: torchrun's own report, and its code.
+    assert _closing_line({0: 1, 1: -15}, notes(training={0, 1})) == (None, 1)
