@@ -11,6 +11,7 @@ import yaml
 
 from . import shard_cli
 from .config import ConfigError, load_config
+from .distributed.launch_notes import FINISHED, USER_ERROR, leave_note, noted_by_others
 from .logging.writers import WriterError
 from .signals import (PREEMPTED_EXIT_CODE, StoppedDuringSetup, note_preempted, setup_over,
                       stop_during_setup)
@@ -64,6 +65,7 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
     from .checkpoint import CheckpointError
+    from .checkpoint.errors import CheckpointWriteError
     from .data.shards.errors import ShardError
     from .interfaces import RecipeError
     from .trainer import Trainer
@@ -73,16 +75,23 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
     try:
         module = cfg.build(_module_builder(cfg.trainer))
         # The context manager leaves the process group on every path.
-        with Trainer(module, cfg.trainer, hparams=cfg.to_dict()) as trainer:
+        with Trainer(module, cfg.trainer, hparams=cfg.to_dict(),
+                     callbacks=[_setup_over_callback()]) as trainer:
             try:
                 summary = trainer.train()
+                leave_note(FINISHED)  # sailfin launch: a stop from now on loses nothing
             except TrainingPreempted:
                 note_preempted()  # saved: before the teardown, which torchrun may cut short
                 raise
             finally:
                 setup_over()  # a SIGTERM from now on (torchrun stopping us) is not set-up
     except CheckpointError as exc:
-        _user_error(f"sailfin: checkpoint error: {exc}")
+        # A save that failed on this rank alone (its disk, its files) is said here: the
+        # rank that would print it (rank 0) may be stopped by torchrun first.
+        cause = exc.__cause__
+        alone = (isinstance(cause, (OSError, CheckpointWriteError))
+                 and not getattr(cause, "every_rank", False))
+        _user_error(f"sailfin: checkpoint error: {exc}", here=alone)
         return 2
     except RecipeError as exc:  # the recipe gave something unusable, seen before step 1
         _user_error(f"sailfin: recipe error: {exc}")
@@ -108,6 +117,18 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
     return 0
 
 
+def _setup_over_callback():
+    from .trainer.core.callbacks import Callback
+
+    class SetupOver(Callback):
+        """Training begins: a signal from now on is the loop's, not set-up's."""
+
+        def on_train_start(self, trainer) -> None:
+            setup_over()
+
+    return SetupOver()
+
+
 def _module_builder(trainer):
     """Under the fsdp backends rank 0 builds the recipe as sp does and the other ranks on
     the meta device (trainer.fsdp.build): no rank but 0 ever holds the whole model."""
@@ -126,15 +147,16 @@ def _module_builder(trainer):
     return build
 
 
-def _user_error(message: str) -> None:
-    """A user error, printed once: by rank 0 (every rank under torchrun hits the same)."""
+def _user_error(message: str, here: bool = False) -> None:
+    """A user error, printed once: by rank 0 (every rank under torchrun hits the same),
+    or ``here``, by the rank that alone met it."""
     try:
         from .distributed import DistEnv
         rank = DistEnv.from_environ().rank
     except Exception:  # a launcher's variables that do not add up: say it here anyway
         rank = 0
-    if rank == 0:
-        print(message, file=sys.stderr)
+    if rank == 0 or here:
+        print(message, file=sys.stderr, flush=True)
 
 
 def _without_worker_traceback(exc: BaseException) -> str:
@@ -178,6 +200,16 @@ def _user_errors(fn):
         except WriterError as exc:  # a writer cannot write where the config says
             _user_error(f"sailfin: {exc}")
             return 2
+        except Exception as exc:
+            # Under sailfin launch: a collective broken because another rank stopped on a
+            # user error it printed is no failure of this rank's (no traceback).
+            others = noted_by_others(USER_ERROR)
+            if not others:
+                raise
+            print(f"sailfin: rank {os.environ.get('RANK', '?')} stopped ({type(exc).__name__}) "
+                  f"because rank {', '.join(map(str, others))} stopped on the error it "
+                  "printed", file=sys.stderr, flush=True)
+            return 1
     return run
 
 
@@ -201,8 +233,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "train":
             # User errors end inside the recorded call: torchrun reports no traceback.
             with stop_during_setup():  # until the trainer takes SIGTERM over
-                return _recorded(_user_errors(train_command))(args.config, rest,
+                code = _recorded(_user_errors(train_command))(args.config, rest,
                                                               args.print_config)
+                if code == 2:  # sailfin launch: this rank's error, not torchrun's stop
+                    leave_note(USER_ERROR)
+                return code
         if args.command == "shard":
             return shard_cli.run(args, rest)
     except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops)

@@ -130,15 +130,17 @@ class WideRecipe(LinearRecipe):
 
 
 class SlowBuildRecipe(LinearRecipe):
-    """A recipe whose construction takes ``seconds`` (a large model being built); it
-    touches the file named by $SLOW_BUILD_MARKER when it starts, so that a test can
-    signal it during set-up."""
+    """A recipe whose construction takes ``seconds`` (a large model being built) on
+    ``only_rank`` (every rank when -1); it touches the file named by $SLOW_BUILD_MARKER
+    when it starts, so that a test can signal it during set-up."""
 
-    def __init__(self, data: IdData, seconds: float = 30.0, **kw) -> None:
+    def __init__(self, data: IdData, seconds: float = 30.0, only_rank: int = -1, **kw) -> None:
         import os
         import time
 
         super().__init__(data, **kw)
+        if only_rank >= 0 and os.environ.get("RANK", "0") != str(only_rank):
+            return  # the other ranks go on and wait for this one in the process group
         marker = os.environ.get("SLOW_BUILD_MARKER")
         if marker:
             open(marker, "w").close()

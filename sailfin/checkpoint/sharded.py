@@ -37,6 +37,7 @@ import torch
 
 from ..compat.torch import fsspec_reader, fsspec_writer
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError
+from .reading import plain_name
 from .shard_checksums import checksummed_writer, describe, verify
 from .storage import LocalStorage, Storage
 
@@ -200,6 +201,9 @@ def locate_shards(storage: Storage, where: str, manifest: dict[str, Any],
     if not info:
         return None
     shown = storage.display(where)
+    if not isinstance(info, dict) or not plain_name(info.get("dir", SHARDS)):
+        raise CheckpointCorrupt(f"checkpoint manifest in {shown} has a malformed 'sharded' "
+                                "entry (its dir must be a name inside the checkpoint)", shown)
     if info.get("format") != FORMAT:
         raise CheckpointCorrupt(f"checkpoint {shown} holds shards in format "
                                 f"{info.get('format')!r}; this sailfin reads {FORMAT!r}", shown)

@@ -16,6 +16,7 @@ from ...checkpoint.checkpointer import Checkpointer, Loaded, say
 from .config_diff import check_config
 from ...checkpoint.errors import CheckpointCorrupt, CheckpointError
 from .init_from import load_initial_weights
+from .loaded_shape import check_loaded
 from ...checkpoint.metrics_log import last_logged_step, trim_metrics_log
 from ...checkpoint.rng import derive_rng, restore_rng
 from ...checkpoint.sharded import load_sharded
@@ -52,7 +53,7 @@ def _resume(trainer: "RunView", checkpointer: Checkpointer) -> Optional[Loaded]:
             _start_afresh(trainer)
             return None
     else:
-        loaded, error = _try_load(checkpointer, mode)
+        loaded, error = _try_load(checkpointer, mode, trainer.dist.rank)
         if not _all_ranks(trainer, loaded is not None):
             raise error or CheckpointError(f"trainer.resume: another rank could not read {mode}")
         assert loaded is not None
@@ -77,7 +78,7 @@ def _first_loadable(trainer: "RunView", checkpointer: Checkpointer) -> Optional[
     """The newest checkpoint every rank can read; say which damaged ones were skipped."""
     skipped = []
     for name in checkpointer.candidates():
-        loaded, error = _try_load(checkpointer, name)
+        loaded, error = _try_load(checkpointer, name, trainer.dist.rank)
         # Every rank must continue from the same checkpoint, even if only one
         # rank's file is damaged.
         if _all_ranks(trainer, loaded is not None):
@@ -98,10 +99,13 @@ def _first_loadable(trainer: "RunView", checkpointer: Checkpointer) -> Optional[
     return None
 
 
-def _try_load(checkpointer: Checkpointer, name: str
+def _try_load(checkpointer: Checkpointer, name: str, rank: int
               ) -> tuple[Optional[Loaded], Optional[CheckpointError]]:
+    """Read ``name`` and check it has the shape a save gives it (see :mod:`.loaded_shape`)."""
     try:
-        return checkpointer.load(name), None
+        loaded = checkpointer.load(name)
+        check_loaded(loaded, rank)
+        return loaded, None
     except CheckpointError as exc:
         return None, exc
 

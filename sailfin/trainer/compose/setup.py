@@ -20,6 +20,7 @@ from ..features.autobatch import auto_micro_batch
 from ..features.loop_features import build_loop_features
 from ..features.observe import build_observers
 from ..features.run_stats import RunStats
+from .watchdog import start_watchdog
 from ..safety.nonfinite import NonFiniteGuard
 from ..core.hooks import as_list, overridden
 from ..core.loaders import build_train_loader, build_val_loaders, dataset_set_epoch
@@ -40,6 +41,7 @@ def build_run(trainer: "Trainer") -> None:
                                     args.drop_last, args.max_train_steps_per_epoch,
                                     micro_batch_limit=args.gpu_batch_size_limit)
     trainer.backend.setup(trainer.module)
+    start_watchdog(trainer, in_setup=True)  # from the first collective: resume, checks
     trainer.plan = trainer.backend.batch_plan(trainer.plan)  # dp: unweighted, Poisson steps
     trainer.device = trainer.backend.device
     trainer.train_loader, trainer.train_sampler = build_train_loader(

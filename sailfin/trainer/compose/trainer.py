@@ -4,14 +4,13 @@ preemption, the hang watchdog, the run's outputs and the checkpoint state."""
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any, Mapping, Optional
 
-from ...distributed.watchdog import build_watchdog
 from ...utils.log import configure_logging
 from ..checkpointing.state import load_trainer_state, trainer_state
 from ..core.trainer import Loop
+from .watchdog import start_watchdog
 from ..safety.preemption import Preemption, save_and_stop
 from ..safety.run_lock import RunLock, take_run_lock
 from ..safety.startup_checks import check_schedulers_fit, sanity_validate, train_output_checker
@@ -30,7 +29,7 @@ class Trainer(Loop):
 
     _is_setup = False
     _run_lock: Optional[RunLock] = None  # rank 0's hold on output_dir, from setup() on
-    watchdog: Any = None                 # the hang watchdog while train() runs
+    watchdog: Any = None                 # the hang watchdog, from set-up to train()'s end
 
     # -- the run ---------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -41,6 +40,7 @@ class Trainer(Loop):
             check_schedulers_fit(self)
             sanity_validate(self)
         except BaseException:
+            self._stop_watchdog()  # its record says this rank failed (the others may wait)
             self._release_run_lock()
             raise
         self._check_first_output = train_output_checker(self.global_step)
@@ -49,11 +49,7 @@ class Trainer(Loop):
         self.preemption = Preemption(self.dist.world_size, self.backend.all_reduce_mean,
                                      self.device, args.preemption_check_every_n_steps)
         try:
-            self.watchdog = build_watchdog(  # trainer.distributed.hang_seconds
-                args.distributed.hang_seconds, self.dist.rank, self.dist.world_size,
-                self.backend.group_store(), self.heartbeat,
-                os.path.join(args.output_dir, "hang"),
-                args.distributed.hang_seconds_slow_phases)
+            start_watchdog(self)  # one process; several: running since set-up joined the group
             self.train_log.ready_since = self.global_step
             self.preemption.install(self.global_step)
             self._notify("on_train_start")

@@ -11,7 +11,7 @@ import torch
 
 from ...checkpoint.rng import seed_loader
 from ...config.trainer import TrainerArguments
-from ...distributed.watchdog import VALIDATION
+from ...distributed.watchdog import VALIDATION, VALIDATION_GATHER
 from .pymarlin_forms import as_columns, batch_size, per_sample
 from .train_log import scalar
 
@@ -34,7 +34,9 @@ def run_validation(trainer: "Loop") -> dict[str, dict[str, float]]:
             local = merge_outputs(trainer.backend.validation_outputs(
                 module, trainer.global_step,
                 trainer.heartbeat.count(val_batches(loader, args, sizes))), sizes=sizes)
+            trainer.heartbeat.phase = VALIDATION_GATHER  # done here: a slower rank is behind
             outputs = trainer.backend.gather_outputs(local)
+            trainer.heartbeat.phase = VALIDATION
             # The recipe's on_end_val_epoch, called with what its signature takes.
             metrics = trainer._on_end_val_epoch(trainer.global_step, outputs, name) or {}
             metrics = {k: scalar(v) for k, v in metrics.items()}

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import numpy as np
 import torch
 
+from ...distributed.watchdog import STARTUP_CHECKS
 from ...interfaces import RecipeError
 
 if TYPE_CHECKING:
@@ -85,6 +86,7 @@ def sanity_validate(trainer: "RunView") -> None:
     count = trainer.args.sanity_val_batches
     if not count or not trainer.val_loaders:
         return
+    trainer.heartbeat.phase = STARTUP_CHECKS  # watched: a rank may stop in these batches
     module, device = trainer.module, trainer.device
     was_training = module.training
     states = (random.getstate(), np.random.get_state())
@@ -94,7 +96,7 @@ def sanity_validate(trainer: "RunView") -> None:
         module.eval()
         try:
             for name, loader in trainer.val_loaders.items():
-                for i, batch in enumerate(loader):
+                for i, batch in enumerate(trainer.heartbeat.count(loader)):
                     if i >= count:
                         break
                     out = trainer.backend.val_step(module, trainer.global_step, batch)
