@@ -76,6 +76,13 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         with Trainer(module, cfg.trainer, hparams=cfg.to_dict()) as trainer:
             try:
                 summary = trainer.train()
+            except StoppedDuringSetup as exc:
+                if getattr(trainer, "preemption", None) is None:
+                    raise  # before the loop's own handler existed: set-up indeed
+                # The loop had run (and failed, or was ending) when a SIGTERM (torchrun
+                # stopping the job after a worker died) came: say what was lost.
+                raise StoppedAfterStart(_stopped_after_start(trainer, exc)) \
+                    from exc.__context__
             except TrainingPreempted:
                 note_preempted()  # saved: before the teardown, which torchrun may cut short
                 raise
@@ -106,6 +113,42 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         print(f"validation {name}: {value:.4f}" if isinstance(value, float)
               else f"validation {name}: {value}")
     return 0
+
+
+class StoppedAfterStart(StoppedDuringSetup):
+    """A SIGTERM that ended the run after its loop had begun (while it stopped on an error,
+    or tore down): not a stop before the first step."""
+
+    def __init__(self, message: str) -> None:
+        BaseException.__init__(self, message)
+        self.signal_name = "SIGTERM"
+
+
+def _stopped_after_start(trainer, exc: StoppedDuringSetup) -> str:
+    """What a SIGTERM that came after the loop began ended: the step reached, the error
+    the run was stopping on, and the steps past the last checkpoint."""
+    step = trainer.global_step
+    cause = exc.__context__
+    why = ""
+    if cause is not None and not isinstance(cause, StoppedDuringSetup):
+        first = (str(cause).strip().splitlines() or [""])[0][:200]
+        why = f", while stopping after {type(cause).__name__}" + (f": {first}" if first else "")
+    try:
+        latest = trainer.checkpointer.latest()
+    except Exception:  # the checkpoint store may be what failed: say what is known
+        latest = None
+    saved = int(latest.rsplit("-", 1)[1]) if latest and latest.rsplit("-", 1)[-1].isdigit() \
+        else None
+    if saved is None:
+        lost = (f"no checkpoint was saved: the {step} step(s) trained are lost; run the same "
+                "command again to start over")
+    elif step > saved:
+        lost = (f"the {step - saved} step(s) after the last checkpoint ({latest}) are lost; "
+                "run the same command again to resume from it")
+    else:
+        lost = f"nothing past the last checkpoint ({latest}) was lost; run the same command " \
+               "again to resume from it"
+    return f"stopped by {exc.signal_name} at step {step}{why}; {lost}"
 
 
 def _module_builder(trainer):
