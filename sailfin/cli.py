@@ -26,10 +26,12 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a recipe from a YAML config",
                            description="Train a recipe. Overrides: --trainer.epochs 3, "
                                        "--trainer.backend=sp, --module.init_args.lr 0.1",
-                           formatter_class=argparse.RawDescriptionHelpFormatter,
-                           epilog="config keys (key  type = default  doc); set them in the "
-                                  "YAML's trainer: section or as --key value:\n"
-                                  + trainer_keys_help())
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Read from the schema's source only when the help is printed (a third of a second
+    # that every `sailfin train` paid).
+    train.format_help = lambda: _with_epilog(train, lambda: (
+        "config keys (key  type = default  doc); set them in the YAML's trainer: section "
+        "or as --key value:\n" + trainer_keys_help()))
     train.add_argument("config", help="the run's YAML config")
     train.add_argument("--print-config", action="store_true",
                        help="print the resolved config and exit")
@@ -53,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
                    description="sailfin launch [torchrun arguments] -m sailfin train "
                                "CONFIG.yaml: see docs/multinode.md")
     return parser
+
+
+def _with_epilog(parser: argparse.ArgumentParser, epilog) -> str:
+    if parser.epilog is None:
+        parser.epilog = epilog()
+    return argparse.ArgumentParser.format_help(parser)
 
 
 def train_command(config: str, overrides: Sequence[str], print_config: bool) -> int:

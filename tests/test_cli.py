@@ -172,3 +172,16 @@ def test_train_help_cuts_each_doc_at_its_first_sentence_not_at_an_abbreviation(c
     assert not [x for x in lines if x.endswith((" e.g", " i.e"))]
     assert first_sentence("Stop early. Then more.") == "Stop early"
     assert first_sentence("Cut at 0.5 i.e. half. auto: more") == "Cut at 0.5 i.e. half"
+
+
+def test_a_run_does_not_build_the_help(tmp_path, monkeypatch, capsys):
+    """The keys' docs are read from the schema's source only for --help."""
+    import sailfin.config.help as help_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the help was built for a run")
+
+    monkeypatch.setattr(help_module, "trainer_keys_help", refuse)
+    assert main(["train", str(config(tmp_path)), "--print-config"]) == 0
+    with pytest.raises(AssertionError, match="the help was built"):
+        main(["train", "--help"])
