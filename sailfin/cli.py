@@ -27,10 +27,12 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a recipe from a YAML config",
                            description="Train a recipe. Overrides: --trainer.epochs 3, "
                                        "--trainer.backend=sp, --module.init_args.lr 0.1",
-                           formatter_class=argparse.RawDescriptionHelpFormatter,
-                           epilog="config keys (key  type = default  doc); set them in the "
-                                  "YAML's trainer: section or as --key value:\n"
-                                  + trainer_keys_help())
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Read from the schema's source only when the help is printed (a third of a second
+    # that every `sailfin train` paid).
+    train.format_help = lambda: _with_epilog(train, lambda: (
+        "config keys (key  type = default  doc); set them in the YAML's trainer: section "
+        "or as --key value:\n" + trainer_keys_help()))
     train.add_argument("config", help="the run's YAML config")
     train.add_argument("--print-config", action="store_true",
                        help="print the resolved config and exit")
@@ -54,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
                    description="sailfin launch [torchrun arguments] -m sailfin train "
                                "CONFIG.yaml: see docs/multinode.md")
     return parser
+
+
+def _with_epilog(parser: argparse.ArgumentParser, epilog) -> str:
+    if parser.epilog is None:
+        parser.epilog = epilog()
+    return argparse.ArgumentParser.format_help(parser)
 
 
 def train_command(config: str, overrides: Sequence[str], print_config: bool) -> int:
@@ -80,6 +88,13 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
             try:
                 summary = trainer.train()
                 leave_note(FINISHED)  # sailfin launch: a stop from now on loses nothing
+            except StoppedDuringSetup as exc:
+                if not exc.after_start:
+                    raise  # before training began: set-up indeed
+                # The loop had run (and failed, or was ending) when a SIGTERM (torchrun
+                # stopping the job after a worker died) came: say what was lost.
+                raise StoppedAfterStart(_stopped_after_start(trainer, exc)) \
+                    from exc.__context__
             except TrainingPreempted:
                 note_preempted()  # saved: before the teardown, which torchrun may cut short
                 raise
@@ -127,6 +142,43 @@ def _setup_over_callback():
             setup_over()
 
     return SetupOver()
+
+
+class StoppedAfterStart(StoppedDuringSetup):
+    """A SIGTERM that ended the run after its loop had begun (while it stopped on an error,
+    or tore down): not a stop before the first step."""
+
+    def __init__(self, message: str) -> None:
+        BaseException.__init__(self, message)
+        self.signal_name = "SIGTERM"
+        self.after_start = True
+
+
+def _stopped_after_start(trainer, exc: StoppedDuringSetup) -> str:
+    """What a SIGTERM that came after the loop began ended: the step reached, the error
+    the run was stopping on, and the steps past the last checkpoint."""
+    step = trainer.global_step
+    cause = exc.__context__
+    why = ""
+    if cause is not None and not isinstance(cause, StoppedDuringSetup):
+        first = (str(cause).strip().splitlines() or [""])[0][:200]
+        why = f", while stopping after {type(cause).__name__}" + (f": {first}" if first else "")
+    try:
+        latest = trainer.checkpointer.latest()
+    except Exception:  # the checkpoint store may be what failed: say what is known
+        latest = None
+    saved = int(latest.rsplit("-", 1)[1]) if latest and latest.rsplit("-", 1)[-1].isdigit() \
+        else None
+    if saved is None:
+        lost = (f"no checkpoint was saved: the {step} step(s) trained are lost; run the same "
+                "command again to start over")
+    elif step > saved:
+        lost = (f"the {step - saved} step(s) after the last checkpoint ({latest}) are lost; "
+                "run the same command again to resume from it")
+    else:
+        lost = f"nothing past the last checkpoint ({latest}) was lost; run the same command " \
+               "again to resume from it"
+    return f"stopped by {exc.signal_name} at step {step}{why}; {lost}"
 
 
 def _module_builder(trainer):

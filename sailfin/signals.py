@@ -51,10 +51,13 @@ class StoppedDuringSetup(BaseException):
     """SIGTERM (or a first Ctrl-C) arrived before the first step. A BaseException, like
     KeyboardInterrupt, so that no ``except Exception`` in set-up code swallows it."""
 
-    def __init__(self, signal_name: str) -> None:
+    def __init__(self, signal_name: str, after_start: bool = False) -> None:
         super().__init__(f"stopped by {signal_name} during set-up, before the first step; "
                          "nothing was lost: run the same command again to start (or resume)")
         self.signal_name = signal_name
+        # True when training had begun (a SIGTERM while a rank stops on an error, after
+        # the loop's own handler left): the caller says what was lost instead.
+        self.after_start = after_start
 
 
 class _SetupStop:
@@ -72,7 +75,10 @@ class _SetupStop:
 
     def on_signal(self, signum: int, frame: Any) -> None:
         if self.over:  # training began: put back what was there, and let it act
-            signal.signal(signum, self.previous.get(signum, signal.SIG_DFL))
+            previous = self.previous.get(signum, signal.SIG_DFL)
+            if not callable(previous):  # the default action would end us without a word
+                raise StoppedDuringSetup(signal.Signals(signum).name, after_start=True)
+            signal.signal(signum, previous)
             os.kill(os.getpid(), signum)
             return
         name, now = signal.Signals(signum).name, time.monotonic()

@@ -47,7 +47,10 @@ TRAINER_TOP = 3          # sailfin/trainer/__init__.py: the public Trainer and C
 # with its line, and to docs/architecture.md). From core they import only these modules.
 BEHIND_THE_DOOR = ("features", "checkpointing", "safety")
 VIEW = PACKAGE / "trainer" / "core" / "view.py"
-CORE_FOR_FEATURES = {"sailfin.trainer.core.callbacks", "sailfin.trainer.core.view"}
+# pymarlin_forms and validation: how a recipe's outputs are read and merged (functions of
+# the recipe's values, no state of the run), which the check before step 1 uses too.
+CORE_FOR_FEATURES = {"sailfin.trainer.core.callbacks", "sailfin.trainer.core.view",
+                     "sailfin.trainer.core.pymarlin_forms", "sailfin.trainer.core.validation"}
 # The view's members a room behind the door may assign, and which modules ("*": any).
 MAY_ASSIGN = {
     "stop_reason": {"*"},  # a way to stop: early stopping, privacy's max_epsilon
@@ -284,6 +287,7 @@ def test_reaches_past_the_view_are_found():
     assert past_the_door(source, "sailfin.trainer.features.probe", view_members()) == [
         "sailfin.trainer.features.probe:1 imports sailfin.trainer.core.trainer (features see "
         "the run as RunView; from core: ['sailfin.trainer.core.callbacks', "
+        "'sailfin.trainer.core.pymarlin_forms', 'sailfin.trainer.core.validation', "
         "'sailfin.trainer.core.view'])",
         "sailfin.trainer.features.probe:5 reads trainer._on_end_val_epoch, which RunView "
         "does not list (sailfin/trainer/core/view.py)",

@@ -39,7 +39,8 @@ def build_run(trainer: "Trainer") -> None:
     size = args.micro_batch_size if trainer.autobatch is None else trainer.autobatch.size
     trainer.plan = BatchPlan.create(args.train_batch_size, size, dist.world_size,
                                     args.drop_last, args.max_train_steps_per_epoch,
-                                    micro_batch_limit=args.gpu_batch_size_limit)
+                                    micro_batch_limit=args.gpu_batch_size_limit,
+                                    note=say if dist.is_main else None)
     trainer.backend.setup(trainer.module)
     start_watchdog(trainer, in_setup=True)  # from the first collective: resume, checks
     trainer.plan = trainer.backend.batch_plan(trainer.plan)  # dp: unweighted, Poisson steps

@@ -4,8 +4,8 @@
   (``OneCycleLR``'s ``total_steps``) cannot run past them; a run extended with
   more epochs or ``max_steps`` stops before its first step, naming it.
 - :func:`sanity_validate`: ``trainer.sanity_val_batches`` validation batches go
-  through ``val_step`` before the first training step, and their outputs are
-  checked. It draws nothing from the training's random streams, so the run's
+  through ``val_step`` before the first training step, their outputs are
+  checked, and ``on_end_val_epoch`` runs on them (its signature is checked). It draws nothing from the training's random streams, so the run's
   result is the same with or without it.
 - :func:`train_output_checker`: the first ``train_step`` return value is
   checked once; the loop then unpacks returns without checking.
@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import random
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -26,6 +27,8 @@ import torch
 
 from ...distributed.watchdog import STARTUP_CHECKS
 from ...interfaces import RecipeError
+from ..core.pymarlin_forms import CallbackSignatureError, batch_size, val_epoch_end_caller
+from ..core.validation import merge_outputs
 
 if TYPE_CHECKING:
     from ..core.view import RunView
@@ -82,7 +85,9 @@ def check_schedulers_fit(trainer: "RunView") -> None:
 
 # -- validation sanity check -----------------------------------------------------------
 def sanity_validate(trainer: "RunView") -> None:
-    """Run ``sanity_val_batches`` batches of each validation set through ``val_step``."""
+    """Run ``sanity_val_batches`` batches of each validation set through ``val_step``,
+    then the recipe's ``on_end_val_epoch`` on their gathered outputs (what it returns is
+    not logged): a callback whose signature cannot take them fails here, in one line."""
     count = trainer.args.sanity_val_batches
     if not count or not trainer.val_loaders:
         return
@@ -94,16 +99,30 @@ def sanity_validate(trainer: "RunView") -> None:
     # fork_rng puts torch's streams back (iter(loader) draws its worker seed from them).
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         module.eval()
+        module.sanity_checking = True
         try:
             for name, loader in trainer.val_loaders.items():
+                where = (f"validation set {name!r}, sanity check before training; "
+                         f"trainer.sanity_val_batches {count}")
+                outputs, sizes = [], []
                 for i, batch in enumerate(trainer.heartbeat.count(loader)):
                     if i >= count:
                         break
+                    sizes.append(batch_size(batch))
                     out = trainer.backend.val_step(module, trainer.global_step, batch)
-                    check_val_output(out, f"val_step (validation set {name!r}, sanity "
-                                          f"check before training; trainer.sanity_val_batches "
-                                          f"{count})")
+                    check_val_output(out, f"val_step ({where})")
+                    outputs.append(out)
+                gathered = trainer.backend.gather_outputs(merge_outputs(outputs, sizes=sizes))
+                # The recipe's checkpointed state (a count of validations, a best score)
+                # is put back: the check leaves the run as it found it.
+                state = copy.deepcopy(module.get_state())
+                try:
+                    val_epoch_end_caller(module)(trainer.global_step, gathered, name)
+                except CallbackSignatureError as err:
+                    raise StartupCheckError(f"{err} ({where})") from None
+                module.update_state(state)
         finally:
+            module.sanity_checking = False
             module.train(was_training)
             random.setstate(states[0])
             np.random.set_state(states[1])
