@@ -166,6 +166,7 @@ def init_from_big(rank, world, dist_args, out, path):
     torch.save({"peak": peak, "rows": rows}, out / f"init-{rank}.pt")
 
 
+@pytest.mark.slow  # 256 MiB written and read on 2 ranks: about 20 s
 def test_init_from_into_fsdp_reads_only_each_ranks_rows(tmp_path):
     from safetensors.torch import save_file
 
