@@ -166,6 +166,7 @@ def init_from_big(rank, world, dist_args, out, path):
     torch.save({"peak": peak, "rows": rows}, out / f"init-{rank}.pt")
 
 
+@pytest.mark.slow  # 256 MiB written and read on 2 ranks: about 20 s
 def test_init_from_into_fsdp_reads_only_each_ranks_rows(tmp_path):
     from safetensors.torch import save_file
 
@@ -184,6 +185,37 @@ def test_init_from_into_fsdp_reads_only_each_ranks_rows(tmp_path):
         # Its half of the file (memory-mapped pages) and a tensor's rows at a time: a rank
         # that read the whole file would hold all of it.
         assert got["peak"] < 0.75 * model_bytes, (rank, got["peak"] / 2**20)
+
+
+class SelfInit(WideRecipe):
+    def init_weights(self) -> None:  # trainer.fsdp.build: meta fills the shards with this
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.1)
+                nn.init.zeros_(m.bias)
+
+
+def meta_start(rank, world, dist_args, out, name):
+    data = IdData(20, 0)
+    with sharded_build(rank, "meta"):
+        module = SelfInit(data)
+    with Trainer(module, args(out / name, backend="fsdp", distributed=dist_args,
+                              micro_batch_size=5, fsdp={"build": "meta"})) as t:
+        t.setup()
+        state = _gathered(t, module)
+    if rank == 0:
+        torch.save(state, out / f"{name}.pt")
+
+
+@pytest.mark.slow
+def test_meta_build_on_two_ranks_is_deterministic(tmp_path):
+    for name in ("a", "b"):
+        assert run_ranks(meta_start, 2, tmp_path, name=name) == [0, 0], errors(tmp_path)
+    a, b = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("a", "b"))
+    for key, value in a.items():
+        assert torch.equal(value, b[key]), key
+    assert torch.equal(a["linear.bias"], torch.zeros(1))
+    assert a["hidden.0.weight"].std() > 0.05  # drawn by init_weights, not left empty
 
 
 @pytest.mark.slow
