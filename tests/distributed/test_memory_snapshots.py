@@ -172,3 +172,29 @@ def test_fsdp_ranks_snapshot_their_own_shards_and_resume_exactly(tmp_path):
     assert re.search(r"resuming from memory, step (7|8|9) ", logs["kill"].read_text()), \
         tail([logs["kill"]])
     same_bits(weights(tmp_path, "kill"), weights(tmp_path, "ref"))
+
+
+_OBSERVED: dict = {}
+
+
+def two_ranks(tmp: Path, backend: str, variant) -> dict:
+    from tests.checkpoint.memory_observer import train_rank
+    from tests.distributed.harness import errors, run_ranks
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    assert run_ranks(train_rank, 2, tmp, timeout=240, backend=backend,
+                     variant=variant) == [0, 0], errors(tmp)
+    return torch.load(tmp / "result.pt", weights_only=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["every-step", "persisted", "async-save"])
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", "ddp-dp"])
+def test_snapshots_leave_two_ranks_bit_identical(tmp_path_factory, backend, variant):
+    """Observing never changes a run: 2 ranks with snapshots against 2 without, AdamW."""
+    if backend not in _OBSERVED:
+        _OBSERVED[backend] = two_ranks(tmp_path_factory.mktemp(f"ref-{backend}"), backend, None)
+    want = _OBSERVED[backend]
+    got = two_ranks(tmp_path_factory.mktemp(f"{backend}-{variant}"), backend, variant)
+    assert want["steps"] == got["steps"] and len(got["steps"]) == 1
+    same_bits(got["weights"], want["weights"])
