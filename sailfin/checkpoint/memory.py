@@ -65,6 +65,7 @@ class MemoryStore:
         self._executor: Optional[ThreadPoolExecutor] = None
         self._pending: Optional[tuple[int, Future]] = None
         self._last: Optional[int] = None  # the step of the last snapshot started
+        self.run = ""  # the run's identity (memory_dirs.run_identity), in every manifest
         self.skipped = 0  # snapshots skipped: the previous one was still being written
         # Replicas go to the same local rank on the next node, and come from the previous.
         self.replica_dst = self.replica_src = None
@@ -143,7 +144,7 @@ class MemoryStore:
                                               obj)
         own = rank_file(self.rank)
         files[own] = save_object(self.storage, os.path.join(staging, own), rank_state)
-        facts = {**facts, "memory_snapshot": {"rank": self.rank}}
+        facts = {**facts, "memory_snapshot": {"rank": self.rank, "run": self.run}}
         with open(os.path.join(staging, manifests.MANIFEST), "wb") as fh:
             fh.write(manifests.encode(facts, files))
         final = os.path.join(directory, step_name(step))
@@ -162,7 +163,7 @@ class MemoryStore:
         """Rank -> step -> directory of every complete, intact snapshot in this node's
         directory (own or replica). A snapshot without a manifest, or whose files do
         not match it (a half-written or damaged one), or taken on another world size
-        (a resized job resumes from disk), is left out."""
+        (a resized job resumes from disk), or by another run, is left out."""
         found: dict[int, dict[int, str]] = {}
         for entry in self.storage.listdir(self.root):
             match = _OWN.match(entry) or _REPLICA.match(entry)
@@ -173,7 +174,7 @@ class MemoryStore:
                 step = _STEP.match(name)
                 path = os.path.join(self.root, entry, name)
                 if (step and int(step.group(1)) not in found.get(rank, {})
-                        and intact(path, self.world_size)):
+                        and intact(path, self.world_size, self.run)):
                     found.setdefault(rank, {})[int(step.group(1))] = path
         return found
 
@@ -229,15 +230,17 @@ class MemoryStore:
             self._staging.release()
 
 
-def intact(path: str, world_size: Optional[int] = None) -> bool:
+def intact(path: str, world_size: Optional[int] = None, run: Optional[str] = None) -> bool:
     """Whether the snapshot in ``path`` has a manifest and every file matches it (and it
-    was taken on ``world_size`` ranks)."""
+    was taken on ``world_size`` ranks, by the run ``run``)."""
     manifest_path = os.path.join(path, manifests.MANIFEST)
     try:
         with open(manifest_path, "rb") as fh:
             manifest = manifests.decode(fh.read(), manifest_path)
         files = manifests.files_of(manifest, manifest_path)
         if world_size is not None and manifest.get("world_size") != world_size:
+            return False
+        if run is not None and (manifest.get("memory_snapshot") or {}).get("run") != run:
             return False
         return all(_checksum_file(os.path.join(path, name)) == (entry.size, entry.crc32)
                    for name, entry in files.items())

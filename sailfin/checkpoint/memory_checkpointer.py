@@ -17,6 +17,7 @@ from ..config.trainer import TrainerArguments
 from ..distributed import DistEnv
 from . import memory_dirs
 from .checkpointer import Checkpointer, Loaded, say
+from .errors import CheckpointError
 from .memory import MemoryStore, pack, step_name, unpack
 from .memory_peers import Peers
 from .memory_shards import global_shards
@@ -37,10 +38,11 @@ class MemoryFirstCheckpointer(Checkpointer):
     """
 
     def __init__(self, inner: Checkpointer, store: MemoryStore, output_dir: str,
-                 local_rank: int = 0, node: int = 0) -> None:
+                 local_rank: int = 0, node: int = 0, resume: str = "auto") -> None:
         super().__init__(inner.location, inner.args, inner.dist, inner.barrier)
         self.inner, self.store = inner, store
         self.output_dir, self.local_rank, self.node = output_dir, local_rank, node
+        self.resume = resume  # only resume: auto resumes from memory
         self._agreed: Optional[tuple[int, str]] = None  # (step, this rank's snapshot dir)
         self.mesh: Any = None  # fsdp: the model's device mesh, to rebuild shards on
 
@@ -73,16 +75,37 @@ class MemoryFirstCheckpointer(Checkpointer):
 
     # -- resuming ------------------------------------------------------------------------
     def recover(self) -> None:
+        """Every rank: learn the run's identity, make sure the node's directory is this
+        run's (another run's leftovers go; a live writer stops this one), claim it, and
+        with ``resume: auto`` agree on the snapshot to resume from."""
         self.inner.recover()
         store = self.store
         store.peers.start()
-        memory_dirs.claim(store.root, store.rank, self.output_dir)
+        main = store.rank == 0
+        store.run = store.peers.all_gather(
+            memory_dirs.run_identity(self.output_dir) if main else None)[0]
+        verdict = (memory_dirs.check_root(store.root, store.run, self.output_dir)
+                   if self.local_rank == 0 else (None, []))
+        verdicts = store.peers.all_gather(verdict)  # before any rank claims the directory
+        for line in verdict[1]:
+            say(line)
+        refused = next((error for error, _ in verdicts if error), None)
+        if refused:
+            raise CheckpointError(refused)
+        memory_dirs.claim(store.root, store.rank, self.output_dir, store.run)
         if self.local_rank == 0:
             memory_dirs.record_root(self.output_dir, self.node, store.root)
             parent = os.path.dirname(store.root)
             for path in memory_dirs.remove_leftovers(parent, keep=store.root):
                 say(f"removed the memory snapshots of a run that is gone: {path}")
-        self._agreed = self._agree()
+        # resume: never (or a path) starts elsewhere; this run's snapshots go at its start.
+        self._agreed = self._agree() if self.resume == "auto" else None
+
+    def start_afresh(self) -> str:
+        disk = self.inner.start_afresh() if self.inner.latest() is not None else ""
+        return (f"{disk} and " if disk else "") + (
+            f"run `sailfin clean {self.output_dir}` (its memory snapshots in "
+            f"{self.store.root})")
 
     def _agree(self) -> Optional[tuple[int, str]]:
         """The newest step every rank holds; ranks whose node lost it get the replica."""
@@ -165,7 +188,8 @@ def with_memory_snapshots(inner: Checkpointer, args: TrainerArguments,
     if memory.replicas and store.replica_dst is None and dist.is_main:
         say("trainer.checkpoint.memory.replicas is 1 but the job runs on one node: there "
             "is no other node to keep replicas; a lost node resumes from disk")
-    return MemoryFirstCheckpointer(inner, store, args.output_dir, dist.local_rank, node)
+    return MemoryFirstCheckpointer(inner, store, args.output_dir, dist.local_rank, node,
+                                   args.resume)
 
 
 def persisting_args(args: TrainerArguments) -> Any:
