@@ -18,7 +18,8 @@ from ..distributed import DistEnv
 from . import memory_dirs
 from .checkpointer import Checkpointer, Loaded, say
 from .errors import CheckpointError
-from .memory import MemoryStore, pack, step_name, unpack
+from .memory import MemoryStore
+from .memory_files import pack, step_name, unpack
 from .memory_peers import Peers
 from .memory_shards import global_shards
 
@@ -148,6 +149,8 @@ class MemoryFirstCheckpointer(Checkpointer):
             elif rank == r:
                 mine.setdefault(r, {})[step] = unpack(store.peers.recv(holder), store.own_dir(),
                                                       step)
+        if fetched:
+            store.peers.min(0)  # every copy is back before a rank reads its node's leader's
         if main:
             via = "; ".join(f"rank {r} from the replica held by rank {h}" for r, h in fetched)
             say(f"memory snapshots: resuming from memory, step {step} (held by every rank"
@@ -184,7 +187,7 @@ def with_memory_snapshots(inner: Checkpointer, args: TrainerArguments,
     node = dist.rank // dist.local_world_size
     root = memory_dirs.snapshot_root(memory.dir, args.output_dir, node)
     store = MemoryStore(root, dist.rank, dist.world_size, dist.local_world_size,
-                        memory.replicas, Peers(dist.rank, dist.world_size))
+                        memory.replicas, Peers(dist.rank, dist.world_size), dist.local_rank)
     if memory.replicas and store.replica_dst is None and dist.is_main:
         say("trainer.checkpoint.memory.replicas is 1 but the job runs on one node: there "
             "is no other node to keep replicas; a lost node resumes from disk")
