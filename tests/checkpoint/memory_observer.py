@@ -59,3 +59,45 @@ def train_rank(rank: int, world: int, dist_args: Any, out: Path, backend: str,
     result = train(out, backend, variant, dist_args)
     if rank == 0:
         torch.save(result, out / "result.pt")
+
+
+def node_bytes_rank(rank: int, world: int, dist_args: Any, out: Path) -> None:
+    """One rank of a 2-process ddp run with snapshots every step; rank 0 records, at each
+    step from the third (both ranks' previous writes done), the bytes in the node's
+    snapshot directory, the snapshots kept, and one rank's state (model, optimizer,
+    trainer, random streams)."""
+    import os
+
+    from sailfin import Callback
+    from sailfin.checkpoint.memory_dirs import used_bytes
+    from sailfin.checkpoint.rng import rng_state
+    from sailfin.trainer.checkpointing.memory_space import state_bytes
+
+    class NodeBytes(Callback):
+        seen: list = []
+
+        def on_step_end(self, trainer) -> None:
+            store = trainer.checkpointer.store
+            store.wait()
+            trainer.backend.barrier()
+            if trainer.global_step >= 3 and rank == 0:
+                kept = {n for d in os.listdir(store.root) if d.startswith("rank")
+                        for n in os.listdir(os.path.join(store.root, d))
+                        if n.startswith("step-")}
+                self.seen.append((used_bytes(store.root), len(kept),
+                                  state_bytes(trainer.state_dict()) + state_bytes(rng_state())))
+            trainer.backend.barrier()
+
+    import dataclasses
+
+    # Both ranks on one node, as torchrun would say.
+    dist_args = dataclasses.replace(dist_args, local_rank=rank, local_world_size=world)
+    module = AdamWRecipe(IdData(47, 0), hidden=1 << 14)
+    checkpoint = {"memory": {"every_n_steps": 1, "dir": str(out / "shm")}}
+    node = NodeBytes()
+    with Trainer(module, args(out / "run", backend="ddp", epochs=1, train_batch_size=10,
+                              micro_batch_size=5, checkpoint=checkpoint, progress="none",
+                              distributed=dist_args), callbacks=[node]) as trainer:
+        trainer.train()
+    if rank == 0:
+        torch.save(node.seen, out / "node-bytes.pt")

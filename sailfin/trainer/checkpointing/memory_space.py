@@ -26,12 +26,14 @@ _FILE_OVERHEAD = 1 << 16  # torch.save's archive around the tensors, per file (g
 
 def state_bytes(obj: Any) -> int:
     """Bytes of the tensors in ``obj`` (shared storages counted once; ``meta`` tensors by
-    their size)."""
+    their size; a DTensor by its local shard)."""
     seen: dict[Any, int] = {}
     stack = [obj]
     while stack:
         value = stack.pop()
         if isinstance(value, torch.Tensor):
+            if hasattr(value, "to_local"):  # a DTensor (fsdp): this rank's rows
+                value = value.to_local()
             if value.device.type == "meta":
                 seen[id(value)] = value.numel() * value.element_size()
             else:
