@@ -11,9 +11,10 @@ same model and optimizer) the node's local leader writes ``model.pt`` and
 its manifest naming the leader (``shared_from``); a restart reads the node's
 copy. Under ``fsdp`` each rank writes its own shard.
 
-The step pays only the copy of the state into reused staging buffers; a
-writer thread writes the files under ``.tmp-step-N``, renames the directory
-when complete, and (``replicas: 1``) sends the files to a rank on the next
+The step pays only the copy of the state into reused staging buffers, files
+mapped shared in the node's directory; a writer process (:mod:`.memory_writer`)
+serialises and checksums from there, writes the files under ``.tmp-step-N`` and
+renames the directory when complete; a thread waits for it and (``replicas: 1``) sends the files to a rank on the next
 node, which keeps them under ``replica-rank<r>/``. At the next snapshot every
 rank says whether its previous one is complete (one tiny all-reduce): if one
 is still being written, every rank skips this step rather than wait; if one
@@ -37,7 +38,8 @@ from .errors import CheckpointCorrupt, CheckpointError
 from .memory_dirs import free_bytes, used_bytes
 from .memory_files import intact, pack, read_manifest, step_name, unpack
 from .memory_peers import Peers
-from .serialize import FileEntry, StagingBuffers, load_object, save_object
+from .memory_writer import SharedStaging, WriterProcess
+from .serialize import load_object
 from .storage import LocalStorage
 
 __all__ = ["MemoryStore", "NoSpace", "rank_file", "step_name"]
@@ -88,7 +90,9 @@ class MemoryStore:
         self.leader = rank - self.local_rank  # writes the node's copy of replicated state
         self.peers = peers or Peers(rank, world_size)
         self.storage = LocalStorage()
-        self._staging = StagingBuffers()
+        # The step copies the state into files mapped shared; a process writes from them.
+        self._staging = SharedStaging(os.path.join(root, f"staging-rank{rank:05d}"))
+        self._writer = WriterProcess()
         self._executor: Optional[ThreadPoolExecutor] = None
         self._pending: Optional[tuple[int, Future]] = None
         self._last: Optional[int] = None  # the step of the last snapshot started
@@ -111,6 +115,14 @@ class MemoryStore:
         return os.path.join(self.root, f"replica-rank{rank:05d}")
 
     # -- writing -----------------------------------------------------------------------
+    def start_writer(self, wait: bool = False) -> None:
+        """Start the writer process (``wait``: until it can write; before the first step,
+        so that the first snapshot is not late)."""
+        if wait:
+            self._writer.ready()
+        else:
+            self._writer.start()
+
     def save(self, step: int, facts: dict[str, Any], shared: dict[str, Any],
              rank_state: Any, replicated: bool = False) -> bool:
         """Snapshot ``step`` on every rank; False when skipped (or stopped). Every rank says
@@ -144,7 +156,13 @@ class MemoryStore:
             self.prune(keep_from=self._last)  # every rank has it complete
         if replicated and self.rank != self.leader:
             shared = {}  # the node's leader writes it
-        staged = self._staging.copy({"shared": shared, "rank": rank_state})
+        try:
+            staged = self._staging.copy({"shared": shared, "rank": rank_state})
+        except OSError as exc:
+            if not _is_full(exc):
+                raise
+            self._full = exc  # the next snapshot's agreement stops them on every rank
+            return False
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="sailfin-memory")
         self._last = step
@@ -156,6 +174,7 @@ class MemoryStore:
         """The file system is full: no more snapshots. The complete ones stay (a restart
         may resume from the newest one every rank holds); unfinished ones go."""
         self.prune(keep_from=0)
+        self._writer.close()
         self._staging.release()
         self.stopped = (f"memory snapshots stopped at step {step}: {self.root} is full"
                         + (f" ({error})" if error else " on another rank")
@@ -186,25 +205,16 @@ class MemoryStore:
 
     def _write(self, step: int, facts: dict[str, Any], shared: dict[str, Any],
                rank_state: Any, replicated: bool) -> None:
-        self._staging.ready()
-        directory = self.own_dir()
-        staging = os.path.join(directory, f".tmp-{step_name(step)}")
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging)
-        files: dict[str, FileEntry] = {}
-        for stem, obj in shared.items():
-            files[f"{stem}.pt"] = save_object(self.storage, os.path.join(staging, f"{stem}.pt"),
-                                              obj)
-        own = rank_file(self.rank)
-        files[own] = save_object(self.storage, os.path.join(staging, own), rank_state)
+        """The writer thread: the writer process writes the files (this thread waits on
+        its pipe), then the replica goes to the next node."""
         facts = {**facts, "memory_snapshot": {
             "rank": self.rank, "run": self.run, "replicated": replicated,
             "shared_from": None if shared else self.leader}}
-        with open(os.path.join(staging, manifests.MANIFEST), "wb") as fh:
-            fh.write(manifests.encode(facts, files))
-        final = os.path.join(directory, step_name(step))
-        shutil.rmtree(final, ignore_errors=True)  # a snapshot of this step from before a restart
-        os.rename(staging, final)
+        files = {**shared, rank_file(self.rank)[:-3]: rank_state}
+        os.makedirs(self.own_dir(), exist_ok=True)
+        self._writer.write(self.own_dir(), step_name(step), files, facts,
+                           self._staging.directory)
+        final = os.path.join(self.own_dir(), step_name(step))
         if self.replica_dst is not None:
             self._replicate(step, final)
         self._check_room(step, used_bytes(final) * (2 if self.replica_dst is not None else 1))
@@ -314,4 +324,5 @@ class MemoryStore:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            self._writer.close()
             self._staging.release()

@@ -95,6 +95,7 @@ class MemoryFirstCheckpointer(Checkpointer):
         if refused:
             raise CheckpointError(refused)
         memory_dirs.claim(store.root, store.rank, self.output_dir, store.run)
+        store.start_writer()  # it imports torch while the run sets up
         if self.local_rank == 0:
             memory_dirs.record_root(self.output_dir, self.node, store.root)
             parent = os.path.dirname(store.root)

@@ -57,6 +57,7 @@ class MemorySnapshots(Callback):
         # What a run before this one left (newer steps above all) must never be resumed.
         self.store.prune(only=trainer.global_step)
         self.check_space(trainer)
+        self.store.start_writer(wait=True)
 
     def on_step_end(self, trainer: "Trainer") -> None:
         step = trainer.global_step
@@ -98,9 +99,9 @@ class MemorySnapshots(Callback):
 
     # -- before the first step ---------------------------------------------------------
     def check_space(self, trainer: "Trainer") -> None:
-        """Two snapshots per writing rank (plus two replicas), the optimizer's state counted
-        as after the first step, must fit the free shared memory of each node; else stop
-        before the first step, on every rank, with the numbers."""
+        """Two snapshots per writing rank (plus two replicas) and its staging copy, the
+        optimizer's state counted as after the first step, must fit the free shared memory
+        of each node; else stop before the first step, on every rank, with the numbers."""
         state = trainer.state_dict()
         local = local_shards(state)
         writes_shared = local is not state or self.store.rank == self.store.leader
@@ -113,7 +114,7 @@ class MemorySnapshots(Callback):
         problems = []
         for where in sorted({r[0] for r in reports}):
             on_node = [r for r in reports if r[0] == where]
-            need = sum(2 * r[1] * (1 + self.replicas) for r in on_node)
+            need = sum(r[1] * (2 * (1 + self.replicas) + 1) for r in on_node)
             if need > on_node[0][2]:
                 problems.append((where, len(on_node), max(r[1] for r in on_node), need,
                                  on_node[0][2], on_node[0][3]))
@@ -121,9 +122,10 @@ class MemorySnapshots(Callback):
             where, ranks, size, need, free, root = problems[0]
             raise CheckpointError(
                 f"trainer.checkpoint.memory: snapshots need {mb(need)} on node {where} "
-                f"(2 snapshots of {mb(size)} at most per rank, model and optimizer state "
-                f"once per node, x {ranks} rank(s)"
-                + (" x 2 with replicas" if self.replicas else "")
+                f"(2 snapshots"
+                + (" and 2 replicas" if self.replicas else "")
+                + f" and a staging copy of {mb(size)} at most per rank, model and optimizer "
+                f"state once per node, {ranks} rank(s)"
                 + f") but {root} has {mb(free)} free; enlarge /dev/shm (docker run "
                 "--shm-size), point trainer.checkpoint.memory.dir at a larger tmpfs"
                 + (", set trainer.checkpoint.memory.replicas: 0" if self.replicas else "")

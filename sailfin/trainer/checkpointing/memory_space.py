@@ -9,10 +9,10 @@ under fsdp), takes one step and its state is counted; no memory is used and the
 real optimizer is not touched.
 
 A node holds, per rank that writes to it: two snapshots (the newest complete
-one and the one being written), times two with a replica from another node.
-Replicated state (``ddp``) is written once per node, by its local leader; the
-other ranks write their random state only. The staging copy each rank keeps
-in its own memory is counted separately (it is process memory, not the tmpfs).
+one and the one being written), times two with a replica from another node,
+and the staging copy the writer process reads from (files in the same
+directory). Replicated state (``ddp``) is written once per node, by its local
+leader; the other ranks write their random state only.
 """
 
 from __future__ import annotations
