@@ -36,7 +36,8 @@ from typing import Any, Optional
 from . import manifest as manifests
 from .errors import CheckpointCorrupt, CheckpointError
 from .memory_dirs import free_bytes, used_bytes
-from .memory_files import intact, pack, read_manifest, step_name, unpack
+from . import memory_transfer
+from .memory_files import intact, read_manifest, step_name
 from .memory_peers import Peers
 from .memory_writer import SharedStaging, WriterProcess
 from .serialize import load_object
@@ -231,8 +232,8 @@ class MemoryStore:
 
     def _replicate(self, step: int, final: str) -> None:
         assert self.replica_dst is not None and self.replica_src is not None
-        received = self.peers.exchange(pack(final), self.replica_dst, self.replica_src)
-        unpack(received, self.replica_dir(self.replica_src), step)
+        memory_transfer.exchange(self.peers.background, final, self.replica_dst,
+                                 self.replica_src, self.replica_dir(self.replica_src), step)
 
     # -- what is there -----------------------------------------------------------------
     def inventory(self) -> dict[int, dict[int, str]]:

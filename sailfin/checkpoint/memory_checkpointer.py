@@ -19,7 +19,8 @@ from . import memory_dirs
 from .checkpointer import Checkpointer, Loaded, say
 from .errors import CheckpointError
 from .memory import MemoryStore
-from .memory_files import pack, step_name, unpack
+from . import memory_transfer
+from .memory_files import step_name
 from .memory_peers import Peers
 from .memory_shards import global_shards
 
@@ -152,10 +153,10 @@ class MemoryFirstCheckpointer(Checkpointer):
                 holder = min(q for q in range(world) if step in reports[q].get(r, []))
                 fetched.append((r, holder))
                 if rank == holder:
-                    store.peers.send(pack(mine[r][step]), r)
+                    memory_transfer.send(store.peers.group, mine[r][step], r)
                 elif rank == r:
-                    mine.setdefault(r, {})[step] = unpack(store.peers.recv(holder),
-                                                          store.own_dir(), step)
+                    mine.setdefault(r, {})[step] = memory_transfer.recv(
+                        store.peers.group, holder, store.own_dir(), step)
             if fetched:
                 store.peers.min(0)  # every copy is back before a rank reads its node's copy
             via = "; ".join(f"rank {r} from the replica held by rank {h}" for r, h in fetched)

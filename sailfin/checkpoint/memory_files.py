@@ -1,14 +1,8 @@
-"""A memory snapshot's files: whether a snapshot is intact, and one as a byte string.
-
-A replica travels between nodes as one byte string (:func:`pack`), written on
-the other side as a complete snapshot directory or not at all (:func:`unpack`).
-"""
+"""A memory snapshot's files: its name, its manifest, and whether it is intact."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 from typing import Any, Optional
 
 from . import manifest as manifests
@@ -51,43 +45,3 @@ def intact(path: str, world_size: Optional[int] = None, run: Optional[str] = Non
     except (OSError, CheckpointCorrupt):
         pass
     return None
-
-
-def pack(path: str) -> bytes:
-    """A snapshot directory's files as one byte string (a JSON header, then the bytes)."""
-    names = sorted(os.listdir(path))
-    blobs = []
-    for name in names:
-        with open(os.path.join(path, name), "rb") as fh:
-            blobs.append(fh.read())
-    header = json.dumps({n: len(b) for n, b in zip(names, blobs)}).encode("utf-8")
-    return len(header).to_bytes(8, "little") + header + b"".join(blobs)
-
-
-def unpack(data: bytes, directory: str, step: int) -> str:
-    """Write what :func:`pack` made as ``directory/step-N``, complete or not at all."""
-    size = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + size].decode("utf-8"))
-    staging = os.path.join(directory, f".tmp-{step_name(step)}")
-    shutil.rmtree(staging, ignore_errors=True)
-    os.makedirs(staging)
-    view, offset = memoryview(data), 8 + size
-    # The manifest last, as in every save: without it the copy is incomplete.
-    for name in sorted(header, key=lambda n: n == manifests.MANIFEST):
-        start = offset + _before(header, name)
-        with open(os.path.join(staging, name), "wb") as fh:
-            fh.write(view[start:start + header[name]])
-    final = os.path.join(directory, step_name(step))
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(staging, final)
-    return final
-
-
-def _before(header: dict[str, int], name: str) -> int:
-    """Where ``name``'s bytes start in the packed data (after the header)."""
-    total = 0
-    for other in header:  # the order pack wrote them in
-        if other == name:
-            return total
-        total += header[other]
-    raise KeyError(name)
