@@ -63,9 +63,9 @@ def train_rank(rank: int, world: int, dist_args: Any, out: Path, backend: str,
 
 def node_bytes_rank(rank: int, world: int, dist_args: Any, out: Path) -> None:
     """One rank of a 2-process ddp run with snapshots every step; rank 0 records, at each
-    step from the third (both ranks' previous writes done), the bytes in the node's
-    snapshot directory, the snapshots kept, and one rank's state (model, optimizer,
-    trainer, random streams)."""
+    step from the third (both ranks' previous writes done), the bytes of the snapshots in
+    the node's directory, the snapshots kept, one rank's state (model, optimizer,
+    trainer, random streams), and the bytes of the staging files."""
     import os
 
     from sailfin import Callback
@@ -81,11 +81,14 @@ def node_bytes_rank(rank: int, world: int, dist_args: Any, out: Path) -> None:
             store.wait()
             trainer.backend.barrier()
             if trainer.global_step >= 3 and rank == 0:
-                kept = {n for d in os.listdir(store.root) if d.startswith("rank")
-                        for n in os.listdir(os.path.join(store.root, d))
+                ranks = [d for d in os.listdir(store.root) if d.startswith("rank")]
+                kept = {n for d in ranks for n in os.listdir(os.path.join(store.root, d))
                         if n.startswith("step-")}
-                self.seen.append((used_bytes(store.root), len(kept),
-                                  state_bytes(trainer.state_dict()) + state_bytes(rng_state())))
+                staging = [d for d in os.listdir(store.root) if d.startswith("staging")]
+                self.seen.append((
+                    sum(used_bytes(os.path.join(store.root, d)) for d in ranks), len(kept),
+                    state_bytes(trainer.state_dict()) + state_bytes(rng_state()),
+                    sum(used_bytes(os.path.join(store.root, d)) for d in staging)))
             trainer.backend.barrier()
 
     import dataclasses

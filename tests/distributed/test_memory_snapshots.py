@@ -208,10 +208,11 @@ def test_ddp_writes_the_replicated_state_once_per_node(tmp_path):
     assert run_ranks(node_bytes_rank, 2, tmp_path, timeout=240) == [0, 0], errors(tmp_path)
     seen = torch.load(tmp_path / "node-bytes.pt")
     assert len(seen) == 3  # steps 3, 4, 5
-    for used, kept, state in seen:
+    for used, kept, state, staging in seen:
         assert kept == 2  # the newest complete snapshot and the one before it
         assert state > 1 << 20  # model and AdamW's state: the random streams are small
         assert used <= 1.1 * state * kept, (used, state, kept)
+        assert staging <= 1.1 * state  # one staging copy per node, not one per rank
 
 
 @pytest.mark.slow
