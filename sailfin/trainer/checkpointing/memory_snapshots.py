@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
