@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .memory_files import step_name
+from .memory_writer import reserve
 
 
 def _header(path: str) -> tuple[list[str], torch.Tensor]:
@@ -39,12 +40,7 @@ def _source(path: str, size: int) -> torch.Tensor:
 
 def _target(path: str, size: int) -> torch.Tensor:
     """A new file of ``size`` bytes, its pages reserved, mapped shared as a tensor."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        if size:
-            os.posix_fallocate(fd, 0, size)  # a full file system is an error here, not a SIGBUS
-    finally:
-        os.close(fd)
+    reserve(path, size)  # a full file system is an error here, not a SIGBUS later
     return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
 
 

@@ -98,19 +98,29 @@ class SharedStaging:
         path = os.path.join(self.directory, name)
         # Reserve the pages now: a write into a mapped page of a full tmpfs is a SIGBUS;
         # a reservation that does not fit is an OSError (ENOSPC) here instead.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            os.posix_fallocate(fd, 0, nbytes)
+            reserve(path, nbytes)
         except OSError:
-            os.close(fd)
             _remove(path)
             raise
-        os.close(fd)
         return name, torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
 
     def release(self) -> None:
         self._buffers = {}
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def reserve(path: str, nbytes: int) -> None:
+    """Create ``path`` with ``nbytes`` bytes whose pages are reserved (where the platform
+    can: Linux, where /dev/shm is), so that writing them through a mapping cannot fail."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        if nbytes and hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, nbytes)
+        else:
+            os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
 
 
 def _remove(path: str) -> None:
