@@ -88,8 +88,11 @@ class NodeBytes(Callback):
         store.wait()
         trainer.backend.barrier()
         if store.rank == 0:
-            step = f"step-{self.last - 1:08d}"  # the newest complete one
             ranks = [d for d in os.listdir(store.root) if d.startswith("rank")]
+            # The newest step every rank holds complete (a busy writer skips steps).
+            step = max(set.intersection(*[
+                {n for n in os.listdir(os.path.join(store.root, d)) if n.startswith("step-")}
+                for d in ranks]))
             self.found = {
                 "snapshot": sum(used_bytes(os.path.join(store.root, d, step)) for d in ranks),
                 "staging": sum(used_bytes(os.path.join(store.root, d)) for d in
