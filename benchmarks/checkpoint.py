@@ -14,6 +14,9 @@ start vs the end of an epoch.
    clock starts after ``Trainer.setup()``. A fourth arm takes a memory snapshot
    (``trainer.checkpoint.memory.every_n_steps: 1``, in /dev/shm) every step and
    saves nothing to disk: its stall per step, as a share of the no-save step.
+   Then ``memory_snapshots.py``: step time with a snapshot every step over step
+   time without, like for like under sp and 2-process ddp, and the node's
+   /dev/shm bytes per snapshot against one rank's state.
 
 2. Resume. A 100k-sample epoch of 6250 steps is checkpointed after its first
    step and before its last; a fresh trainer resumes from each in turn
@@ -214,6 +217,11 @@ def main() -> None:
         true_ratio = [a / s for a, s in zip(cost["async"], cost["sync"])]
         print(f"async / sync stall, per round: {spread(per_round)}")
         print(f"async / sync true cost per save, per round: {spread(true_ratio)}")
+        if not opts.no_memory:  # like for like: sp and 2-process ddp, and the node's bytes
+            import memory_snapshots
+
+            print()
+            memory_snapshots.measure(opts.rounds, memory_snapshots.STEPS, opts.threads, load)
         summary("checkpoint.py", "async / sync stall per save (per-round)", per_round, load,
                 opts.threads, extra=f"true cost per save async / sync "
                 f"{statistics.median(true_ratio):.3f} "

@@ -253,6 +253,12 @@ class FSDPStrategy(DDPStrategy):
 
     def optimizer_state_dict(self, module: torch.nn.Module,
                              optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if not optimizer.state:
+            # get_optimizer_state_dict fills an empty optimizer by stepping it once with
+            # zero gradients (Adam's step count becomes 1 before the first real step):
+            # reading the state must never change the run, so an optimizer that has not
+            # stepped is read as it is, by parameter name.
+            return named_optimizer_state(module, optimizer, optimizer.state_dict())
         return get_optimizer_state_dict(module, optimizer)
 
     def load_optimizer_state_dict(self, module: torch.nn.Module,

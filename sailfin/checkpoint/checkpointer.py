@@ -116,6 +116,10 @@ class Checkpointer(abc.ABC):
     def recover(self) -> None:
         """Called on every rank before resuming: put back what a killed save left."""
 
+    def start_afresh(self) -> str:
+        """What to remove to start afresh here (the advice of a refused resume)."""
+        return f"remove {self.location}"
+
     def abort(self) -> None:
         """Called after a save failed (on every rank that saw it fail): remove its
         partial files, keep every complete checkpoint."""

@@ -18,7 +18,10 @@ from ..distributed import DistEnv
 from ..logging.destination import check_directory
 from . import memory_dirs
 from .checkpointer import Checkpointer, Loaded, say
-from .memory import MemoryStore, pack, step_name, unpack
+from .errors import CheckpointError
+from .memory import MemoryStore
+from . import memory_transfer
+from .memory_files import step_name
 from .memory_peers import Peers
 from .memory_shards import global_shards
 
@@ -38,11 +41,13 @@ class MemoryFirstCheckpointer(Checkpointer):
     """
 
     def __init__(self, inner: Checkpointer, store: MemoryStore, output_dir: str,
-                 local_rank: int = 0, node: int = 0) -> None:
+                 local_rank: int = 0, node: int = 0, resume: str = "auto") -> None:
         super().__init__(inner.location, inner.args, inner.dist, inner.barrier)
         self.inner, self.store = inner, store
         self.output_dir, self.local_rank, self.node = output_dir, local_rank, node
-        self._agreed: Optional[tuple[int, str]] = None  # (step, this rank's snapshot dir)
+        self.resume = resume  # only resume: auto resumes from memory
+        self._agreed: dict[int, str] = {}  # step -> this rank's snapshot dir, to resume from
+        self._notes: dict[int, str] = {}  # step -> what resuming from it says
         self.mesh: Any = None  # fsdp: the model's device mesh, to rebuild shards on
 
     @property
@@ -69,24 +74,49 @@ class MemoryFirstCheckpointer(Checkpointer):
             self.store.close()
 
     def candidates(self) -> list[str]:
-        memory = [f"{PREFIX}{step_name(self._agreed[0])}"] if self._agreed else []
+        memory = [f"{PREFIX}{step_name(s)}" for s in sorted(self._agreed, reverse=True)]
         return memory + self.inner.candidates()
 
     # -- resuming ------------------------------------------------------------------------
     def recover(self) -> None:
+        """Every rank: learn the run's identity, make sure the node's directory is this
+        run's (another run's leftovers go; a live writer stops this one), claim it, and
+        with ``resume: auto`` agree on the snapshot to resume from."""
         self.inner.recover()
         store = self.store
         store.peers.start()
-        memory_dirs.claim(store.root, store.rank, self.output_dir)
+        main = store.rank == 0
+        store.run = store.peers.all_gather(
+            memory_dirs.run_identity(self.output_dir) if main else None)[0]
+        verdict = (memory_dirs.check_root(store.root, store.run, self.output_dir)
+                   if self.local_rank == 0 else (None, []))
+        verdicts = store.peers.all_gather(verdict)  # before any rank claims the directory
+        for line in verdict[1]:
+            say(line)
+        refused = next((error for error, _ in verdicts if error), None)
+        if refused:
+            raise CheckpointError(refused)
+        memory_dirs.claim(store.root, store.rank, self.output_dir, store.run)
+        store.start_writer()  # it imports torch while the run sets up
         if self.local_rank == 0:
             memory_dirs.record_root(self.output_dir, self.node, store.root)
             parent = os.path.dirname(store.root)
             for path in memory_dirs.remove_leftovers(parent, keep=store.root):
                 say(f"removed the memory snapshots of a run that is gone: {path}")
-        self._agreed = self._agree()
+        # resume: never (or a path) starts elsewhere; this run's snapshots go at its start.
+        self._agreed = self._agree() if self.resume == "auto" else {}
 
-    def _agree(self) -> Optional[tuple[int, str]]:
-        """The newest step every rank holds; ranks whose node lost it get the replica."""
+    def start_afresh(self) -> str:
+        disk = self.inner.start_afresh() if self.inner.latest() is not None else ""
+        return (f"{disk} and " if disk else "") + (
+            f"run `sailfin clean {self.output_dir}` (its memory snapshots in "
+            f"{self.store.root})")
+
+    def _agree(self) -> dict[int, str]:
+        """The two newest steps every rank holds, not older than the newest disk checkpoint
+        (step -> this rank's snapshot directory); ranks whose node lost one get the
+        replica. Only the snapshot loaded is checked against its CRC-32s, by each rank at
+        once; a damaged one falls back to the one before."""
         store, rank, world = self.store, self.store.rank, self.store.world_size
         mine = store.inventory()
         reports = store.peers.all_gather({r: sorted(s) for r, s in mine.items()})
@@ -96,7 +126,7 @@ class MemoryFirstCheckpointer(Checkpointer):
                 held[r].update(steps)
         newest = max((s for steps in held.values() for s in steps), default=None)
         if newest is None:
-            return None
+            return {}
         common = set.intersection(*held.values())
         disk = self._disk_step()
         main = rank == 0
@@ -108,31 +138,36 @@ class MemoryFirstCheckpointer(Checkpointer):
                     f"replica holds it, or the world size changed); resuming from "
                     f"{'disk step ' + str(disk) if disk is not None else 'the start'}, "
                     f"{newest - (disk or 0)} step(s) behind the newest snapshot (step {newest})")
-            return None
-        step = max(common)
-        if disk is not None and disk > step:
+            return {}
+        steps = sorted((s for s in common if disk is None or s >= disk), reverse=True)[:2]
+        if not steps:
             if main:
-                say(f"memory snapshots: the newest common step {step} is older than the disk "
-                    f"checkpoint of step {disk}; resuming from disk")
-            return None
-        fetched = []
-        for r in range(world):  # the same order on every rank: blocking pairs never deadlock
-            if step in reports[r].get(r, []):
-                continue
-            holder = min(q for q in range(world) if step in reports[q].get(r, []))
-            fetched.append((r, holder))
-            if rank == holder:
-                store.peers.send(pack(mine[r][step]), r)
-            elif rank == r:
-                mine.setdefault(r, {})[step] = unpack(store.peers.recv(holder), store.own_dir(),
-                                                      step)
-        if main:
+                say(f"memory snapshots: the newest common step {max(common)} is older than the "
+                    f"disk checkpoint of step {disk}; resuming from disk")
+            return {}
+        agreed = {}
+        for step in steps:
+            fetched = []
+            for r in range(world):  # the same order on every rank: pairs never deadlock
+                if step in reports[r].get(r, []):
+                    continue
+                holder = min(q for q in range(world) if step in reports[q].get(r, []))
+                fetched.append((r, holder))
+                if rank == holder:
+                    memory_transfer.send(store.peers.group, mine[r][step], r)
+                elif rank == r:
+                    mine.setdefault(r, {})[step] = memory_transfer.recv(
+                        store.peers.group, holder, store.own_dir(), step)
+            if fetched:
+                store.peers.min(0)  # every copy is back before a rank reads its node's copy
             via = "; ".join(f"rank {r} from the replica held by rank {h}" for r, h in fetched)
-            say(f"memory snapshots: resuming from memory, step {step} (held by every rank"
+            self._notes[step] = (
+                f"memory snapshots: resuming from memory, step {step} (held by every rank"
                 + (f"; {via}, its node's memory being lost" if via else "")
                 + f"); newest snapshot step {newest}, newest disk checkpoint "
                 + (f"step {disk}" if disk is not None else "none"))
-        return step, mine[rank][step]
+            agreed[step] = mine[rank][step]
+        return agreed
 
     def _disk_step(self) -> Optional[int]:
         names = self.inner.candidates()
@@ -142,10 +177,11 @@ class MemoryFirstCheckpointer(Checkpointer):
     def load(self, name: str) -> Loaded:
         if not name.startswith(PREFIX):
             return self.inner.load(name)
-        assert self._agreed is not None, name
-        step, path = self._agreed
-        self._agreed = None  # resumed (or skipped): no longer a candidate
-        manifest, shared, rank_state = self.store.load(path)
+        step = int(name.rsplit("-", 1)[1])
+        path = self._agreed.pop(step)  # resumed (or skipped): no longer a candidate
+        manifest, shared, rank_state = self.store.load(path)  # checks the CRC-32s
+        if self.store.rank == 0:
+            say(self._notes[step])
         return Loaded(name, path, manifest, global_shards(shared, self.mesh), rank_state)
 
 
@@ -166,11 +202,12 @@ def with_memory_snapshots(inner: Checkpointer, args: TrainerArguments,
                     key="trainer.checkpoint.memory.dir",
                     who="memory snapshots (trainer.checkpoint.memory)")
     store = MemoryStore(root, dist.rank, dist.world_size, dist.local_world_size,
-                        memory.replicas, Peers(dist.rank, dist.world_size))
+                        memory.replicas, Peers(dist.rank, dist.world_size), dist.local_rank)
     if memory.replicas and store.replica_dst is None and dist.is_main:
         say("trainer.checkpoint.memory.replicas is 1 but the job runs on one node: there "
             "is no other node to keep replicas; a lost node resumes from disk")
-    return MemoryFirstCheckpointer(inner, store, args.output_dir, dist.local_rank, node)
+    return MemoryFirstCheckpointer(inner, store, args.output_dir, dist.local_rank, node,
+                                   args.resume)
 
 
 def persisting_args(args: TrainerArguments) -> Any:

@@ -14,14 +14,14 @@ import torch
 
 
 class Peers:
-    """Agreement and byte transfers between the ranks, for memory snapshots.
+    """Agreement between the ranks, and the groups snapshots travel on.
 
     Example (on every rank)::
 
         peers = Peers(rank, world_size)
         if peers.min(1 if wrote_fine else 0) == 0:
             raise RuntimeError("a rank failed")
-        got = peers.exchange(my_bytes, dst=(rank + 1) % world, src=(rank - 1) % world)
+        memory_transfer.exchange(peers.background, path, dst, src, into, step)
     """
 
     def __init__(self, rank: int, world_size: int) -> None:
@@ -40,6 +40,16 @@ class Peers:
     @property
     def distributed(self) -> bool:
         return self._group is not None
+
+    @property
+    def group(self) -> Any:
+        """The group for agreement and resume's transfers (None on one process)."""
+        return self._group
+
+    @property
+    def background(self) -> Any:
+        """The group the writer thread sends replicas on."""
+        return self._background
 
     def min(self, value: int) -> int:
         """The smallest of every rank's ``value``."""
@@ -60,34 +70,3 @@ class Peers:
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self._group)
         return out
-
-    def exchange(self, data: bytes, dst: int, src: int) -> bytes:
-        """Send ``data`` to ``dst`` while receiving ``src``'s (the writer thread)."""
-        import torch.distributed as dist
-
-        group = self._background
-        size_out = torch.tensor([len(data)], dtype=torch.int64)
-        size_in = torch.zeros(1, dtype=torch.int64)
-        for req in (dist.isend(size_out, dst, group=group), dist.irecv(size_in, src, group=group)):
-            req.wait()
-        out = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        got = torch.empty(int(size_in.item()), dtype=torch.uint8)
-        for req in (dist.isend(out, dst, group=group), dist.irecv(got, src, group=group)):
-            req.wait()
-        return got.numpy().tobytes()
-
-    def send(self, data: bytes, dst: int) -> None:
-        """Blocking send to one rank (resume: a replica to the rank that lost its own)."""
-        import torch.distributed as dist
-
-        dist.send(torch.tensor([len(data)], dtype=torch.int64), dst, group=self._group)
-        dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst, group=self._group)
-
-    def recv(self, src: int) -> bytes:
-        import torch.distributed as dist
-
-        size = torch.zeros(1, dtype=torch.int64)
-        dist.recv(size, src, group=self._group)
-        got = torch.empty(int(size.item()), dtype=torch.uint8)
-        dist.recv(got, src, group=self._group)
-        return got.numpy().tobytes()

@@ -172,3 +172,73 @@ def test_fsdp_ranks_snapshot_their_own_shards_and_resume_exactly(tmp_path):
     assert re.search(r"resuming from memory, step (7|8|9) ", logs["kill"].read_text()), \
         tail([logs["kill"]])
     same_bits(weights(tmp_path, "kill"), weights(tmp_path, "ref"))
+
+
+_OBSERVED: dict = {}
+
+
+def two_ranks(tmp: Path, backend: str, variant) -> dict:
+    from tests.checkpoint.memory_observer import train_rank
+    from tests.distributed.harness import errors, run_ranks
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    assert run_ranks(train_rank, 2, tmp, timeout=240, backend=backend,
+                     variant=variant) == [0, 0], errors(tmp)
+    return torch.load(tmp / "result.pt", weights_only=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["every-step", "persisted", "async-save"])
+@pytest.mark.parametrize("backend", ["ddp", "fsdp", "ddp-dp"])
+def test_snapshots_leave_two_ranks_bit_identical(tmp_path_factory, backend, variant):
+    """Observing never changes a run: 2 ranks with snapshots against 2 without, AdamW."""
+    if backend not in _OBSERVED:
+        _OBSERVED[backend] = two_ranks(tmp_path_factory.mktemp(f"ref-{backend}"), backend, None)
+    want = _OBSERVED[backend]
+    got = two_ranks(tmp_path_factory.mktemp(f"{backend}-{variant}"), backend, variant)
+    assert want["steps"] == got["steps"] and len(got["steps"]) == 1
+    same_bits(got["weights"], want["weights"])
+
+
+@pytest.mark.slow
+def test_ddp_writes_the_replicated_state_once_per_node(tmp_path):
+    from tests.checkpoint.memory_observer import node_bytes_rank
+    from tests.distributed.harness import errors, run_ranks
+
+    assert run_ranks(node_bytes_rank, 2, tmp_path, timeout=240) == [0, 0], errors(tmp_path)
+    seen = torch.load(tmp_path / "node-bytes.pt")
+    assert len(seen) == 3  # steps 3, 4, 5
+    for used, kept, state, staging in seen:
+        assert kept == 2  # the newest complete snapshot and the one before it
+        assert state > 1 << 20  # model and AdamW's state: the random streams are small
+        assert used <= 1.1 * state * kept, (used, state, kept)
+        assert staging <= 1.1 * state  # one staging copy per node, not one per rank
+
+
+@pytest.mark.slow
+def test_a_ddp_snapshot_resumes_onto_one_process(tmp_path, ddp_reference, capfd):
+    """kill -9 a 2-rank ddp run; one process resumes from the node's copy in memory."""
+    cfg = memory_config(tmp_path, "alone")
+    records, log = tmp_path / "alone" / "records", tmp_path / "alone.log"
+    proc = torchrun(single_node(2, cfg, restarts=0), log)
+    try:
+        wait_until(lambda: reached(records, 0, "0-") >= 7, [proc], 180, [log], "step 7")
+        os.kill(pid_of(records, 1, "0-w2"), signal.SIGKILL)
+        assert wait([proc], 120, [log]) != [0]
+        from sailfin.cli import main
+        capfd.readouterr()
+        assert main(["train", str(cfg), "--trainer.backend", "sp"]) == 0
+    finally:
+        stop(proc)
+        memory_dirs.clean(str(tmp_path / "alone" / "run"))
+    err = capfd.readouterr().err
+    step = re.search(r"resuming from memory, step (\d+) ", err)
+    assert step and int(step.group(1)) >= 6, err[-3000:]
+    assert "world size 2 -> 1" in err
+    weights_ref, _ = ddp_reference
+    got = weights(tmp_path, "alone")
+    for key, value in weights_ref.items():  # another world size: the same up to rounding
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6)
+    events = [json.loads(line) for line in
+              (tmp_path / "alone" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["split"] == "train"] == list(range(1, TOTAL + 1))

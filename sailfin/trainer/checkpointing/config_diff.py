@@ -184,8 +184,8 @@ def _refusal(trainer: "RunView", where: str, blocking: list[Change]) -> str:
         f"{lines}\n"
         "Resuming would continue the checkpoint's run with other settings. Either:\n"
         "  - start a new run: --trainer.output_dir NEW_DIR (add --trainer.init_from "
-        f"{where} to start it from these weights only), or remove "
-        f"{trainer.checkpointer.location} to start afresh here;\n"
+        f"{where} to start it from these weights only), or "
+        f"{trainer.checkpointer.start_afresh()} to start afresh here;\n"
         "  - or continue this run with the new values: --trainer.resume_config accept")
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -24,13 +24,11 @@ from ...checkpoint.memory_shards import local_shards, mesh_of
 from ...checkpoint.rng import rng_state
 from ...config.trainer import TrainerArguments
 from ..core.callbacks import Callback
+from .memory_space import mb, snapshot_bytes
 from .saver import CheckpointCallback, manifest_facts
 
 if TYPE_CHECKING:
     from ..core.view import RunView
-
-_FILE_OVERHEAD = 1 << 16  # torch.save's archive around the tensors, per file (generous)
-
 
 class MemorySnapshots(Callback):
     """Snapshots every ``every_n_steps`` optimizer steps; the step waits for the copy only.
@@ -52,12 +50,14 @@ class MemorySnapshots(Callback):
         # Persisting is an ordinary (async) save; the saver also supplies the best metric.
         self.saver = saver or CheckpointCallback(checkpointer, args.checkpoint)
         self.stall_seconds: list[float] = []
-        self.snapshot_bytes = 0
+        self.snapshot_bytes = 0  # one rank's whole snapshot state, as counted before step 1
+        self._warned = False  # the file system filled: said once
 
     def on_train_start(self, trainer: "RunView") -> None:
         # What a run before this one left (newer steps above all) must never be resumed.
         self.store.prune(only=trainer.global_step)
         self.check_space(trainer)
+        self.store.start_writer(wait=True)
 
     def on_step_end(self, trainer: "RunView") -> None:
         step = trainer.global_step
@@ -72,9 +72,14 @@ class MemorySnapshots(Callback):
         trainer.writers.flush()  # metrics.jsonl holds every event up to the snapshot
         state = trainer.state_dict()
         facts = manifest_facts(trainer, self.saver, state)
-        state = local_shards(state)  # fsdp: this rank's rows, as plain tensors
-        shared = {"model": state.pop("module"), "trainer": state}
-        self.store.save(trainer.global_step, facts, shared, rng_state())
+        local = local_shards(state)  # fsdp: this rank's rows, as plain tensors
+        replicated = local is state  # no shards: every rank holds the same (ddp)
+        shared = {"model": local.pop("module"), "trainer": local}
+        taken = self.store.save(trainer.global_step, facts, shared, rng_state(), replicated)
+        if not taken and self.store.stopped and not self._warned:
+            self._warned = True
+            if trainer.dist.is_main:
+                say(self.store.stopped)
         self.stall_seconds.append(time.perf_counter() - started)
 
     def on_train_end(self, trainer: "RunView") -> None:
@@ -94,52 +99,37 @@ class MemorySnapshots(Callback):
 
     # -- before the first step ---------------------------------------------------------
     def check_space(self, trainer: "RunView") -> None:
-        """Two snapshots per rank (plus two replicas) must fit the free shared memory of
-        each node; else stop before the first step, on every rank, with the numbers."""
-        state = local_shards(trainer.state_dict())
-        size = state_bytes(state) + state_bytes(rng_state()) + 3 * _FILE_OVERHEAD
-        self.snapshot_bytes = size
+        """Two snapshots per writing rank (plus two replicas) and its staging copy, the
+        optimizer's state counted as after the first step, must fit the free shared memory
+        of each node; else stop before the first step, on every rank, with the numbers."""
+        state = trainer.state_dict()
+        local = local_shards(state)
+        writes_shared = local is not state or self.store.rank == self.store.leader
+        writes, whole = snapshot_bytes(local, rng_state(), trainer.optimizers, writes_shared)
+        self.snapshot_bytes = whole
         root = self.store.root
         free = memory_dirs.free_bytes(root) + memory_dirs.used_bytes(root)
         node = self.checkpointer.node
-        reports = self.store.peers.all_gather((node, size, free, root))
+        reports = self.store.peers.all_gather((node, writes, free, root))
         problems = []
         for where in sorted({r[0] for r in reports}):
             on_node = [r for r in reports if r[0] == where]
-            need = sum(2 * r[1] * (1 + self.replicas) for r in on_node)
+            need = sum(r[1] * (2 * (1 + self.replicas) + 1) for r in on_node)
             if need > on_node[0][2]:
                 problems.append((where, len(on_node), max(r[1] for r in on_node), need,
                                  on_node[0][2], on_node[0][3]))
         if problems:
             where, ranks, size, need, free, root = problems[0]
             raise CheckpointError(
-                f"trainer.checkpoint.memory: snapshots need {_mb(need)} on node {where} "
-                f"(2 x {_mb(size)} per rank x {ranks} rank(s)"
-                + (" x 2 with replicas" if self.replicas else "")
-                + f") but {root} has {_mb(free)} free; enlarge /dev/shm (docker run "
+                f"trainer.checkpoint.memory: snapshots need {mb(need)} on node {where} "
+                f"(2 snapshots"
+                + (" and 2 replicas" if self.replicas else "")
+                + f" and a staging copy of {mb(size)} at most per rank, model and optimizer "
+                f"state once per node, {ranks} rank(s)"
+                + f") but {root} has {mb(free)} free; enlarge /dev/shm (docker run "
                 "--shm-size), point trainer.checkpoint.memory.dir at a larger tmpfs"
                 + (", set trainer.checkpoint.memory.replicas: 0" if self.replicas else "")
                 + ", or turn snapshots off (trainer.checkpoint.memory.every_n_steps: null)")
-
-
-def state_bytes(obj: Any) -> int:
-    """Bytes of the tensors in ``obj`` (shared storages counted once)."""
-    seen: dict[tuple[int, str], int] = {}
-    stack = [obj]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
-            seen[(storage.data_ptr(), str(value.device))] = storage.nbytes()
-        elif isinstance(value, dict):
-            stack.extend(value.values())
-        elif isinstance(value, (list, tuple)):
-            stack.extend(value)
-    return sum(seen.values())
-
-
-def _mb(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 def memory_snapshot_callback(checkpointer: Checkpointer, args: TrainerArguments,

@@ -1,0 +1,212 @@
+"""Memory snapshots every step, like for like: step time with a snapshot every step over
+step time without, under sp and under 2-process ddp (gloo, one node), and what the node's
+snapshot directory holds per snapshot against the state's size.
+
+Each round runs both arms back to back, in alternating order; a run's clock starts
+after ``Trainer.setup()`` (and the snapshot writer's start) and stops at the end
+of its last step. The figure is the median of the per-round ratios. The bytes
+are measured in the ddp run with snapshots, at its last step, once both ranks'
+writes are done: the step directories of every rank for one step, the staging
+files, and one rank's state (model, optimizer, trainer state, random streams).
+
+    python benchmarks/memory_snapshots.py [--rounds 5] [--steps 30] [--threads 1]
+    (benchmarks/checkpoint.py runs it too, unless --no-memory)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _measure import add_load_options, interleave, spread, start, summary  # noqa: E402
+
+from sailfin import Callback, DataInterface, ModuleInterface, Trainer, TrainerArguments  # noqa
+from sailfin.config.distributed import DistArguments  # noqa: E402
+
+DIMS = [512, 1024, 1024, 512, 10]  # 2.1 M parameters: 8 MB, and 16 MB of AdamW state
+BATCH = 64  # per process and step
+STEPS = 30  # per run
+
+
+class Data(DataInterface):
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ds = torch.utils.data.TensorDataset(torch.randn(n, DIMS[0], generator=g),
+                                                 torch.randint(0, 10, (n,), generator=g))
+
+    def get_train_dataset(self):
+        return self.ds
+
+
+class Recipe(ModuleInterface):
+    def __init__(self, data: Data) -> None:
+        super().__init__()
+        self.data = data
+        torch.manual_seed(0)
+        layers: list[nn.Module] = []
+        for a, b in zip(DIMS, DIMS[1:]):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        self.net = nn.Sequential(*layers[:-1])
+
+    def get_optimizers_schedulers(self, estimated_global_steps_per_epoch, epochs):
+        return [torch.optim.AdamW(self.parameters(), lr=1e-3)], []
+
+    def train_step(self, global_step, batch, device):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x.to(device)), y.to(device))
+
+
+class NodeBytes(Callback):
+    """At the last step (writes done on every rank): bytes of one step's snapshot in the
+    node's directory, of the staging files, and of one rank's state."""
+
+    def __init__(self, last: int) -> None:
+        self.last = last
+        self.found: dict = {}
+
+    def on_step_end(self, trainer) -> None:
+        if trainer.global_step != self.last:
+            return
+        from sailfin.checkpoint.memory_dirs import used_bytes
+        from sailfin.checkpoint.rng import rng_state
+        from sailfin.trainer.checkpointing.memory_space import state_bytes
+
+        store = trainer.checkpointer.store
+        store.wait()
+        trainer.backend.barrier()
+        if store.rank == 0:
+            ranks = [d for d in os.listdir(store.root) if d.startswith("rank")]
+            # The newest step every rank holds complete (a busy writer skips steps).
+            step = max(set.intersection(*[
+                {n for n in os.listdir(os.path.join(store.root, d)) if n.startswith("step-")}
+                for d in ranks]))
+            self.found = {
+                "snapshot": sum(used_bytes(os.path.join(store.root, d, step)) for d in ranks),
+                "staging": sum(used_bytes(os.path.join(store.root, d)) for d in
+                               os.listdir(store.root) if d.startswith("staging")),
+                "state": state_bytes(trainer.state_dict()) + state_bytes(rng_state()),
+                "ranks": len(ranks), "skipped": store.skipped}
+        trainer.backend.barrier()
+
+
+def run(out: str, memory: bool, steps: int, dist: DistArguments | None = None) -> tuple:
+    """(seconds from after set-up to the end of the last step, the node's bytes)."""
+    world = dist.world_size if dist is not None else 1
+    args = TrainerArguments(
+        epochs=1, train_batch_size=BATCH * world, micro_batch_size=BATCH, output_dir=out,
+        writers=[],
+        val_every_n_epochs=0, log_every_n_steps=10_000, resume="never", progress="none",
+        backend="ddp" if dist is not None else "sp", distributed=dist or DistArguments(),
+        checkpoint={"at_epoch_end": False,
+                    "memory": {"every_n_steps": 1} if memory else {}})
+    node = NodeBytes(steps)
+    trainer = Trainer(Recipe(Data(steps * BATCH * world)), args,
+                      callbacks=[node] if memory else [])
+    trainer.setup()
+    if memory:
+        trainer.checkpointer.store.start_writer(wait=True)  # its start is not a step's cost
+    begin = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - begin
+    trainer.close()
+    return seconds, node.found
+
+
+def _rank(rank: int, port: int, out: str, memory: bool, steps: int, threads: int,
+          queue: multiprocessing.Queue) -> None:
+    torch.set_num_threads(threads)
+    dist = DistArguments(launcher="manual", rank=rank, world_size=2, local_rank=rank,
+                         local_world_size=2, master_addr="127.0.0.1", master_port=port,
+                         threads_per_process=threads)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        result = run(out, memory, steps, dist)
+    if rank == 0:
+        queue.put(result)
+
+
+def run_ddp(out: str, memory: bool, steps: int, threads: int) -> tuple:
+    from socket import socket
+
+    with socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, port, out, memory, steps, threads, queue))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    result = queue.get(timeout=600)
+    for p in procs:
+        p.join(60)
+    return result
+
+
+def measure(rounds: int, steps: int, threads: int, load) -> None:
+    sink = io.StringIO()
+    found: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        def arm(memory: bool, ddp: bool):
+            def go(i: int) -> float:
+                out = os.path.join(tmp, f"{'ddp' if ddp else 'sp'}-{int(memory)}-{i}")
+                if ddp:
+                    seconds, node = run_ddp(out, memory, steps, threads)
+                else:
+                    with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+                        seconds, node = run(out, memory, steps)
+                if node:
+                    found.setdefault("ddp" if ddp else "sp", []).append(node)
+                return seconds
+            return go
+
+        figures = {}
+        for name, ddp in (("sp", False), ("2-process ddp", True)):
+            results = interleave(rounds, {"with": arm(True, ddp), "without": arm(False, ddp)})
+            figures[name] = [r["with"] / r["without"] for r in results]
+    params = sum(a * b + b for a, b in zip(DIMS, DIMS[1:]))
+    print(f"memory snapshots every step, AdamW, {params / 1e6:.1f} M parameters, {steps} steps "
+          f"per run, {rounds} rounds, {threads} thread(s) per process:")
+    for (name, values), key in zip(figures.items(), ("sp", "ddp")):
+        skipped = [n["skipped"] for n in found.get(key, [])]
+        print(f"  step time with a snapshot every step / without, {name:>13}: "
+              f"{spread(values)}; snapshots skipped (the previous one still being written) "
+              f"per run of {steps}: median {statistics.median(skipped) if skipped else 0}")
+    node = found["ddp"][-1] if found.get("ddp") else None
+    if node:
+        print(f"  2-process ddp, one node: /dev/shm per snapshot {node['snapshot'] / 2**20:.1f} "
+              f"MiB ({node['ranks']} rank directories) for a state of "
+              f"{node['state'] / 2**20:.1f} MiB per rank: "
+              f"{node['snapshot'] / node['state']:.3f} x one rank's state; staging "
+              f"{node['staging'] / 2**20:.1f} MiB")
+    summary("memory_snapshots.py", "sp step time with / without a snapshot every step",
+            figures["sp"], load, threads,
+            extra=f"2-process ddp {statistics.median(figures['2-process ddp']):.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--threads", type=int, default=1)
+    add_load_options(parser)
+    opts = parser.parse_args()
+    torch.set_num_threads(opts.threads)
+    load = start(opts, "memory_snapshots.py")
+    measure(opts.rounds, opts.steps, opts.threads, load)
+
+
+if __name__ == "__main__":
+    main()
