@@ -22,6 +22,8 @@ from typing import Iterable, Optional
 # Phases, in the order a run goes through them (the report compares ranks by (step, phase)).
 SETUP = "starting"  # joining the group, building, resuming: before the start-up checks
 STARTUP_CHECKS = "start-up checks (sanity validation batches)"
+# Done with its own sanity batches, waiting for the other ranks' outputs.
+STARTUP_CHECKS_GATHER = "start-up checks (gathering every rank's outputs)"
 DATA = "data loading"
 FORWARD = "forward/train_step"
 BACKWARD = "backward"  # a step's last micro-batch: DDP's gradient all-reduce runs in it
@@ -36,7 +38,8 @@ VALIDATION_GATHER = "validation (gathering every rank's outputs)"
 END_OF_EPOCH = "end of epoch (checkpoint save, callbacks)"
 FINISHED = "finished"
 FAILED = "stopped by an error"  # training raised on this rank: the others wait for it
-_ORDER = {p: i for i, p in enumerate((FAILED, SETUP, STARTUP_CHECKS, DATA, FORWARD, BACKWARD,
+_ORDER = {p: i for i, p in enumerate((FAILED, SETUP, STARTUP_CHECKS, STARTUP_CHECKS_GATHER,
+                                       DATA, FORWARD, BACKWARD,
                                        ALL_REDUCE, OPTIMIZER, END_OF_STEP, CHECKPOINT_SAVE,
                                        VALIDATION, VALIDATION_GATHER, END_OF_EPOCH,
                                        FINISHED))}
@@ -46,8 +49,8 @@ _AFTER_STEP = {END_OF_STEP, CHECKPOINT_SAVE, VALIDATION, VALIDATION_GATHER, END_
 # forward, saves, validation, user callbacks): they get
 # trainer.distributed.hang_seconds_slow_phases, not hang_seconds. A rank whose records
 # stop (a frozen process) is named after hang_seconds whatever its phase.
-SLOW_PHASES = frozenset({SETUP, STARTUP_CHECKS, END_OF_STEP, CHECKPOINT_SAVE, VALIDATION,
-                         VALIDATION_GATHER, END_OF_EPOCH})
+SLOW_PHASES = frozenset({SETUP, STARTUP_CHECKS, STARTUP_CHECKS_GATHER, END_OF_STEP,
+                         CHECKPOINT_SAVE, VALIDATION, VALIDATION_GATHER, END_OF_EPOCH})
 HANG_KEY = "trainer.distributed.hang_seconds"
 SLOW_KEY = "trainer.distributed.hang_seconds_slow_phases"
 

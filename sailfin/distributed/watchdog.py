@@ -44,7 +44,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from .exit_codes import HANG_EXIT_CODE
 from .hang_report import (ALL_REDUCE, BACKWARD, CHECKPOINT_SAVE, DATA, END_OF_EPOCH,  # noqa: F401
                           END_OF_STEP, FAILED, FINISHED, FORWARD, HANG_KEY, OPTIMIZER, SETUP,
-                          SLOW_KEY, SLOW_PHASES, STARTUP_CHECKS, VALIDATION,
+                          SLOW_KEY, SLOW_PHASES, STARTUP_CHECKS, STARTUP_CHECKS_GATHER,
+                          VALIDATION,
                           VALIDATION_GATHER, RankRecord,
                           culprits, hang_report, limit_of, recipe_step)
 from .launch_notes import HANG, leave_note

@@ -83,7 +83,7 @@ def test_a_rank_stuck_in_the_check_batch_is_named(tmp_path):
     cfg.write_text(cfg.read_text().replace("elastic_recipe.ElasticRecipe",
                                            "hang_recipe.StuckInCheckRecipe"))
     log = tmp_path / "job.log"
-    proc = _launch(cfg, log)
+    proc = _launch(cfg, log, "--trainer.distributed.hang_seconds_slow_phases", str(HANG))
     try:
         [code] = wait([proc], 120, [log])
     finally:
@@ -93,6 +93,9 @@ def test_a_rank_stuck_in_the_check_batch_is_named(tmp_path):
     assert code == 75, tail([log])
     header = next(line for line in text.splitlines() if "hang watchdog: no progress" in line)
     assert "waiting for rank 1 (in start-up checks (sanity validation batches))" in header
+    # Rank 0 is done with its own sanity batches and waits for rank 1's outputs.
+    assert "rank 0: global_step 0, phase start-up checks (gathering every rank's outputs)" \
+        in text
     assert "in val_step" in (tmp_path / "job" / "run" / "hang" / "stack-rank1.txt").read_text()
     assert "sailfin launch: the hang watchdog ended the job" in text
     assert time.time() - began < HANG + 20

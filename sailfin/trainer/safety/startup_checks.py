@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import numpy as np
 import torch
 
-from ...distributed.watchdog import STARTUP_CHECKS
+from ...distributed.watchdog import STARTUP_CHECKS, STARTUP_CHECKS_GATHER
 from ...interfaces import RecipeError
 from ..core.pymarlin_forms import CallbackSignatureError, batch_size, val_epoch_end_caller
 from ..core.validation import merge_outputs
@@ -112,7 +112,10 @@ def sanity_validate(trainer: "RunView") -> None:
                     out = trainer.backend.val_step(module, trainer.global_step, batch)
                     check_val_output(out, f"val_step ({where})")
                     outputs.append(out)
-                gathered = trainer.backend.gather_outputs(merge_outputs(outputs, sizes=sizes))
+                merged = merge_outputs(outputs, sizes=sizes)
+                trainer.heartbeat.phase = STARTUP_CHECKS_GATHER  # a slower rank is behind
+                gathered = trainer.backend.gather_outputs(merged)
+                trainer.heartbeat.phase = STARTUP_CHECKS
                 # The recipe's checkpointed state (a count of validations, a best score)
                 # is put back: the check leaves the run as it found it.
                 state = copy.deepcopy(module.get_state())
