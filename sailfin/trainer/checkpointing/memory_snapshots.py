@@ -24,6 +24,7 @@ from ...checkpoint.memory_shards import local_shards, mesh_of
 from ...checkpoint.rng import rng_state
 from ...config.trainer import TrainerArguments
 from ..core.callbacks import Callback
+from ..core.hooks import notify_save_end
 from .saver import CheckpointCallback, manifest_facts
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ class MemorySnapshots(Callback):
         shared = {"model": state.pop("module"), "trainer": state}
         self.store.save(trainer.global_step, facts, shared, rng_state())
         self.stall_seconds.append(time.perf_counter() - started)
+        notify_save_end(trainer, "snapshot", self.stall_seconds[-1])  # the time account
 
     def on_train_end(self, trainer: "Trainer") -> None:
         if self.store.skipped and trainer.dist.is_main:

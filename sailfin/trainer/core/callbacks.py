@@ -50,4 +50,8 @@ class Callback:
                           ) -> None:
         """``metrics`` is name of validation set -> its metrics."""
 
+    def on_save_end(self, trainer: "Trainer", kind: str, seconds: float) -> None:
+        """After a save: ``kind`` is ``"checkpoint"`` (to disk) or ``"snapshot"`` (memory);
+        ``seconds`` is how long training waited for it."""
+
     def on_train_end(self, trainer: "Trainer") -> None: ...

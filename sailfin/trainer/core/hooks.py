@@ -53,6 +53,12 @@ def any_says_again(callbacks: list[Callback], trainer: "Trainer", micros: Any) -
     return any(c.on_backward_end(trainer, samples) for c in callbacks)
 
 
+def notify_save_end(trainer: "Trainer", kind: str, seconds: float) -> None:
+    """Tell the callbacks that override ``on_save_end`` that a save finished."""
+    for callback in overriding(trainer.callbacks, "on_save_end"):
+        callback.on_save_end(trainer, kind, seconds)
+
+
 def as_list(value: Any, what: str) -> list:
     if value is None:
         return []

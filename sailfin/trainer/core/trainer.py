@@ -62,6 +62,7 @@ class Trainer:
         self.samples_seen = 0
         self.last_val_metrics: dict[str, dict[str, float]] = {}
         self.train_seconds = 0.0
+        self.validation_seconds = 0.0  # time spent validating (the time account reads it)
         self.summary: Optional[dict[str, Any]] = None  # set when train() finishes
         self._is_setup = False
         self.last_val_step = -1  # the global step last validated at
@@ -325,7 +326,9 @@ class Trainer:
         self.setup()
         if not self.val_loaders:
             return {}
+        started = time.perf_counter()
         results = run_validation(self)
+        self.validation_seconds += time.perf_counter() - started
         self.writers.flush()
         self.last_val_metrics = results
         self.last_val_step = self.global_step

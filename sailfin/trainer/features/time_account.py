@@ -1,0 +1,239 @@
+"""The time account: where a run's wall time went, from its first start to its end,
+across every restart, and its goodput (the share that became kept training).
+
+Each start of the run (the first, a torchrun restart, a resume after a kill or a
+preemption) is a *segment* of ``<output_dir>/time_account.json``. A segment's
+seconds are split into components that sum to it:
+
+- ``productive``: training of steps that were kept;
+- ``replayed``: training a restart threw away (the steps after the checkpoint it
+  resumed from, trained again since); the part after the account's last write
+  is estimated from the steps ``metrics.jsonl`` logged and the segment's step time;
+- ``startup``: process start (imports, build, loading the checkpoint, reaching
+  the data position) to the first step;
+- ``restart_gap``: the previous segment's last sign of life to this start;
+- ``data_wait``, ``checkpoint`` and ``snapshot`` (stalls), ``validation``,
+  ``oom_retries`` (steps ``micro_batch_size: auto`` ran again); ``other``: the rest
+  (writing the final weights, end-of-run work).
+
+``goodput = productive / wall``. Rank 0 keeps the account, on its own clock.
+Nothing runs per step: the account is updated and written at the boundaries
+that already exist (start, each checkpoint or snapshot, each epoch end, the
+end), and the data wait is sampled off the step (:mod:`.phase_sampler`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+from ...checkpoint.metrics_log import last_logged_step
+from ...checkpoint.time_account_file import (COMPONENTS, VERSION, account_path, account_totals,
+                                             read_account, run_start_time, write_account)
+from ..core.callbacks import Callback
+from .phase_sampler import PhaseSampler
+
+if TYPE_CHECKING:
+    from ..core.trainer import Trainer
+
+log = logging.getLogger("sailfin")
+
+_MARKS = 64            # (step, productive seconds) points kept per segment
+_SNAPSHOT_WRITE = 1.0  # seconds between writes when snapshots come every step
+
+
+class TimeAccount(Callback):
+    """Keeps ``<output_dir>/time_account.json`` and puts its totals in ``summary.json``.
+
+    The trainer builds one for every run (before resume, which trims
+    ``metrics.jsonl``: the steps a killed run logged tell how far it came).
+
+    Example::
+
+        account = TimeAccount("outputs/run", is_main=True)
+        Trainer(module, args, callbacks=[account])   # the trainer adds its own
+        account.totals()["goodput"]                  # 0.93
+    """
+
+    def __init__(self, output_dir: str, is_main: bool, continues: bool = True,
+                 heartbeat: Any = None) -> None:
+        self.active = is_main
+        self.path = account_path(output_dir)
+        self.started = run_start_time()
+        self.account: dict[str, Any] = {"version": VERSION, "segments": []}
+        self.reached: Optional[int] = None
+        self.sampler = PhaseSampler(heartbeat) if heartbeat is not None and is_main else None
+        self._segment: Optional[dict[str, Any]] = None
+        self._stalls = {"checkpoint": 0.0, "snapshot": 0.0}
+        self._loop_end: Optional[float] = None
+        self._last_write = 0.0
+        if not is_main:
+            return
+        if continues:  # resume: auto or a path; never starts a new account
+            previous, problem = read_account(self.path)
+            if problem:
+                log.warning("time account: %s; starting a new one", problem)
+            if previous is not None:
+                self.account = previous
+            self.reached = last_logged_step(os.path.join(output_dir, "metrics.jsonl"))
+
+    # -- the boundaries -----------------------------------------------------------------
+    def on_train_start(self, trainer: "Trainer") -> None:
+        if not self.active:
+            return
+        self._train_start = time.perf_counter()
+        wall_start = time.time()
+        segments, step = self.account["segments"], trainer.global_step
+        seg = {"started": self.started, "last_seen": wall_start, "restart": len(segments),
+               "world_size": trainer.dist.world_size, "from_step": step, "step": step,
+               "failure": False, "ended": None, "replayed_estimated": 0.0,
+               "seconds": dict.fromkeys(COMPONENTS, 0.0), "marks": [[step, 0.0]]}
+        seg["seconds"]["startup"] = max(0.0, wall_start - self.started)
+        if segments:
+            _after_restart(segments, seg, step, self.reached, self.started)
+        segments.append(seg)
+        self._segment = seg
+        self._validation0 = getattr(trainer, "validation_seconds", 0.0)
+        self._oom0 = _retry_seconds(trainer)
+        if self.sampler is not None:
+            self.sampler.start()
+        self.write(trainer, durable=True)
+
+    def on_save_end(self, trainer: "Trainer", kind: str, seconds: float) -> None:
+        if self._segment is None:
+            return
+        self._stalls[kind] += seconds
+        if kind == "checkpoint" or time.perf_counter() - self._last_write >= _SNAPSHOT_WRITE:
+            self.write(trainer, durable=kind == "checkpoint")
+
+    def on_epoch_end(self, trainer: "Trainer") -> None:
+        if self._segment is not None:
+            self.write(trainer)
+
+    def summary_fields(self) -> dict[str, Any]:
+        """Called once the loop is done (summary.json): training time stops here."""
+        if self._segment is None:
+            return {}
+        self._loop_end = time.perf_counter()
+        if self.sampler is not None:
+            self.sampler.stop()
+        return {"time_account": self.totals()}
+
+    def on_train_end(self, trainer: "Trainer") -> None:
+        """After the final save: the segment ends, the totals go to summary.json, the end
+        line and the writers."""
+        if self._segment is None:
+            return
+        if self._loop_end is None:
+            self.summary_fields()
+        self._segment["ended"] = "finished"
+        self.write(trainer, durable=True)
+        totals = self.totals()
+        summary = getattr(trainer, "summary", None)
+        if isinstance(summary, dict):
+            summary["time_account"] = totals
+            from ..core.outputs import write_json_atomic
+            write_json_atomic(os.path.join(trainer.args.output_dir, "summary.json"), summary)
+        metrics = {"goodput": totals["goodput"], "wall_seconds": totals["wall_seconds"],
+                   "restarts": totals["failures"]}
+        metrics.update({f"{k}_seconds": v for k, v in totals["seconds"].items()})
+        trainer.writers.log_metrics(metrics, trainer.global_step, trainer.epoch, "time")
+        self._segment = None
+
+    # -- the numbers --------------------------------------------------------------------
+    def write(self, trainer: "Trainer", durable: bool = False) -> None:
+        """Bring the current segment up to now and replace the file."""
+        seg = self._segment
+        assert seg is not None
+        now = time.perf_counter()
+        seg["last_seen"] = time.time()
+        seg["step"] = trainer.global_step
+        sec = seg["seconds"]
+        sec["checkpoint"], sec["snapshot"] = self._stalls["checkpoint"], self._stalls["snapshot"]
+        sec["validation"] = max(0.0, getattr(trainer, "validation_seconds", 0.0)
+                                - self._validation0)
+        sec["oom_retries"] = max(0.0, _retry_seconds(trainer) - self._oom0)
+        if self._loop_end is None:  # still training: the loop's time not spent otherwise
+            loop = now - self._train_start
+            sec["data_wait"] = self.sampler.data_share() * loop if self.sampler else 0.0
+            sec["productive"] = max(0.0, loop - sec["data_wait"] - sec["checkpoint"]
+                                    - sec["snapshot"] - sec["validation"] - sec["oom_retries"])
+            marks = seg["marks"]
+            if marks[-1][0] == seg["step"]:
+                marks[-1][1] = sec["productive"]
+            else:
+                marks.append([seg["step"], sec["productive"]])
+            if len(marks) > _MARKS:
+                del marks[1]  # the first (the segment's start) stays: it anchors rollbacks
+        # The segment so far: its gap, then process start to now; what is not measured.
+        total = sec["restart_gap"] + (seg["last_seen"] - seg["started"])
+        sec["other"] = max(0.0, total - sum(v for k, v in sec.items() if k != "other"))
+        self._last_write = now
+        write_account(self.path, self.account, durable)
+
+    def totals(self) -> dict[str, Any]:
+        return account_totals(self.account)
+
+
+def _after_restart(segments: list[dict[str, Any]], seg: dict[str, Any], step: int,
+                   reached: Optional[int], started: float) -> None:
+    """A new segment resumed at ``step``: earlier training past it was thrown away, and the
+    time since the previous segment's last write is a restart gap (or idle, if it ended)."""
+    prev = segments[-1]
+    step_seconds = _step_seconds(prev)
+    for earlier in segments:
+        _roll_back(earlier, step)
+    gap = max(0.0, started - prev["last_seen"])
+    if prev.get("ended") == "finished":
+        seg["idle_before"] = gap  # a finished run started again for more: not a failure
+        return
+    seg["failure"] = True
+    # Steps kept (the checkpoint is newer than the account's last write: snapshots write
+    # it at most once a second) were productive; their time is in the gap until now.
+    kept = min(gap, max(0, step - prev["step"]) * step_seconds)
+    prev["seconds"]["productive"] += kept
+    gap -= kept
+    # Steps the previous segment logged after its last write were lost too: their time
+    # is in the gap; it moves to replayed, estimated at that segment's step time.
+    lost = 0 if reached is None else reached - max(prev["step"], step)
+    estimate = min(gap, max(0, lost) * step_seconds)
+    prev["seconds"]["replayed"] += estimate
+    prev["replayed_estimated"] = prev.get("replayed_estimated", 0.0) + estimate
+    seg["seconds"]["restart_gap"] = gap - estimate
+
+
+def _step_seconds(seg: dict[str, Any]) -> float:
+    marks = seg["marks"]
+    steps = marks[-1][0] - marks[0][0]
+    return (marks[-1][1] - marks[0][1]) / steps if steps > 0 else 0.0
+
+
+def _productive_at(marks: list[list[float]], step: int) -> float:
+    """Productive seconds when the segment reached ``step`` (linear between marks)."""
+    if step <= marks[0][0]:
+        return marks[0][1]
+    for (s0, p0), (s1, p1) in zip(marks, marks[1:]):
+        if step <= s1:
+            return p0 + (p1 - p0) * (step - s0) / (s1 - s0)
+    return marks[-1][1]
+
+
+def _roll_back(seg: dict[str, Any], step: int) -> None:
+    """Training of ``seg`` past ``step`` was not kept: productive -> replayed."""
+    marks = seg["marks"]
+    if marks[-1][0] <= step:
+        return
+    kept = _productive_at(marks, step)
+    moved = marks[-1][1] - kept
+    sec = seg["seconds"]
+    moved = min(moved, sec["productive"])
+    sec["productive"] -= moved
+    sec["replayed"] += moved
+    seg["marks"] = [m for m in marks if m[0] < step] + [[max(step, marks[0][0]), kept]]
+
+
+def _retry_seconds(trainer: "Trainer") -> float:
+    autobatch = getattr(trainer, "autobatch", None)
+    return float(getattr(autobatch, "retry_seconds", 0.0)) if autobatch is not None else 0.0
