@@ -139,7 +139,7 @@ class TimeAccount(Callback):
         metrics = {"goodput": totals["goodput"], "wall_seconds": totals["wall_seconds"],
                    "restarts": totals["failures"]}
         metrics.update({f"{k}_seconds": v for k, v in totals["seconds"].items()})
-        trainer.writers.log_metrics(metrics, trainer.global_step, trainer.epoch, "time")
+        trainer.writers.log_run_totals(metrics, trainer.global_step, trainer.epoch)
         self._segment = None
 
     # -- the numbers --------------------------------------------------------------------

@@ -1,0 +1,70 @@
+"""The time account: components that sum to the wall time, no replay or restart gap
+without failures, and observing it never changes the weights."""
+
+import json
+
+import torch
+
+from sailfin import Callback, Trainer
+from sailfin.checkpoint.time_account_file import COMPONENTS
+from sailfin.logging import Writer
+from sailfin.logging.jsonl import JsonlWriter
+from sailfin.trainer.core import setup
+from tests.checkpoint.helpers import SlowLinear
+from tests.recipes import IdData, args
+
+
+class Totals(Writer):
+    def __init__(self):
+        self.seen = []
+
+    def log_run_totals(self, totals, step, epoch):
+        self.seen.append((step, dict(totals)))
+
+
+def train(out, writers=None, **kw):
+    module = SlowLinear(IdData(200, 20), momentum=0.9, dropout=0.2, step_seconds=0.01)
+    trainer = Trainer(module, args(out, epochs=2, checkpoint={"every_n_steps": 7},
+                                   val_every_n_epochs=1, **kw), writers=writers)
+    summary = trainer.train()
+    trainer.close()
+    return summary, {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def test_a_run_without_failures_has_no_replay_and_no_restart_gap(tmp_path):
+    seen = Totals()
+    summary, _ = train(tmp_path / "run", writers=[JsonlWriter(str(tmp_path / "run" /
+                                                                   "metrics.jsonl")), seen])
+    seen = seen.seen
+    totals = summary["time_account"]
+    seconds = totals["seconds"]
+    assert set(seconds) == set(COMPONENTS)
+    assert totals["segments"] == 1 and totals["failures"] == 0
+    assert seconds["replayed"] == 0 and seconds["restart_gap"] == 0
+    assert abs(sum(seconds.values()) - totals["wall_seconds"]) < 1e-3
+    # 40 steps of >= 10 ms each: at least 0.4 s productive; saves and validation measured.
+    assert seconds["productive"] >= 0.4
+    assert seconds["checkpoint"] > 0 and seconds["validation"] > 0
+    assert totals["goodput"] == round(seconds["productive"] / totals["wall_seconds"], 4)
+    # The file and summary.json say the same; the writers got the totals.
+    on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())["time_account"]
+    assert on_disk == totals
+    account = json.loads((tmp_path / "run" / "time_account.json").read_text())
+    assert account["segments"][0]["ended"] == "finished"
+    assert seen == [(40, {"goodput": totals["goodput"], "wall_seconds": totals["wall_seconds"],
+                          "restarts": 0, **{f"{k}_seconds": v for k, v in seconds.items()}})]
+
+
+def test_observing_the_time_never_changes_the_weights(tmp_path, monkeypatch):
+    _, with_account = train(tmp_path / "with")
+
+    class Off(Callback):  # the same run with no account at all
+        def __init__(self, *a, **k):
+            pass
+
+    monkeypatch.setattr(setup, "TimeAccount", Off)
+    summary, without = train(tmp_path / "without")
+    assert "time_account" not in summary
+    assert not (tmp_path / "without" / "time_account.json").exists()
+    for key in with_account:
+        assert torch.equal(with_account[key], without[key]), key
