@@ -16,8 +16,9 @@ from typing import Any, Optional
 ACCOUNT_FILE = "time_account.json"
 VERSION = 1
 
-# The components of a segment's seconds, in the order charts and tables show them.
-COMPONENTS = ("productive", "replayed", "startup", "restart_gap", "data_wait", "checkpoint",
+# The components of a segment's seconds, in the order charts and tables show them (a
+# restart's gap and start-up come first in time).
+COMPONENTS = ("restart_gap", "startup", "productive", "replayed", "data_wait", "checkpoint",
               "snapshot", "validation", "oom_retries", "other")
 
 
