@@ -45,7 +45,7 @@ def test_a_run_without_failures_has_no_replay_and_no_restart_gap(tmp_path):
     # 40 steps of >= 10 ms each: at least 0.4 s productive; saves and validation measured.
     assert seconds["productive"] >= 0.4
     assert seconds["checkpoint"] > 0 and seconds["validation"] > 0
-    assert totals["goodput"] == round(seconds["productive"] / totals["wall_seconds"], 4)
+    assert abs(totals["goodput"] - seconds["productive"] / totals["wall_seconds"]) < 1e-3
     # The file and summary.json say the same; the writers got the totals.
     on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())["time_account"]
     assert on_disk == totals
