@@ -21,6 +21,7 @@ import torch
 
 from ...checkpoint.checkpointer import say
 from ...checkpoint.time_account_file import account_path, account_totals, read_account
+from .memory_snapshots import MemorySnapshots
 from .saver import CheckpointCallback
 
 if TYPE_CHECKING:
@@ -36,20 +37,21 @@ def young_daly_seconds(save_seconds: float, mtbf_seconds: float) -> float:
     return math.sqrt(2.0 * max(save_seconds, 0.0) * max(mtbf_seconds, 0.0))
 
 
-class AutoStepCheckpointCallback(CheckpointCallback):
-    """Saves every N steps, N chosen by :func:`young_daly_seconds` from measurements.
-
-    The first save comes after the first step (it measures what a save costs)
-    unless the checkpoint resumed from carries the measurements.
+class IntervalChooser:
+    """The measurements and the chosen interval of one kind of save (``checkpoint`` or
+    ``snapshot``); the callback that saves asks :meth:`due` and reports each save.
 
     Example::
 
-        args = TrainerArguments(checkpoint={"every_n_steps": "auto", "mtbf_hours": 12})
-        Trainer(module, args).train()   # "checkpoint every_n_steps auto: every 240 steps ..."
+        chooser = IntervalChooser("checkpoint", mtbf_hours=12)
+        chooser.start(trainer)
+        if chooser.due(trainer.global_step):
+            ...  # save, then:
+            chooser.saved(trainer, started, stall_seconds=[...], saved=True)
     """
 
-    def __init__(self, checkpointer: Any, args: Any) -> None:
-        super().__init__(checkpointer, args)
+    def __init__(self, kind: str, mtbf_hours: Optional[float]) -> None:
+        self.kind, self.mtbf_hours = kind, mtbf_hours
         self.save_seconds: Optional[float] = None
         self.step_seconds: Optional[float] = None
         self.every: Optional[int] = None
@@ -57,33 +59,34 @@ class AutoStepCheckpointCallback(CheckpointCallback):
         self._next = 0
         self._mark = (0.0, 0, 0.0)  # (clock, step, stall seconds so far) after a save
 
-    def on_train_start(self, trainer: "Trainer") -> None:
-        super().on_train_start(trainer)
-        self._mark = (time.perf_counter(), trainer.global_step, sum(self.stall_seconds))
+    def start(self, trainer: "Trainer", stalled: float) -> None:
+        """Before the first step: choose from the resumed measurements, or save after the
+        first step to measure."""
+        self._mark = (time.perf_counter(), trainer.global_step, stalled)
         if self.save_seconds is not None and self.step_seconds is not None:
-            self._choose(trainer)  # the resumed checkpoint's measurements
+            self.choose(trainer)
         else:
             self._next = trainer.global_step + 1
 
-    def on_step_end(self, trainer: "Trainer") -> None:
-        if trainer.global_step < self._next:
-            return
-        started = time.perf_counter()
-        saves_before = len(self.stall_seconds)
-        self.save(trainer)
+    def due(self, step: int) -> bool:
+        return step >= self._next
+
+    def saved(self, trainer: "Trainer", started: float, stalls: list[float],
+              new_save: bool) -> None:
+        """After the save that :meth:`due` asked for began at ``started``; ``stalls`` is
+        every save's stall so far (the last one this save's if ``new_save``)."""
         clock, step, stalled = self._mark
         steps = trainer.global_step - step
-        if len(self.stall_seconds) > saves_before and steps > 0:
+        if new_save and steps > 0:
             # Training time per step since the last save, other saves (epoch ends) left out.
-            other_saves = sum(self.stall_seconds[:saves_before]) - stalled
+            other_saves = sum(stalls[:-1]) - stalled
             step_time = max(0.0, started - clock - other_saves) / steps
-            self.save_seconds = _smooth(self.save_seconds, self.stall_seconds[-1])
+            self.save_seconds = _smooth(self.save_seconds, stalls[-1])
             self.step_seconds = _smooth(self.step_seconds, step_time)
-        self._mark = (time.perf_counter(), trainer.global_step, sum(self.stall_seconds))
-        self._choose(trainer)
+        self._mark = (time.perf_counter(), trainer.global_step, sum(stalls))
+        self.choose(trainer)
 
-    # -- the choice -----------------------------------------------------------------------
-    def _choose(self, trainer: "Trainer") -> None:
+    def choose(self, trainer: "Trainer") -> None:
         mtbf, source = self._mtbf(trainer)
         # Every rank saves at the same steps: they agree on the measurements (their mean).
         mine = torch.tensor([self.save_seconds or 0.0, self.step_seconds or 0.0,
@@ -101,13 +104,15 @@ class AutoStepCheckpointCallback(CheckpointCallback):
                        "mtbf_hours": round(mtbf / 3600, 6), "mtbf_from": source,
                        "at_step": trainer.global_step}
         if changed and trainer.dist.is_main:
-            say(f"checkpoint every_n_steps auto: every {every} step(s) (~{tau:.3g} s of "
-                f"training): a save takes {save:.3g} s, a step {1000 * step:.3g} ms, MTBF "
+            key = ("trainer.checkpoint.every_n_steps" if self.kind == "checkpoint"
+                   else "trainer.checkpoint.memory.every_n_steps")  # the setting that is auto
+            say(f"{key} auto: a {self.kind} every {every} step(s) (~{tau:.3g} s of "
+                f"training): one takes {save:.3g} s, a step {1000 * step:.3g} ms, MTBF "
                 f"{mtbf / 3600:.3g} h ({source}); Young-Daly sqrt(2 x save x MTBF)")
 
     def _mtbf(self, trainer: "Trainer") -> tuple[float, str]:
-        if self.args.mtbf_hours is not None:
-            return self.args.mtbf_hours * 3600.0, "trainer.checkpoint.mtbf_hours"
+        if self.mtbf_hours is not None:
+            return self.mtbf_hours * 3600.0, "trainer.checkpoint.mtbf_hours"
         if not trainer.dist.is_main:
             return 0.0, ""
         account, _ = read_account(account_path(trainer.args.output_dir))
@@ -119,18 +124,86 @@ class AutoStepCheckpointCallback(CheckpointCallback):
         return DEFAULT_MTBF_HOURS * 3600.0, (
             "no failure seen yet and trainer.checkpoint.mtbf_hours is null: assumed")
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"save_seconds": self.save_seconds, "step_seconds": self.step_seconds}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.save_seconds = state.get("save_seconds")
+        self.step_seconds = state.get("step_seconds")
+
+
+class AutoStepCheckpointCallback(CheckpointCallback):
+    """Saves every N steps, N chosen by :func:`young_daly_seconds` from measurements.
+
+    The first save comes after the first step (it measures what a save costs)
+    unless the checkpoint resumed from carries the measurements.
+
+    Example::
+
+        args = TrainerArguments(checkpoint={"every_n_steps": "auto", "mtbf_hours": 12})
+        Trainer(module, args).train()   # "... auto: a checkpoint every 240 step(s) ..."
+    """
+
+    def __init__(self, checkpointer: Any, args: Any) -> None:
+        super().__init__(checkpointer, args)
+        self.interval = IntervalChooser("checkpoint", args.mtbf_hours)
+
+    def on_train_start(self, trainer: "Trainer") -> None:
+        super().on_train_start(trainer)
+        self.interval.start(trainer, sum(self.stall_seconds))
+
+    def on_step_end(self, trainer: "Trainer") -> None:
+        if not self.interval.due(trainer.global_step):
+            return
+        started, saves = time.perf_counter(), len(self.stall_seconds)
+        self.save(trainer)
+        self.interval.saved(trainer, started, self.stall_seconds,
+                            len(self.stall_seconds) > saves)
+
     def summary_fields(self) -> dict[str, Any]:
-        return {"checkpoint_interval": self.choice}
+        return {"checkpoint_interval": self.interval.choice}
 
     # -- carried in checkpoints: a resumed run chooses at once ------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "save_seconds": self.save_seconds,
-                "step_seconds": self.step_seconds}
+        return {**super().state_dict(), **self.interval.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
-        self.save_seconds = state.get("save_seconds")
-        self.step_seconds = state.get("step_seconds")
+        self.interval.load_state_dict(state)
+
+
+class AutoMemorySnapshots(MemorySnapshots):
+    """Memory snapshots every N steps, N chosen like :class:`AutoStepCheckpointCallback`'s
+    from what a snapshot holds the step for (``trainer.checkpoint.memory.every_n_steps:
+    auto``)."""
+
+    state_key = "memory_snapshot_interval"
+
+    def __init__(self, checkpointer: Any, args: Any, saver: Any) -> None:
+        super().__init__(checkpointer, args, saver)
+        self.interval = IntervalChooser("memory snapshot", args.checkpoint.mtbf_hours)
+
+    def on_train_start(self, trainer: "Trainer") -> None:
+        super().on_train_start(trainer)
+        self.interval.start(trainer, sum(self.stall_seconds))
+
+    def on_step_end(self, trainer: "Trainer") -> None:
+        step = trainer.global_step
+        if self.interval.due(step):
+            started = time.perf_counter()
+            self.snapshot(trainer)
+            self.interval.saved(trainer, started, self.stall_seconds, True)
+        if self.persist and step % self.persist == 0:
+            self.saver.save(trainer)
+
+    def summary_fields(self) -> dict[str, Any]:
+        return {"memory_snapshot_interval": self.interval.choice}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.interval.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.interval.load_state_dict(state)
 
 
 def _smooth(old: Optional[float], new: float) -> float:

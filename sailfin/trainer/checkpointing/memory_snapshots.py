@@ -48,7 +48,8 @@ class MemorySnapshots(Callback):
                  saver: Optional[CheckpointCallback]) -> None:
         self.checkpointer, self.store = checkpointer, checkpointer.store
         memory = args.checkpoint.memory
-        self.every, self.persist = memory.every_n_steps or 1, memory.persist_every_n_steps
+        self.every = memory.every_n_steps if isinstance(memory.every_n_steps, int) else 1
+        self.persist = memory.persist_every_n_steps
         self.replicas = int(self.store.replica_dst is not None)
         # Persisting is an ordinary (async) save; the saver also supplies the best metric.
         self.saver = saver or CheckpointCallback(checkpointer, args.checkpoint)
@@ -152,4 +153,7 @@ def memory_snapshot_callback(checkpointer: Checkpointer, args: TrainerArguments,
     if not isinstance(checkpointer, MemoryFirstCheckpointer):
         return []
     checkpointer.mesh = mesh_of(module)
+    if args.checkpoint.memory.every_n_steps == "auto":  # chosen from measurements
+        from .auto_interval import AutoMemorySnapshots
+        return [AutoMemorySnapshots(checkpointer, args, saver)]
     return [MemorySnapshots(checkpointer, args, saver)]
