@@ -3,6 +3,7 @@ without failures, and observing it never changes the weights."""
 
 import json
 
+import pytest
 import torch
 
 from sailfin import Callback, Trainer
@@ -68,3 +69,31 @@ def test_observing_the_time_never_changes_the_weights(tmp_path, monkeypatch):
     assert not (tmp_path / "without" / "time_account.json").exists()
     for key in with_account:
         assert torch.equal(with_account[key], without[key]), key
+
+
+class Crash(Exception):
+    pass
+
+
+def test_steps_lost_before_the_first_save_are_replayed_not_a_restart_gap(tmp_path):
+    """Killed before any save: the next start trains from step 0 again; the lost steps'
+    time (at the step time the new start measures) is replayed, the rest is the gap."""
+
+    class CrashAt(Callback):
+        def on_step_end(self, trainer):
+            if trainer.global_step == 10:
+                raise Crash()
+
+    kw = dict(epochs=1, checkpoint={"every_n_steps": 15})
+    with pytest.raises(Crash):
+        Trainer(SlowLinear(IdData(200, 0), step_seconds=0.02), args(tmp_path, **kw),
+                callbacks=[CrashAt()]).train()
+    Trainer(SlowLinear(IdData(200, 0), step_seconds=0.02), args(tmp_path, **kw)).train()
+    first, second = json.loads((tmp_path / "time_account.json").read_text())["segments"]
+    assert (first["step"], second["from_step"], second["failure"]) == (0, 0, True)
+    step_time = second["seconds"]["productive"] / 20
+    assert step_time >= 0.02
+    # 10 steps logged, then lost: 10 step times moved out of the gap.
+    assert first["replayed_estimated"] == pytest.approx(10 * step_time, rel=0.25)
+    assert first["seconds"]["replayed"] == first["replayed_estimated"]
+    assert "unaccounted_steps" not in second

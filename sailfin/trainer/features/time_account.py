@@ -167,6 +167,8 @@ class TimeAccount(Callback):
                 marks.append([seg["step"], sec["productive"]])
             if len(marks) > _MARKS:
                 del marks[1]  # the first (the segment's start) stays: it anchors rollbacks
+        if "unaccounted_steps" in seg:  # (a restart: the previous segment is before it)
+            _settle_gap(self.account["segments"][-2], seg)
         # The segment so far: its gap, then process start to now; what is not measured.
         total = sec["restart_gap"] + (seg["last_seen"] - seg["started"])
         sec["other"] = max(0.0, total - sum(v for k, v in sec.items() if k != "other"))
@@ -182,7 +184,6 @@ def _after_restart(segments: list[dict[str, Any]], seg: dict[str, Any], step: in
     """A new segment resumed at ``step``: earlier training past it was thrown away, and the
     time since the previous segment's last write is a restart gap (or idle, if it ended)."""
     prev = segments[-1]
-    step_seconds = _step_seconds(prev)
     for earlier in segments:
         _roll_back(earlier, step)
     gap = max(0.0, started - prev["last_seen"])
@@ -190,18 +191,35 @@ def _after_restart(segments: list[dict[str, Any]], seg: dict[str, Any], step: in
         seg["idle_before"] = gap  # a finished run started again for more: not a failure
         return
     seg["failure"] = True
-    # Steps kept (the checkpoint is newer than the account's last write: snapshots write
-    # it at most once a second) were productive; their time is in the gap until now.
-    kept = min(gap, max(0, step - prev["step"]) * step_seconds)
+    seg["seconds"]["restart_gap"] = gap
+    # Steps the previous segment trained after its account's last write: kept ones (the
+    # checkpoint is newer than that write: snapshots write it at most once a second) were
+    # productive, the others (logged in metrics.jsonl, then lost) replayed. Their time is
+    # in the gap; it moves out at the step time, once one is known (:func:`_settle_gap`).
+    prev_step = prev["step"]
+    seg["unaccounted_steps"] = {"kept": max(0, step - prev_step),
+                                "lost": max(0, (reached or 0) - max(prev_step, step))}
+    _settle_gap(prev, seg)
+
+
+def _settle_gap(prev: dict[str, Any], seg: dict[str, Any]) -> None:
+    """Move the time of the steps trained after the previous segment's last write out of
+    this segment's restart gap, at the previous segment's step time (or this one's, when
+    the previous one wrote no step: killed before its first save)."""
+    steps = seg.get("unaccounted_steps")
+    if not steps:
+        return
+    step_seconds = _step_seconds(prev) or _step_seconds(seg)
+    if not step_seconds and (steps["kept"] or steps["lost"]):
+        return  # no step time yet: the next write settles it
+    gap = seg["seconds"]["restart_gap"]
+    kept = min(gap, steps["kept"] * step_seconds)
+    lost = min(gap - kept, steps["lost"] * step_seconds)
     prev["seconds"]["productive"] += kept
-    gap -= kept
-    # Steps the previous segment logged after its last write were lost too: their time
-    # is in the gap; it moves to replayed, estimated at that segment's step time.
-    lost = 0 if reached is None else reached - max(prev["step"], step)
-    estimate = min(gap, max(0, lost) * step_seconds)
-    prev["seconds"]["replayed"] += estimate
-    prev["replayed_estimated"] = prev.get("replayed_estimated", 0.0) + estimate
-    seg["seconds"]["restart_gap"] = gap - estimate
+    prev["seconds"]["replayed"] += lost
+    prev["replayed_estimated"] = prev.get("replayed_estimated", 0.0) + lost
+    seg["seconds"]["restart_gap"] = gap - kept - lost
+    del seg["unaccounted_steps"]
 
 
 def _step_seconds(seg: dict[str, Any]) -> float:
