@@ -90,7 +90,8 @@ def account_totals(account: dict[str, Any]) -> dict[str, Any]:
 
 def process_start_time() -> float:
     """When this process started, in seconds since the epoch. Linux tells it (``/proc``);
-    elsewhere the import of this module, which sailfin imports early, stands in for it."""
+    elsewhere the first import of this module (at the latest when a trainer is set up)
+    stands in for it, and start-up reads shorter."""
     try:
         with open("/proc/self/stat", encoding="ascii") as fh:
             # Field 22 (after the command name, which may hold spaces): start in clock ticks.
