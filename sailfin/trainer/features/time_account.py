@@ -64,6 +64,7 @@ class TimeAccount(Callback):
         self.started = run_start_time()
         self.account: dict[str, Any] = {"version": VERSION, "segments": []}
         self.reached: Optional[int] = None
+        self.last_sign: Optional[float] = None
         self.sampler = PhaseSampler(heartbeat) if heartbeat is not None and is_main else None
         self._segment: Optional[dict[str, Any]] = None
         self._stalls = {"checkpoint": 0.0, "snapshot": 0.0}
@@ -77,7 +78,10 @@ class TimeAccount(Callback):
                 log.warning("time account: %s; starting a new one", problem)
             if previous is not None:
                 self.account = previous
-            self.reached = last_logged_step(os.path.join(output_dir, "metrics.jsonl"))
+            metrics = os.path.join(output_dir, "metrics.jsonl")
+            self.reached = last_logged_step(metrics)
+            # The previous start's last sign of life: its last metrics line (or account write).
+            self.last_sign = os.path.getmtime(metrics) if os.path.exists(metrics) else None
 
     # -- the boundaries -----------------------------------------------------------------
     def on_train_start(self, trainer: "Trainer") -> None:
@@ -92,7 +96,7 @@ class TimeAccount(Callback):
                "seconds": dict.fromkeys(COMPONENTS, 0.0), "marks": [[step, 0.0]]}
         seg["seconds"]["startup"] = max(0.0, wall_start - self.started)
         if segments:
-            _after_restart(segments, seg, step, self.reached, self.started)
+            _after_restart(segments, seg, step, self.reached, self.started, self.last_sign)
         segments.append(seg)
         self._segment = seg
         self._validation0 = getattr(trainer, "validation_seconds", 0.0)
@@ -180,45 +184,55 @@ class TimeAccount(Callback):
 
 
 def _after_restart(segments: list[dict[str, Any]], seg: dict[str, Any], step: int,
-                   reached: Optional[int], started: float) -> None:
+                   reached: Optional[int], started: float, last_sign: Optional[float]) -> None:
     """A new segment resumed at ``step``: earlier training past it was thrown away, and the
-    time since the previous segment's last write is a restart gap (or idle, if it ended)."""
+    time since the previous segment's last sign of life is a restart gap (or idle, if it
+    ended)."""
     prev = segments[-1]
     for earlier in segments:
         _roll_back(earlier, step)
-    gap = max(0.0, started - prev["last_seen"])
     if prev.get("ended") == "finished":
-        seg["idle_before"] = gap  # a finished run started again for more: not a failure
+        seg["idle_before"] = max(0.0, started - prev["last_seen"])  # a run extended: no failure
         return
     seg["failure"] = True
-    seg["seconds"]["restart_gap"] = gap
-    # Steps the previous segment trained after its account's last write: kept ones (the
-    # checkpoint is newer than that write: snapshots write it at most once a second) were
-    # productive, the others (logged in metrics.jsonl, then lost) replayed. Their time is
-    # in the gap; it moves out at the step time, once one is known (:func:`_settle_gap`).
+    # It lived until its last metrics line, if that came after its account's last write.
+    last = prev["last_seen"]
+    if last_sign is not None and last < last_sign <= started:
+        last = last_sign
+    tail = last - prev["last_seen"]
+    prev["seconds"]["other"] += tail
+    prev["last_seen"] = last
+    seg["seconds"]["restart_gap"] = started - last
+    # Steps it trained after that write: kept ones (the checkpoint is newer than the
+    # write: snapshots write it at most once a second) were productive, the others
+    # (logged in metrics.jsonl, then lost) replayed. Their time is in its tail, and past
+    # the tail in the gap; it moves at the step time, once one is known (_settle_gap).
     prev_step = prev["step"]
     seg["unaccounted_steps"] = {"kept": max(0, step - prev_step),
-                                "lost": max(0, (reached or 0) - max(prev_step, step))}
+                                "lost": max(0, (reached or 0) - max(prev_step, step)),
+                                "tail": tail}
     _settle_gap(prev, seg)
 
 
 def _settle_gap(prev: dict[str, Any], seg: dict[str, Any]) -> None:
-    """Move the time of the steps trained after the previous segment's last write out of
-    this segment's restart gap, at the previous segment's step time (or this one's, when
-    the previous one wrote no step: killed before its first save)."""
+    """Give the previous segment the time of the steps it trained after its account's last
+    write, from its tail and then this segment's restart gap, at its step time (or this
+    one's, when it wrote no step: killed before its first save)."""
     steps = seg.get("unaccounted_steps")
     if not steps:
         return
     step_seconds = _step_seconds(prev) or _step_seconds(seg)
     if not step_seconds and (steps["kept"] or steps["lost"]):
         return  # no step time yet: the next write settles it
-    gap = seg["seconds"]["restart_gap"]
-    kept = min(gap, steps["kept"] * step_seconds)
-    lost = min(gap - kept, steps["lost"] * step_seconds)
+    tail, gap = steps["tail"], seg["seconds"]["restart_gap"]
+    kept = min(tail + gap, steps["kept"] * step_seconds)
+    lost = min(tail + gap - kept, steps["lost"] * step_seconds)
+    from_tail = min(tail, kept + lost)
+    prev["seconds"]["other"] -= from_tail
+    seg["seconds"]["restart_gap"] = gap - (kept + lost - from_tail)
     prev["seconds"]["productive"] += kept
     prev["seconds"]["replayed"] += lost
     prev["replayed_estimated"] = prev.get("replayed_estimated", 0.0) + lost
-    seg["seconds"]["restart_gap"] = gap - kept - lost
     del seg["unaccounted_steps"]
 
 
