@@ -65,6 +65,10 @@ def run_start_time() -> float:
     if _CLAIMED:
         return time.time()
     _CLAIMED = True
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0":
+        # torchrun's first round: the job started with the launcher, this process's parent
+        # (a later round's launcher time is the restart gap's).
+        return min(process_start_time(), process_start_time(os.getppid()))
     return process_start_time()
 
 
@@ -88,20 +92,19 @@ def account_totals(account: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def process_start_time() -> float:
-    """When this process started, in seconds since the epoch. Linux tells it (``/proc``);
-    elsewhere the first import of this module (at the latest when a trainer is set up)
-    stands in for it, and start-up reads shorter."""
+def process_start_time(pid: Optional[int] = None) -> float:
+    """When this process (or ``pid``) started, in seconds since the epoch. Linux tells it
+    (``/proc``); elsewhere the first import of this module (at the latest when a trainer
+    is set up) stands in for it, and start-up reads shorter."""
     try:
-        with open("/proc/self/stat", encoding="ascii") as fh:
+        with open(f"/proc/{pid or 'self'}/stat", encoding="ascii") as fh:
             # Field 22 (after the command name, which may hold spaces): start in clock ticks.
             ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime", encoding="ascii") as fh:
-            boot = time.time() - float(fh.read().split()[0])  # to 10 ms (btime: to 1 s)
+        boot = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)  # the ticks' origin
         started = boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return _IMPORTED
-    return min(started, _IMPORTED)  # never after this module's import
+    except (OSError, ValueError, IndexError, AttributeError):
+        return _IMPORTED if pid is None else time.time()
+    return started if pid is not None else min(started, _IMPORTED)  # not after the import
 
 
 _IMPORTED = time.time()

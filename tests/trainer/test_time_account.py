@@ -97,3 +97,22 @@ def test_steps_lost_before_the_first_save_are_replayed_not_a_restart_gap(tmp_pat
     assert first["replayed_estimated"] == pytest.approx(10 * step_time, rel=0.25)
     assert first["seconds"]["replayed"] == first["replayed_estimated"]
     assert "unaccounted_steps" not in second
+
+
+def test_a_process_start_is_read_from_the_system(tmp_path):
+    """Start-up counts from the process's (under torchrun's first round: the launcher's)
+    start, which /proc gives to 10 ms."""
+    import subprocess
+    import sys
+    import time
+
+    from sailfin.checkpoint.time_account_file import process_start_time
+
+    before = time.time()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    try:
+        after = time.time()
+        assert before - 0.05 <= process_start_time(child.pid) <= after + 0.05
+    finally:
+        child.kill()
+        child.wait()
