@@ -48,7 +48,8 @@ def test_slower_saves_give_a_longer_interval(tmp_path, capsys):
     # Young-Daly from the measured figures (0.72 s MTBF).
     tau = young_daly_seconds(slow["save_seconds"], 0.72)
     assert slow["every_n_steps"] == max(1, round(tau / slow["step_seconds"]))
-    assert "trainer.checkpoint.every_n_steps auto: a checkpoint every" in capsys.readouterr().err  # noqa
+    said = capsys.readouterr().err
+    assert "trainer.checkpoint.every_n_steps auto: a checkpoint every" in said
 
 
 def test_auto_and_mtbf_are_checked():
