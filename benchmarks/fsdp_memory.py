@@ -18,10 +18,16 @@ Figures depend on the machine and its load: print ``/proc/loadavg`` beside them.
 ``--part memory`` (the default part) compares per-rank memory where the model is
 big enough for its parameters to dominate (8 blocks of width 1024 and a 10k
 head: about 120 M parameters, AdamW), ``ddp`` against ``fsdp`` with each
-``trainer.fsdp.accumulate`` mode (2 micro-batches a step), fsdp built on the meta
-device (``sailfin.deferred_build``) as ``sailfin train`` builds it:
+``trainer.fsdp.accumulate`` mode (2 micro-batches a step), fsdp built as ``sailfin train``
+builds it (``sailfin.sharded_build``: rank 0 builds the model, the others on the meta
+device and receive their rows):
 
-* peak RSS of the rank over its RSS before the model was built (high-water mark);
+* peak RSS of rank 0 and of rank 1 over their RSS before the model was built
+  (high-water mark, the whole run), each against ddp's per-rank peak; rank 0 builds
+  the whole model once in host memory, rank 1 only ever holds its rows and one
+  tensor in flight;
+* the peak of the build alone, and the build time (model constructed, trainer set
+  up: sharded and every rank's rows filled) against sp's build of the same model;
 * bytes of parameters + gradients + optimizer state held after the first step;
 * the median step time after the first step.
 
@@ -54,7 +60,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import sailfin.trainer.core.setup as trainer_module  # noqa: E402 (resume is called there)
+import sailfin.trainer.compose.setup as trainer_module  # noqa: E402 (resume is called there)
 from sailfin import Callback, DataInterface, ModuleInterface, Trainer, TrainerArguments  # noqa: E402
 from sailfin.config.distributed import DistArguments  # noqa: E402
 from sailfin.utils.memory import peak_rss_bytes  # noqa: E402
@@ -218,15 +224,19 @@ def _watchdog(limit: int, stop: list) -> None:
 
 def _memory_rank(out: str, rank: int, port: int, opts, backend: str, accumulate: str,
                  budget: float, queue) -> None:
-    from sailfin import deferred_build
+    import contextlib
+
+    from sailfin import sharded_build
 
     stop: list = []
     before = _rss()
     if budget:
         _watchdog(before + int(budget), stop)
     clock = StepClock()
-    build = deferred_build if backend == "fsdp" else (lambda cls, *a: cls(*a))
-    module = build(GPT, Tokens(8 * opts.steps), opts.mem_layers, opts.mem_width)
+    data = Tokens(8 * opts.steps)
+    started = time.perf_counter()
+    with sharded_build(rank) if backend == "fsdp" else contextlib.nullcontext():
+        module = GPT(data, opts.mem_layers, opts.mem_width)
     held: dict = {}
 
     class Held(Callback):
@@ -250,12 +260,16 @@ def _memory_rank(out: str, rank: int, port: int, opts, backend: str, accumulate:
         backend=backend, distributed=dist_args,
         fsdp={"units": ["Block"], "accumulate": accumulate})
     with Trainer(module, targs, callbacks=[clock, Held()]) as trainer:
+        trainer.setup()  # the build ends here: sharded, every rank's rows filled
+        build_seconds = time.perf_counter() - started
+        build_peak = peak_rss_bytes() - before
         trainer.train()
     stop.append(True)
     end = peak_rss_bytes() - before
     peak = held.pop("train_peak") - before
     queue.put((rank, {"n_params": sum(p.numel() for p in module.parameters()),
                       "peak": peak, "end_peak": end, "held": held,
+                      "build": build_seconds, "build_peak": build_peak,
                       "step": statistics.median(clock.times[1:] or clock.times)}))
 
 
@@ -294,6 +308,31 @@ def run_memory(opts, backend: str, accumulate: str = "full", budget: float = 0.0
     return [results[0], results[1]]
 
 
+def _sp_build(opts, queue) -> None:
+    """The time ``sp`` takes to build the same model and set the trainer up (one process)."""
+    data = Tokens(8 * opts.steps)
+    started = time.perf_counter()
+    module = GPT(data, opts.mem_layers, opts.mem_width)
+    targs = TrainerArguments(epochs=1, train_batch_size=8, micro_batch_size=2,
+                             max_steps=opts.steps, output_dir=tempfile.mkdtemp(), writers=[],
+                             val_every_n_epochs=0, progress="none", backend="sp")
+    with Trainer(module, targs) as trainer:
+        trainer.setup()
+        queue.put(time.perf_counter() - started)
+    shutil.rmtree(targs.output_dir, ignore_errors=True)
+
+
+def sp_build_seconds(opts) -> float:
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_sp_build, args=(opts, queue))
+    proc.start()
+    try:
+        return queue.get(timeout=opts.timeout)
+    finally:
+        proc.join(60)
+
+
 def memory_part(opts) -> None:
     mib = 1 << 20
     load = Path("/proc/loadavg").read_text().split()[:3]
@@ -307,16 +346,23 @@ def memory_part(opts) -> None:
     print(f"\nmodel: {n / 1e6:.1f} M parameters ({n * 4 / mib:.0f} MiB), AdamW; world 2 x 1 "
           f"thread (gloo, CPU); 2 micro-batches a step; load average at start "
           f"{' '.join(load)}, at end {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
-    print("| backend | accumulate | peak RSS over pre-build, training (MiB) | with the final "
-          "save (MiB) | held after step 1 (MiB) | step (s) |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    ddp_peak = max(r["peak"] for r in rows["ddp", "full"])
+    sp_build = sp_build_seconds(opts)
+    print("peak RSS over the RSS before the build, per rank: the whole run (build, training, "
+          "final save), and the build alone; build: the model constructed and the trainer "
+          f"set up (sp: {sp_build:.2f} s)")
+    print("| backend | accumulate | rank 0 peak (MiB) | rank 1 peak (MiB) | build peak r0 / r1 "
+          "(MiB) | build (s) | held after step 1 (MiB) | step (s) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    ddp_peak = max(max(r["peak"], r["end_peak"]) for r in rows["ddp", "full"])
     for (backend, accumulate), ranks in rows.items():
-        peak = max(r["peak"] for r in ranks)
+        peaks = [max(r["peak"], r["end_peak"]) for r in ranks]
         held = max(sum(r["held"].values()) for r in ranks)
-        end = max(r["end_peak"] for r in ranks)
-        print(f"| {backend} | {accumulate if backend == 'fsdp' else '-'} | {peak / mib:.0f} "
-              f"({peak / ddp_peak:.2f} x ddp) | {end / mib:.0f} | {held / mib:.0f} | "
+        build = max(r["build"] for r in ranks)
+        print(f"| {backend} | {accumulate if backend == 'fsdp' else '-'} | "
+              f"{peaks[0] / mib:.0f} ({peaks[0] / ddp_peak:.2f} x ddp) | "
+              f"{peaks[1] / mib:.0f} ({peaks[1] / ddp_peak:.2f} x ddp) | "
+              f"{ranks[0]['build_peak'] / mib:.0f} / {ranks[1]['build_peak'] / mib:.0f} | "
+              f"{build:.2f} ({build / sp_build:.2f} x sp) | {held / mib:.0f} | "
               f"{max(r['step'] for r in ranks):.2f} |")
     budget_part(opts, mib, n)
 

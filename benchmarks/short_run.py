@@ -95,7 +95,7 @@ def child_sailfin(out_dir: str, steps: int, epochs: int, t0: float) -> dict:
     import torch
     from torch import nn
 
-    import sailfin.trainer.core.trainer as loop
+    import sailfin.trainer.compose.trainer as loop
     from sailfin import DataInterface, ModuleInterface, Trainer, TrainerArguments
     from sailfin.trainer.checkpointing.saver import CheckpointCallback
 

@@ -25,7 +25,7 @@ _LAZY = {
     "DistEnv": "sailfin.distributed",
     "BatchPlan": "sailfin.data",
     "seed_everything": "sailfin.utils.seed",
-    "deferred_build": "sailfin.backends.deferred",
+    "sharded_build": "sailfin.backends.fsdp_build",
 }
 
 __all__ = ["ConfigError", "RunConfig", "TrainerArguments", "load_config", "__version__",

@@ -11,6 +11,7 @@ import yaml
 
 from . import shard_cli
 from .config import ConfigError, load_config
+from .distributed.launch_notes import FINISHED, USER_ERROR, leave_note, noted_by_others
 from .logging.writers import WriterError
 from .signals import (PREEMPTED_EXIT_CODE, StoppedDuringSetup, note_preempted, setup_over,
                       stop_during_setup)
@@ -26,10 +27,12 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a recipe from a YAML config",
                            description="Train a recipe. Overrides: --trainer.epochs 3, "
                                        "--trainer.backend=sp, --module.init_args.lr 0.1",
-                           formatter_class=argparse.RawDescriptionHelpFormatter,
-                           epilog="config keys (key  type = default  doc); set them in the "
-                                  "YAML's trainer: section or as --key value:\n"
-                                  + trainer_keys_help())
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Read from the schema's source only when the help is printed (a third of a second
+    # that every `sailfin train` paid).
+    train.format_help = lambda: _with_epilog(train, lambda: (
+        "config keys (key  type = default  doc); set them in the YAML's trainer: section "
+        "or as --key value:\n" + trainer_keys_help()))
     train.add_argument("config", help="the run's YAML config")
     train.add_argument("--print-config", action="store_true",
                        help="print the resolved config and exit")
@@ -55,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _with_epilog(parser: argparse.ArgumentParser, epilog) -> str:
+    if parser.epilog is None:
+        parser.epilog = epilog()
+    return argparse.ArgumentParser.format_help(parser)
+
+
 def train_command(config: str, overrides: Sequence[str], print_config: bool) -> int:
     # class_path names resolve from the working directory, as with `python -m`.
     if os.getcwd() not in sys.path:
@@ -64,27 +73,42 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
     from .checkpoint import CheckpointError
+    from .checkpoint.errors import CheckpointWriteError
     from .data.shards.errors import ShardError
+    from .interfaces import RecipeError
     from .trainer import Trainer
     from .trainer.safety.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
     from .trainer.safety.run_lock import RunLockError
-    from .trainer.safety.startup_checks import StartupCheckError
 
     try:
         module = cfg.build(_module_builder(cfg.trainer))
         # The context manager leaves the process group on every path.
-        with Trainer(module, cfg.trainer, hparams=cfg.to_dict()) as trainer:
+        with Trainer(module, cfg.trainer, hparams=cfg.to_dict(),
+                     callbacks=[_setup_over_callback()]) as trainer:
             try:
                 summary = trainer.train()
+                leave_note(FINISHED)  # sailfin launch: a stop from now on loses nothing
+            except StoppedDuringSetup as exc:
+                if not exc.after_start:
+                    raise  # before training began: set-up indeed
+                # The loop had run (and failed, or was ending) when a SIGTERM (torchrun
+                # stopping the job after a worker died) came: say what was lost.
+                raise StoppedAfterStart(_stopped_after_start(trainer, exc)) \
+                    from exc.__context__
             except TrainingPreempted:
                 note_preempted()  # saved: before the teardown, which torchrun may cut short
                 raise
             finally:
                 setup_over()  # a SIGTERM from now on (torchrun stopping us) is not set-up
     except CheckpointError as exc:
-        _user_error(f"sailfin: checkpoint error: {exc}")
+        # A save that failed on this rank alone (its disk, its files) is said here: the
+        # rank that would print it (rank 0) may be stopped by torchrun first.
+        cause = exc.__cause__
+        alone = (isinstance(cause, (OSError, CheckpointWriteError))
+                 and not getattr(cause, "every_rank", False))
+        _user_error(f"sailfin: checkpoint error: {exc}", here=alone)
         return 2
-    except StartupCheckError as exc:  # the recipe returned something unusable, seen at start
+    except RecipeError as exc:  # the recipe gave something unusable, seen before step 1
         _user_error(f"sailfin: recipe error: {exc}")
         return 2
     except RunLockError as exc:
@@ -111,27 +135,83 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
     return 0
 
 
+def _setup_over_callback():
+    from .trainer.core.callbacks import Callback
+
+    class SetupOver(Callback):
+        """Training begins: a signal from now on is the loop's, not set-up's."""
+
+        def on_train_start(self, trainer) -> None:
+            setup_over()
+
+    return SetupOver()
+
+
+class StoppedAfterStart(StoppedDuringSetup):
+    """A SIGTERM that ended the run after its loop had begun (while it stopped on an error,
+    or tore down): not a stop before the first step."""
+
+    def __init__(self, message: str) -> None:
+        BaseException.__init__(self, message)
+        self.signal_name = "SIGTERM"
+        self.after_start = True
+
+
+def _stopped_after_start(trainer, exc: StoppedDuringSetup) -> str:
+    """What a SIGTERM that came after the loop began ended: the step reached, the error
+    the run was stopping on, and the steps past the last checkpoint."""
+    step = trainer.global_step
+    cause = exc.__context__
+    why = ""
+    if cause is not None and not isinstance(cause, StoppedDuringSetup):
+        first = (str(cause).strip().splitlines() or [""])[0][:200]
+        why = f", while stopping after {type(cause).__name__}" + (f": {first}" if first else "")
+    try:
+        latest = trainer.checkpointer.latest()
+    except Exception:  # the checkpoint store may be what failed: say what is known
+        latest = None
+    saved = int(latest.rsplit("-", 1)[1]) if latest and latest.rsplit("-", 1)[-1].isdigit() \
+        else None
+    if saved is None:
+        lost = (f"no checkpoint was saved: the {step} step(s) trained are lost; run the same "
+                "command again to start over")
+    elif step > saved:
+        lost = (f"the {step - saved} step(s) after the last checkpoint ({latest}) are lost; "
+                "run the same command again to resume from it")
+    else:
+        lost = f"nothing past the last checkpoint ({latest}) was lost; run the same command " \
+               "again to resume from it"
+    return f"stopped by {exc.signal_name} at step {step}{why}; {lost}"
+
+
 def _module_builder(trainer):
-    """Under the fsdp backends the recipe is built on the meta device and initialised
-    after sharding (trainer.fsdp.meta_build): no rank ever holds the whole model."""
+    """Under the fsdp backends rank 0 builds the recipe as sp does and the other ranks on
+    the meta device (trainer.fsdp.build): no rank but 0 ever holds the whole model."""
     from .backends import ALIASES
 
-    if ALIASES.get(trainer.backend, ("", ""))[0] != "fsdp" or not trainer.fsdp.meta_build:
+    if ALIASES.get(trainer.backend, ("", ""))[0] != "fsdp":
         return None
-    from .backends.deferred import deferred_build
+    from .backends.fsdp_build import sharded_build
+    from .distributed import DistEnv
 
-    return deferred_build
+    rank = DistEnv.from_config(trainer.distributed).rank
+
+    def build(cls, **kwargs):
+        with sharded_build(rank, trainer.fsdp.build):
+            return cls(**kwargs)
+    return build
 
 
-def _user_error(message: str) -> None:
-    """A user error, printed once: by rank 0 (every rank under torchrun hits the same)."""
+def _user_error(message: str, here: bool = False) -> None:
+    """A user error, printed once: by rank 0 (every rank under torchrun hits the same),
+    or ``here``, by the rank that alone met it."""
     try:
         from .distributed import DistEnv
         rank = DistEnv.from_environ().rank
     except Exception:  # a launcher's variables that do not add up: say it here anyway
         rank = 0
-    if rank == 0:
-        print(message, file=sys.stderr)
+    if rank == 0 or here:
+        print(message, file=sys.stderr, flush=True)
 
 
 def _without_worker_traceback(exc: BaseException) -> str:
@@ -175,6 +255,16 @@ def _user_errors(fn):
         except WriterError as exc:  # a writer cannot write where the config says
             _user_error(f"sailfin: {exc}")
             return 2
+        except Exception as exc:
+            # Under sailfin launch: a collective broken because another rank stopped on a
+            # user error it printed is no failure of this rank's (no traceback).
+            others = noted_by_others(USER_ERROR)
+            if not others:
+                raise
+            print(f"sailfin: rank {os.environ.get('RANK', '?')} stopped ({type(exc).__name__}) "
+                  f"because rank {', '.join(map(str, others))} stopped on the error it "
+                  "printed", file=sys.stderr, flush=True)
+            return 1
     return run
 
 
@@ -198,8 +288,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "train":
             # User errors end inside the recorded call: torchrun reports no traceback.
             with stop_during_setup():  # until the trainer takes SIGTERM over
-                return _recorded(_user_errors(train_command))(args.config, rest,
+                code = _recorded(_user_errors(train_command))(args.config, rest,
                                                               args.print_config)
+                if code == 2:  # sailfin launch: this rank's error, not torchrun's stop
+                    leave_note(USER_ERROR)
+                return code
         if args.command == "shard":
             return shard_cli.run(args, rest)
     except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops)

@@ -19,6 +19,13 @@ Batch = Any
 TrainStepOutput = Union[torch.Tensor, tuple]
 
 
+class RecipeError(ValueError):
+    """A recipe piece (``get_train_dataloader``, ``get_optimizers_schedulers``,
+    ``train_step``, ``val_step``...) broke its contract, found before the first step.
+    ``sailfin train`` says it in one line, ``sailfin: recipe error: ...``, and exits 2;
+    the message names the piece and how to fix it."""
+
+
 class DataProcessor:
     """One step of preprocessing (read, clean, tokenize, write shards).
 
@@ -193,6 +200,11 @@ class ModuleInterface(nn.Module):
     #: partners' runs one sample with loss weight 0, so that every rank runs the same
     #: forwards. Leave such a batch out of counts the recipe keeps itself.
     padding_batch: bool = False
+    #: True while the check before the first step runs ``val_step`` and
+    #: ``on_end_val_epoch`` on ``trainer.sanity_val_batches`` batches (its metrics are not
+    #: logged, ``get_state()`` is put back after it). A recipe that counts its own
+    #: validations, or writes them somewhere, skips this call.
+    sanity_checking: bool = False
 
     # -- required -------------------------------------------------------
     def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: int, epochs: int

@@ -5,17 +5,22 @@ worker saves and exits 75, and torchrun reports ``ChildFailedError``; a SIGTERM
 to torchrun itself becomes ``SignalException``. ``sailfin launch`` runs the
 same launcher (``torch.distributed.run``'s parser and ``run``) and exits:
 
-- 75 when every worker that failed exited 75 (it saved and stopped on a
-  signal; one the agent stopped with SIGTERM after its save counts too), or when the launcher got SIGTERM and every local worker it then
-  stopped saved and exited 75: a Kubernetes ``podFailurePolicy`` or a Slurm
-  requeue can tell a preemption from a failure;
-- the workers' code when they all failed with the same one (2: a user error);
-- 1 for any other failure, 128 + the signal when stopped by a signal without
-  a save; 0 when the run finished.
+- 75 when every worker that failed exited 75 after a stop it noted: it saved a
+  checkpoint on a signal, or stopped before its first step (one the agent stopped
+  with SIGTERM after its save counts too); or when the hang watchdog ended the job
+  (the closing line says which); or when the launcher got SIGTERM and no local
+  worker that had begun training stopped without a checkpoint: a Kubernetes
+  ``podFailurePolicy`` or a Slurm requeue can tell a preemption from a failure;
+- 2 when a worker printed a user error (a config, a checkpoint, a full disk: it
+  leaves a note), whichever worker failed first and however torchrun then stopped
+  the others; else the workers' code when they all failed with the same one;
+- 1 for any other failure, 128 + the signal when stopped by a signal while a worker
+  that had begun training saved nothing; 0 when the run finished.
 
-Each worker leaves a note in a directory the launcher names in
-``SAILFIN_LAUNCH_DIR`` when it stops with a checkpoint (see
-:func:`sailfin.signals.note_preempted`); the launcher counts them.
+Each worker leaves notes in a directory the launcher names in
+``SAILFIN_LAUNCH_DIR`` (see :mod:`sailfin.distributed.launch_notes`): that it began
+training, that it stopped with a checkpoint, that the hang watchdog ended it. The
+launcher's closing line is built from them, never from exit codes alone.
 
 Example::
 
@@ -29,9 +34,14 @@ import shutil
 import signal
 import sys
 import tempfile
-from typing import Sequence
+from typing import Optional, Sequence
 
-from .signals import LAUNCH_DIR_ENV, PREEMPTED_EXIT_CODE
+from .distributed.exit_codes import HANG_EXIT_CODE, PREEMPTED_EXIT_CODE
+from .distributed.launch_notes import (FINISHED, HANG, LAUNCH_DIR_ENV, PREEMPTED, TRAINING,
+                                      USER_ERROR, read_notes)
+
+# Exit codes of a worker the agent stopped after another worker had exited.
+_STOPPED_BY_AGENT = (-signal.SIGTERM, -signal.SIGKILL)
 
 
 def launch_command(argv: Sequence[str]) -> int:
@@ -48,25 +58,28 @@ def launch_command(argv: Sequence[str]) -> int:
         run(args)
         return 0
     except ChildFailedError as exc:
-        codes = {failure.exitcode for failure in exc.failures.values()}
-        if _all_preempted(exc.failures, notes):
-            print(f"sailfin launch: every stopped worker saved a checkpoint and exited "
-                  f"{PREEMPTED_EXIT_CODE} (preempted); run the same command again to resume "
-                  f"(exit code {PREEMPTED_EXIT_CODE})", file=sys.stderr, flush=True)
-            return PREEMPTED_EXIT_CODE
-        print(exc.format_msg(), file=sys.stderr, flush=True)
-        code = codes.pop() if len(codes) == 1 else 1
-        return code if 0 < code < 128 else 1
+        codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
+        line, code = _closing_line(codes, read_notes(notes))
+        if line is None:
+            print(exc.format_msg(), file=sys.stderr, flush=True)
+        else:
+            print(f"sailfin launch: {line} (exit code {code})", file=sys.stderr, flush=True)
+        return code
     except SignalException as exc:
         local = determine_local_world_size(args.nproc_per_node)
-        saved = len([n for n in os.listdir(notes) if n.startswith("preempted-")])
-        if saved >= local:
-            print(f"sailfin launch: stopped by {exc.sigval.name}; all {local} worker(s) saved "
-                  f"a checkpoint and exited {PREEMPTED_EXIT_CODE}; run the same command again "
-                  f"to resume (exit code {PREEMPTED_EXIT_CODE})", file=sys.stderr, flush=True)
+        found = read_notes(notes)
+        lost = sorted(found[TRAINING] - found[PREEMPTED] - found[FINISHED])
+        saved = len(found[TRAINING] & found[PREEMPTED])
+        if not lost:
+            print(f"sailfin launch: stopped by {exc.sigval.name}; {saved} of {local} worker(s) "
+                  "saved a checkpoint, the others had not begun training or had finished "
+                  f"it: nothing was lost, run the same command again to resume (exit code "
+                  f"{PREEMPTED_EXIT_CODE})", file=sys.stderr, flush=True)
             return PREEMPTED_EXIT_CODE
-        print(f"sailfin launch: stopped by {exc.sigval.name}; {saved} of {local} worker(s) "
-              "saved a checkpoint before they stopped", file=sys.stderr, flush=True)
+        print(f"sailfin launch: stopped by {exc.sigval.name}; rank(s) "
+              f"{', '.join(map(str, lost))} had begun training and stopped without saving a "
+              "checkpoint: their steps since the last checkpoint are lost (exit code "
+              f"{128 + int(exc.sigval)})", file=sys.stderr, flush=True)
         return 128 + int(exc.sigval)
     finally:
         if previous is None:
@@ -76,12 +89,29 @@ def launch_command(argv: Sequence[str]) -> int:
         shutil.rmtree(notes, ignore_errors=True)
 
 
-def _all_preempted(failures: dict, notes: str) -> bool:
-    """Every failed worker exited 75, or was stopped by the agent (SIGTERM, once another
-    worker had exited) after it had noted its preemption save."""
-    saved = set(os.listdir(notes))
-    codes = [failure.exitcode for failure in failures.values()]
-    return PREEMPTED_EXIT_CODE in codes and all(
-        failure.exitcode == PREEMPTED_EXIT_CODE
-        or (failure.exitcode == -signal.SIGTERM and f"preempted-rank{rank}" in saved)
-        for rank, failure in failures.items())
+def _closing_line(codes: dict[int, int], notes: dict[str, set[int]]
+                  ) -> tuple[Optional[str], int]:
+    """What the failed workers' codes and notes say happened, and the launcher's code;
+    (None, code) for a failure torchrun's own report describes best."""
+    if notes[USER_ERROR]:  # the others' ends (SIGTERM, a broken collective) follow from it
+        ranks = sorted(notes[USER_ERROR])
+        who = (f"rank {ranks[0]} stopped on the error it printed above" if len(ranks) == 1
+               else f"ranks {', '.join(map(str, ranks))} stopped on the error printed above")
+        return f"{who}; torchrun stopped any other worker", 2
+    if notes[HANG] and all(c == HANG_EXIT_CODE or c in _STOPPED_BY_AGENT
+                           for c in codes.values()):
+        return ("the hang watchdog ended the job: a rank stopped making progress (its report "
+                "above names it and the stacks are in <output_dir>/hang/); no checkpoint was "
+                "saved by the stop: run the same command again to resume from the last one",
+                HANG_EXIT_CODE)
+    stopped = notes[PREEMPTED]
+    if any(c == PREEMPTED_EXIT_CODE for c in codes.values()) and all(
+            (c == PREEMPTED_EXIT_CODE or c in _STOPPED_BY_AGENT) and rank in stopped
+            for rank, c in codes.items()):
+        saved = len(stopped & notes[TRAINING])
+        return (f"every stopped worker exited {PREEMPTED_EXIT_CODE} (preempted): {saved} "
+                "saved a checkpoint, the others had not begun training; run the same command "
+                "again to resume", PREEMPTED_EXIT_CODE)
+    distinct = set(codes.values())
+    code = distinct.pop() if len(distinct) == 1 else 1
+    return None, code if 0 < code < 128 else 1

@@ -1,12 +1,22 @@
-"""Signals outside the training loop: a SIGTERM during set-up, and the note a preempted
+"""Signals outside the training loop: SIGTERM or Ctrl-C during set-up, and the notes a
 worker leaves for ``sailfin launch``.
 
-Inside the loop, :mod:`sailfin.trainer.preemption` turns SIGTERM into a checkpoint
-and exit code 75. Before it takes over (imports, building the model, joining the
-process group, reading the data), SIGTERM's default action would end the process
-with a bare -15. :func:`stop_during_setup` instead ends it with one line and the
-same code 75: nothing was trained since the last checkpoint, so running the same
-command again loses nothing.
+Inside the loop, :mod:`sailfin.trainer.preemption` turns SIGTERM (or a first Ctrl-C)
+into a checkpoint and exit code 75. Before it takes over (imports, building the
+model, joining the process group, reading the data, the check batch), SIGTERM's
+default action would end the process with a bare -15 and Ctrl-C with a
+``KeyboardInterrupt``. :func:`stop_during_setup` instead ends it with one line and
+the same code 75: nothing was trained since the last checkpoint, so running the
+same command again loses nothing. A second Ctrl-C (more than a second after the
+first: torchrun passes the terminal's Ctrl-C on, so each worker gets it twice) aborts.
+
+Python runs signal handlers in the main thread between bytecodes, so a main thread
+blocked in C (a rank waiting in a collective for a peer that is still building its
+model) would never see the signal, and torchrun would SIGKILL it 30 s later. A
+helper thread learns of the signal through :func:`signal.set_wakeup_fd` (written
+by the C-level handler, whatever the main thread does); if set-up has not ended
+:data:`STUCK_SECONDS` later, it prints the same line, leaves the same note and
+ends the process with 75.
 
 Example::
 
@@ -20,64 +30,168 @@ import contextlib
 import os
 import signal
 import threading
-from typing import Any, Iterator
+import time
+from typing import Any, Iterator, Optional
 
-from .distributed.exit_codes import PREEMPTED_EXIT_CODE  # noqa: F401 (sailfin launch reads it here)
+from .distributed.exit_codes import PREEMPTED_EXIT_CODE
+from .distributed.launch_notes import LAUNCH_DIR_ENV, PREEMPTED, clear_notes, leave_note
 
-LAUNCH_DIR_ENV = "SAILFIN_LAUNCH_DIR"
-"""Set by ``sailfin launch`` for its workers: where each preempted worker leaves a note."""
+__all__ = ["LAUNCH_DIR_ENV", "PREEMPTED_EXIT_CODE", "StoppedDuringSetup", "note_preempted",
+           "setup_over", "stop_during_setup"]
+
+STUCK_SECONDS = 5.0
+"""How long set-up may take to unwind after a stop signal before the process ends anyway."""
+# torchrun's agent passes a Ctrl-C it received on to its workers, which got the same
+# Ctrl-C from the terminal: a second SIGINT this soon is that copy, not a second press.
+_SAME_PRESS_SECONDS = 1.0
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class StoppedDuringSetup(BaseException):
-    """SIGTERM arrived before the first step. A BaseException, like KeyboardInterrupt, so
-    that no ``except Exception`` in set-up code swallows it."""
+    """SIGTERM (or a first Ctrl-C) arrived before the first step. A BaseException, like
+    KeyboardInterrupt, so that no ``except Exception`` in set-up code swallows it."""
 
-    def __init__(self, signal_name: str) -> None:
+    def __init__(self, signal_name: str, after_start: bool = False) -> None:
         super().__init__(f"stopped by {signal_name} during set-up, before the first step; "
                          "nothing was lost: run the same command again to start (or resume)")
         self.signal_name = signal_name
+        # True when training had begun (a SIGTERM while a rank stops on an error, after
+        # the loop's own handler left): the caller says what was lost instead.
+        self.after_start = after_start
+
+
+class _SetupStop:
+    """The set-up handler of SIGTERM and SIGINT, and the thread that ends a stuck set-up."""
+
+    def __init__(self) -> None:
+        self.first: Optional[tuple[str, float]] = None  # the first stop: signal, when
+        self.over = False  # training began: no longer set-up (the loop's handler returns
+        #                    this one when it leaves)
+        self.done = threading.Event()
+        self.previous: dict[int, Any] = {}
+        self._pipe: Optional[tuple[int, int]] = None
+        self._old_wakeup = -1
+        self._thread: Optional[threading.Thread] = None
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        if self.over:  # training began: put back what was there, and let it act
+            previous = self.previous.get(signum, signal.SIG_DFL)
+            if not callable(previous):  # the default action would end us without a word
+                raise StoppedDuringSetup(signal.Signals(signum).name, after_start=True)
+            signal.signal(signum, previous)
+            os.kill(os.getpid(), signum)
+            return
+        name, now = signal.Signals(signum).name, time.monotonic()
+        if self.first is None:
+            self.first = (name, now)
+            raise StoppedDuringSetup(name)
+        if signum == signal.SIGINT and now - self.first[1] > _SAME_PRESS_SECONDS:
+            raise KeyboardInterrupt  # a second Ctrl-C: abort
+        # Else the same stop again: torchrun's copy of a Ctrl-C, a repeated SIGTERM.
+
+    def install(self) -> None:
+        for sig in _SIGNALS:
+            self.previous[sig] = signal.signal(sig, self.on_signal)
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        try:
+            self._old_wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except ValueError:
+            os.close(read)
+            os.close(write)
+            return
+        if self._old_wakeup != -1:  # someone else's (an event loop): leave it to them
+            signal.set_wakeup_fd(self._old_wakeup)
+            os.close(read)
+            os.close(write)
+            return
+        self._pipe = (read, write)
+        self._thread = threading.Thread(target=self._watch, name="sailfin-setup-signals",
+                                        daemon=True)
+        self._thread.start()
+
+    def uninstall(self) -> None:
+        """Restore the previous handlers, unless a stop came: then copies of it that are
+        still on their way must not reach the default handlers (a traceback)."""
+        self.done.set()
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._old_wakeup)
+            read, write = self._pipe
+            with contextlib.suppress(OSError):
+                os.write(write, b"\0")  # wakes the thread, which sees done and leaves
+            if self._thread is not None:
+                self._thread.join()
+            os.close(read)
+            os.close(write)
+            self._pipe = None
+        if self.first is None:
+            for sig, handler in self.previous.items():
+                if signal.getsignal(sig) == self.on_signal:
+                    signal.signal(sig, handler)
+
+    def _watch(self) -> None:
+        assert self._pipe is not None
+        read = self._pipe[0]
+        while not self.done.is_set():
+            try:
+                data = os.read(read, 64)
+            except OSError:
+                return
+            stops = [b for b in data if b in _SIGNALS and not self.over and
+                     signal.getsignal(b) == self.on_signal]  # set-up's, not the loop's
+            if stops and not self.done.wait(STUCK_SECONDS):
+                name = self.first[0] if self.first else signal.Signals(stops[0]).name
+                _end_stuck_setup(name)
+
+    def restore(self) -> None:
+        """Training began (or ran): set-up is over, the signals get their previous actions
+        back (also later, when the loop's handler returns this one)."""
+        self.over = True
+        for sig, handler in self.previous.items():
+            if signal.getsignal(sig) == self.on_signal:
+                signal.signal(sig, handler)
+
+
+def _end_stuck_setup(name: str) -> None:
+    """The main thread is blocked in C (a collective waiting for a peer): end here."""
+    note_preempted()
+    line = f"sailfin: {StoppedDuringSetup(name)} (exit code {PREEMPTED_EXIT_CODE})\n"
+    with contextlib.suppress(OSError):
+        os.write(2, line.encode())  # not sys.stderr: the main thread may hold its lock
+    os._exit(PREEMPTED_EXIT_CODE)
 
 
 @contextlib.contextmanager
 def stop_during_setup() -> Iterator[None]:
-    """Until the block ends (or the trainer installs its own handler), SIGTERM raises
-    :class:`StoppedDuringSetup`; the previous handler is restored afterwards."""
+    """Until the block ends (or the trainer installs its own handler), SIGTERM or a first
+    Ctrl-C raises :class:`StoppedDuringSetup`, and a set-up blocked in C ends with 75
+    after :data:`STUCK_SECONDS`; the previous handlers are restored afterwards."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def on_sigterm(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGTERM, previous)  # once: a repeated SIGTERM is the same stop
-        raise StoppedDuringSetup(signal.Signals(signum).name)
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    _installed.append((on_sigterm, previous))
+    clear_notes()  # a worker torchrun restarted: its notes are this attempt's
+    stop = _SetupStop()
+    stop.install()
+    _installed.append(stop)
     try:
         yield
     finally:
-        _installed.remove((on_sigterm, previous))
-        if signal.getsignal(signal.SIGTERM) is on_sigterm:
-            signal.signal(signal.SIGTERM, previous)
+        _installed.remove(stop)
+        stop.uninstall()
 
 
-_installed: list[tuple[Any, Any]] = []
+_installed: list[_SetupStop] = []
 
 
 def setup_over() -> None:
-    """Training ran (or failed): SIGTERM gets its previous action back, also where the
-    trainer's handler, on leaving, put the set-up handler back."""
-    for handler, previous in _installed:
-        if signal.getsignal(signal.SIGTERM) is handler:
-            signal.signal(signal.SIGTERM, previous)
+    """Training began, ran or failed: set-up is over. SIGTERM and SIGINT get their previous
+    actions back, also where the trainer's handler, on leaving, put the set-up handler
+    back (a SIGTERM while a failed run tears down is no stop "during set-up")."""
+    for stop in _installed:
+        stop.restore()
 
 
 def note_preempted() -> None:
-    """Under ``sailfin launch``: record that this worker saved and stopped on a signal, so
-    that the launcher can exit 75 when every worker did."""
-    where = os.environ.get(LAUNCH_DIR_ENV)
-    if not where:
-        return
-    rank = os.environ.get("RANK", str(os.getpid()))
-    with contextlib.suppress(OSError):
-        with open(os.path.join(where, f"preempted-rank{rank}"), "w") as fh:
-            fh.write(f"{os.getpid()}\n")
+    """Under ``sailfin launch``: record that this worker saved and stopped on a signal (or
+    stopped before its first step), so that the launcher can exit 75 when every worker did."""
+    leave_note(PREEMPTED)

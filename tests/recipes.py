@@ -75,7 +75,8 @@ class LinearRecipe(ModuleInterface):
         return {"id": ids, "sq_err": (pred - y.to(device)) ** 2}
 
     def on_end_val_epoch(self, global_step, outputs, key="val"):
-        self.events.append(("val", global_step, key, outputs["id"].tolist()))
+        if not self.sanity_checking:  # the check before step 1 is not a validation
+            self.events.append(("val", global_step, key, outputs["id"].tolist()))
         return {"mse": outputs["sq_err"].mean().item(), "count": len(outputs["id"])}
 
     def on_begin_train_epoch(self, global_step, epoch):
@@ -130,15 +131,17 @@ class WideRecipe(LinearRecipe):
 
 
 class SlowBuildRecipe(LinearRecipe):
-    """A recipe whose construction takes ``seconds`` (a large model being built); it
-    touches the file named by $SLOW_BUILD_MARKER when it starts, so that a test can
-    signal it during set-up."""
+    """A recipe whose construction takes ``seconds`` (a large model being built) on
+    ``only_rank`` (every rank when -1); it touches the file named by $SLOW_BUILD_MARKER
+    when it starts, so that a test can signal it during set-up."""
 
-    def __init__(self, data: IdData, seconds: float = 30.0, **kw) -> None:
+    def __init__(self, data: IdData, seconds: float = 30.0, only_rank: int = -1, **kw) -> None:
         import os
         import time
 
         super().__init__(data, **kw)
+        if only_rank >= 0 and os.environ.get("RANK", "0") != str(only_rank):
+            return  # the other ranks go on and wait for this one in the process group
         marker = os.environ.get("SLOW_BUILD_MARKER")
         if marker:
             open(marker, "w").close()

@@ -1,5 +1,6 @@
-"""The shape of the package: imports only point down the layers, modules stay readable,
-and the loop fits on one screen (see docs/architecture.md).
+"""The shape of the package: imports only point down the layers (between the packages and
+between the trainer's rooms), features see the run only through its view, modules stay
+readable, and the loop fits on one screen (see docs/architecture.md).
 
 Every import is read with ``ast``: those under ``if TYPE_CHECKING:`` and those inside
 functions count the same as the ones at the top of a module.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import ast
 import inspect
 import pathlib
+import re
 
 import pytest
 
@@ -25,6 +27,7 @@ LAYERS = {
     "logging": 3,
     "distributed": 2,
     "config": 1, "utils": 1, "version": 1,
+    "compat": 1,
 }
 TOP = "sailfin"          # sailfin/__init__.py: the public API, above the trainer
 TOP_LEVEL = 8
@@ -32,6 +35,30 @@ INTEGRATION = 8          # sailfin.hf and any other top-level module not named a
 ENTRY_POINTS = {"cli", "report", "shard_cli", "__main__"}
 MAX_LINES = 400
 MAX_LOOP_LINES = 60
+
+# Inside trainer/: its rooms, lower to higher. The loop (core) imports no feature; the
+# composition root (compose), which builds a run from its config, sits above them all.
+TRAINER = "sailfin.trainer"
+TRAINER_ROOMS = {"core": 0, "features": 1, "checkpointing": 1, "safety": 1, "compose": 2}
+TRAINER_TOP = 3          # sailfin/trainer/__init__.py: the public Trainer and Callback
+
+# The rooms behind the door: they see the run as a RunView (sailfin/trainer/core/view.py,
+# whose members are the allow-list of what they may read and call; add a member there,
+# with its line, and to docs/architecture.md). From core they import only these modules.
+BEHIND_THE_DOOR = ("features", "checkpointing", "safety")
+VIEW = PACKAGE / "trainer" / "core" / "view.py"
+# pymarlin_forms and validation: how a recipe's outputs are read and merged (functions of
+# the recipe's values, no state of the run), which the check before step 1 uses too.
+CORE_FOR_FEATURES = {"sailfin.trainer.core.callbacks", "sailfin.trainer.core.view",
+                     "sailfin.trainer.core.pymarlin_forms", "sailfin.trainer.core.validation"}
+# The view's members a room behind the door may assign, and which modules ("*": any).
+MAY_ASSIGN = {
+    "stop_reason": {"*"},  # a way to stop: early stopping, privacy's max_epsilon
+    **{counter: {"sailfin.trainer.checkpointing.state"}  # resume puts the counters back
+       for counter in ("global_step", "epoch", "step_in_epoch", "samples_seen",
+                       "train_seconds", "last_val_step", "last_val_metrics")},
+}
+RUN_NAMES = {"trainer", "_trainer"}  # how the rooms behind the door name the run
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -134,3 +161,157 @@ def test_train_and_the_epoch_loop_fit_on_one_screen(name):
 
     lines, _ = inspect.getsourcelines(getattr(Trainer, name))
     assert len(lines) <= MAX_LOOP_LINES, f"Trainer.{name} is {len(lines)} lines"
+
+
+# -- the trainer's rooms ----------------------------------------------------------------
+def room_of(module: str) -> tuple[str, int]:
+    """(room, level) of a module inside sailfin.trainer; a name imported from the package
+    itself (``from .. import Trainer``) is the package's top."""
+    parts = module.split(".")
+    if len(parts) > 2 and parts[2] in TRAINER_ROOMS:
+        return parts[2], TRAINER_ROOMS[parts[2]]
+    return "trainer", TRAINER_TOP
+
+
+def upward_in_trainer(source: str, name: str, is_package: bool = False) -> list[str]:
+    here, level = room_of(name)
+    wrong = []
+    for line, target in imported(source, name, is_package):
+        if target != TRAINER and not target.startswith(TRAINER + "."):
+            continue
+        there, target_level = room_of(target)
+        if there != here and target_level > level:
+            wrong.append(f"{name}:{line} (trainer/{here}) imports {target} (trainer/{there})")
+    return wrong
+
+
+def trainer_modules() -> list[pathlib.Path]:
+    return sorted((PACKAGE / "trainer").rglob("*.py"))
+
+
+def test_the_room_table_names_every_room_of_the_trainer():
+    rooms = {p.name for p in (PACKAGE / "trainer").iterdir() if (p / "__init__.py").exists()}
+    modules = {p.stem for p in (PACKAGE / "trainer").glob("*.py")} - {"__init__"}
+    assert rooms == set(TRAINER_ROOMS) and not modules, (
+        "place each room of sailfin/trainer/ in TRAINER_ROOMS (a module beside the rooms "
+        f"belongs in one): rooms {sorted(rooms)}, modules {sorted(modules)}")
+
+
+def test_the_trainer_rooms_import_only_down():
+    wrong = []
+    for path in trainer_modules():
+        wrong += upward_in_trainer(path.read_text(), module_name(path),
+                                   path.name == "__init__.py")
+    assert not wrong, ("a room of the trainer imports a higher one (core imports no feature; "
+                       "only compose assembles them):\n" + "\n".join(wrong))
+
+
+def test_upward_imports_inside_the_trainer_are_found():
+    source = ("from typing import TYPE_CHECKING\nfrom .callbacks import Callback\n"
+              "if TYPE_CHECKING:\n    from ..features.ema import WeightAverage\n"
+              "def f():\n    from ..compose.setup import build_run\n"
+              "    from .. import Trainer\n")
+    assert upward_in_trainer(source, "sailfin.trainer.core.probe") == [
+        "sailfin.trainer.core.probe:4 (trainer/core) imports sailfin.trainer.features.ema "
+        "(trainer/features)",
+        "sailfin.trainer.core.probe:6 (trainer/core) imports sailfin.trainer.compose.setup "
+        "(trainer/compose)",
+        "sailfin.trainer.core.probe:7 (trainer/core) imports sailfin.trainer.Trainer (trainer/trainer)"]
+    # features may use each other's rooms and core; compose anything in the trainer
+    assert upward_in_trainer("from ..checkpointing.saver import CheckpointCallback\n"
+                             "from ..core.view import RunView\n",
+                             "sailfin.trainer.safety.probe") == []
+    assert upward_in_trainer("from ..features.ema import WeightAverage\n",
+                             "sailfin.trainer.compose.probe") == []
+
+
+# -- the door: what a feature may read and call -------------------------------------------
+def view_members() -> set[str]:
+    """The members of RunView (core/view.py): its annotated attributes and its methods."""
+    tree = ast.parse(VIEW.read_text())
+    view = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "RunView")
+    return {n.target.id if isinstance(n, ast.AnnAssign) else n.name for n in view.body
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+            or isinstance(n, ast.FunctionDef)}
+
+
+def _is_run(node: ast.AST) -> bool:
+    """``trainer`` or ``self._trainer``: the run a hook was given."""
+    return (isinstance(node, ast.Name) and node.id in RUN_NAMES
+            or isinstance(node, ast.Attribute) and node.attr in RUN_NAMES)
+
+
+def past_the_door(source: str, name: str, members: set[str]) -> list[str]:
+    """Every reach of module ``name`` past the view: a name it reads, calls or assigns on
+    the run that RunView does not list (or that MAY_ASSIGN does not let it assign), and
+    an import of a core module that is not for features."""
+    wrong: list[tuple[int, str]] = []
+    for line, target in imported(source, name):
+        if target.startswith(TRAINER + ".core") and target not in CORE_FOR_FEATURES:
+            wrong.append((line, f"{name}:{line} imports {target} (features see the run as RunView; "
+                         f"from core: {sorted(CORE_FOR_FEATURES)})"))
+    for node in ast.walk(ast.parse(source, name)):
+        attr, store = None, False
+        if isinstance(node, ast.Attribute) and _is_run(node.value):
+            attr, store = node.attr, isinstance(node.ctx, (ast.Store, ast.Del))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+              and len(node.args) >= 2 and _is_run(node.args[0])
+              and isinstance(node.args[1], ast.Constant)):
+            attr, store = node.args[1].value, node.func.id in ("setattr", "delattr")
+        if attr is None:
+            continue
+        if attr not in members:
+            wrong.append((node.lineno, f"{name}:{node.lineno} reads trainer.{attr}, which "
+                          "RunView does not list (sailfin/trainer/core/view.py)"))
+        elif store and not MAY_ASSIGN.get(attr, set()) & {"*", name}:
+            wrong.append((node.lineno, f"{name}:{node.lineno} assigns trainer.{attr} "
+                          "(MAY_ASSIGN in tests/test_architecture.py says who may)"))
+    return [message for _, message in sorted(wrong)]
+
+
+def test_features_see_the_run_only_through_its_view():
+    members, wrong = view_members(), []
+    for room in BEHIND_THE_DOOR:
+        for path in sorted((PACKAGE / "trainer" / room).rglob("*.py")):
+            wrong += past_the_door(path.read_text(), module_name(path), members)
+    assert not wrong, "a feature reaches past RunView:\n" + "\n".join(wrong)
+
+
+def test_reaches_past_the_view_are_found():
+    source = ("from ..core.trainer import Loop\nfrom ..core.view import RunView\n"
+              "def on_step_end(self, trainer):\n    trainer.global_step\n"
+              "    trainer._on_end_val_epoch(1)\n    getattr(trainer, 'train_loader', None)\n"
+              "    trainer.stop_reason = {}\n    trainer.epoch = 2\n"
+              "    self._trainer.plan\n")
+    assert past_the_door(source, "sailfin.trainer.features.probe", view_members()) == [
+        "sailfin.trainer.features.probe:1 imports sailfin.trainer.core.trainer (features see "
+        "the run as RunView; from core: ['sailfin.trainer.core.callbacks', "
+        "'sailfin.trainer.core.pymarlin_forms', 'sailfin.trainer.core.validation', "
+        "'sailfin.trainer.core.view'])",
+        "sailfin.trainer.features.probe:5 reads trainer._on_end_val_epoch, which RunView "
+        "does not list (sailfin/trainer/core/view.py)",
+        "sailfin.trainer.features.probe:6 reads trainer.train_loader, which RunView does not "
+        "list (sailfin/trainer/core/view.py)",
+        "sailfin.trainer.features.probe:8 assigns trainer.epoch (MAY_ASSIGN in "
+        "tests/test_architecture.py says who may)"]
+
+
+def test_the_view_is_what_the_trainer_has_and_what_the_docs_list():
+    from sailfin.trainer import Trainer
+
+    members = view_members()
+    assert set(MAY_ASSIGN) <= members
+    # Each member is a method or property of the Trainer, or set by the loop or by the
+    # composition root (``self.x =`` / ``trainer.x =``).
+    defined = {n for cls in Trainer.__mro__ for n in vars(cls)}
+    source = "\n".join(p.read_text() for p in [PACKAGE / "trainer" / "core" / "trainer.py",
+                                               *(PACKAGE / "trainer" / "compose").glob("*.py")])
+    missing = sorted(n for n in members - defined
+                     if not re.search(rf"\b(self|trainer)\.{n}\b\s*[:=,]", source))
+    assert not missing, f"RunView lists what the trainer never has: {missing}"
+    docs = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    section = docs[docs.index("## What a feature sees"):][3:]
+    section = section[:section.index("\n## ")]
+    undocumented = sorted(n for n in members if f"`{n}" not in section)
+    assert not undocumented, f"docs/architecture.md does not list RunView's {undocumented}"

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import subprocess
 import typing
 
 import pytest
@@ -59,6 +61,10 @@ def _manifest_step_is_x(step):
     (step / "manifest.json").write_text(json.dumps(doc))
 
 
+def _memory_dir_is_a_file(tmp_path, capsys):
+    (tmp_path / "memfile").write_text("not a directory")
+
+
 def _checkpoints_is_a_file(tmp_path, capsys):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "checkpoints").write_text("not a directory")
@@ -89,13 +95,21 @@ TABLE = [
      "has step 'x', not a count (an integer >= 0): it is damaged"),
     ("trainer.pt a directory, resume: that checkpoint",
      _two_saves_then(_trainer_pt_is_a_directory), ["--trainer.resume", "STEP2"], "", 2,
-     "trainer.pt is a directory, not the file the manifest lists"),
+     "trainer.pt is a directory, not a regular file"),
     ("manifest step 'x', resume: auto falls back",
      _two_saves_then(_manifest_step_is_x), [], "", 0,
      "skipped damaged checkpoint(s) step-00000002; falling back to"),
     ("trainer.pt a directory, resume: auto falls back",
      _two_saves_then(_trainer_pt_is_a_directory), [], "", 0,
      "skipped damaged checkpoint(s) step-00000002; falling back to"),
+    ("output_dir with a NUL byte", None, ["--trainer.output_dir", "TMP/o\0ut"], "", 2,
+     "config key 'trainer.output_dir' got"),
+    ("memory.dir a regular file", _memory_dir_is_a_file,
+     ["--trainer.checkpoint.memory.every_n_steps", "1",
+      "--trainer.checkpoint.memory.dir", "TMP/memfile"], "", 2,
+     "memfile is a file, not a directory; change trainer.checkpoint.memory.dir"),
+    ("an empty training set", None, ["--data.init_args.n_train", "0"], "", 2,
+     "sailfin: config error: the training set is empty"),
 ]
 
 
@@ -105,11 +119,13 @@ def test_bad_input(tmp_path, capsys, name, setup, overrides, extra, code, text):
     if setup is not None:
         setup(tmp_path, capsys)
     step2 = tmp_path / "out" / "checkpoints" / "step-00000002"
-    overrides = [str(step2) if o == "STEP2" else o for o in overrides]
+    overrides = [str(step2) if o == "STEP2" else o.replace("TMP", str(tmp_path))
+                 for o in overrides]
     got, err = _run(tmp_path, capsys, *overrides, extra=extra)
     assert got == code, err
     assert text in err
-    lines = [line for line in err.splitlines() if line.startswith("sailfin: ") and "error" in line]
+    lines = [line for line in err.splitlines()
+             if line.startswith("sailfin: ") and ("error" in line or "cannot" in line)]
     if code == 2:
         assert len(lines) == 1, err  # one line, naming the input
         if setup is None:  # refused before the first step: nothing was trained
@@ -118,6 +134,37 @@ def test_bad_input(tmp_path, capsys, name, setup, overrides, extra, code, text):
         assert "step-00000001, the newest complete one" in err
         manifest = json.loads((step2 / "manifest.json").read_text())
         assert manifest["step"] == 2 and (step2 / "trainer.pt").is_file()
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory no one can write in: a read-only tmpfs as root, a 0555 directory else."""
+    path = tmp_path / "ro"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_read_only_memory_dir_is_one_line_and_exit_2(tmp_path, capsys, read_only_dir):
+    code, err = _run(tmp_path, capsys, "--trainer.checkpoint.memory.every_n_steps", "1",
+                     "--trainer.checkpoint.memory.dir", str(read_only_dir / "snapshots"))
+    assert code == 2, err
+    assert err.splitlines() == [
+        f"sailfin: memory snapshots (trainer.checkpoint.memory) cannot write to "
+        f"{read_only_dir / 'snapshots'}: "
+        + ("Read-only file system" if os.geteuid() == 0 else "Permission denied")
+        + "; fix the path or free space on its disk, or change trainer.checkpoint.memory.dir"]
+    assert not (tmp_path / "out" / "checkpoints").exists()  # before the first step
 
 
 def _float_options(cls=TrainerArguments, prefix="trainer."):

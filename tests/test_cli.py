@@ -122,3 +122,66 @@ def test_train_help_lists_every_config_key_from_the_schema(capsys):
     with pytest.raises(SystemExit):
         cli_main(["--version"])
     assert capsys.readouterr().out.strip() == f"sailfin {__version__}"
+
+
+def test_train_help_lists_every_backend_the_registry_builds(capsys):
+    """The help's backend names are the registry's one list; every name built from the
+    same parts but left off it is refused when built."""
+    import pytest
+
+    from sailfin.backends import ALIASES, build_backend
+    from sailfin.cli import main as cli_main
+    from sailfin.config import ConfigError
+    from sailfin.config.trainer import BACKENDS, TrainerArguments
+    from sailfin.distributed import DistEnv
+
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--help"])
+    line = next(x for x in capsys.readouterr().out.splitlines()
+                if x.startswith("  --trainer.backend "))
+    listed = line.split("one of: ", 1)[1].split(", ")
+    assert listed == list(BACKENDS)
+    assert {"sp", "sp-amp", "ddp", "ddp-amp", "fsdp", "fsdp-amp", "sp-dp", "ddp-dp"} <= \
+        set(listed)
+
+    def args(name):
+        dp = {"noise_multiplier": 1.0} if name.endswith("-dp") else {}
+        return TrainerArguments(backend=name, dp=dp, device="cpu")
+
+    for name in [*ALIASES, *(f"{n}-dp" for n in ALIASES)]:
+        if name in listed:
+            continue
+        with pytest.raises(ConfigError):
+            build_backend(args(name), DistEnv())
+    build_backend(args("sp-dp"), DistEnv())  # a listed private name builds
+    with pytest.raises(ConfigError, match="valid backends: " + ", ".join(listed)):
+        build_backend(args("tpu"), DistEnv())
+
+
+def test_train_help_cuts_each_doc_at_its_first_sentence_not_at_an_abbreviation(capsys):
+    import pytest
+
+    from sailfin.cli import main as cli_main
+    from sailfin.config.help import first_sentence
+
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--help"])
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("  --trainer.")]
+    ema = next(x for x in lines if x.startswith("  --trainer.ema.decay "))
+    assert ema.endswith("In (0, 1); e.g. 0.999 (an average over about 1 / (1 - decay) updates)")
+    assert not [x for x in lines if x.endswith((" e.g", " i.e"))]
+    assert first_sentence("Stop early. Then more.") == "Stop early"
+    assert first_sentence("Cut at 0.5 i.e. half. auto: more") == "Cut at 0.5 i.e. half"
+
+
+def test_a_run_does_not_build_the_help(tmp_path, monkeypatch, capsys):
+    """The keys' docs are read from the schema's source only for --help."""
+    import sailfin.config.help as help_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the help was built for a run")
+
+    monkeypatch.setattr(help_module, "trainer_keys_help", refuse)
+    assert main(["train", str(config(tmp_path)), "--print-config"]) == 0
+    with pytest.raises(AssertionError, match="the help was built"):
+        main(["train", "--help"])

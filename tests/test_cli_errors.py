@@ -3,9 +3,11 @@
 import json
 
 import pytest
+import torch
 
 from sailfin.cli import main
 from tests.data.shards.helpers import write_shards
+from tests.recipes import LinearRecipe
 
 BASE = """
 data: {class_path: tests.recipes.IdData, init_args: {n_train: 20, n_val: 4}}
@@ -130,3 +132,43 @@ def test_a_user_error_under_torchrun_is_printed_once(tmp_path):
                           text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode != 0
     assert proc.stderr.count("trainer.epochz") == 1, proc.stderr
+
+
+class NoSamplerRecipe(LinearRecipe):
+    """Builds its loader with its own sampler, not sailfin's: a recipe mistake."""
+
+    def get_train_dataloader(self, sampler, batch_size):
+        ds = self.data.get_train_dataset()
+        return torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True)
+
+
+class NoOptimizerRecipe(LinearRecipe):
+    def get_optimizers_schedulers(self, estimated_global_steps_per_epoch, epochs):
+        return [], []
+
+
+class WrongBatchRecipe(LinearRecipe):
+    def get_train_dataloader(self, sampler, batch_size):
+        ds = self.data.get_train_dataset()
+        return torch.utils.data.DataLoader(ds, batch_size=batch_size + 1, sampler=sampler(ds))
+
+
+@pytest.mark.parametrize("recipe, says", [
+    ("NoSamplerRecipe", "get_train_dataloader did not call sampler(dataset): build the loader "
+                        "with DataLoader(dataset, batch_size=batch_size, "
+                        "sampler=sampler(dataset))"),
+    ("NoOptimizerRecipe", "get_optimizers_schedulers returned no optimizer"),
+    ("WrongBatchRecipe", "get_train_dataloader must use batch_size=10 (the batch_size "
+                         "argument) and drop_last=False; got batch_size=11"),
+])
+def test_a_recipe_mistake_found_while_building_the_run_is_one_line_before_step_1(
+        tmp_path, capsys, recipe, says):
+    code, err, _ = run(tmp_path, capsys, BASE, "--module.class_path",
+                       f"tests.test_cli_errors.{recipe}")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"sailfin: recipe error: {says}"), err
+    # before step 1: no metrics, no checkpoint, no summary
+    out = tmp_path / "out"
+    assert not (out / "summary.json").exists() and not (out / "checkpoints").exists()
+    assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text()

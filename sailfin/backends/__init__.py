@@ -12,26 +12,16 @@ import torch
 
 from ..config.dp import DP_SUFFIX, is_private
 from ..config.errors import ConfigError, suggest
-from ..config.trainer import TrainerArguments
+from ..config.trainer import BACKEND_ALIASES, BACKENDS, PRIVATE_BACKENDS, TrainerArguments
 from ..distributed import DistEnv
 from .amp import MixedPrecision
 from .precision import Precision
 from .strategy import Execution, SingleDevice
 
-# name -> (strategy, precision)
-ALIASES: dict[str, tuple[str, str]] = {
-    "sp": ("single", "fp32"),
-    "sp-amp": ("single", "amp"),
-    "sp-amp-apex": ("single", "amp"),
-    "ddp": ("ddp", "fp32"),
-    "ddp-amp": ("ddp", "amp"),
-    "fsdp": ("fsdp", "fp32"),
-    "fsdp-amp": ("fsdp", "amp"),
-}
-
-# PyMarlin's private backends; any name above + "-dp" composes DP-SGD on it (fsdp-dp and
-# the -amp ones are refused with the reason when built).
-PRIVATE = ("sp-dp", "ddp-dp")
+# name -> (strategy, precision), and the "-dp" names: one list, in the config's schema
+# (sailfin train --help prints it; fsdp-dp and the -amp-dp ones are refused with the reason).
+ALIASES = BACKEND_ALIASES
+PRIVATE = PRIVATE_BACKENDS
 
 # Names kept for PyMarlin configs whose meaning changed: printed once when chosen.
 NOTICES: dict[str, str] = {
@@ -101,7 +91,7 @@ def build_backend(args: TrainerArguments, dist: DistEnv) -> SingleDevice:
     private = is_private(args.backend)  # "<name>-dp": DP-SGD composed on <name>
     name = args.backend[:-len(DP_SUFFIX)] if private else args.backend
     if name not in ALIASES:
-        known = [*ALIASES, *PRIVATE]
+        known = list(BACKENDS)
         raise ConfigError(f"trainer.backend '{args.backend}'{suggest(args.backend, known)} "
                           f"is not known; valid backends: {', '.join(known)}")
     strategy, precision = ALIASES[name]

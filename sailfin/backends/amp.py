@@ -13,6 +13,7 @@ from typing import Any, ContextManager
 
 import torch
 
+from ..compat.torch import found_inf_per_device
 from ..config.errors import ConfigError
 from .precision import Precision
 
@@ -82,7 +83,7 @@ class MixedPrecision(Precision):
         self.unscale_gradients(optimizer)
         self.scaler.step(optimizer)  # skips optimizer.step() when gradients hold inf/NaN
         # step() has already read these flags to the host: no further sync here.
-        found_inf = self.scaler._found_inf_per_device(optimizer)
+        found_inf = found_inf_per_device(self.scaler, optimizer)  # private: see compat/torch.py
         return not any(bool(v.item()) for v in found_inf.values())
 
     def update(self) -> None:

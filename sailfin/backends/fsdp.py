@@ -10,7 +10,9 @@ for those rows only.
 
 The strategy is the DDP strategy with another wrapper: the same process group,
 threads and collectives; units instead of ``DistributedDataParallel``; and
-state dicts that stay sharded (see :mod:`sailfin.checkpoint.sharded`).
+state dicts that stay sharded (see :mod:`sailfin.checkpoint.sharded`). How the model
+gets its starting weights is :mod:`.fsdp_build`; which submodules are units,
+:mod:`.fsdp_units`.
 """
 
 from __future__ import annotations
@@ -31,12 +33,15 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
 from torch.distributed.tensor import DTensor
 
 from ..config.distributed import DistArguments
-from ..config.errors import ConfigError, suggest
+from ..compat.fsdp import settle_roots
+from ..config.errors import ConfigError
 from ..config.fsdp import FSDPArguments
 from ..distributed import DistEnv
 from ..utils.memory import fix_mmap_threshold
 from .ddp import DDPStrategy
-from .deferred import init_plan
+from .fsdp_build import (RankZeroStart, check_same_model, init_on_shards, receive_from_rank0,
+                         require_init_weights)
+from .fsdp_units import select_units, unit_checker
 from .precision import Precision
 from .state import named_optimizer_state, optimizer_state_is_named
 from .strategy import Execution, StepRunner
@@ -76,6 +81,7 @@ class FSDPStrategy(DDPStrategy):
                               "already; set trainer.fsdp.cpu_offload false")
         self.units: list[str] = []  # dotted names of the submodules sharded as units
         self.root: Optional[FSDPModule] = None
+        self._start: Optional[RankZeroStart] = None  # rank 0's model until shards are filled
 
     # -- set-up ----------------------------------------------------------------------
     def setup(self, module: torch.nn.Module) -> None:
@@ -117,9 +123,13 @@ class FSDPStrategy(DDPStrategy):
         return fully_shard(module, **self.shard_options())
 
     def place(self, module: torch.nn.Module) -> None:
-        # A deferred build stays on the meta device until wrap() sharded it.
-        if init_plan(module) is None:
-            module.to(self.device)
+        # Nothing moves yet: the model is sharded first, then each rank fills its rows
+        # (wrap). Every rank must have built the model rank 0 built.
+        check_same_model(module, self.dist.rank, self.broadcast_object)
+        if self.fsdp.build == "meta":
+            require_init_weights(module)
+        else:
+            self._start = RankZeroStart.capture(module, self.dist.rank)
 
     def compile_runner(self, runner: StepRunner) -> None:
         pass  # each unit is compiled as it is sharded (shard()); the root runs eagerly
@@ -132,7 +142,12 @@ class FSDPStrategy(DDPStrategy):
                 raise ConfigError(
                     f"{type(recipe).__name__} shards itself in configure_sharding(), and "
                     f"trainer.fsdp.units is {self.fsdp.units} as well; remove one of them")
-            custom(self.shard)
+            check = unit_checker(recipe, f"{type(recipe).__name__}.configure_sharding()")
+
+            def shard_checked(sub: torch.nn.Module) -> torch.nn.Module:
+                check(sub)  # a container, or a tie split: one line naming the unit
+                return self.shard(sub)
+            custom(shard_checked)
             self.units = [name for name, sub in recipe.named_modules()
                           if isinstance(sub, FSDPModule)]
         else:
@@ -142,18 +157,23 @@ class FSDPStrategy(DDPStrategy):
         # The root: every parameter no unit took. It is the step runner, whose forward
         # runs train_step, so that its hooks (gather before, reduce after) see the step.
         self.root = fully_shard(runner, **self.shard_options())  # type: ignore[assignment]
-        plan = init_plan(recipe)
-        if plan is not None:  # now that each parameter holds its rows only
-            # cpu_offload keeps the shards in CPU memory (FSDP2 moves them per unit).
-            plan.materialize(runner, torch.device("cpu") if self.fsdp.cpu_offload
-                             else self.device)
+        # Now that each parameter is a shard: fill this rank's rows. cpu_offload keeps
+        # the shards in CPU memory (FSDP2 moves them per unit).
+        home = torch.device("cpu") if self.fsdp.cpu_offload else self.device
+        if self.fsdp.build == "meta":
+            init_on_shards(recipe, recipe, home, self.broadcast_object)
+        else:
+            comm = self.device if self.comm_backend == "nccl" else torch.device("cpu")
+            receive_from_rank0(recipe, self._start or RankZeroStart(), self.dist.rank,
+                               self.device, comm, every_rank_empty=self.fsdp.cpu_offload)
+            self._start = None
         # FSDP2 names its root at the first forward through it. Validation (the start-up
         # sanity batch runs before any training step) calls the units directly, so each
-        # would make itself a root: settle the roles now (FSDP2 has no public call).
-        self.root._get_fsdp_state()._lazy_init()  # type: ignore[union-attr]
+        # would make itself a root: settle the roles now.
+        settle_roots(self.root)
         if self.dist.is_main:
-            log.info("FSDP over %d rank(s): units %s, then the root", self.dist.world_size,
-                     ", ".join(self.units) or "(none)")
+            log.info("FSDP over %d rank(s), built by %s: units %s, then the root",
+                     self.dist.world_size, self.fsdp.build, ", ".join(self.units) or "(none)")
         return runner
 
     def sync_context(self, sync: bool) -> ContextManager:
@@ -267,37 +287,3 @@ def _overrides_hook(recipe: torch.nn.Module) -> bool:
 
     base = getattr(ModuleInterface, "configure_sharding", None)
     return getattr(type(recipe), "configure_sharding", None) is not base
-
-
-def select_units(module: torch.nn.Module, names: Optional[list[str]]
-                 ) -> list[tuple[str, torch.nn.Module]]:
-    """The submodules to shard as units, innermost first (FSDP2 shards nested units
-    inside out).
-
-    ``names`` holds class names or dotted module paths; None: every direct child
-    that holds parameters. Example::
-
-        select_units(gpt, ["Block"])     # [("blocks.0", ...), ("blocks.1", ...), ...]
-    """
-    modules = dict(module.named_modules())
-    del modules[""]
-    if names is None:
-        chosen = {name: child for name, child in module.named_children()
-                  if any(True for _ in child.parameters())}
-    else:
-        classes = sorted({type(m).__name__ for m in modules.values()})
-        chosen = {}
-        for i, name in enumerate(names):
-            if name in modules:
-                chosen[name] = modules[name]
-                continue
-            matches = {path: m for path, m in modules.items() if type(m).__name__ == name}
-            if not matches:
-                raise ConfigError(
-                    f"trainer.fsdp.units[{i}] is '{name}'"
-                    f"{suggest(name, classes + list(modules))}, but {type(module).__name__} "
-                    f"has no submodule of that class or path; classes present: "
-                    f"{', '.join(classes) or '(none)'}")
-            chosen.update(matches)
-    return sorted(((n, m) for n, m in chosen.items() if not isinstance(m, FSDPModule)),
-                  key=lambda item: -item[0].count("."))

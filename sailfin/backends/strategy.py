@@ -14,7 +14,6 @@ import torch
 from ..distributed import DistEnv
 from .checkpointing import apply_activation_checkpointing
 from .compile import compile_in_place, explain_failures
-from .deferred import init_plan
 from .precision import Precision
 from .state import optimizer_state_is_named
 
@@ -113,11 +112,7 @@ class SingleDevice:
             self.optimizer_step = _step_plain
 
     def place(self, module: torch.nn.Module) -> None:
-        """Put ``module`` on this device. A deferred build (:mod:`.deferred`) is allocated
-        and initialised first, on the CPU, to the weights an eager build draws."""
-        plan = init_plan(module)
-        if plan is not None:
-            plan.materialize(module, torch.device("cpu"))
+        """Put ``module`` on this device."""
         module.to(self.device)
 
     def compile_runner(self, runner: "StepRunner") -> None:

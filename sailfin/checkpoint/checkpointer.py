@@ -27,6 +27,7 @@ from ..distributed import DistEnv
 from . import manifest as manifests
 from .errors import CheckpointCorrupt, CheckpointError
 from .layout import _STEP, DirectoryLayout, say
+from .reading import read_checked
 from .serialize import FileEntry, StagingBuffers, load_object, save_object
 from .sharded import SHARDS, ShardedRef, ShardedWriter, locate_shards
 from .storage import Storage, open_storage
@@ -271,7 +272,9 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
         shown = storage.display(where)
         manifest_path = storage.join(where, manifests.MANIFEST)
         try:
-            raw = storage.read_bytes(manifest_path)
+            raw = read_checked(storage, manifest_path, storage.display(manifest_path),
+                               what="checkpoint manifest", limit=manifests.MAX_BYTES,
+                               within=where)
         except FileNotFoundError:
             raise CheckpointCorrupt(f"checkpoint {shown} has no {manifests.MANIFEST}: the save "
                                     "did not finish", storage.display(manifest_path)) from None
@@ -281,9 +284,9 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
         for file, entry in files.items():
             if not file.startswith("rng-rank"):
                 shared[file[:-len(".pt")]] = load_object(storage, storage.join(where, file), entry,
-                                                         mmap)
+                                                         mmap, within=where)
         own = self.rank_file(self.dist.rank)
-        rank_state = (load_object(storage, storage.join(where, own), files[own])
+        rank_state = (load_object(storage, storage.join(where, own), files[own], within=where)
                       if own in files else None)
         sharded = locate_shards(storage, where, manifest, self.args.storage_options,
                                 self.dist.rank, self.dist.world_size)

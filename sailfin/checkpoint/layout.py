@@ -7,18 +7,22 @@ putting back a save a kill stopped between its renames, and keeping the last
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 import sys
 from typing import Any, Optional
 
 from . import manifest as manifests
-from .errors import CheckpointError
+from .errors import CheckpointCorrupt, CheckpointError
+from .reading import read_checked
 
 _STEP = re.compile(r"^step-(\d+)$")
 _LEFTOVER = re.compile(r"^\.(?:tmp|old)-step-(\d+)")
 # A save killed between its renames can leave a complete checkpoint under either name.
 _RENAMED = re.compile(r"^\.(tmp|old)-(step-\d+)$")
 _POINTER_TMP = re.compile(r"^(?:latest|best)\.tmp-\d+$")
+_POINTER_BYTES = 4096  # "step-00000120\n"; anything larger is not a pointer
 
 
 def say(message: str) -> None:
@@ -66,10 +70,13 @@ class DirectoryLayout:
 
     def pointer(self, which: str) -> Optional[str]:
         """The checkpoint ``latest`` or ``best`` names, if it is complete."""
+        path = self.path(which)
         try:
-            name = self.storage.read_bytes(self.path(which)).decode("utf-8").strip()
-        except (FileNotFoundError, UnicodeDecodeError):
-            return None
+            name = read_checked(self.storage, path, self.storage.display(path),
+                                what="checkpoint pointer", limit=_POINTER_BYTES,
+                                within=self.root).decode("utf-8").strip()
+        except (FileNotFoundError, UnicodeDecodeError, CheckpointCorrupt):
+            return None  # not a pointer sailfin wrote: recover() says so and replaces it
         if _STEP.match(name) and self.storage.exists(self.path(name, manifests.MANIFEST)):
             return name
         return None
@@ -92,6 +99,7 @@ class DirectoryLayout:
         names back into place, and moves ``latest`` to a checkpoint committed after it
         was last written (a kill between the rename and the pointer). Then all ranks wait."""
         if self.dist.is_main:
+            self._clear_bad_pointers()
             entries = set(self.storage.listdir(self.root))
             for entry in sorted(entries):
                 if _POINTER_TMP.match(entry):
@@ -119,6 +127,33 @@ class DirectoryLayout:
                         f"from {entry} (a save was stopped between its renames)")
             self._catch_up_latest()
         self.barrier()
+
+    def _clear_bad_pointers(self) -> None:
+        """``latest`` or ``best`` that is not a small regular file (a directory, a pipe, a
+        link elsewhere) is ignored when reading; it goes before a save must replace it. A
+        directory with something in it is the user's: then stop and say so."""
+        local = self.storage.local_path(self.root)
+        for which in ("latest", "best") if local is not None else ():
+            path = os.path.join(local, which)
+            try:
+                info = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(info.st_mode) and info.st_size <= _POINTER_BYTES:
+                continue
+            if stat.S_ISDIR(info.st_mode):
+                try:
+                    os.rmdir(path)
+                except OSError:
+                    raise CheckpointError(
+                        f"{path} is a directory with files in it, where sailfin keeps the "
+                        f"name of the {which} checkpoint; move it out of {local}") from None
+            elif stat.S_ISLNK(info.st_mode) or not stat.S_ISREG(info.st_mode):
+                os.remove(path)  # a link or a pipe: only the name goes, not what it points to
+            else:
+                continue  # an oversized regular file: ignored, replaced by the next save
+            say(f"removed {path}: it was not the pointer file sailfin writes; the "
+                f"{which} checkpoint is found from the step-* directories")
 
     def _catch_up_latest(self) -> None:
         complete = self.complete()

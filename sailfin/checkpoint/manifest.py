@@ -17,10 +17,15 @@ import math
 from typing import Any, Mapping
 
 from .errors import CheckpointCorrupt
+from .reading import plain_name
 from .serialize import FileEntry
 
 FORMAT = "sailfin-checkpoint/1"
 MANIFEST = "manifest.json"
+# Bounds on what is parsed: a manifest is a few kB (the config included); a damaged or
+# hostile one must not take the start-up's memory or Python's stack.
+MAX_BYTES = 16 << 20
+MAX_DEPTH = 64
 REQUIRED = ("step", "epoch", "step_in_epoch", "samples_seen", "world_size", "files")
 COUNTERS = ("step", "epoch", "step_in_epoch", "samples_seen", "world_size")
 
@@ -33,11 +38,20 @@ def encode(facts: Mapping[str, Any], files: Mapping[str, FileEntry]) -> bytes:
 
 def decode(data: bytes, shown: str) -> dict[str, Any]:
     """Parse and check a manifest; ``shown`` names it in errors."""
+    if len(data) > MAX_BYTES:
+        raise CheckpointCorrupt(f"checkpoint manifest {shown} has {len(data)} bytes, more than "
+                                f"a manifest holds ({MAX_BYTES}): it is damaged", shown)
     try:
         body = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointCorrupt(f"checkpoint manifest {shown} is not valid JSON ({exc}): it "
                                 "is damaged", shown) from None
+    except RecursionError:
+        raise CheckpointCorrupt(f"checkpoint manifest {shown} nests deeper than "
+                                f"{MAX_DEPTH} levels: it is damaged", shown) from None
+    if _depth(body) > MAX_DEPTH:
+        raise CheckpointCorrupt(f"checkpoint manifest {shown} nests deeper than "
+                                f"{MAX_DEPTH} levels: it is damaged", shown)
     if not isinstance(body, dict) or body.get("format") != FORMAT:
         found = body.get("format") if isinstance(body, dict) else type(body).__name__
         raise CheckpointCorrupt(f"checkpoint manifest {shown} has format {found!r}; this "
@@ -55,12 +69,44 @@ def decode(data: bytes, shown: str) -> dict[str, Any]:
 
 
 def files_of(manifest: Mapping[str, Any], shown: str) -> dict[str, FileEntry]:
-    try:
-        return {name: FileEntry(int(e["size"]), int(e["crc32"], 16))
-                for name, e in manifest["files"].items()}
-    except (AttributeError, KeyError, TypeError, ValueError):
-        raise CheckpointCorrupt(f"checkpoint manifest {shown} has a malformed 'files' "
-                                "table", shown) from None
+    """The manifest's ``files`` table, checked: at least one file, each a plain ``.pt``
+    name in the checkpoint's directory with a size and a CRC-32."""
+    table = manifest["files"]
+    if not isinstance(table, dict) or not table:
+        raise CheckpointCorrupt(f"checkpoint manifest {shown} lists no files ('files' is "
+                                f"{table!r}): it is damaged", shown)
+    out = {}
+    for name, entry in table.items():
+        if not (plain_name(name) and name.endswith(".pt")):
+            raise CheckpointCorrupt(f"checkpoint manifest {shown} lists {name!r}, not a file "
+                                    "name in the checkpoint's directory: it is damaged or "
+                                    "was tampered with; sailfin reads nothing outside it", shown)
+        try:
+            size, crc = entry["size"], entry["crc32"]
+            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+                raise ValueError(size)
+            if not (isinstance(crc, str) and len(crc) <= 8):
+                raise ValueError(crc)
+            out[name] = FileEntry(size, int(crc, 16))
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointCorrupt(f"checkpoint manifest {shown} has a malformed entry for "
+                                    f"{name} (want {{\"size\": bytes, \"crc32\": hex}}): it is "
+                                    "damaged", shown) from None
+    return out
+
+
+def _depth(value: Any) -> int:
+    """How deep ``value`` nests (iterative: no recursion on a hostile document)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > MAX_DEPTH:
+                return depth
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict)
+                                                   else item))
+    return deepest
 
 
 def _finite(value: Any) -> Any:

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from ..config.trainer import TrainerArguments
 from ..distributed import DistEnv
+from ..logging.destination import check_directory
 from . import memory_dirs
 from .checkpointer import Checkpointer, Loaded, say
 from .memory import MemoryStore, pack, step_name, unpack
@@ -160,6 +161,10 @@ def with_memory_snapshots(inner: Checkpointer, args: TrainerArguments,
         return inner
     node = dist.rank // dist.local_world_size
     root = memory_dirs.snapshot_root(memory.dir, args.output_dir, node)
+    # A file in the way, a read-only or full file system: one line before the first step.
+    check_directory(memory.dir or memory_dirs.DEFAULT_PARENT, "memory snapshot",
+                    key="trainer.checkpoint.memory.dir",
+                    who="memory snapshots (trainer.checkpoint.memory)")
     store = MemoryStore(root, dist.rank, dist.world_size, dist.local_world_size,
                         memory.replicas, Peers(dist.rank, dist.world_size))
     if memory.replicas and store.replica_dst is None and dist.is_main:

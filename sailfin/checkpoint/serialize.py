@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError
+from .reading import open_checked
 from .storage import Storage
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
@@ -120,24 +121,26 @@ def write_error(storage: Storage, path: str, exc: OSError) -> CheckpointWriteErr
                                 f"{reason}", storage.display(path), exc.errno)
 
 
-def load_object(storage: Storage, path: str, entry: FileEntry, mmap: bool = False) -> Any:
+def load_object(storage: Storage, path: str, entry: FileEntry, mmap: bool = False,
+                within: Optional[str] = None) -> Any:
     """Read ``path``, check it against the manifest, and load it without arbitrary unpickling
-    (``mmap``: a local file is memory-mapped, its tensors read when touched)."""
+    (``mmap``: a local file is memory-mapped, its tensors read when touched).
+
+    Only a regular file of the manifest's size is read (inside ``within``, the checkpoint's
+    directory, when given): see :mod:`.reading`."""
     shown = storage.display(path)
     local = storage.local_path(path)
     try:
-        if local is not None:  # check it in chunks, then let torch read the file: 1x memory
-            size, crc = _checksum_file(local)
-            source: Any = local
-        else:
-            data = storage.read_bytes(path)
-            size, crc, source = len(data), zlib.crc32(data), io.BytesIO(data)
+        with open_checked(storage, path, shown, expected_size=entry.size, within=within) as fh:
+            if local is not None:  # check it in chunks, then let torch read the file: 1x memory
+                size, crc = _checksum_stream(fh)
+                source: Any = local
+            else:
+                data = fh.read()
+                size, crc, source = len(data), zlib.crc32(data), io.BytesIO(data)
     except FileNotFoundError:
         raise CheckpointCorrupt(f"checkpoint file {shown} is missing (the manifest lists it)",
                                 shown) from None
-    except (IsADirectoryError, NotADirectoryError):
-        raise CheckpointCorrupt(f"checkpoint file {shown} is a directory, not the file the "
-                                "manifest lists: the checkpoint is damaged", shown) from None
     if size != entry.size:
         raise CheckpointCorrupt(f"checkpoint file {shown} has {size} bytes; the manifest "
                                 f"says {entry.size}: it is truncated or was overwritten", shown)
@@ -157,14 +160,22 @@ def load_object(storage: Storage, path: str, entry: FileEntry, mmap: bool = Fals
             "because unpickling can run any code. A recipe's get_state() must return tensors "
             "and plain Python types (dict, list, tuple, set, str, int, float, bool, None)"
         ) from None
+    except (RuntimeError, ValueError, EOFError, OSError) as exc:  # a damaged zip archive
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointCorrupt(f"checkpoint file {shown} matches its checksum but torch.load "
+                                f"cannot read it ({reason}): it is damaged", shown) from None
 
 
 def _checksum_file(path: str) -> tuple[int, int]:
-    size, crc = 0, 0
     with open(path, "rb") as fh:
-        while chunk := fh.read(16 << 20):
-            size += len(chunk)
-            crc = zlib.crc32(chunk, crc)
+        return _checksum_stream(fh)
+
+
+def _checksum_stream(fh: Any) -> tuple[int, int]:
+    size, crc = 0, 0
+    while chunk := fh.read(16 << 20):
+        size += len(chunk)
+        crc = zlib.crc32(chunk, crc)
     return size, crc
 
 

@@ -29,6 +29,7 @@ import zlib
 from typing import Any, Callable, Optional
 
 from .errors import CheckpointCorrupt
+from .reading import open_checked, plain_shard_name
 from .storage import Storage
 
 _CHUNK = 16 << 20
@@ -126,30 +127,32 @@ def verify(storage: Storage, path: str, files: dict[str, Any], rank: int = 0,
     Entries are ``{"size": n, "crc32c"|"crc32": hex}`` or, from sailfin before
     checksums, a bare size (then only the size is checked, on every rank)."""
     for i, (name, entry) in enumerate(sorted(files.items())):
+        if not plain_shard_name(name):
+            shown = storage.display(path)
+            raise CheckpointCorrupt(f"checkpoint manifest for {shown} lists shard {name!r}, "
+                                    "not a file name in the shard directory: it is damaged or "
+                                    "was tampered with; sailfin reads nothing outside it", shown)
         file = storage.join(path, name)
         shown = storage.display(file)
-        expected_size = int(entry["size"] if isinstance(entry, dict) else entry)
-        try:
-            size = storage.size(file)
-        except FileNotFoundError:
-            raise CheckpointCorrupt(f"checkpoint shard {shown} is missing", shown) from None
-        except OSError as exc:
-            raise CheckpointCorrupt(f"checkpoint shard {shown} is unreadable: {exc}",
-                                    shown) from None
-        if size != expected_size:
-            raise CheckpointCorrupt(f"checkpoint shard {shown} has {size} bytes, the manifest "
-                                    f"says {expected_size}: it is truncated or damaged", shown)
+        expected_size = entry["size"] if isinstance(entry, dict) else entry
+        if isinstance(expected_size, bool) or not isinstance(expected_size, int):
+            raise ValueError(f"size {expected_size!r}")  # a malformed shard list
         algorithm = _algorithm_of(entry)
-        if algorithm is None or i % world_size != rank:
-            continue
-        if algorithm != ALGORITHM:
+        checksum = algorithm is not None and i % world_size == rank
+        if checksum and algorithm != ALGORITHM:
             raise CheckpointCorrupt(
                 f"checkpoint shard {shown} has a {algorithm} checksum, which this machine "
                 f"cannot compute (it has {ALGORITHM}): pip install google-crc32c", shown)
         try:
-            with storage.open_read(file) as stream:
+            # Every rank checks every size (a stat); a rank reads only its share.
+            with open_checked(storage, file, shown, what="checkpoint shard",
+                              expected_size=expected_size, within=path) as stream:
+                if not checksum:
+                    continue
                 got_size, crc = checksum_stream(stream)
-        except OSError as exc:  # a directory in its place, an I/O error
+        except FileNotFoundError:
+            raise CheckpointCorrupt(f"checkpoint shard {shown} is missing", shown) from None
+        except OSError as exc:  # an I/O error
             raise CheckpointCorrupt(f"checkpoint shard {shown} is unreadable: {exc}",
                                     shown) from None
         if got_size != expected_size or crc != int(entry[algorithm], 16):

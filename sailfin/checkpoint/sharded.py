@@ -35,7 +35,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..compat.torch import fsspec_reader, fsspec_writer
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError
+from .reading import plain_name
 from .shard_checksums import checksummed_writer, describe, verify
 from .storage import LocalStorage, Storage
 
@@ -168,9 +170,7 @@ class ShardedWriter:
 
         if isinstance(self.storage, LocalStorage):
             return checksummed_writer(dcp.FileSystemWriter, path, single_file_per_rank=True)
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        return checksummed_writer(FsspecWriter, self.storage.display(path),
+        return checksummed_writer(fsspec_writer(), self.storage.display(path),
                                   **self.storage_options)
 
 
@@ -188,9 +188,7 @@ class ShardedRef:
 
         if isinstance(self.storage, LocalStorage):
             return dcp.FileSystemReader(self.path)
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        return FsspecReader(self.storage.display(self.path), **self.storage_options)
+        return fsspec_reader()(self.storage.display(self.path), **self.storage_options)
 
 
 def locate_shards(storage: Storage, where: str, manifest: dict[str, Any],
@@ -203,6 +201,9 @@ def locate_shards(storage: Storage, where: str, manifest: dict[str, Any],
     if not info:
         return None
     shown = storage.display(where)
+    if not isinstance(info, dict) or not plain_name(info.get("dir", SHARDS)):
+        raise CheckpointCorrupt(f"checkpoint manifest in {shown} has a malformed 'sharded' "
+                                "entry (its dir must be a name inside the checkpoint)", shown)
     if info.get("format") != FORMAT:
         raise CheckpointCorrupt(f"checkpoint {shown} holds shards in format "
                                 f"{info.get('format')!r}; this sailfin reads {FORMAT!r}", shown)

@@ -57,6 +57,21 @@ def write_account(path: str, account: dict[str, Any], durable: bool = False) -> 
     os.replace(tmp, path)
 
 
+def set_summary_field(path: str, key: str, value: Any) -> None:
+    """Set ``key`` in the JSON file ``path`` (summary.json) and replace it atomically:
+    the final time account is known only after the summary was first written."""
+    with open(path, encoding="utf-8") as fh:
+        data = json.load(fh)
+    data[key] = value
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
 def run_start_time() -> float:
     """Where a run's start-up began, in seconds since the epoch (``time.time()``'s clock):
     the process start for the first run of a process (a torchrun restart is a new

@@ -129,6 +129,9 @@ def coerce(value: Any, tp: Any, key: str, finite: bool = False) -> Any:
         return number
     if tp is str:
         if isinstance(value, str):
+            if finite and "\0" in value:  # a path with it ends in "embedded null byte"
+                raise OutOfRange(f"config key '{key}' got {value!r}, which holds a NUL byte "
+                                  "(\\0): no path or name can hold one; remove it")
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)

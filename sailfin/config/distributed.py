@@ -57,8 +57,9 @@ class DistArguments:
     (stacks of every rank, then a non-zero exit torchrun can restart). ``auto``: 300 s in a
     job of several processes, off in a single process; null: off."""
     hang_seconds_slow_phases: Union[float, Literal["auto"], None] = "auto"
-    """The same limit while every rank is in a phase known to be slow: a checkpoint save,
-    validation (with ``on_end_val_epoch``), the end-of-step and end-of-epoch callbacks.
+    """The same limit while every rank is in a phase known to be slow: set-up and resume,
+    the start-up checks, a checkpoint save, validation (with ``on_end_val_epoch``), the
+    end-of-step and end-of-epoch callbacks (a frozen rank is named after hang_seconds).
     ``auto``: 4 x hang_seconds; null: hang_seconds; never less than hang_seconds."""
 
     def __post_init__(self) -> None:

@@ -25,8 +25,10 @@ class FSDPArguments:
 
     units: Optional[list[str]] = None
     """Submodules sharded as units of their own: class names (``TransformerBlock``) or
-    dotted module paths (``encoder.layers.0``). Null: every direct child of the recipe
-    that holds parameters. The whole model is always sharded last, as the root unit."""
+    dotted module paths (``encoder.layers.0``). Null: the model's repeated blocks (a
+    Hugging Face model's ``_no_split_modules``, otherwise the class of the children of
+    its largest ``ModuleList`` or ``Sequential``). The whole model is always sharded
+    last, as the root unit, which also keeps every parameter no unit took."""
     reshard_after_forward: bool = True
     """Free each unit's gathered parameters after its forward and gather them again in
     backward (less memory, one more all-gather per unit). False keeps them until backward."""
@@ -39,15 +41,20 @@ class FSDPArguments:
     unsharded gradients until the step's last micro-batch, then reduce-scatters once
     (fewest collectives). ``sharded``: reduce-scatter after every micro-batch, so only
     gradient shards are held (least memory; one collective per unit and micro-batch)."""
-    meta_build: bool = True
-    """``sailfin train`` builds the recipe on the meta device and initialises each rank's
-    rows after sharding (no rank ever holds the whole model). False: every rank builds
-    the whole model first (for a recipe whose initialisation cannot be deferred)."""
+    build: str = "rank0"
+    """How the model reaches each rank's shards. ``rank0``: rank 0 builds the recipe as
+    ``sp`` does (its own init, ties, buffers) in host memory, the other ranks on the meta
+    device; after sharding, each rank receives its rows from rank 0, one tensor at a
+    time. ``meta``: for a model larger than one host: every rank builds on the meta
+    device, and after sharding the recipe's ``init_weights()`` fills the sharded
+    parameters (deterministic for a seed and world size; not sp's initial weights)."""
 
     def __post_init__(self) -> None:
         if self.accumulate not in ("full", "sharded"):
             raise ConfigError(f"trainer.fsdp.accumulate must be full or sharded, got "
                               f"{self.accumulate!r}")
+        if self.build not in ("rank0", "meta"):
+            raise ConfigError(f"trainer.fsdp.build must be rank0 or meta, got {self.build!r}")
         if self.units is None:
             return
         if isinstance(self.units, str):

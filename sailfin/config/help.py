@@ -11,10 +11,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import re
 import textwrap
 from typing import Any, Optional
 
-from .trainer import TrainerArguments
+from .trainer import BACKENDS, TrainerArguments
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -31,10 +32,22 @@ def field_docs(cls: type) -> dict[str, str]:
             if isinstance(after, ast.Expr) and isinstance(getattr(after, "value", None),
                                                           ast.Constant) \
                     and isinstance(after.value.value, str):
-                text = " ".join(after.value.value.split())
-                text = text.split(". ")[0].rstrip(".")
+                text = first_sentence(" ".join(after.value.value.split()))
             docs[node.target.id] = text
     return docs
+
+
+# A sentence ends at a period and a space (or the end); not the one of "e.g." or "i.e.".
+_SENTENCE_END = re.compile(r"(?<!\be\.g)(?<!\bi\.e)\.\s+")
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of ``text``, without its final period."""
+    return _SENTENCE_END.split(text, 1)[0].rstrip().rstrip(".")
+
+
+# Keys whose values are names from a list in code: the help shows the list itself.
+CHOICES: dict[str, tuple[str, ...]] = {"trainer.backend": BACKENDS}
 
 
 def trainer_keys_help(cls: type = TrainerArguments, prefix: str = "trainer.") -> str:
@@ -49,6 +62,8 @@ def trainer_keys_help(cls: type = TrainerArguments, prefix: str = "trainer.") ->
             continue
         kind = str(hints[f.name]).replace("typing.", "")
         doc = docs.get(f.name, "")
+        if f"{prefix}{f.name}" in CHOICES:  # the list itself, where the doc names it
+            doc = doc.split("; one of ")[0] + "; one of: " + ", ".join(CHOICES[prefix + f.name])
         lines.append(f"  --{prefix}{f.name}  {kind} = {default!r}" + (f"  {doc}" if doc else ""))
     return "\n".join(lines)
 

@@ -80,7 +80,8 @@ class RunConfig:
         ``sailfin train`` builds them. The module keeps its sections as ``sailfin_config``,
         so a resume can compare them with the checkpoint's. ``construct(cls, **kwargs)``
         builds the module class (default: calls it); ``sailfin train`` passes
-        ``sailfin.deferred_build`` under fsdp, the data interface is built as usual."""
+        one that builds under ``sailfin.sharded_build`` under fsdp (on the meta device on
+        ranks but 0); the data interface is built as usual."""
         from ..utils.seed import seed_everything  # torch only when building
 
         seed_everything(self.trainer.seed)
@@ -129,13 +130,9 @@ def _check_interface(cls: Any, class_path: str, section: str) -> None:
             f"{section}.class_path must name a subclass of sailfin.{expected}; "
             f"{class_path} is {what}. sailfin calls nothing else that a config names")
     if cls.__module__ == "sailfin.interfaces" and cls.__qualname__ == expected:
+        # The interface itself, known by name as above (``expected`` is a string).
         raise ConfigError(
             f"{section}.class_path names sailfin.{expected} itself, which holds no "
-            f"{'data' if section == 'data' else 'model'}: name your subclass of it "
-            f"(e.g. {'mypkg.MyData' if section == 'data' else 'mypkg.MyRecipe'})")
-    if cls is expected:
-        raise ConfigError(
-            f"{section}.class_path names sailfin.{expected.__name__} itself, which holds no "
             f"{'data' if section == 'data' else 'model'}: name your subclass of it "
             f"(e.g. {'mypkg.MyData' if section == 'data' else 'mypkg.MyRecipe'})")
 

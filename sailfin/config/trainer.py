@@ -15,6 +15,23 @@ from .fsdp import FSDPArguments
 
 WRITERS = ("stdout", "jsonl", "csv", "tensorboard", "mlflow")
 
+# trainer.backend: name -> (strategy, precision). PyMarlin's names are aliases for
+# compositions; sailfin.backends builds them, and `sailfin train --help` lists them.
+BACKEND_ALIASES: dict[str, tuple[str, str]] = {
+    "sp": ("single", "fp32"),
+    "sp-amp": ("single", "amp"),
+    "sp-amp-apex": ("single", "amp"),
+    "ddp": ("ddp", "fp32"),
+    "ddp-amp": ("ddp", "amp"),
+    "fsdp": ("fsdp", "fp32"),
+    "fsdp-amp": ("fsdp", "amp"),
+}
+# DP-SGD composed on a name above (sailfin.backends.dp); any other "<name>-dp" is refused
+# there with the reason.
+PRIVATE_BACKENDS: tuple[str, ...] = ("sp-dp", "ddp-dp")
+BACKENDS: tuple[str, ...] = (*BACKEND_ALIASES, *PRIVATE_BACKENDS)
+"""Every ``trainer.backend`` name sailfin builds: the one list the errors and the help show."""
+
 
 @dataclass
 class TrainerArguments:
@@ -45,7 +62,7 @@ class TrainerArguments:
     shuffle: bool = True
     """Shuffle the training order each epoch (a function of seed and epoch)."""
     backend: str = "sp"
-    """How a step runs: sp, sp-amp, ddp, ddp-amp, fsdp... (strategy x precision)."""
+    """How a step runs (a strategy x a precision); one of BACKENDS (the help lists them)."""
     amp_dtype: Literal["auto", "bfloat16", "float16"] = "auto"
     """Autocast type of the ``*-amp`` backends. auto: bfloat16 where the device supports it
     (CPU included), else float16 (with loss scaling)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..config.errors import ConfigError
 
@@ -61,12 +61,25 @@ class BatchPlan:
     @classmethod
     def create(cls, global_batch: int, micro_batch: Optional[int], world_size: int,
                drop_last: bool = False, max_steps_per_epoch: Optional[int] = None,
-               micro_batch_limit: Optional[int] = None) -> "BatchPlan":
-        """``micro_batch`` is exact; ``micro_batch_limit`` (PyMarlin's
-        ``gpu_batch_size_limit``) is a ceiling: the largest micro batch within it
-        that divides this world's share of the global batch."""
+               micro_batch_limit: Optional[int] = None,
+               note: Optional[Callable[[str], None]] = None) -> "BatchPlan":
+        """``micro_batch`` is exact, except that one larger than a rank's share of the
+        global batch is lowered to that share (the global batch, and so every step's
+        samples and the result, unchanged; ``note`` gets one line saying so): the
+        natural setting on one device, micro = global, runs as is on several.
+        ``micro_batch_limit`` (PyMarlin's ``gpu_batch_size_limit``) is a ceiling: the
+        largest micro batch within it that divides this world's share."""
         if world_size < 1:
             raise ConfigError(f"world size must be >= 1, got {world_size}")
+        if micro_batch is not None and global_batch % world_size == 0 and \
+                micro_batch > global_batch // world_size:
+            share = global_batch // world_size
+            if note is not None:
+                note(f"trainer.micro_batch_size {micro_batch} is more than each of the "
+                     f"{world_size} process(es)' share of trainer.train_batch_size "
+                     f"{global_batch}: lowered to {share} (the global batch, and so the "
+                     f"result, unchanged)")
+            micro_batch = share
         if micro_batch is None and micro_batch_limit is not None:
             micro_batch = largest_micro_batch(global_batch, world_size, micro_batch_limit)
         if micro_batch is None:

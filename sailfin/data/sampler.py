@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Optional, Protocol, runtime_checkabl
 import numpy as np
 import torch
 
+from ..config.errors import ConfigError
 from .plan import BatchPlan, MicroBatch, _split
 
 
@@ -71,7 +72,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     def __init__(self, num_samples: int, plan: BatchPlan, rank: int = 0, seed: int = 0,
                  shuffle: bool = True, order: Optional[EpochOrder] = None) -> None:
         if num_samples < 1:
-            raise ValueError("the training dataset is empty")
+            raise ConfigError("the training set is empty: get_train_dataset() returned a "
+                              "dataset of length 0; check the data: section (its paths, "
+                              "filters and sizes)")
         if not 0 <= rank < plan.world_size:
             raise ValueError(f"rank {rank} is outside world size {plan.world_size}")
         self.num_samples = num_samples

@@ -5,20 +5,27 @@ store per phase: no lock, no clock, no store round-trip on the step's path).
 A background thread per rank turns that into a record once a second: the
 step, the phase, and the seconds since the record last changed, measured on
 this rank's own clock; it writes the record to the process group's store.
-Rank 0's thread reads every rank's record. When a rank has made no progress
-for ``hang_seconds`` (or its record stopped coming: a frozen process), rank 0
-writes a report to the store; every rank's thread sees it within a second,
-writes its own stack (``faulthandler``, all threads) to its stderr and to
-``<output_dir>/hang/stack-rank<r>.txt``, and rank 0 prints one line per rank
-and the rank(s) the others wait for: the ones furthest behind (an earlier
-step, or an earlier phase of the same step). Then each process exits with
-code 75 (EX_TEMPFAIL), so ``torchrun --max-restarts`` restarts the group and
-the run resumes from its last checkpoint.
+The threads of ranks 0 and 1 (two judges: a frozen rank 0 is judged by rank 1)
+read every rank's record. When a rank has made no progress for ``hang_seconds``
+(the slow phases' limit in set-up, saves, validation...), or its records stopped
+coming (a frozen process: ``hang_seconds`` whatever its phase), the first judge to
+see it writes a report to the store; every live rank's thread sees it within a
+second, ends any frozen rank's process on its own host (SIGKILL: a stopped process
+answers nothing else, and torchrun would wait 30 s), writes its own stack
+(``faulthandler``, all threads) to its stderr and to
+``<output_dir>/hang/stack-rank<r>.txt``, and the judge prints one line per rank
+and the rank(s) the others wait for (see :mod:`.hang_report`). Then each process
+leaves a note for ``sailfin launch`` and exits with code 75 (EX_TEMPFAIL), so
+``torchrun --max-restarts`` restarts the group and the run resumes from its last
+checkpoint.
+
+The watchdog starts as soon as the process group exists (set-up, resume and the
+start-up checks are watched) and stops after the last step.
 
 The thread runs Python, so it needs the GIL: a rank blocked in a collective,
 in ``time.sleep``, in I/O or in CUDA waits is seen (those release the GIL); a
-C extension that holds the GIL forever silences the thread, and rank 0 then
-reports that rank's records as stopped.
+C extension that holds the GIL forever silences the thread, and the judges then
+report that rank's records as stopped.
 """
 
 from __future__ import annotations
@@ -27,41 +34,24 @@ import faulthandler
 import json
 import logging
 import os
+import signal
+import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 from .exit_codes import HANG_EXIT_CODE
+from .hang_report import (ALL_REDUCE, BACKWARD, CHECKPOINT_SAVE, DATA, END_OF_EPOCH,  # noqa: F401
+                          END_OF_STEP, FAILED, FINISHED, FORWARD, HANG_KEY, OPTIMIZER, SETUP,
+                          SLOW_KEY, SLOW_PHASES, STARTUP_CHECKS, VALIDATION,
+                          VALIDATION_GATHER, RankRecord,
+                          culprits, hang_report, limit_of, recipe_step)
+from .launch_notes import HANG, leave_note
 
 log = logging.getLogger("sailfin")
 
 AUTO_HANG_SECONDS = 300.0
-
-# Phases, in the order a step runs them (the report compares ranks by (step, phase)).
-DATA = "data loading"
-FORWARD = "forward/train_step"
-BACKWARD = "backward"  # a step's last micro-batch: DDP's gradient all-reduce runs in it
-ALL_REDUCE = "gradient all-reduce"
-OPTIMIZER = "optimizer"
-END_OF_STEP = "end of step (logging, checkpoint save, callbacks)"
-CHECKPOINT_SAVE = "checkpoint save"
-VALIDATION = "validation"
-END_OF_EPOCH = "end of epoch (checkpoint save, callbacks)"
-SETUP = "starting"
-FINISHED = "finished"
-FAILED = "stopped by an error"  # training raised on this rank: the others wait for it
-_ORDER = {p: i for i, p in enumerate((FAILED, SETUP, DATA, FORWARD, BACKWARD, ALL_REDUCE,
-                                       OPTIMIZER, END_OF_STEP, CHECKPOINT_SAVE, VALIDATION,
-                                       END_OF_EPOCH, FINISHED))}
-_AFTER_STEP = {END_OF_STEP, CHECKPOINT_SAVE, VALIDATION, END_OF_EPOCH, FINISHED}
-# Phases known to take long on every rank at once (saves, validation, user callbacks):
-# they get trainer.distributed.hang_seconds_slow_phases, not hang_seconds.
-SLOW_PHASES = frozenset({END_OF_STEP, CHECKPOINT_SAVE, VALIDATION, END_OF_EPOCH})
-HANG_KEY = "trainer.distributed.hang_seconds"
-SLOW_KEY = "trainer.distributed.hang_seconds_slow_phases"
-
 
 class Heartbeat:
     """Where this rank is: written by the loop, read by the watchdog's thread.
@@ -89,81 +79,6 @@ class Heartbeat:
         for item in items:
             self.beats += 1
             yield item
-
-
-@dataclass(frozen=True)
-class RankRecord:
-    """One rank's last record: its position and seconds since it last moved."""
-
-    rank: int
-    step: int
-    phase: str
-    idle: float
-    seq: int = 0
-
-    @property
-    def position(self) -> tuple[int, int]:
-        return self.step, _ORDER.get(self.phase, 0)
-
-    def describe(self) -> str:
-        where = f"global_step {recipe_step(self.step, self.phase)}"
-        return (f"rank {self.rank}: {where}, phase {self.phase}, "
-                f"{self.idle:.1f} s since its last progress")
-
-
-def recipe_step(step: int, phase: str) -> int:
-    """The ``global_step`` the recipe sees in ``phase``: ``train_step`` gets the steps done
-    before it (``step``); the end-of-step callbacks and validation get the step counted."""
-    return step + 1 if phase in _AFTER_STEP else step
-
-
-def culprits(records: list[RankRecord], stale: Iterable[int] = ()) -> list[int]:
-    """The rank(s) the others wait for: records that stopped coming, else the ranks
-    furthest behind (earliest step, then earliest phase); every rank when all are at
-    the same place."""
-    stale = sorted(stale)
-    if stale:
-        return stale
-    live = [r for r in records if r.phase != FINISHED]
-    if not live:
-        return []
-    lowest = min(r.position for r in live)
-    return [r.rank for r in live if r.position == lowest]
-
-
-def hang_report(records: list[RankRecord], hang_seconds: float,
-                stale: Optional[dict[int, float]] = None,
-                slow_seconds: Optional[float] = None) -> list[str]:
-    """The lines rank 0 prints: a header naming the rank(s) waited for and the phase they
-    are in, with the limit that was hit and the key that raises it; one line per rank."""
-    stale = stale or {}
-    names = culprits(records, stale)
-    everyone = len(names) == len({r.rank for r in records}) and not stale and len(names) > 1
-    phases = {r.phase for r in records if r.rank in names}
-    slow = bool(phases) and phases <= SLOW_PHASES and not stale
-    limit, key = (slow_seconds or hang_seconds, SLOW_KEY) if slow else (hang_seconds, HANG_KEY)
-    idle = max((r.idle for r in records if r.rank in names), default=0.0)
-    if everyone and slow:
-        who = (f"all ranks in {' / '.join(sorted(phases))} for {idle:.0f} s: if this work "
-               f"is this slow on purpose (a large save, a long validation or callback), "
-               f"raise {key}")
-    elif everyone:
-        who = (f"all ranks in {' / '.join(sorted(phases))} for {idle:.0f} s; every rank is "
-               "at the same place: a collective that does not complete (network, NCCL), or "
-               "work every rank shares, is stuck")
-    else:
-        who = (f"waiting for rank {', '.join(map(str, names))} "
-               f"(in {' / '.join(sorted(phases))})")
-    lines = [f"hang watchdog: no progress for more than {limit:g} s ({key}); {who}"]
-    for r in sorted(records, key=lambda r: r.rank):
-        mark = "   <- stuck" if r.rank in names and not everyone else ""
-        note = ""
-        if r.rank in stale:
-            note = (f" (no record for {stale[r.rank]:.0f} s: still in set-up or resume)"
-                    if r.seq < 0 else
-                    f" (its records stopped {stale[r.rank]:.0f} s ago: process frozen or gone)")
-        lines.append("  " + r.describe() + note + mark)
-    return lines
 
 
 class Watchdog:
@@ -194,15 +109,19 @@ class Watchdog:
         self.slow_seconds = max(float(slow_seconds or hang_seconds), self.hang_seconds)
         self.report_dir = report_dir
         self.on_hang = on_hang or _exit
-        self.report: Optional[list[str]] = None  # rank 0: the lines it printed
+        self.judge = rank < 2  # rank 0 and, should rank 0 itself stop, rank 1
+        self.report: Optional[list[str]] = None  # the judge that reported: its lines
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._seen: dict[int, tuple[int, float]] = {}  # rank 0: rank -> (seq, when it moved)
-        self._present: list[str] = []  # rank 0: the record keys that exist
+        self._seen: dict[int, tuple[int, float]] = {}  # judge: rank -> (seq, when it moved)
+        self._present: list[str] = []  # judge: the record keys that exist
         self._started = time.monotonic()
+        self._process = (os.getpid(), socket.gethostname())
+        self._seq = 0  # this rank's record count: a judge sees it move while the rank lives
 
     def start(self) -> None:
         self._started = time.monotonic()
+        self._seq = 0
         self._publish(0.0, 0)
         self._thread = threading.Thread(target=self._run, name="sailfin-watchdog",
                                         daemon=True)
@@ -222,19 +141,30 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - the store may be gone at the end of a job
             pass
 
+    def publish_now(self) -> None:
+        """Write this rank's record now (the loop, once, as training begins): a rank that
+        stops within its first second is reported where it stopped, not in set-up."""
+        if self._thread is None:
+            return
+        self._seq += 1
+        try:
+            self._publish(0.0, self._seq)
+        except Exception:  # noqa: BLE001 - the thread reports a broken store
+            pass
+
     # -- the thread --------------------------------------------------------------------
     def _run(self) -> None:
         beat = self.heartbeat
-        last, moved, seq = None, time.monotonic(), 0
+        last, moved = None, time.monotonic()
         while not self._stop.wait(self.interval):
             now = time.monotonic()
             position = (beat.step, beat.phase, beat.beats)
             if position != last:
                 last, moved = position, now
-            seq += 1
+            self._seq += 1
             try:
-                self._publish(now - moved, seq)
-                if self.rank == 0:
+                self._publish(now - moved, self._seq)
+                if self.judge:
                     self._judge(now)
                 if self.store.check([_HANG]):
                     self._end()
@@ -246,8 +176,9 @@ class Watchdog:
 
     def _publish(self, idle: float, seq: int) -> None:
         beat = self.heartbeat
+        pid, host = self._process
         self.store.set(f"{_PREFIX}/rank{self.rank}",
-                       json.dumps([beat.step, beat.phase, round(idle, 2), seq]))
+                       json.dumps([beat.step, beat.phase, round(idle, 2), seq, pid, host]))
 
     def _records(self) -> list[RankRecord]:
         # One multi_get a second once every rank has written (a rank still starting
@@ -259,14 +190,15 @@ class Watchdog:
         values = self.store.multi_get(present) if present else []
         out = []
         for key, raw in zip(present, values):
-            step, phase, idle, seq = json.loads(raw)
-            out.append(RankRecord(int(key.rsplit("rank", 1)[1]), step, phase, idle, seq))
+            step, phase, idle, seq, pid, host = json.loads(raw)
+            out.append(RankRecord(int(key.rsplit("rank", 1)[1]), step, phase, idle, seq,
+                                  pid, host))
         return out
 
     def _judge(self, now: float) -> None:
         records = self._records()
         stale: dict[int, float] = {}
-        if now - self._started > self.hang_seconds:  # ranks that never reached training
+        if now - self._started > self.slow_seconds:  # ranks that never reached the group
             have = {r.rank for r in records}
             for rank in range(self.world_size):
                 if rank not in have:
@@ -276,18 +208,26 @@ class Watchdog:
             seq, when = self._seen.get(r.rank, (None, now))
             if seq != r.seq:
                 self._seen[r.rank] = (r.seq, now)
-            elif r.phase not in (FINISHED, FAILED) and now - when > self._limit(r.phase):
-                stale[r.rank] = now - when
+            elif r.phase not in (FINISHED, FAILED) and now - when > self.hang_seconds:
+                stale[r.rank] = now - when  # frozen: named after hang_seconds, any phase
         if stale or any(r.idle > self._limit(r.phase) and r.phase != FINISHED
                         for r in records):
-            self.report = hang_report(records, self.hang_seconds, stale, self.slow_seconds)
-            self.store.set(_HANG, "\n".join(self.report))
+            report = hang_report(records, self.hang_seconds, stale, self.slow_seconds)
+            frozen = [[r.rank, r.host, r.pid] for r in records
+                      if r.rank in stale and r.seq >= 0 and r.pid]
+            self.store.set(_FROZEN, json.dumps(frozen))
+            mine = f"judge rank {self.rank}\n" + "\n".join(report)
+            # The first judge's report stands; the other judge's is dropped.
+            if self.store.compare_set(_HANG, "", mine).decode() == mine:
+                self.report = report
 
     def _limit(self, phase: str) -> float:
-        return self.slow_seconds if phase in SLOW_PHASES else self.hang_seconds
+        return limit_of(phase, self.hang_seconds, self.slow_seconds)
 
     def _end(self) -> None:
-        """Every rank: its stack; rank 0: the report; then the exit."""
+        """Every live rank: its note for sailfin launch, its stack; the judge that reported:
+        the report; then frozen ranks on this host are ended, and this process exits."""
+        leave_note(HANG)  # first: torchrun may stop this process any moment from now
         beat = self.heartbeat
         header = (f"hang watchdog: stack of rank {self.rank} (global_step "
                   f"{recipe_step(beat.step, beat.phase)}, "
@@ -303,29 +243,56 @@ class Watchdog:
                 pass
         self.store.add(_ACKS, 1)
         wait = min(10.0, max(2.0, self.hang_seconds / 2))
-        if self.rank == 0:
-            _wait_for(lambda: self.store.add(_ACKS, 0) >= self.world_size, wait)
-            lines = self.report or self.store.get(_HANG).decode().splitlines()
+        frozen = self._frozen()
+        if self.report is not None:
+            live = self.world_size - len(frozen)
+            _wait_for(lambda: self.store.add(_ACKS, 0) >= live, wait)
             where = f" and to {self.report_dir}" if self.report_dir else ""
-            lines = lines + [f"every rank wrote its stack to its stderr{where}; exiting with "
-                             f"code {HANG_EXIT_CODE} (torchrun --max-restarts restarts the "
-                             "job, which resumes from its last checkpoint)"]
+            ended = (f"; ended the frozen process(es) of rank "
+                     f"{', '.join(str(f[0]) for f in frozen)}" if frozen else "")
+            lines = self.report + [f"every live rank wrote its stack to its stderr{where}"
+                                   f"{ended}; exiting with code {HANG_EXIT_CODE} (torchrun "
+                                   "--max-restarts restarts the job, which resumes from its "
+                                   "last checkpoint)"]
             for line in lines:
                 log.error("%s", line)
+            for handler in log.handlers:
+                handler.flush()
             self.store.set(_DONE, "1")
+            self._end_frozen(frozen)
             time.sleep(0.5)  # the others read it before this process (maybe the store's
             #                  host) goes
         else:
             # Under torchrun, the first worker to exit makes the agent stop the others:
-            # let rank 0 print the report first.
+            # let the judge print the report first.
             _wait_for(lambda: self.store.check([_DONE]), wait)
+            self._end_frozen(frozen)
         self.on_hang(HANG_EXIT_CODE)
+
+    def _frozen(self) -> list[list[Any]]:
+        """The frozen ranks the report named: [rank, host, pid] each."""
+        try:
+            return json.loads(self.store.get(_FROZEN)) if self.store.check([_FROZEN]) else []
+        except Exception:  # noqa: BLE001 - the report is what matters
+            return []
+
+    def _end_frozen(self, frozen: list[list[Any]]) -> None:
+        """SIGKILL the frozen ranks' processes that run on this host (a stopped process
+        takes no other signal; torchrun would wait 30 s for it), once the report is out."""
+        pid, host = self._process
+        for rank, their_host, their_pid in frozen:
+            if their_host == host and their_pid != pid and rank != self.rank:
+                try:
+                    os.kill(their_pid, signal.SIGKILL)
+                except OSError:
+                    pass  # gone already
 
 
 _PREFIX = "sailfin/watchdog"
 _HANG = f"{_PREFIX}/hang"
 _ACKS = f"{_PREFIX}/acks"
 _DONE = f"{_PREFIX}/reported"
+_FROZEN = f"{_PREFIX}/frozen"
 
 
 def _write_stack(header: str, fh: Any) -> None:

@@ -18,6 +18,7 @@ import io
 import json
 import keyword
 import os
+import re
 import sysconfig
 import tokenize as pytokenize
 import zlib
@@ -46,10 +47,11 @@ def stdlib_functions(packages: tuple[str, ...] = PACKAGES, per_package: int = 20
                 tree = ast.parse(text)
             except (OSError, SyntaxError, UnicodeDecodeError):
                 continue
+            lines = _lines(text)
             for node in ast.walk(tree):
                 if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     continue
-                source = ast.get_source_segment(text, node) or ""
+                source = _segment(lines, node)
                 if not source or len(source) > max_chars or not node.body:
                     continue
                 start = node.body[0]
@@ -65,6 +67,35 @@ def stdlib_functions(packages: tuple[str, ...] = PACKAGES, per_package: int = 20
                     break
             if count >= per_package:
                 break
+
+
+_NEWLINE = re.compile(r"\r\n|\r|\n")
+
+
+def _lines(text: str) -> list[str]:
+    """``text``'s lines with their ends, cut where the parser cuts (not at form feeds)."""
+    out, start = [], 0
+    for m in _NEWLINE.finditer(text):
+        out.append(text[start:m.end()])
+        start = m.end()
+    if start < len(text):
+        out.append(text[start:])
+    return out
+
+
+def _segment(lines: list[str], node: ast.AST) -> str:
+    """``ast.get_source_segment(text, node)`` from lines cut once per file (the library
+    call cuts the whole file again for every node: most of the examples' start-up)."""
+    end = getattr(node, "end_lineno", None)
+    if end is None:
+        return ""
+    first, last = node.lineno - 1, end - 1  # type: ignore[attr-defined]
+    col, end_col = node.col_offset, node.end_col_offset  # type: ignore[attr-defined]
+    if first == last:
+        return lines[first].encode()[col:end_col].decode()
+    head = lines[first].encode()[col:].decode()
+    tail = lines[last].encode()[:end_col].decode()
+    return head + "".join(lines[first + 1:last]) + tail
 
 
 def python_token_tags(source: str, limit: int = 48) -> tuple[list[str], list[str]]:

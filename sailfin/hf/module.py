@@ -9,7 +9,7 @@ import torch
 
 from ..interfaces import ModuleInterface
 from .errors import HFConfigError, require
-from .sharding import block_classes, shard_blocks
+from .sharding import shard_blocks
 from .text_data import TextData
 
 
@@ -81,6 +81,12 @@ class HFModule(ModuleInterface):
                     raise HFConfigError(f"module.init_args.model_name_or_path: '{path}' has no "
                                         "config.json; give a directory written by "
                                         "save_pretrained (or use config: to start from scratch)")
+            if torch.get_default_device().type == "meta":
+                # Under fsdp, a rank other than 0 builds the same model on the meta device
+                # from the config alone and receives its rows from rank 0: it reads no
+                # weights file.
+                cfg = transformers.AutoConfig.from_pretrained(path, **self.model_kwargs())
+                return auto.from_config(cfg, dtype=_saved_dtype(cfg))
             return auto.from_pretrained(path, **self.model_kwargs())
         spec = dict(config)
         model_type = spec.pop("model_type", None)
@@ -154,7 +160,7 @@ class HFModule(ModuleInterface):
     def configure_sharding(self, shard: Callable[[torch.nn.Module], torch.nn.Module]) -> None:
         """FSDP units: ``fsdp_units`` (class names) or the model's ``_no_split_modules``
         (or, where the model has none, the class of its repeated blocks)."""
-        shard_blocks(self.model, self.fsdp_units or block_classes(self.model), shard)
+        shard_blocks(self.model, self.fsdp_units or None, shard)
 
     def flops_per_sample(self) -> Optional[float]:
         """The model's own count for a sample of the train set's mean length:
@@ -172,6 +178,14 @@ class HFModule(ModuleInterface):
         from .export import SavePretrained
 
         return [SavePretrained(self)] if self.save_hf else []
+
+
+def _saved_dtype(cfg: Any) -> Optional[torch.dtype]:
+    """The dtype ``from_pretrained`` gives the weights: the one saved in the config."""
+    dtype = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def per_sample_loss(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch.Tensor:

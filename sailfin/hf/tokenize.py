@@ -73,11 +73,14 @@ class TokenizeText(DataProcessor):
     def process(self, source: Union[str, Any], start: int, stop: int,
                 out_dir: Optional[str] = None, shard_index: int = 0) -> dict[str, Any]:
         rows = read_rows(source)[start:stop]
-        samples, truncated = [], 0
-        for i, row in enumerate(rows, start):
-            sample, cut = self.encode(row, f"{_name(source)} row {i + 1}")
-            samples.append(sample)
-            truncated += cut
+        if self.task == "token_classification":
+            samples, truncated = [], 0
+            for i, row in enumerate(rows, start):
+                sample, cut = self.encode(row, f"{_name(source)} row {i + 1}")
+                samples.append(sample)
+                truncated += cut
+        else:  # one call for all rows: the tokenizer's per-call cost is paid once
+            samples, truncated = self.encode_rows(rows, source, start)
         lengths = [len(s["input_ids"]) for s in samples]
         if out_dir is None:
             return {"samples": samples, "truncated": truncated, "lengths": lengths}
@@ -85,6 +88,42 @@ class TokenizeText(DataProcessor):
             for i, sample in enumerate(samples, start):
                 writer.write(to_shard_sample(i, sample))
         return {"shards": writer.shards, "truncated": truncated, "lengths": lengths}
+
+    # -- many rows ----------------------------------------------------------------------
+    def encode_rows(self, rows: list[dict[str, Any]], source: Any = "rows", start: int = 0
+                    ) -> tuple[list[dict[str, Any]], int]:
+        """What :meth:`encode` gives for each row (not token classification), from one
+        tokenizer call over all rows (and one more over those longer than max_length)."""
+        tok = self.tokenizer
+        texts = [row[self.text_column] for row in rows]
+        pairs = [row[self.text_pair_column] for row in rows] if self.text_pair_column else None
+        if not texts:
+            return [], 0
+        ids = [list(x) for x in tok(texts, pairs, truncation=False)["input_ids"]]
+        long = [i for i, x in enumerate(ids) if len(x) > self.max_length]
+        if long and self.truncation == "refuse":
+            self._encode(f"{_name(source)} row {start + long[0] + 1}", texts[long[0]],
+                         pairs[long[0]] if pairs else None)  # raises, naming the row
+        if long:
+            cut = tok([texts[i] for i in long], [pairs[i] for i in long] if pairs else None,
+                      truncation=True, max_length=self.max_length)["input_ids"]
+            for i, x in zip(long, cut):
+                ids[i] = list(x)
+        if self.task == "classification":
+            samples = [{"input_ids": x, "labels": self._label_id(
+                row[self.label_column], f"{_name(source)} row {start + i + 1}")}
+                for i, (x, row) in enumerate(zip(ids, rows))]
+        elif self.task == "causal_lm":
+            eos = tok.eos_token_id
+            for x in ids:
+                if eos is not None and (not x or x[-1] != eos) and len(x) < self.max_length:
+                    x.append(eos)  # the model learns where a text ends
+            samples = [{"input_ids": x} for x in ids]
+        else:  # seq2seq
+            targets = tok(text_target=[str(row[self.target_column]) for row in rows],
+                          truncation=True, max_length=self.target_max_length)["input_ids"]
+            samples = [{"input_ids": x, "labels": list(t)} for x, t in zip(ids, targets)]
+        return samples, len(long)
 
     # -- one row -----------------------------------------------------------------------
     def encode(self, row: dict[str, Any], where: str) -> tuple[dict[str, Any], int]:

@@ -122,7 +122,8 @@ def test_damaged_shard_falls_back_to_the_previous_checkpoint(tmp_path):
 
 def test_units_by_class_path_and_default():
     module = TwoLayer(IdData(4, 0))
-    assert [n for n, _ in select_units(module, None)] == ["linear", "hidden"]
+    # Default: the class of the children of the largest Sequential (Linear), everywhere.
+    assert [n for n, _ in select_units(module, None)] == ["hidden.0", "linear"]
     assert [n for n, _ in select_units(module, ["Linear"])] == ["hidden.0", "linear"]
     assert [n for n, _ in select_units(module, ["hidden", "hidden.0"])] == ["hidden.0", "hidden"]
     with pytest.raises(ConfigError, match=r"units\[0\] is 'Linaer'.*Linear"):

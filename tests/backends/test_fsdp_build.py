@@ -1,6 +1,6 @@
-"""fsdp in one process, #22: the deferred (meta) build starts from the weights of an eager
-build, init_from loads every kind of source into every backend, both accumulation
-modes train as sp, the EMA is saved as shards and resumes, compile per unit."""
+"""fsdp in one process: the build by contract (rank 0 builds as sp does, shards are
+filled from it; opt-in: init_weights() on the sharded model), the units and their errors,
+init_from of every source into every backend, both accumulation modes, EMA, compile."""
 
 from __future__ import annotations
 
@@ -11,64 +11,68 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from sailfin import Trainer, deferred_build
-from sailfin.backends.deferred import DeferredInitError, init_plan
+from sailfin import Trainer, sharded_build
+from sailfin.backends.fsdp_units import default_unit_classes, select_units
 from sailfin.checkpoint import CheckpointError
+from sailfin.config import ConfigError
 from tests.backends.test_fsdp import RUN, TwoLayer, assert_close, weights
 from tests.recipes import IdData, WideRecipe, args
 
 
 class Rich(WideRecipe):
-    """Layers whose initialisation uses every path: reset_parameters of torch layers, a
-    recipe-level manual_seed, a module's own init_weights with an argument, a parameter
-    made by a deterministic factory and a buffer."""
+    """What a recipe's own code does to its weights: torch layers' reset_parameters, an
+    init filled in place in __init__, a tie, a parameter from a factory, a persistent
+    buffer, a non-persistent buffer and a plain tensor attribute."""
 
     def __init__(self, data, **kw) -> None:
         super().__init__(data, **kw)
         self.norm = nn.LayerNorm(32)
         self.attn = nn.MultiheadAttention(32, 4)
         self.emb = nn.Embedding(10, 32)
-        self.scaled = Scaled(32, std=0.5)
+        self.out = nn.Linear(32, 10, bias=False)
+        self.out.weight = self.emb.weight  # tied
+        nn.init.normal_(self.emb.weight, std=0.02)  # in __init__, after the tie
+        nn.init.zeros_(self.linear.bias)
         self.gain = nn.Parameter(torch.ones(1))
         self.register_buffer("pos", torch.arange(5).float())
+        self.register_buffer("mask", torch.tril(torch.ones(4, 4)), persistent=False)
+        self.table = torch.randn(3)  # a plain attribute
 
 
-class Scaled(nn.Module):
-    def __init__(self, dim, std):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim, dim))
-        self.init_weights(std)
-
-    def init_weights(self, std):
-        nn.init.trunc_normal_(self.weight, std=std)
+def built(cls, rank=0, build="rank0", seed=0):
+    data = IdData(20, 0)  # outside: the data interface is built for real on every rank
+    torch.manual_seed(seed)
+    with sharded_build(rank, build):
+        return cls(data)
 
 
-def eager_and_deferred(cls):
-    torch.manual_seed(0)
-    eager = cls(IdData(20, 0))
-    torch.manual_seed(0)
-    return eager, deferred_build(cls, IdData(20, 0))
+def test_sharded_build_is_real_on_rank_0_and_meta_elsewhere():
+    assert not built(Rich).linear.weight.is_meta
+    other = built(Rich, rank=1)
+    assert other.linear.weight.is_meta and other.mask.is_meta and other.table.is_meta
+    assert other.out.weight is other.emb.weight  # ties are made on meta, too
+    assert built(Rich, build="meta").linear.weight.is_meta
 
 
 @pytest.mark.parametrize("backend", ["sp", "fsdp"])
-def test_deferred_build_starts_from_the_eager_weights(tmp_path, backend):
-    eager, deferred = eager_and_deferred(Rich)
-    assert deferred.linear.weight.is_meta and deferred.scaled.weight.is_meta
-    assert not deferred.gain.is_meta  # small deterministic tensors are built for real
-    with Trainer(deferred, args(tmp_path, backend=backend)) as trainer:
+def test_fsdp_starts_from_the_weights_sp_builds(tmp_path, backend):
+    ref = built(Rich)
+    module = built(Rich)
+    with Trainer(module, args(tmp_path, backend=backend)) as trainer:
         trainer.setup()
-        got = trainer.backend.final_state_dict(deferred)
-    assert init_plan(deferred) is None
-    ref = eager.state_dict()
-    assert got.keys() == ref.keys()
-    for key, value in ref.items():
+        got = trainer.backend.final_state_dict(module)
+        assert torch.equal(module.mask, ref.mask) and torch.equal(module.table, ref.table)
+        assert module.out.weight is module.emb.weight  # still one parameter
+    assert got.keys() == ref.state_dict().keys()
+    for key, value in ref.state_dict().items():
         assert torch.equal(got[key], value), key
 
 
-def test_a_deferred_run_trains_as_an_eager_one(tmp_path):
+def test_a_run_built_by_rank_0_trains_as_sp(tmp_path):
     ref = weights(run_built(tmp_path, "sp", "sp", TwoLayer(IdData(47, 9), momentum=0.9)))
-    torch.manual_seed(123)  # the recipe seeds itself: the build does not depend on this
-    module = deferred_build(TwoLayer, IdData(47, 9), momentum=0.9)
+    data = IdData(47, 9)
+    with sharded_build(0):
+        module = TwoLayer(data, momentum=0.9)
     assert_close(weights(run_built(tmp_path, "fsdp", "fsdp", module)), ref)
 
 
@@ -78,34 +82,82 @@ def run_built(tmp_path, name, backend, module, **kw):
     return tmp_path / name
 
 
-class InitInInit(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(3, 3)
-        nn.init.zeros_(self.lin.weight)  # outside any init method
+# -- build: meta, the init_weights() contract ----------------------------------------------
+class SelfInit(TwoLayer):
+    def init_weights(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.trunc_normal_(m.weight, std=0.1, a=-0.2, b=0.2)
+                nn.init.zeros_(m.bias)
+        nn.init.ones_(self.gain)
 
 
-class RandomParam(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(3))
+def meta_start(tmp_path, name, recipe=SelfInit, seed=0):
+    module = built(recipe, build="meta")
+    with Trainer(module, args(tmp_path / name, backend="fsdp", seed=seed,
+                              fsdp={"build": "meta"})) as trainer:
+        trainer.setup()
+        return {k: v.clone() for k, v in trainer.backend.final_state_dict(module).items()}
 
 
-class Uninitialised(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = nn.Parameter(torch.empty(3))
+def test_meta_build_runs_init_weights_on_the_shards_deterministically(tmp_path):
+    first, again = meta_start(tmp_path, "a"), meta_start(tmp_path, "b")
+    other_seed = meta_start(tmp_path, "c", seed=1)
+    for key, value in first.items():
+        assert torch.equal(value, again[key]), key
+    assert torch.equal(first["linear.bias"], torch.zeros(1))  # init_weights' own values
+    assert torch.equal(first["gain"], torch.ones(1))
+    assert 0 < first["hidden.0.weight"].abs().max() <= 0.2  # init_weights' bounds
+    assert not torch.equal(first["hidden.0.weight"], other_seed["hidden.0.weight"])
 
 
-def test_initialisation_that_cannot_be_deferred_is_named():
-    with pytest.raises(DeferredInitError, match=r"test_fsdp_build.py:\d+ \(__init__\) fills a "
-                                                r"parameter in place \(zero_\) outside"):
-        deferred_build(InitInInit)
-    with pytest.raises(DeferredInitError, match=r"draws random values with torch.randn"):
-        deferred_build(RandomParam)
-    with pytest.raises(DeferredInitError, match=r"parameter 'w' of Uninitialised is "
-                                                r"initialised by no reset_parameters"):
-        deferred_build(Uninitialised)
+def test_meta_build_without_init_weights_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer.fsdp.build is meta, but TwoLayer has no "
+                                          r"init_weights\(\).*set trainer.fsdp.build rank0"):
+        meta_start(tmp_path, "a", recipe=TwoLayer)
+    with pytest.raises(ConfigError, match="trainer.fsdp.build must be rank0 or meta"):
+        args(tmp_path, backend="fsdp", fsdp={"build": "lazy"})
+
+
+# -- units ---------------------------------------------------------------------------------
+class GPT(TwoLayer):
+    """nanoGPT's layout: blocks in a ModuleList, embedding tied to the head."""
+
+    def __init__(self, data, **kw) -> None:
+        super().__init__(data, **kw)
+        self.wte = nn.Embedding(11, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3))
+        self.head = nn.Linear(8, 11, bias=False)
+        self.head.weight = self.wte.weight
+
+
+def test_default_units_are_the_blocks_and_never_split_a_tie():
+    gpt = GPT(IdData(4, 0))
+    assert default_unit_classes(gpt) == ["Sequential"]
+    assert [n for n, _ in select_units(gpt, None)] == [  # innermost first
+        "blocks.0", "blocks.1", "blocks.2", "hidden"]
+    gpt._no_split_modules = ["Embedding", "Absent"]  # declared: used as far as present
+    assert default_unit_classes(gpt) == ["Embedding"]
+    assert select_units(gpt, None) == []  # wte is tied to head, outside it: the root keeps it
+
+
+def test_a_unit_fsdp_cannot_use_is_one_line_naming_it():
+    gpt = GPT(IdData(4, 0))
+    with pytest.raises(ConfigError, match=r"trainer.fsdp.units\[0\] \('blocks'\) takes blocks, "
+                                          r"a ModuleList without forward.*\(Sequential\)"):
+        select_units(gpt, ["blocks"])
+    with pytest.raises(ConfigError, match=r"trainer.fsdp.units\[1\] \('wte'\) takes wte, whose "
+                                          r"parameter wte.weight is tied to head outside it"):
+        select_units(gpt, ["blocks.0", "wte"])
+
+
+def test_a_model_every_rank_must_build_alike_is_checked_before_sharding(tmp_path):
+    from sailfin.backends.fsdp_build import check_same_model
+
+    theirs = [("weight", (1, 32), "torch.float32"), ("bias", (1,), "torch.float32")]
+    with pytest.raises(ConfigError, match=r"rank 1 built weight as \[1, 8\] torch.float32, "
+                                          r"rank 0 as \[1, 32\] torch.float32: under fsdp"):
+        check_same_model(TwoLayer(IdData(4, 0)).linear, 1, lambda mine: theirs)
 
 
 # -- init_from: every source kind into every backend -------------------------------------
@@ -233,16 +285,11 @@ def test_compile_under_fsdp_compiles_each_unit_then_shards(tmp_path):
     with Trainer(module, args(tmp_path, backend="fsdp", compile=True, max_steps=1,
                               compile_mode="default")) as trainer:
         trainer.setup()
-        units = [module.hidden, module.linear]
+        units = [module.hidden[0], module.linear]  # the default units: Linear
         assert all(isinstance(u, FSDPModule) and u._compiled_call_impl is not None
                    for u in units)
         assert trainer.backend.runner._compiled_call_impl is None  # the root runs eagerly
 
-
-class InitInRecipe(TwoLayer):
-    def __init__(self, data, **kw) -> None:
-        super().__init__(data, **kw)
-        nn.init.zeros_(self.linear.bias)  # outside an init method: cannot be deferred
 
 
 CONFIG = """
@@ -253,40 +300,40 @@ trainer: {epochs: 2, train_batch_size: 10, micro_batch_size: 5, max_grad_norm: 0
 """
 
 
-def test_sailfin_train_builds_on_meta_under_fsdp(tmp_path, capsys, monkeypatch):
+class InitInRecipe(TwoLayer):
+    def __init__(self, data, **kw) -> None:
+        super().__init__(data, **kw)
+        nn.init.normal_(self.linear.weight)  # a recipe's own init, in __init__
+
+
+def test_sailfin_train_under_fsdp_starts_from_sp_weights(tmp_path, capsys):
     from sailfin.cli import main
-    import sailfin.backends.deferred as deferred
 
-    built = []
-    real = deferred.deferred_build
-    monkeypatch.setattr(deferred, "deferred_build",
-                        lambda *a, **k: built.append(real(*a, **k)) or built[-1])
-
-    def train(name, module, *overrides):
+    def train(name, *overrides):
         path = tmp_path / f"{name}.yaml"
-        path.write_text(CONFIG.replace("OUT", str(tmp_path / name)).replace("MODULE", module))
-        code = main(["train", str(path), *overrides])
-        return code, capsys.readouterr().err
+        path.write_text(CONFIG.replace("OUT", str(tmp_path / name))
+                        .replace("MODULE", f"{__name__}.InitInRecipe"))
+        assert main(["train", str(path), *overrides]) == 0, capsys.readouterr().err
 
-    assert train("sp", "tests.backends.test_fsdp.TwoLayer")[0] == 0
-    assert not built
-    assert train("fsdp", "tests.backends.test_fsdp.TwoLayer", "--trainer.backend", "fsdp")[0] == 0
-    assert len(built) == 1 and init_plan(built[0]) is None  # built on meta, then placed
+    train("sp")
+    train("fsdp", "--trainer.backend", "fsdp")
     assert_close(weights(tmp_path / "fsdp"), weights(tmp_path / "sp"))
-    code, err = train("bad", f"{__name__}.InitInRecipe", "--trainer.backend", "fsdp")
-    assert code == 2 and "Traceback" not in err
-    assert "test_fsdp_build.py" in err and "fills a parameter in place (zero_)" in err
-    assert train("eager", f"{__name__}.InitInRecipe", "--trainer.backend", "fsdp",
-                 "--trainer.fsdp.meta_build", "false")[0] == 0
-    assert len(built) == 1  # meta_build false: built eagerly
 
 
 @pytest.mark.cuda
-def test_deferred_build_on_a_gpu_starts_from_the_eager_weights(tmp_path):
-    eager, deferred = eager_and_deferred(Rich)
-    with Trainer(deferred, args(tmp_path, backend="fsdp", device="cuda")) as trainer:
+def test_fsdp_on_a_gpu_starts_from_the_weights_sp_builds(tmp_path):
+    ref = built(Rich)
+    module = built(Rich)
+    with Trainer(module, args(tmp_path, backend="fsdp", device="cuda")) as trainer:
         trainer.setup()
-        assert deferred.linear.weight.device.type == "cuda"
-        got = trainer.backend.final_state_dict(deferred)
-    for key, value in eager.state_dict().items():
+        assert module.linear.weight.device.type == "cuda"
+        assert module.mask.device.type == "cuda"
+        got = trainer.backend.final_state_dict(module)
+    for key, value in ref.state_dict().items():
         assert torch.equal(got[key].cpu(), value), key
+
+
+def test_the_private_fsdp_attributes_sailfin_uses_are_present():
+    from sailfin.compat.fsdp import missing
+
+    assert missing() == []

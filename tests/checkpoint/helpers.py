@@ -147,3 +147,17 @@ def metric_lines(output_dir) -> list[dict]:
         for timed in ("samples_per_second", "tflops", "mfu"):  # depend on the clock
             e.pop(timed, None)
     return events
+
+
+class Rank1DiskFull(FailingCheckpointer):
+    """Rank 1's own file of step 2's save meets a full disk (rank 0's does not)."""
+
+    fail_step = 2
+    fail_file = "rng-rank00001.pt"
+
+
+class Rank0DiskFull(FailingCheckpointer):
+    """Rank 0's trainer.pt of step 2's save meets a full disk, in its commit alone."""
+
+    fail_step = 2
+    fail_file = "trainer.pt"

@@ -95,3 +95,22 @@ def test_a_full_disk_under_torchrun_exits_2_on_every_rank(tmp_path):
     assert "no space left on device; removed the partial save" in log
     assert [e for e in listing if e.startswith(".")] == []
     assert latest in listing
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trial", [1, 2, 3])
+def test_a_full_disk_under_sailfin_launch_is_one_line_and_exit_2(tmp_path, trial):
+    """(#34) Whichever rank fails first, its line reaches the user and the launcher exits
+    2: it used to return 1 when the agent stopped the other worker before it printed."""
+    launcher = (f"{sys.executable} -m sailfin launch --nnodes=1 --nproc-per-node=2 "
+                "--max-restarts=0 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:0 "
+                "--monitor-interval=0.1 -m sailfin train CONFIG")
+    code, log, listing, latest = _run_on_a_small_disk(tmp_path, launcher)
+    assert code == 2, log
+    lines = re.findall(r"sailfin: checkpoint error: .*", log)
+    assert len(lines) == 1 and "failed: no space left on device; removed the partial save" \
+        in lines[0], log
+    assert re.search(r"sailfin launch: ranks? [\d, ]+ stopped on the error (it )?printed "
+                     r"above; torchrun stopped any other worker \(exit code 2\)", log), log
+    assert "Traceback" not in log and "unexpected pos" not in log
+    assert [e for e in listing if e.startswith(".")] == [] and latest in listing

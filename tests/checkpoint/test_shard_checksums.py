@@ -93,7 +93,7 @@ def test_verify_names_a_missing_a_truncated_and_a_directory_shard(tmp_path):
     files = {"a": {"size": size, ALGORITHM: f"{crc:08x}"}}
     verify(storage, str(tmp_path), files)  # intact
     (tmp_path / "a").write_bytes(b"x" * 9)
-    with pytest.raises(CheckpointCorrupt, match="has 9 bytes, the manifest says 10"):
+    with pytest.raises(CheckpointCorrupt, match="has 9 bytes; the manifest says 10"):
         verify(storage, str(tmp_path), files)
     (tmp_path / "a").unlink()
     with pytest.raises(CheckpointCorrupt, match="shard .*a is missing"):

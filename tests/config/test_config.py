@@ -167,6 +167,26 @@ def test_class_path_errors(path, match):
         cfg.build()
 
 
+@pytest.mark.parametrize("section, path, name", [
+    ("module", "sailfin.ModuleInterface", "ModuleInterface"),
+    ("data", "sailfin.interfaces.DataInterface", "DataInterface"),
+])
+def test_naming_the_interface_itself_is_refused_before_it_is_called(section, path, name,
+                                                                    monkeypatch):
+    import sailfin.interfaces
+
+    def called(*args, **kwargs):
+        raise AssertionError(f"{name} was called")
+
+    monkeypatch.setattr(getattr(sailfin.interfaces, name), "__init__", called)
+    spec = {"module": {"class_path": "tests.recipes.LinearRecipe"},
+            "data": {"class_path": "tests.recipes.IdData"}}
+    spec[section] = {"class_path": path}
+    with pytest.raises(ConfigError, match=rf"^{section}.class_path names sailfin.{name} itself"
+                                          r", which holds no .*name your subclass of it"):
+        from_dict(spec).build()
+
+
 def test_config_package_does_not_import_torch():
     code = "import sys, sailfin, sailfin.config; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -256,3 +256,25 @@ def test_divisor_suggestion_names_the_ceiling_too():
                                           r"gpu_batch_size_limit 16: the largest micro batch "
                                           r"within it\), or train_batch_size 96 or 112"):
         BatchPlan.create(100, 16, 1)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_micro_batch_above_a_ranks_share_is_lowered_to_it_with_one_line(world):
+    """micro = global (one device's natural setting) on several ranks: lowered to the
+    share; the plan, so each step's samples and weights, is the share's plan."""
+    said = []
+    plan = BatchPlan.create(32, 32, world, note=said.append)
+    assert plan == BatchPlan.create(32, 32 // world, world)
+    assert plan.global_batch == 32 and plan.accumulation == 1
+    assert said == [f"trainer.micro_batch_size 32 is more than each of the {world} "
+                    f"process(es)' share of trainer.train_batch_size 32: lowered to "
+                    f"{32 // world} (the global batch, and so the result, unchanged)"]
+    for rank in range(world):
+        assert plan.micro_batches(0, 100, rank) == \
+            BatchPlan.create(32, 32 // world, world).micro_batches(0, 100, rank)
+    quiet = []
+    assert BatchPlan.create(32, 16, 2, note=quiet.append).micro_batch == 16  # fits: as is
+    assert BatchPlan.create(32, 32, 1, note=quiet.append).micro_batch == 32
+    assert quiet == []
+    with pytest.raises(ConfigError, match="is not a multiple of"):
+        BatchPlan.create(32, 32, 3)  # no whole share to lower to: refused, as before

@@ -22,3 +22,25 @@ class HangOnceRecipe(ElasticRecipe):
             while True:
                 time.sleep(3600)
         return super().train_step(global_step, batch, device)
+
+
+class StuckInCheckRecipe(ElasticRecipe):
+    """Rank 1's val_step never returns in the sanity batch before the first step."""
+
+    def val_step(self, global_step, batch, device):
+        if os.environ.get("RANK") == "1" and not self.step_ids:
+            (self.out / "check-began").write_text(repr(time.time()))
+            while True:
+                time.sleep(3600)
+        return super().val_step(global_step, batch, device)
+
+
+class SlowValidationOnRank1(ElasticRecipe):
+    """Rank 1's val_step never returns in the first validation after training began;
+    rank 0 goes through its own batches and waits for rank 1's outputs."""
+
+    def val_step(self, global_step, batch, device):
+        if os.environ.get("RANK") == "1" and self.step_ids:
+            while True:
+                time.sleep(3600)
+        return super().val_step(global_step, batch, device)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from sailfin import Trainer, deferred_build
+from sailfin import Trainer, sharded_build
 from sailfin.checkpoint.weights_file import save_weights
 from sailfin.utils.memory import peak_rss_bytes
 from tests.distributed.harness import errors, reset_peak_rss, run_ranks
@@ -109,7 +109,9 @@ def rss_bytes() -> int:
 
 
 def save_big(rank, world, dist_args, out):
-    module = deferred_build(Big, IdData(20, 0))
+    data = IdData(20, 0)  # outside: the data interface is built for real on every rank
+    with sharded_build(rank):
+        module = Big(data)
     with Trainer(module, args(out / "run", backend="fsdp", distributed=dist_args,
                               micro_batch_size=5, max_steps=1,
                               checkpoint={"at_epoch_end": False},  # only the final save

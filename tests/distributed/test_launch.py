@@ -92,3 +92,192 @@ trainer: {{epochs: 1, train_batch_size: 10, writers: [jsonl], output_dir: {tmp_p
     assert ("sailfin: stopped by SIGTERM during set-up, before the first step; nothing was "
             "lost") in err
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def _slow_build_config(tmp_path, only_rank=-1, seconds=60):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"""
+data: {{class_path: tests.recipes.IdData, init_args: {{n_train: 20, n_val: 4}}}}
+module: {{class_path: tests.recipes.SlowBuildRecipe,
+          init_args: {{seconds: {seconds}, only_rank: {only_rank}}}}}
+trainer: {{epochs: 1, train_batch_size: 10, writers: [jsonl], output_dir: {tmp_path / 'out'},
+           distributed: {{timeout_seconds: 600}}}}
+""")
+    return cfg
+
+
+def _when_building(proc, ready, what):
+    deadline = time.monotonic() + 90
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, what()
+        time.sleep(0.05)
+
+
+def test_a_first_ctrl_c_during_setup_is_the_first(tmp_path):
+    """(#34) It used to say 'aborted by a second Ctrl-C' and exit 130."""
+    cfg = _slow_build_config(tmp_path)
+    ready = tmp_path / "building"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "SLOW_BUILD_MARKER": str(ready)}
+    proc = subprocess.Popen([sys.executable, "-m", "sailfin", "train", str(cfg)], env=env,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        _when_building(proc, ready, lambda: proc.stderr.read())
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 75, err
+    assert err.splitlines() == [
+        "sailfin: stopped by SIGINT during set-up, before the first step; nothing was lost: "
+        "run the same command again to start (or resume) (exit code 75)"], err
+
+
+def test_the_setup_handler_tells_a_copy_from_a_second_ctrl_c(monkeypatch):
+    """torchrun passes the terminal's Ctrl-C on: a copy within a second is the same stop."""
+    stop = signals._SetupStop()
+    now = [100.0]
+    monkeypatch.setattr(signals.time, "monotonic", lambda: now[0])
+    with pytest.raises(signals.StoppedDuringSetup, match="stopped by SIGINT during set-up"):
+        stop.on_signal(signal.SIGINT, None)
+    now[0] += 0.3
+    stop.on_signal(signal.SIGINT, None)   # the copy: nothing
+    stop.on_signal(signal.SIGTERM, None)  # the agent's SIGTERM after it: nothing
+    now[0] += 2.0
+    with pytest.raises(KeyboardInterrupt):
+        stop.on_signal(signal.SIGINT, None)  # a second press
+
+
+STUCK = """
+import sys, datetime
+import torch.distributed as dist
+from sailfin import signals
+signals.STUCK_SECONDS = 1.0
+with signals.stop_during_setup():
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True,
+                          timeout=datetime.timedelta(seconds=120))
+    open(sys.argv[1], "w").close()
+    store.get("a key no one writes")  # blocked in C: Python's handler never runs
+"""
+
+
+def test_a_setup_blocked_in_c_still_ends_with_75_at_once(tmp_path):
+    """A rank waiting in the process group for a peer: SIGTERM used to wait for torchrun's
+    SIGKILL 30 s later (exit 143 from the launcher)."""
+    ready = tmp_path / "blocked"
+    proc = subprocess.Popen([sys.executable, "-c", STUCK, str(ready)], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _when_building(proc, ready, lambda: proc.stderr.read())
+        time.sleep(0.3)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 75, err
+    assert "sailfin: stopped by SIGTERM during set-up, before the first step" in err
+    assert 0.9 < took < 10, took
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_launcher_while_rank_0_builds_gives_75_at_once(tmp_path, sig):
+    """Rank 0 builds its model, rank 1 waits for it in the process group (blocked in C)."""
+    cfg = _slow_build_config(tmp_path, only_rank=0, seconds=120)
+    ready, log = tmp_path / "building", tmp_path / "launch.log"
+    args = ["--nnodes=1", "--nproc-per-node=2", "--max-restarts=0", "--rdzv-backend=c10d",
+            "--rdzv-endpoint=127.0.0.1:0", "--monitor-interval=0.1", "-m", "sailfin", "train",
+            str(cfg), "--trainer.backend", "ddp"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "SLOW_BUILD_MARKER": str(ready)}
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "sailfin", "launch", *args], env=env,
+                                stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True)
+    try:
+        _when_building(proc, ready, lambda: tail([log]))
+        time.sleep(3)  # rank 1 is built and waits for rank 0 in the process group
+        sent = time.monotonic()
+        proc.send_signal(sig)
+        [code] = wait([proc], 60, [log])
+        took = time.monotonic() - sent
+    finally:
+        stop(proc)
+    text = log.read_text(errors="replace")
+    assert code == 75, tail([log])
+    assert took < 20, (took, tail([log]))  # torchrun's SIGKILL comes after 30 s
+    name = signal.Signals(sig).name
+    assert text.count(f"sailfin: stopped by {name} during set-up, before the first step") == 2
+    assert "Traceback" not in text and "second Ctrl-C" not in text, text
+    assert (f"sailfin launch: stopped by {name}; 0 of 2 worker(s) saved a checkpoint, the "
+            "others had not begun training or had finished it: nothing was lost") in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failing", ["Rank0DiskFull", "Rank1DiskFull"])
+def test_a_save_failing_on_one_rank_is_its_line_and_exit_2(tmp_path, failing):
+    """Rank 0's commit or rank 1's own file meets a full disk: the failing rank prints its
+    line (rank 1 used to stay silent: only rank 0 printed user errors), the other stops
+    without a traceback, and the launcher exits 2."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"""
+data: {{class_path: tests.recipes.IdData, init_args: {{n_train: 40, n_val: 4}}}}
+module: {{class_path: tests.recipes.LinearRecipe}}
+trainer: {{epochs: 1, train_batch_size: 10, writers: [jsonl], output_dir: {tmp_path / 'out'},
+           checkpoint: {{every_n_steps: 1, class_path: tests.checkpoint.helpers.{failing}}}}}
+""")
+    log = tmp_path / "launch.log"
+    args = ["--nnodes=1", "--nproc-per-node=2", "--max-restarts=0", "--rdzv-backend=c10d",
+            "--rdzv-endpoint=127.0.0.1:0", "--monitor-interval=0.1", "-m", "sailfin", "train",
+            str(cfg), "--trainer.backend", "ddp"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "sailfin", "launch", *args], env=env,
+                                stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
+                                start_new_session=True)
+    try:
+        [code] = wait([proc], 120, [log])
+    finally:
+        stop(proc)
+    text = log.read_text(errors="replace")
+    rank = int(failing[4])
+    assert code == 2, tail([log])
+    errors = [line for line in text.splitlines() if line.startswith("sailfin: checkpoint error")]
+    assert len(errors) == 1 and "saving step 2 to" in errors[0] \
+        and "no space left on device" in errors[0], text
+    assert (f"sailfin launch: rank {rank} stopped on the error it printed above; torchrun "
+            "stopped any other worker (exit code 2)") in text
+    assert "Traceback" not in text, text
+
+
+def test_the_closing_line_comes_from_the_workers_notes():
+    from sailfin.launch import _closing_line
+
+    def notes(**kinds):
+        out = {k: set() for k in ("training", "preempted", "finished", "hang", "error")}
+        out.update({k: set(v) for k, v in kinds.items()})
+        return out
+
+    # The watchdog ended the job; the frozen rank was SIGKILLed: a hang, not a preemption.
+    line, code = _closing_line({0: -9, 1: 75}, notes(training={0, 1}, hang={1}))
+    assert code == 75 and line.startswith("the hang watchdog ended the job")
+    assert "saved a checkpoint" not in line
+    # Exit 75 without any note (a hang before this launcher's notes): torchrun's report.
+    assert _closing_line({0: 75, 1: 75}, notes(training={0, 1})) == (None, 75)
+    # Rank 1 printed a user error; rank 0's collective broke (1) or the agent stopped it.
+    for other in (1, -15):
+        line, code = _closing_line({0: other, 1: 2}, notes(training={0, 1}, error={1}))
+        assert code == 2 and line.startswith("rank 1 stopped on the error it printed above")
+    # Every stopped worker saved (or stopped before training): a preemption.
+    line, code = _closing_line({0: 75, 1: -15},
+                               notes(training={0, 1}, preempted={0, 1}))
+    assert code == 75 and "2 saved a checkpoint" in line
+    # A failure that is none of these: torchrun's own report, and its code.
+    assert _closing_line({0: 1, 1: -15}, notes(training={0, 1})) == (None, 1)

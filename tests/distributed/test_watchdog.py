@@ -11,8 +11,8 @@ import torch.distributed as dist
 from sailfin.config import ConfigError
 from sailfin.config.distributed import DistArguments
 from sailfin.distributed.watchdog import (BACKWARD, END_OF_STEP, FORWARD, HANG_EXIT_CODE,
-                                          Heartbeat, RankRecord, Watchdog, culprits,
-                                          hang_report, resolve_hang_seconds)
+                                          VALIDATION, Heartbeat, RankRecord, Watchdog,
+                                          culprits, hang_report, resolve_hang_seconds)
 
 
 def test_the_rank_furthest_behind_is_named():
@@ -81,9 +81,9 @@ def test_a_stuck_rank_ends_every_rank_with_its_stack(tmp_path, capfd):
             d.stop()
     assert time.monotonic() - started < 0.6 + 3
     assert exits == {0: HANG_EXIT_CODE, 1: HANG_EXIT_CODE}
-    assert "waiting for rank 1" in dogs[0].report[0]
-    assert any("rank 1: global_step 4, phase forward/train_step" in line
-               for line in dogs[0].report)
+    [report] = [d.report for d in dogs if d.report]  # ranks 0 and 1 judge: one reports
+    assert "waiting for rank 1" in report[0]
+    assert any("rank 1: global_step 4, phase forward/train_step" in line for line in report)
     err = capfd.readouterr().err
     assert "stack of rank 1 (global_step 4, phase forward/train_step" in err
     assert "Thread" in (tmp_path / "stack-rank1.txt").read_text()  # faulthandler's dump
@@ -133,6 +133,66 @@ def test_a_frozen_rank_is_named_when_its_records_stop(tmp_path):
     assert exits == {0: HANG_EXIT_CODE}
     assert "waiting for rank 1" in dogs[0].report[0]
     assert "records stopped" in dogs[0].report[2]
+
+
+def test_a_frozen_rank_0_is_named_by_rank_1(tmp_path):
+    """Rank 0 judges every rank, and rank 1 judges rank 0: a frozen rank 0 is caught."""
+    beats, dogs, exits, done = _pair(tmp_path, hang=0.5)
+    dogs[0]._publish(0.0, 0)  # rank 0's one record, then nothing: it is frozen
+    dogs[1].start()
+    try:
+        deadline = time.monotonic() + 10
+        while 1 not in exits and time.monotonic() < deadline:
+            beats[1].beats += 1  # rank 1 itself keeps moving
+            time.sleep(0.02)
+    finally:
+        dogs[1].stop()
+    assert exits == {1: HANG_EXIT_CODE}
+    assert "waiting for rank 0" in dogs[1].report[0]
+    assert "rank 0: its records stopped" in dogs[1].report[1]
+
+
+def test_a_rank_slow_alone_is_named_alone():
+    """Both ranks in validation: rank 0 finished its batches and waits (idle past the
+    limit), rank 1 still works through its own: rank 1 is named, not 'all ranks'."""
+    lines = hang_report([RankRecord(0, 4, VALIDATION, 41), RankRecord(1, 4, VALIDATION, 0.8)],
+                        10, slow_seconds=40)
+    assert "waiting for rank 1 (in validation)" in lines[0], lines
+    assert lines[2].endswith("<- stuck") and not lines[1].endswith("<- stuck")
+    one_batch = hang_report([RankRecord(0, 4, VALIDATION, 41),  # on one long batch
+                             RankRecord(1, 4, VALIDATION, 30)], 10, slow_seconds=40)
+    assert "waiting for rank 1 (in validation)" in one_batch[0], one_batch
+    together = hang_report([RankRecord(0, 4, VALIDATION, 41), RankRecord(1, 4, VALIDATION, 40.2)],
+                           10, slow_seconds=40)
+    assert "all ranks in validation" in together[0]
+
+
+def test_a_frozen_process_on_this_host_is_ended(tmp_path):
+    """A stopped process takes no signal but SIGKILL: the live rank on its host ends it,
+    so that torchrun does not wait 30 s before killing it itself."""
+    import signal
+    import subprocess
+    import sys
+
+    frozen = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        frozen.send_signal(signal.SIGSTOP)
+        beats, dogs, exits, done = _pair(tmp_path, hang=0.5)
+        dogs[1]._process = (frozen.pid, dogs[0]._process[1])  # rank 1 is that process
+        dogs[1]._publish(0.0, 0)
+        dogs[0].start()
+        deadline = time.monotonic() + 10
+        while 0 not in exits and time.monotonic() < deadline:
+            beats[0].beats += 1
+            time.sleep(0.02)
+        dogs[0].stop()
+        assert exits == {0: HANG_EXIT_CODE}
+        assert frozen.wait(5) == -signal.SIGKILL
+    finally:
+        if frozen.poll() is None:
+            frozen.send_signal(signal.SIGCONT)
+            frozen.kill()
+            frozen.wait()
 
 
 @pytest.mark.slow

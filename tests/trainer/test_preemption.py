@@ -76,7 +76,7 @@ def test_the_loop_checks_one_integer_per_step_without_a_signal(tmp_path, monkeyp
             calls.append(global_step)
             return super().poll(global_step)
 
-    monkeypatch.setattr("sailfin.trainer.core.trainer.Preemption", Counting)
+    monkeypatch.setattr("sailfin.trainer.compose.trainer.Preemption", Counting)
     run(tmp_path)[1].train()
     assert calls == []  # single process, no signal: poll() is never called
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from sailfin import DataProcessor, Trainer
+from sailfin.trainer.safety.startup_checks import StartupCheckError
 from tests.recipes import IdData, LinearRecipe, args
 
 
@@ -50,6 +51,19 @@ class PyMarlinRecipe(LinearRecipe):
         return {"loss": losses.mean(), "mse": ((preds - labels) ** 2).mean()}
 
 
+class NamedColumns(PyMarlinRecipe):
+    """PyMarlin's covid19 example names its columns instead of taking ``*inputs``."""
+
+    def on_end_val_epoch(self, global_step, losses, logits, labels, key="default"):
+        self.events.append(("val", global_step, key, len(losses), len(logits)))
+        return {"loss": losses.mean(), "mse": ((logits - labels) ** 2).mean()}
+
+
+class TooFewColumns(PyMarlinRecipe):
+    def on_end_val_epoch(self, global_step, losses, logits, key="default"):  # 3 columns come
+        self.events.append(("val", global_step))
+
+
 class OldSignature(LinearRecipe):
     def on_end_train_step(self, global_step, loss):  # PyMarlin's older two-argument form
         self.events.append(("end_step", global_step, loss.requires_grad))
@@ -81,11 +95,40 @@ def test_pymarlin_train_and_val_forms_reach_their_callbacks(tmp_path):
     Trainer(module, args(tmp_path, val_batch_size=10)).train()
     steps = [e for e in module.events if e[0] == "end_step"]
     assert steps == [("end_step", k, (10,), (10,)) for k in range(1, 5)]
-    assert [e for e in module.events if e[0] == "val"] == [("val", "val", 47, 47)]
+    # The check batch before step 1 (10 samples), then the epoch's 47.
+    assert [e for e in module.events if e[0] == "val"] == \
+        [("val", "val", 10, 10), ("val", "val", 47, 47)]
     exact = validate(PerSampleVal(IdData(40, 47)), tmp_path / "x")["loss"]
     module2 = PyMarlinRecipe(IdData(40, 47))
     assert validate(module2, tmp_path / "y", val_batch_size=10)["loss"] == \
         pytest.approx(exact, rel=1e-6)
+
+
+def test_named_columns_reach_on_end_val_epoch_after_a_full_epoch(tmp_path):
+    """The covid19 form, ``(global_step, losses, logits, labels, key="default")``: each
+    column by position, as PyMarlin passed them; the metrics are those of the *inputs form."""
+    module = NamedColumns(IdData(40, 47))
+    named = Trainer(module, args(tmp_path / "named", epochs=2, val_batch_size=10))
+    named.train()
+    assert [e for e in module.events if e[0] == "val"] == \
+        [("val", 0, "val", 10, 10), ("val", 4, "val", 47, 47), ("val", 8, "val", 47, 47)]
+    star = PyMarlinRecipe(IdData(40, 47))
+    expected = Trainer(star, args(tmp_path / "star", epochs=2, val_batch_size=10))
+    expected.train()
+    assert named.last_val_metrics == expected.last_val_metrics
+    assert set(named.last_val_metrics["val"]) == {"loss", "mse"}
+
+
+def test_a_signature_that_cannot_take_the_columns_fails_before_step_one(tmp_path):
+    module = TooFewColumns(IdData(40, 47))
+    with pytest.raises(StartupCheckError) as err:
+        Trainer(module, args(tmp_path, val_batch_size=10)).train()
+    message = str(err.value)
+    assert "\n" not in message
+    assert "on_end_val_epoch(global_step, losses, logits, key='default')" in message
+    assert "3 column(s)" in message and "sanity check before training" in message
+    assert not [e for e in module.events if e[0] == "end_step"]  # no step was taken
+    assert not [e for e in module.events if e[0] == "val"]
 
 
 def test_an_older_callback_signature_gets_what_it_takes(tmp_path):

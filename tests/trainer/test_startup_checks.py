@@ -45,6 +45,23 @@ class SeesLoss(LinearRecipe):
         self.events.append(("loss", loss.requires_grad, loss.grad_fn))
 
 
+class CountsValidations(LinearRecipe):
+    """Keeps its count of validations in get_state, as a hand-made early stop would."""
+
+    validations = 0
+
+    def on_end_val_epoch(self, global_step, outputs, key="val"):
+        self.events.append(("callback", global_step, self.sanity_checking, len(outputs["id"])))
+        self.validations += 1
+        return {"validations": float(self.validations)}
+
+    def get_state(self):
+        return {"validations": self.validations}
+
+    def update_state(self, state):
+        self.validations = state["validations"]
+
+
 def train(module, tmp_path, **kw):
     return Trainer(module, args(tmp_path, **kw)).train()
 
@@ -90,7 +107,20 @@ def test_the_sanity_check_leaves_the_run_bit_identical(tmp_path):
         runs[n] = module
     assert_same_params(params(runs[0]), params(runs[2]))
     assert metric_lines(tmp_path / "0") == metric_lines(tmp_path / "2")
-    assert runs[0].events == runs[2].events  # no extra on_end_val_epoch
+    assert runs[0].events == runs[2].events  # the check's on_end_val_epoch is not counted
+
+
+def test_the_check_runs_on_end_val_epoch_and_puts_the_recipe_state_back(tmp_path):
+    module = CountsValidations(IdData(47, 9))
+    train(module, tmp_path / "on", epochs=2, sanity_val_batches=2, val_batch_size=4)
+    calls = [e for e in module.events if e[0] == "callback"]
+    # Before step 1, flagged, on the two check batches' 8 samples; then each epoch's end.
+    assert calls == [("callback", 0, True, 8), ("callback", 5, False, 9),
+                     ("callback", 10, False, 9)]
+    assert module.validations == 2 and not module.sanity_checking
+    off = CountsValidations(IdData(47, 9))
+    train(off, tmp_path / "off", epochs=2, sanity_val_batches=0, val_batch_size=4)
+    assert metric_lines(tmp_path / "on") == metric_lines(tmp_path / "off")  # 1.0, 2.0
 
 
 def test_train_step_returning_loss_and_logits_is_pymarlins_form(tmp_path):

@@ -10,7 +10,7 @@ from sailfin import Callback, Trainer
 from sailfin.checkpoint.time_account_file import COMPONENTS
 from sailfin.logging import Writer
 from sailfin.logging.jsonl import JsonlWriter
-from sailfin.trainer.core import setup
+from sailfin.trainer.compose import setup
 from tests.checkpoint.helpers import SlowLinear
 from tests.recipes import IdData, args
 

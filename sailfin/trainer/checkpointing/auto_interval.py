@@ -25,7 +25,7 @@ from .memory_snapshots import MemorySnapshots
 from .saver import CheckpointCallback
 
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 DEFAULT_MTBF_HOURS = 24.0
 _SMOOTH = 0.5    # weight of the newest measurement
@@ -59,7 +59,7 @@ class IntervalChooser:
         self._next = 0
         self._mark = (0.0, 0, 0.0)  # (clock, step, stall seconds so far) after a save
 
-    def start(self, trainer: "Trainer", stalled: float) -> None:
+    def start(self, trainer: "RunView", stalled: float) -> None:
         """Before the first step: choose from the resumed measurements, or save after the
         first step to measure."""
         self._mark = (time.perf_counter(), trainer.global_step, stalled)
@@ -71,7 +71,7 @@ class IntervalChooser:
     def due(self, step: int) -> bool:
         return step >= self._next
 
-    def saved(self, trainer: "Trainer", started: float, stalls: list[float],
+    def saved(self, trainer: "RunView", started: float, stalls: list[float],
               new_save: bool) -> None:
         """After the save that :meth:`due` asked for began at ``started``; ``stalls`` is
         every save's stall so far (the last one this save's if ``new_save``)."""
@@ -86,7 +86,7 @@ class IntervalChooser:
         self._mark = (time.perf_counter(), trainer.global_step, sum(stalls))
         self.choose(trainer)
 
-    def choose(self, trainer: "Trainer") -> None:
+    def choose(self, trainer: "RunView") -> None:
         mtbf, source = self._mtbf(trainer)
         # Every rank saves at the same steps: they agree on the measurements (their mean).
         mine = torch.tensor([self.save_seconds or 0.0, self.step_seconds or 0.0,
@@ -110,7 +110,7 @@ class IntervalChooser:
                 f"training): one takes {save:.3g} s, a step {1000 * step:.3g} ms, MTBF "
                 f"{mtbf / 3600:.3g} h ({source}); Young-Daly sqrt(2 x save x MTBF)")
 
-    def _mtbf(self, trainer: "Trainer") -> tuple[float, str]:
+    def _mtbf(self, trainer: "RunView") -> tuple[float, str]:
         if self.mtbf_hours is not None:
             return self.mtbf_hours * 3600.0, "trainer.checkpoint.mtbf_hours"
         if not trainer.dist.is_main:
@@ -148,11 +148,11 @@ class AutoStepCheckpointCallback(CheckpointCallback):
         super().__init__(checkpointer, args)
         self.interval = IntervalChooser("checkpoint", args.mtbf_hours)
 
-    def on_train_start(self, trainer: "Trainer") -> None:
+    def on_train_start(self, trainer: "RunView") -> None:
         super().on_train_start(trainer)
         self.interval.start(trainer, sum(self.stall_seconds))
 
-    def on_step_end(self, trainer: "Trainer") -> None:
+    def on_step_end(self, trainer: "RunView") -> None:
         if not self.interval.due(trainer.global_step):
             return
         started, saves = time.perf_counter(), len(self.stall_seconds)
@@ -183,11 +183,11 @@ class AutoMemorySnapshots(MemorySnapshots):
         super().__init__(checkpointer, args, saver)
         self.interval = IntervalChooser("memory snapshot", args.checkpoint.mtbf_hours)
 
-    def on_train_start(self, trainer: "Trainer") -> None:
+    def on_train_start(self, trainer: "RunView") -> None:
         super().on_train_start(trainer)
         self.interval.start(trainer, sum(self.stall_seconds))
 
-    def on_step_end(self, trainer: "Trainer") -> None:
+    def on_step_end(self, trainer: "RunView") -> None:
         step = trainer.global_step
         if self.interval.due(step):
             started = time.perf_counter()

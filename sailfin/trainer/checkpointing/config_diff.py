@@ -32,7 +32,7 @@ from ...config.trainer import TrainerArguments
 from ...checkpoint.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 #: ``trainer.`` keys (or sections: a key under one matches) that may change when a run
 #: resumes, and why. Anything not here defines the training and must match the checkpoint.
@@ -140,15 +140,15 @@ def recorded_config(manifest: Mapping[str, Any]) -> Optional[dict[str, Any]]:
     return out
 
 
-def current_config(trainer: "Trainer") -> dict[str, Any]:
+def current_config(trainer: "RunView") -> dict[str, Any]:
     """This run's resolved config, in the form :func:`recorded_config` returns."""
     return {"trainer": dataclasses.asdict(trainer.args), **(recipe_spec(trainer) or {})}
 
 
-def recipe_spec(trainer: "Trainer") -> Optional[dict[str, Any]]:
+def recipe_spec(trainer: "RunView") -> Optional[dict[str, Any]]:
     """The ``module:``/``data:`` sections this run was built from, when known: from the
     hparams ``sailfin train`` passes, or from ``RunConfig.build()`` (``module.sailfin_config``)."""
-    for source in (getattr(trainer, "_hparams", None),
+    for source in (trainer.hparams,
                    getattr(trainer.module, "sailfin_config", None)):
         if isinstance(source, Mapping) and isinstance(source.get("module"), Mapping) \
                 and source["module"].get("class_path"):
@@ -156,7 +156,7 @@ def recipe_spec(trainer: "Trainer") -> Optional[dict[str, Any]]:
     return None
 
 
-def check_config(trainer: "Trainer", manifest: Mapping[str, Any], where: str,
+def check_config(trainer: "RunView", manifest: Mapping[str, Any], where: str,
                  say: Any) -> list[Change]:
     """Stop on a change that defines the training (unless accepted); print the others."""
     recorded = recorded_config(manifest)
@@ -176,7 +176,7 @@ def check_config(trainer: "Trainer", manifest: Mapping[str, Any], where: str,
     return changes
 
 
-def _refusal(trainer: "Trainer", where: str, blocking: list[Change]) -> str:
+def _refusal(trainer: "RunView", where: str, blocking: list[Change]) -> str:
     lines = "\n".join(f"    {c}" for c in blocking)
     return (
         f"this run's config differs from that of checkpoint {where} in "

@@ -24,10 +24,10 @@ from ...checkpoint.sharded import load_sharded
 from ...checkpoint.weights import SafetensorsSource, StateDictSource, load_into
 
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 
-def load_initial_weights(trainer: "Trainer", path: str) -> None:
+def load_initial_weights(trainer: "RunView", path: str) -> None:
     """Load the weights at ``path`` into ``trainer.module``. Under fsdp each rank reads
     only its rows: DCP for a sharded checkpoint, tensor by tensor otherwise."""
     if path.endswith(".safetensors"):

@@ -23,12 +23,11 @@ from ...checkpoint.memory_checkpointer import MemoryFirstCheckpointer
 from ...checkpoint.memory_shards import local_shards, mesh_of
 from ...checkpoint.rng import rng_state
 from ...config.trainer import TrainerArguments
-from ..core.callbacks import Callback
-from ..core.hooks import notify_save_end
+from ..core.callbacks import Callback, notify_save_end
 from .saver import CheckpointCallback, manifest_facts
 
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 _FILE_OVERHEAD = 1 << 16  # torch.save's archive around the tensors, per file (generous)
 
@@ -56,19 +55,19 @@ class MemorySnapshots(Callback):
         self.stall_seconds: list[float] = []
         self.snapshot_bytes = 0
 
-    def on_train_start(self, trainer: "Trainer") -> None:
+    def on_train_start(self, trainer: "RunView") -> None:
         # What a run before this one left (newer steps above all) must never be resumed.
         self.store.prune(only=trainer.global_step)
         self.check_space(trainer)
 
-    def on_step_end(self, trainer: "Trainer") -> None:
+    def on_step_end(self, trainer: "RunView") -> None:
         step = trainer.global_step
         if step % self.every == 0:
             self.snapshot(trainer)
         if self.persist and step % self.persist == 0:
             self.saver.save(trainer)  # skipped when a step save of the same step just ran
 
-    def snapshot(self, trainer: "Trainer") -> None:
+    def snapshot(self, trainer: "RunView") -> None:
         started = time.perf_counter()
         trainer.nonfinite.check()  # never snapshot weights a non-finite loss spoiled
         trainer.writers.flush()  # metrics.jsonl holds every event up to the snapshot
@@ -80,7 +79,7 @@ class MemorySnapshots(Callback):
         self.stall_seconds.append(time.perf_counter() - started)
         notify_save_end(trainer, "snapshot", self.stall_seconds[-1])  # the time account
 
-    def on_train_end(self, trainer: "Trainer") -> None:
+    def on_train_end(self, trainer: "RunView") -> None:
         if self.store.skipped and trainer.dist.is_main:
             say(f"memory snapshots: {self.store.skipped} of {len(self.stall_seconds)} skipped: "
                 "the previous one was still being written (a write took longer than the "
@@ -96,7 +95,7 @@ class MemorySnapshots(Callback):
                 os.remove(record)
 
     # -- before the first step ---------------------------------------------------------
-    def check_space(self, trainer: "Trainer") -> None:
+    def check_space(self, trainer: "RunView") -> None:
         """Two snapshots per rank (plus two replicas) must fit the free shared memory of
         each node; else stop before the first step, on every rank, with the numbers."""
         state = local_shards(trainer.state_dict())

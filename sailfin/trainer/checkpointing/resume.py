@@ -16,15 +16,16 @@ from ...checkpoint.checkpointer import Checkpointer, Loaded, say
 from .config_diff import check_config
 from ...checkpoint.errors import CheckpointCorrupt, CheckpointError
 from .init_from import load_initial_weights
+from .loaded_shape import check_loaded
 from ...checkpoint.metrics_log import last_logged_step, trim_metrics_log
 from ...checkpoint.rng import derive_rng, restore_rng
 from ...checkpoint.sharded import load_sharded
 
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 
-def resume(trainer: "Trainer", checkpointer: Checkpointer) -> Optional[Loaded]:
+def resume(trainer: "RunView", checkpointer: Checkpointer) -> Optional[Loaded]:
     """Apply ``trainer.args.resume`` (auto, never or a path); return what was loaded.
 
     With nothing to resume, a new run starts from ``trainer.init_from``'s weights, if set.
@@ -35,7 +36,7 @@ def resume(trainer: "Trainer", checkpointer: Checkpointer) -> Optional[Loaded]:
     return loaded
 
 
-def _resume(trainer: "Trainer", checkpointer: Checkpointer) -> Optional[Loaded]:
+def _resume(trainer: "RunView", checkpointer: Checkpointer) -> Optional[Loaded]:
     mode = trainer.args.resume
     checkpointer.recover()  # a save killed between its renames left its checkpoint aside
     if mode == "never":
@@ -52,7 +53,7 @@ def _resume(trainer: "Trainer", checkpointer: Checkpointer) -> Optional[Loaded]:
             _start_afresh(trainer)
             return None
     else:
-        loaded, error = _try_load(checkpointer, mode)
+        loaded, error = _try_load(checkpointer, mode, trainer.dist.rank)
         if not _all_ranks(trainer, loaded is not None):
             raise error or CheckpointError(f"trainer.resume: another rank could not read {mode}")
         assert loaded is not None
@@ -62,7 +63,7 @@ def _resume(trainer: "Trainer", checkpointer: Checkpointer) -> Optional[Loaded]:
     return loaded
 
 
-def _start_afresh(trainer: "Trainer") -> None:
+def _start_afresh(trainer: "RunView") -> None:
     """No checkpoint to continue from: events a killed run logged before its first save
     would be logged again, so they go (the lock says no other run writes there)."""
     if not trainer.dist.is_main:
@@ -73,11 +74,11 @@ def _start_afresh(trainer: "Trainer") -> None:
             "metrics.jsonl line(s) that an earlier run logged before it saved any")
 
 
-def _first_loadable(trainer: "Trainer", checkpointer: Checkpointer) -> Optional[Loaded]:
+def _first_loadable(trainer: "RunView", checkpointer: Checkpointer) -> Optional[Loaded]:
     """The newest checkpoint every rank can read; say which damaged ones were skipped."""
     skipped = []
     for name in checkpointer.candidates():
-        loaded, error = _try_load(checkpointer, name)
+        loaded, error = _try_load(checkpointer, name, trainer.dist.rank)
         # Every rank must continue from the same checkpoint, even if only one
         # rank's file is damaged.
         if _all_ranks(trainer, loaded is not None):
@@ -98,20 +99,23 @@ def _first_loadable(trainer: "Trainer", checkpointer: Checkpointer) -> Optional[
     return None
 
 
-def _try_load(checkpointer: Checkpointer, name: str
+def _try_load(checkpointer: Checkpointer, name: str, rank: int
               ) -> tuple[Optional[Loaded], Optional[CheckpointError]]:
+    """Read ``name`` and check it has the shape a save gives it (see :mod:`.loaded_shape`)."""
     try:
-        return checkpointer.load(name), None
+        loaded = checkpointer.load(name)
+        check_loaded(loaded, rank)
+        return loaded, None
     except CheckpointError as exc:
         return None, exc
 
 
-def _all_ranks(trainer: "Trainer", ok: bool) -> bool:
+def _all_ranks(trainer: "RunView", ok: bool) -> bool:
     flag = torch.tensor(1.0 if ok else 0.0, device=trainer.device)
     return bool(trainer.backend.all_reduce_mean(flag).item() == 1.0)
 
 
-def apply(trainer: "Trainer", loaded: Loaded) -> None:
+def apply(trainer: "RunView", loaded: Loaded) -> None:
     """Restore every piece, this rank's random streams, and metrics.jsonl."""
     manifest, rank = loaded.manifest, trainer.dist.rank
     _check_data_position(trainer, manifest, loaded.location)
@@ -157,7 +161,7 @@ def apply(trainer: "Trainer", loaded: Loaded) -> None:
             + (f"; dropped {dropped} metrics.jsonl line(s) past that step" if dropped else ""))
 
 
-def _check_data_position(trainer: "Trainer", manifest: dict, where: str) -> None:
+def _check_data_position(trainer: "RunView", manifest: dict, where: str) -> None:
     """Mid-epoch, the saved step means the same samples only with the same G and dataset."""
     data = manifest.get("data") or {}
     if int(manifest["step_in_epoch"]) == 0:

@@ -20,11 +20,10 @@ from ...config.checkpoint import CheckpointArguments
 from ...config.errors import suggest
 from ...distributed.watchdog import CHECKPOINT_SAVE
 from ...version import __version__
-from ..core.callbacks import Callback
-from ..core.hooks import notify_save_end
+from ..core.callbacks import Callback, notify_save_end
 
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 
 class CheckpointCallback(Callback):
@@ -51,7 +50,7 @@ class CheckpointCallback(Callback):
         self._saved_step = -1
 
     # -- the moments -------------------------------------------------------------
-    def on_validation_end(self, trainer: "Trainer",
+    def on_validation_end(self, trainer: "RunView",
                           metrics: Mapping[str, Mapping[str, float]]) -> None:
         if not self.args.best_metric:
             return
@@ -69,18 +68,18 @@ class CheckpointCallback(Callback):
                 # before the weights move on, so the best is saved now.
                 self.save(trainer)
 
-    def on_epoch_end(self, trainer: "Trainer") -> None:
+    def on_epoch_end(self, trainer: "RunView") -> None:
         if self.args.at_epoch_end or self._improved:
             self.save(trainer)
 
-    def on_train_start(self, trainer: "Trainer") -> None:
+    def on_train_start(self, trainer: "RunView") -> None:
         # Resumed from a checkpoint of this directory: that step is saved already. Saving
         # it again (a finished run started again) would only put it at risk.
         loaded = getattr(trainer, "resumed_from", None)
         if loaded is not None and loaded.name in self.checkpointer.candidates():
             self._saved_step = trainer.global_step
 
-    def on_train_end(self, trainer: "Trainer") -> None:
+    def on_train_end(self, trainer: "RunView") -> None:
         # The final state, so that a longer run (more epochs or max_steps) continues exactly.
         if self.args.every_n_steps or self.args.at_epoch_end or self._improved:
             self.save(trainer)
@@ -90,7 +89,7 @@ class CheckpointCallback(Callback):
             raise self._failed(trainer, exc) from exc
 
     # -- saving ---------------------------------------------------------------------
-    def save(self, trainer: "Trainer") -> None:
+    def save(self, trainer: "RunView") -> None:
         """Save now (unless this step is saved already and nothing improved since)."""
         if trainer.global_step == self._saved_step and not self._improved:
             return
@@ -129,7 +128,7 @@ class CheckpointCallback(Callback):
         self.stall_seconds.append(time.perf_counter() - started)
         notify_save_end(trainer, "checkpoint", self.stall_seconds[-1])  # the time account
 
-    def _failed(self, trainer: "Trainer", exc: BaseException) -> CheckpointError:
+    def _failed(self, trainer: "RunView", exc: BaseException) -> CheckpointError:
         """Remove the failed save's partial files (a full disk stays full otherwise) and
         say in one line what failed and what is kept."""
         try:
@@ -167,7 +166,7 @@ class StepCheckpointCallback(CheckpointCallback):
     A separate class so that runs without step saves make no call per step.
     """
 
-    def on_step_end(self, trainer: "Trainer") -> None:
+    def on_step_end(self, trainer: "RunView") -> None:
         if trainer.global_step % self.args.every_n_steps == 0:  # type: ignore[operator]
             self.save(trainer)
 
@@ -230,7 +229,7 @@ def pick_metric(metrics: Mapping[str, Mapping[str, float]], name: str) -> Option
     return float(value.item() if isinstance(value, torch.Tensor) else value)
 
 
-def manifest_facts(trainer: "Trainer", callback: CheckpointCallback,
+def manifest_facts(trainer: "RunView", callback: CheckpointCallback,
                    state: Mapping[str, Any]) -> dict[str, Any]:
     """The JSON facts of a checkpoint: where training stands, and what produced it."""
     args = trainer.args

@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:
     from ..core.callbacks import Callback
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 
-def trainer_state(trainer: "Trainer") -> dict[str, Any]:
+def trainer_state(trainer: "RunView") -> dict[str, Any]:
     """Every stateful piece but the random streams (per rank: ``checkpoint.rng``)."""
     backend, module = trainer.backend, trainer.module
     return {
@@ -34,7 +34,7 @@ def trainer_state(trainer: "Trainer") -> dict[str, Any]:
     }
 
 
-def load_trainer_state(trainer: "Trainer", state: Mapping[str, Any]) -> None:
+def load_trainer_state(trainer: "RunView", state: Mapping[str, Any]) -> None:
     """Put back what :func:`trainer_state` returned (after ``setup`` built the pieces)."""
     backend, module = trainer.backend, trainer.module
     backend.load_model_state_dict(module, state["module"])

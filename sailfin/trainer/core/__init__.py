@@ -1,1 +1,2 @@
-"""The core loop: the Trainer, its loaders, validation, callbacks and run outputs."""
+"""The core loop (Loop), its loaders, validation, the train log line, callbacks (the hook
+interface) and RunView (what a feature may read and call). It imports no feature."""

@@ -12,7 +12,7 @@ from .callbacks import Callback
 from .pymarlin_forms import unpack
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from .trainer import Loop
 
 
 def padding_micro_batch(backend: Any, module: Any, global_step: int, batch: Any,
@@ -47,16 +47,10 @@ def overriding(callbacks: list[Callback], hook: str) -> list[Callback]:
     return [c for c in callbacks if getattr(type(c), hook) is not getattr(Callback, hook)]
 
 
-def any_says_again(callbacks: list[Callback], trainer: "Trainer", micros: Any) -> bool:
+def any_says_again(callbacks: list[Callback], trainer: "Loop", micros: Any) -> bool:
     """``on_backward_end`` in order, until one asks for the step again."""
     samples = sum(m.count for m in micros)
     return any(c.on_backward_end(trainer, samples) for c in callbacks)
-
-
-def notify_save_end(trainer: "Trainer", kind: str, seconds: float) -> None:
-    """Tell the callbacks that override ``on_save_end`` that a save finished."""
-    for callback in overriding(trainer.callbacks, "on_save_end"):
-        callback.on_save_end(trainer, kind, seconds)
 
 
 def as_list(value: Any, what: str) -> list:

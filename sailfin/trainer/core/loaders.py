@@ -18,7 +18,7 @@ from ...data.batched import gathered_loader
 from ...data.plan import BatchPlan
 from ...data.sampler import EvalSampler, ResumableSampler
 from ...distributed import DistEnv
-from ...interfaces import ModuleInterface
+from ...interfaces import ModuleInterface, RecipeError
 
 
 def build_train_loader(module: ModuleInterface, plan: BatchPlan, dist: DistEnv,
@@ -35,13 +35,13 @@ def build_train_loader(module: ModuleInterface, plan: BatchPlan, dist: DistEnv,
 
     loader = module.get_train_dataloader(sampler, plan.micro_batch)
     if not made:
-        raise ValueError(
+        raise RecipeError(
             "get_train_dataloader did not call sampler(dataset): build the loader with "
             "DataLoader(dataset, batch_size=batch_size, sampler=sampler(dataset)) so "
             "sailfin decides which samples form each optimizer step")
     if getattr(loader, "batch_size", None) != plan.micro_batch or getattr(
             loader, "drop_last", False):
-        raise ValueError(
+        raise RecipeError(
             f"get_train_dataloader must use batch_size={plan.micro_batch} (the "
             f"batch_size argument) and drop_last=False; got batch_size="
             f"{getattr(loader, 'batch_size', None)}, drop_last="

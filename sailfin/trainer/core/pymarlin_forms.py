@@ -4,7 +4,9 @@
   PyMarlin's ``(loss, t1, t2, ...)``: the extra outputs of the step's last micro-batch
   go to ``on_end_train_step(global_step, loss, t1, t2, ...)``.
 - ``val_step`` may return a dict or PyMarlin's tuple ``(t1, t2, ...)``; a tuple's
-  gathered columns go to ``on_end_val_epoch(global_step, *columns, key=name)``.
+  gathered columns go to ``on_end_val_epoch(global_step, *columns, key=name)`` by
+  position, as PyMarlin passed them: into ``*inputs`` or into named parameters
+  (``on_end_val_epoch(self, global_step, losses, logits, labels, key="default")``).
 - A 0-d tensor from ``val_step`` is that batch's mean: it is repeated once per sample of
   the batch, so the epoch's mean of the column is the exact per-sample mean, whatever
   the batch size, the short last batch and the world size.
@@ -61,26 +63,52 @@ def train_step_end_caller(module: ModuleInterface) -> Optional[Callable[[int, An
     return call
 
 
+class CallbackSignatureError(TypeError):
+    """A recipe callback's signature cannot take what the trainer passes it."""
+
+
 def val_epoch_end_caller(module: ModuleInterface) -> Callable[[int, dict, str], Any]:
-    """``module.on_end_val_epoch``: tuple outputs (PyMarlin) are spread as ``*columns``
-    with ``key=name``; dict outputs are passed as ``(global_step, outputs, name)``."""
+    """``module.on_end_val_epoch``: tuple outputs (PyMarlin) are passed by position, as
+    PyMarlin passed them, ``(global_step, *columns, key=name)`` (into ``*inputs`` or into
+    named parameters such as ``(global_step, losses, logits, labels, key="default")``);
+    dict outputs are passed as ``(global_step, outputs, name)``."""
     hook = module.on_end_val_epoch
     takes = _positional_count(hook)
-    try:  # PyMarlin's on_end_val_epoch(self, global_step, *inputs, key="default")
-        spread = takes is None and "key" in inspect.signature(hook).parameters
+    try:
+        signature: Optional[inspect.Signature] = inspect.signature(hook)
     except (TypeError, ValueError):
-        spread = False
+        signature = None
+    params = signature.parameters if signature is not None else {}
+    keyed = "key" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    # PyMarlin's on_end_val_epoch(self, global_step, *inputs, key="default")
+    spread = takes is None and "key" in params
 
     def call(global_step: int, outputs: dict, name: str) -> Any:
-        if takes is None and outputs and list(outputs) == [str(i) for i in range(len(outputs))]:
+        if outputs and list(outputs) == [str(i) for i in range(len(outputs))]:
             # val_step returned a tuple: PyMarlin's on_end_val_epoch(global_step, *inputs)
-            return hook(global_step, *outputs.values(), key=name)
+            columns = tuple(outputs.values())
+            kwargs = {"key": name} if keyed or signature is None else {}
+            if signature is not None:
+                _check_binds(signature, (global_step, *columns), kwargs)
+            return hook(global_step, *columns, **kwargs)
         if spread:
             return hook(global_step, outputs, key=name)
         args = (global_step, outputs, name)
         return hook(*(args if takes is None else args[:max(takes, 2)]))
 
     return call
+
+
+def _check_binds(signature: inspect.Signature, args: tuple, kwargs: dict) -> None:
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as err:
+        count = len(args) - 1
+        raise CallbackSignatureError(
+            f"on_end_val_epoch{signature} cannot take what val_step's tuple gives it: "
+            f"global_step, its {count} column(s) by position and key=: {err}; take "
+            f"(global_step, {', '.join(f'c{i}' for i in range(count))}, key=\"default\") "
+            f"or (global_step, *outputs, key=\"default\")") from None
 
 
 def as_columns(out: Any) -> Any:

@@ -2,7 +2,7 @@
 
 It is the loop's only host-device sync. With several ranks each rank's own
 step time rides in the same collective as the loss (see
-:mod:`sailfin.trainer.features.stragglers`).
+:mod:`sailfin.trainer.core.stragglers`).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 
-from ..features.stragglers import loss_and_stragglers
+from .stragglers import loss_and_stragglers
 from .pymarlin_forms import loggable
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from .trainer import Loop
 
 
 class TrainLog:
@@ -44,7 +44,7 @@ class TrainLog:
         then, seen = self._clock
         self._clock = (then + seconds, seen)
 
-    def write(self, trainer: "Trainer", step_loss: torch.Tensor,
+    def write(self, trainer: "Loop", step_loss: torch.Tensor,
               stats: Optional[Mapping[str, Any]]) -> None:
         """Log the train metrics at ``trainer.global_step``."""
         trainer.nonfinite.check()

@@ -1,9 +1,14 @@
-"""The training loop. It owns the loop; the backend supplies each step's pieces."""
+"""The training loop. It owns the loop; the backend supplies each step's pieces.
+
+:class:`Loop` runs epochs and steps over pieces it is given: the composition root
+(:class:`sailfin.trainer.Trainer`, ``trainer/compose/``) builds them from the config
+(``setup``), runs the start-up checks and writes the run's outputs. The loop imports
+no feature: features follow it as callbacks and see it through
+:class:`~sailfin.trainer.core.view.RunView`.
+"""
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from typing import Any, Iterable, Iterator, Mapping, Optional
 
@@ -15,31 +20,22 @@ from ...config.trainer import TrainerArguments
 from ...data.plan import BatchPlan
 from ...distributed import DistEnv
 from ...distributed.watchdog import (BACKWARD, DATA, END_OF_EPOCH, END_OF_STEP, FORWARD,
-                                    OPTIMIZER, Heartbeat, build_watchdog)
+                                    OPTIMIZER, Heartbeat)
 from ...interfaces import ModuleInterface
 from ...logging import Writer
-from ...utils.log import configure_logging
 from .callbacks import Callback
 from .hooks import any_says_again, overriding, padding_micro_batch, recipe_callbacks
 from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
-from .setup import build_run
-from ..safety.preemption import Preemption, save_and_stop
-from ..safety.run_lock import RunLock, take_run_lock
-from ..safety.startup_checks import check_schedulers_fit, sanity_validate, train_output_checker
-from .outputs import finish_run
-from ..checkpointing.state import load_trainer_state, trainer_state
 from .pymarlin_forms import unpack
 from .train_log import TrainLog
 from .validation import due_after_epoch, run_validation
 
 
-class Trainer:
-    """Trains a :class:`ModuleInterface` as ``args`` says.
+class Loop:
+    """The epochs, the steps and validation of a run whose pieces ``setup`` built.
 
-    Example::
-
-        args = TrainerArguments(epochs=3, train_batch_size=64, micro_batch_size=32)
-        Trainer(MyModule(data=MyData()), args).train()
+    Users construct :class:`sailfin.trainer.Trainer`, which adds the set-up, the
+    start-up checks and the run's outputs around this loop.
     """
 
     def __init__(self, module: ModuleInterface, args: Optional[TrainerArguments] = None, *,
@@ -64,110 +60,46 @@ class Trainer:
         self.train_seconds = 0.0
         self.validation_seconds = 0.0  # time spent validating (the time account reads it)
         self.summary: Optional[dict[str, Any]] = None  # set when train() finishes
-        self._is_setup = False
         self.last_val_step = -1  # the global step last validated at
         self._check_first_output: Any = None  # checks the first train_step's return, once
-        self._run_lock: Optional[RunLock] = None  # rank 0's hold on output_dir
         # Set (reason, step, ...) by a callback that ends the run early (early stopping).
         self.stop_reason: Optional[dict[str, Any]] = None
         self.heartbeat = Heartbeat()  # where the loop is, for the hang watchdog
-        self.watchdog = None
         self.train_log = TrainLog()   # the train log line's clocks
         self._hooks_changed = False   # set by remove_callback: the loop looks them up again
 
-    # -- the run ---------------------------------------------------------------
-    def train(self) -> dict[str, Any]:
-        """Train for ``args.epochs`` (or until ``args.max_steps``); return the summary."""
-        try:
-            self.setup()
-            # Fail now, not after an epoch: schedule length, val_step, the first train_step.
-            check_schedulers_fit(self)
-            sanity_validate(self)
-        except BaseException:
-            self._release_run_lock()
-            raise
-        self._check_first_output = train_output_checker(self.global_step)
-        args = self.args
-        # SIGTERM / first Ctrl-C: finish the step, save on every rank, stop (preemption.py).
-        self.preemption = Preemption(self.dist.world_size, self.backend.all_reduce_mean,
-                                     self.device, args.preemption_check_every_n_steps)
-        try:
-            self.watchdog = build_watchdog(  # trainer.distributed.hang_seconds
-                args.distributed.hang_seconds, self.dist.rank, self.dist.world_size,
-                self.backend.group_store(), self.heartbeat,
-                os.path.join(args.output_dir, "hang"),
-                args.distributed.hang_seconds_slow_phases)
-            self.train_log.ready_since = self.global_step
-            self.preemption.install(self.global_step)
-            self._notify("on_train_start")
-            while (self.epoch < args.epochs and self.stop_reason is None
-                   and (args.max_steps is None or self.global_step < args.max_steps)):
-                started = time.perf_counter()
-                finished_epoch = self._train_epoch()
-                self.nonfinite.check()  # a deferred guard reads the epoch's last losses
-                self.train_seconds += time.perf_counter() - started
-                if not finished_epoch:
-                    break
-                if due_after_epoch(self.args, self.epoch) and self.last_val_step != self.global_step:
-                    self.validate()  # (unless val_every_n_steps just did)
-                self.epoch += 1
-                self.step_in_epoch = 0
-                self.heartbeat.phase = END_OF_EPOCH
-                self._notify("on_epoch_end")
-            if ((args.val_every_n_epochs or args.val_every_n_steps)
-                    and self.last_val_step != self.global_step):
-                self.validate()  # stopped early by max_steps: report the final model
-            self.module.on_end_train(self.global_step)
-            summary = self.summary = finish_run(self)
-            self._notify("on_train_end")
-            return summary
-        finally:
-            self.preemption.uninstall()
-            self.flops.abort()  # an error inside the counted step leaves the counting mode
-            try:
-                self.checkpointer.close()  # a background save finishes, or reports its error
-            finally:
-                self._stop_watchdog()
-                self.writers.flush()  # close() closes them; validate() may still log
-                self._release_run_lock()
+    @property
+    def hparams(self) -> Optional[Mapping[str, Any]]:
+        """The hyper-parameters given to the trainer (what ``sailfin train`` passes: the
+        run's config); None: the writers log the trainer settings."""
+        return self._hparams
 
-    def close(self) -> None:
-        """Close the writers and leave the process group (DDP). Safe to call twice."""
-        try:
-            self._stop_watchdog()
-            if self._is_setup:
-                self.writers.close()
-            self.backend.teardown()
-        finally:
-            self._release_run_lock()
-
-    def _release_run_lock(self) -> None:
-        lock, self._run_lock = self._run_lock, None
-        if lock is not None:
-            lock.release()
-
-    def _stop_watchdog(self) -> None:
-        if self.watchdog is not None:
-            # Raising here (in a finally) tells the partners' reports who stopped first.
-            self.watchdog.stop(failed=sys.exc_info()[0] is not None)
-            self.watchdog = None
-
-    def __enter__(self) -> "Trainer":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
+    # -- the epochs ---------------------------------------------------------------
     def setup(self) -> None:
-        """Place the module, build the batch plan, loaders, optimizers, checkpointer and
-        writers, and resume from a checkpoint as ``trainer.resume`` says."""
-        if self._is_setup:
-            return
-        configure_logging(self.dist.rank)
-        if self._run_lock is None:  # before anything is written there: one run per directory
-            self._run_lock = take_run_lock(self.args.output_dir, self.dist.is_main)
-        build_run(self)
-        self._is_setup = True
+        """Build the run's pieces (the composition root, :class:`sailfin.trainer.Trainer`)."""
+        raise NotImplementedError("a Loop runs what Trainer.setup built: use sailfin.Trainer")
+
+    def _run_epochs(self) -> None:
+        """Epochs until ``args.epochs``, ``args.max_steps`` or a callback's stop; validation
+        after the epochs that ask for it, and once more after a run cut short."""
+        args = self.args
+        while (self.epoch < args.epochs and self.stop_reason is None
+               and (args.max_steps is None or self.global_step < args.max_steps)):
+            started = time.perf_counter()
+            finished_epoch = self._train_epoch()
+            self.nonfinite.check()  # a deferred guard reads the epoch's last losses
+            self.train_seconds += time.perf_counter() - started
+            if not finished_epoch:
+                break
+            if due_after_epoch(self.args, self.epoch) and self.last_val_step != self.global_step:
+                self.validate()  # (unless val_every_n_steps just did)
+            self.epoch += 1
+            self.step_in_epoch = 0
+            self.heartbeat.phase = END_OF_EPOCH
+            self._notify("on_epoch_end")
+        if ((args.val_every_n_epochs or args.val_every_n_steps)
+                and self.last_val_step != self.global_step):
+            self.validate()  # stopped early by max_steps: report the final model
 
     # -- one epoch -------------------------------------------------------------
     def _train_epoch(self) -> bool:
@@ -214,7 +146,7 @@ class Trainer:
             if self._hooks_changed:  # a callback left (remove_callback)
                 begin, backward_end, step_end, out_of_memory = self._hook_lists()
             if self.global_step >= preemption.check_at and preemption.poll(self.global_step):
-                save_and_stop(self)  # raises TrainingPreempted
+                self._save_and_stop()  # raises TrainingPreempted
             if self.stop_reason is not None:
                 return False  # early stopping ended the run
         if last < self.steps_per_epoch:
@@ -335,14 +267,9 @@ class Trainer:
         self._notify("on_validation_end", results)
         return results
 
-    # -- checkpoint state ------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Every stateful piece but the random streams (per rank: ``checkpoint.rng``)."""
-        return trainer_state(self)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Put back what :meth:`state_dict` returned (after :meth:`setup` built the pieces)."""
-        load_trainer_state(self, state)
+    def _save_and_stop(self) -> None:
+        """Save this step on every rank and end the run (preemption: the composition root)."""
+        raise NotImplementedError
 
     def _notify(self, event: str, *args: Any) -> None:
         for callback in self.callbacks:

@@ -11,15 +11,15 @@ import torch
 
 from ...checkpoint.rng import seed_loader
 from ...config.trainer import TrainerArguments
-from ...distributed.watchdog import VALIDATION
+from ...distributed.watchdog import VALIDATION, VALIDATION_GATHER
 from .pymarlin_forms import as_columns, batch_size, per_sample
 from .train_log import scalar
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from .trainer import Loop
 
 
-def run_validation(trainer: "Trainer") -> dict[str, dict[str, float]]:
+def run_validation(trainer: "Loop") -> dict[str, dict[str, float]]:
     """Every validation set through ``val_step`` and ``on_end_val_epoch``: name -> metrics."""
     results: dict[str, dict[str, float]] = {}
     module, args = trainer.module, trainer.args
@@ -34,7 +34,9 @@ def run_validation(trainer: "Trainer") -> dict[str, dict[str, float]]:
             local = merge_outputs(trainer.backend.validation_outputs(
                 module, trainer.global_step,
                 trainer.heartbeat.count(val_batches(loader, args, sizes))), sizes=sizes)
+            trainer.heartbeat.phase = VALIDATION_GATHER  # done here: a slower rank is behind
             outputs = trainer.backend.gather_outputs(local)
+            trainer.heartbeat.phase = VALIDATION
             # The recipe's on_end_val_epoch, called with what its signature takes.
             metrics = trainer._on_end_val_epoch(trainer.global_step, outputs, name) or {}
             metrics = {k: scalar(v) for k, v in metrics.items()}
@@ -54,7 +56,7 @@ def due_after_epoch(args: TrainerArguments, epoch: int) -> bool:
     return bool(every) and ((epoch + 1) % every == 0 or epoch + 1 == args.epochs)
 
 
-def validation_weights(trainer: "Trainer") -> Any:
+def validation_weights(trainer: "Loop") -> Any:
     """The EMA weights swapped in for validation when ``trainer.ema.validate`` says."""
     if trainer.ema is not None and trainer.args.ema.validate:
         return trainer.ema.swapped_in(trainer.module)

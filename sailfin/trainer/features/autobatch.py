@@ -43,7 +43,7 @@ from ...distributed.watchdog import ALL_REDUCE
 from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 log = logging.getLogger("sailfin")
 
@@ -89,7 +89,7 @@ class AutoMicroBatch(Callback):
         return self.world_size > 1 and self.clean_steps < PROBE_STEPS
 
     # -- the run -----------------------------------------------------------------
-    def start(self, trainer: "Trainer") -> None:
+    def start(self, trainer: "RunView") -> None:
         """After resume: continue with the checkpoint's size if it ran on this world size."""
         saved = self._saved
         if (saved and saved.get("world_size") == self.world_size
@@ -108,13 +108,13 @@ class AutoMicroBatch(Callback):
                      self.size, how, ", ".join(map(str, self.sizes)))
 
     # -- the step hooks ------------------------------------------------------------
-    def on_step_begin(self, trainer: "Trainer") -> None:
+    def on_step_begin(self, trainer: "RunView") -> None:
         self.begin_step(trainer.backend)
 
-    def on_out_of_memory(self, trainer: "Trainer") -> None:
+    def on_out_of_memory(self, trainer: "RunView") -> None:
         self.out_of_memory(trainer.step_in_epoch, trainer.global_step)
 
-    def on_backward_end(self, trainer: "Trainer", samples: int) -> bool:
+    def on_backward_end(self, trainer: "RunView", samples: int) -> bool:
         return self.end_step(trainer, trainer.step_in_epoch)
 
     def begin_step(self, backend: Any) -> None:
@@ -138,7 +138,7 @@ class AutoMicroBatch(Callback):
         log.warning("micro_batch_size auto: rank %d ran out of memory at step %d with "
                     "micro-batch %d", self.rank, global_step + 1, self.size)
 
-    def end_step(self, trainer: "Trainer", step: int) -> bool:
+    def end_step(self, trainer: "RunView", step: int) -> bool:
         """After the step's micro-batches: True if the step must run again (the trainer
         replanned for a smaller size)."""
         failed, self._failed = self._failed, False

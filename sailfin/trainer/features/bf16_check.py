@@ -24,7 +24,7 @@ from ...utils.log import log
 from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 #: Capabilities with native bf16 matrix instructions.
 NATIVE_BF16 = ("AVX512_BF16", "AMX")
@@ -60,7 +60,7 @@ class Bf16CpuCheck(Callback):
     def __init__(self) -> None:
         self.message: Optional[str] = None
 
-    def on_train_start(self, trainer: "Trainer") -> None:
+    def on_train_start(self, trainer: "RunView") -> None:
         capability = torch.backends.cpu.get_cpu_capability()
         if native_bf16(capability):
             return

@@ -27,7 +27,7 @@ from ...utils.log import log
 from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 WARMUP_STEPS = 8   # compilation, and a recompilation for a second shape, happen here
 WINDOW_STEPS = 4   # steps per window: compiled, eager, compiled
@@ -102,12 +102,12 @@ class CompileCheck(Callback):
             self.stance(eager)
             self.eager = eager
 
-    def on_train_start(self, trainer: "Trainer") -> None:
+    def on_train_start(self, trainer: "RunView") -> None:
         self._set(self._eager_window(trainer.global_step + 1))
         self.started = self.clock()
         self.first_step_at = trainer.global_step + 1
 
-    def on_step_end(self, trainer: "Trainer") -> None:
+    def on_step_end(self, trainer: "RunView") -> None:
         step = trainer.global_step
         end = self.warmup + 3 * self.window
         if self.verdict is None and (step == self.first_step_at or self.warmup <= step <= end):
@@ -118,10 +118,10 @@ class CompileCheck(Callback):
                 self._decide(trainer)
         self._set(self._eager_window(step + 1))
 
-    def on_train_end(self, trainer: "Trainer") -> None:
+    def on_train_end(self, trainer: "RunView") -> None:
         self._set(False)
 
-    def _decide(self, trainer: "Trainer") -> None:
+    def _decide(self, trainer: "RunView") -> None:
         lo = self.warmup
         if lo not in self.times:  # resumed inside the windows: no whole measurement
             return

@@ -12,7 +12,7 @@ from ..core.callbacks import Callback
 from .run_stats import flat_metrics
 
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 
 class EarlyStopping(Callback):
@@ -39,11 +39,11 @@ class EarlyStopping(Callback):
         self.best_step: Optional[int] = None
         self.bad_validations = 0  # in a row, since the best
 
-    def on_train_start(self, trainer: "Trainer") -> None:
+    def on_train_start(self, trainer: "RunView") -> None:
         if self.bad_validations >= self.args.patience:  # resumed from a stopped run
             self._stop(trainer, resumed=True)
 
-    def on_validation_end(self, trainer: "Trainer",
+    def on_validation_end(self, trainer: "RunView",
                           metrics: Mapping[str, Mapping[str, float]]) -> None:
         value = self._value(metrics)
         if value is None:
@@ -59,7 +59,7 @@ class EarlyStopping(Callback):
         if self.bad_validations >= self.args.patience:
             self._stop(trainer)
 
-    def _stop(self, trainer: "Trainer", resumed: bool = False) -> None:
+    def _stop(self, trainer: "RunView", resumed: bool = False) -> None:
         args = self.args
         best = ("no finite value yet" if self.best is None
                 else f"its best {self.best:.6g} (step {self.best_step})")

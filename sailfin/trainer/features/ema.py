@@ -21,7 +21,7 @@ from ...utils.log import log
 from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 
 class WeightAverage(Callback):
@@ -55,7 +55,7 @@ class WeightAverage(Callback):
         self.updates = 0  # averaging steps done (the warm-up's n)
         self._restored = False
 
-    def on_train_start(self, trainer: "Trainer") -> None:
+    def on_train_start(self, trainer: "RunView") -> None:
         if not self._restored:
             # The average starts from the weights training starts from: those trainer.init_from
             # loaded, or a checkpoint's saved without trainer.ema, not the fresh model's.
@@ -65,7 +65,7 @@ class WeightAverage(Callback):
                          "resumed weights at step %d", trainer.global_step)
 
     # -- the average ---------------------------------------------------------------
-    def on_step_end(self, trainer: "Trainer") -> None:
+    def on_step_end(self, trainer: "RunView") -> None:
         if trainer.global_step % self.every == 0:
             self.update()
 

@@ -8,7 +8,7 @@ from ..core.callbacks import Callback
 from .flops import FlopsMeter
 
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 
 class FirstStepFlops(Callback):
@@ -25,16 +25,16 @@ class FirstStepFlops(Callback):
     def __init__(self, meter: FlopsMeter) -> None:
         self.meter = meter
 
-    def on_step_begin(self, trainer: "Trainer") -> None:
+    def on_step_begin(self, trainer: "RunView") -> None:
         if self.meter.pending:
             self.meter.abort()  # an attempt that did not reach on_backward_end
             self.meter.start()
 
-    def on_backward_end(self, trainer: "Trainer", samples: int) -> bool:
+    def on_backward_end(self, trainer: "RunView", samples: int) -> bool:
         if self.meter.pending:
             self.meter.stop(samples)  # before the optimizer step: forwards and backwards
         return False
 
-    def on_step_end(self, trainer: "Trainer") -> None:
+    def on_step_end(self, trainer: "RunView") -> None:
         if not self.meter.pending:  # counted: no call at all from the next step on
             trainer.remove_callback(self)

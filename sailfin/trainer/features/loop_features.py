@@ -19,7 +19,7 @@ from .privacy import PrivacyCallback
 from .step_validation import StepValidation
 
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 
 @dataclass
@@ -59,7 +59,7 @@ def build_loop_features(module: Any, args: TrainerArguments, backend: Any,
     return LoopFeatures(ema, flops, callbacks, counting)
 
 
-def finish_summary(trainer: "Trainer") -> dict[str, Any]:
+def finish_summary(trainer: "RunView") -> dict[str, Any]:
     """summary.json's fields for these features: why the run stopped early, FLOPs, EMA."""
     out: dict[str, Any] = {"stopped_early": trainer.stop_reason}
     meter = trainer.flops

@@ -10,7 +10,7 @@ from ...config.errors import ConfigError
 from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 
 class PrivacyCallback(Callback):
@@ -28,7 +28,7 @@ class PrivacyCallback(Callback):
         self.log_every = log_every
         self.backend: Any = None
 
-    def on_train_start(self, trainer: "Trainer") -> None:
+    def on_train_start(self, trainer: "RunView") -> None:
         self.backend = trainer.backend
         limit = self.args.max_epsilon
         if limit is None:
@@ -41,14 +41,14 @@ class PrivacyCallback(Callback):
                 f"rate {self.backend.sample_rate:.4g}); raise the noise or max_epsilon")
         self._stop_if_over(trainer, upcoming)
 
-    def on_step_end(self, trainer: "Trainer") -> None:
+    def on_step_end(self, trainer: "RunView") -> None:
         if trainer.global_step % self.log_every == 0:
             trainer.writers.log_metrics({"epsilon": self.backend.epsilon()},
                                         trainer.global_step, trainer.epoch, "train")
         if self.args.max_epsilon is not None:
             self._stop_if_over(trainer, self.backend.epsilon(extra_steps=1))
 
-    def _stop_if_over(self, trainer: "Trainer", upcoming: float) -> None:
+    def _stop_if_over(self, trainer: "RunView", upcoming: float) -> None:
         if upcoming > self.args.max_epsilon:
             trainer.stop_reason = {"reason": "max_epsilon", "step": trainer.global_step,
                                    "epsilon": self.backend.epsilon(),

@@ -9,7 +9,7 @@ from typing import IO, TYPE_CHECKING, Any, Optional
 from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 TOP_OPERATORS = 15
 
@@ -44,13 +44,13 @@ class StepProfiler(Callback):
         self.recorded_steps = 0
         self.done = False
 
-    def on_train_start(self, trainer: "Trainer") -> None:
+    def on_train_start(self, trainer: "RunView") -> None:
         os.makedirs(self.out_dir, exist_ok=True)  # fail now, not after the steps ran
         self.cuda = self.cuda or getattr(trainer.device, "type", None) == "cuda"
         if trainer.global_step + 2 >= self.start and trainer.global_step < self.end:
             self._begin(trainer.global_step + 1)  # warm-up (or first recorded) step is next
 
-    def on_step_end(self, trainer: "Trainer") -> None:
+    def on_step_end(self, trainer: "RunView") -> None:
         step = trainer.global_step  # the step that just finished
         if self._prof is not None:
             if step >= self.start:
@@ -62,7 +62,7 @@ class StepProfiler(Callback):
         elif not self.done and step + 2 == self.start:
             self._begin(step + 1)
 
-    def on_train_end(self, trainer: "Trainer") -> None:
+    def on_train_end(self, trainer: "RunView") -> None:
         if self._prof is not None:  # the run ended inside the range
             self._finish(trainer)
 
@@ -78,7 +78,7 @@ class StepProfiler(Callback):
                              schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1))
         self._prof.start()
 
-    def _finish(self, trainer: "Trainer") -> None:
+    def _finish(self, trainer: "RunView") -> None:
         prof, self._prof = self._prof, None
         prof.stop()
         self.done = True

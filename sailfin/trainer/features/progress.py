@@ -19,7 +19,7 @@ from ...logging.writers import Writer
 from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 BAR_REDRAW_SECONDS = 0.5
 # tqdm's layout without its steps/s (samples/s in the postfix says more); ETA = remaining.
@@ -102,7 +102,7 @@ class Progress(Writer, Callback):
         self.interval = interval
         self._bar_stream, self._line_stream = bar_stream, line_stream
         self._bar: Any = None
-        self._trainer: Optional["Trainer"] = None
+        self._trainer: Optional["RunView"] = None
         self._console = _AboveBar(self)
         self.loss: Optional[float] = None
         self.lr: Optional[float] = None
@@ -128,7 +128,7 @@ class Progress(Writer, Callback):
         return self._line_stream if self._line_stream is not None else sys.stdout
 
     # -- callback ---------------------------------------------------------------------
-    def on_train_start(self, trainer: "Trainer") -> None:
+    def on_train_start(self, trainer: "RunView") -> None:
         args = trainer.args
         total = trainer.steps_per_epoch * args.epochs
         if args.max_steps is not None:
@@ -159,7 +159,7 @@ class Progress(Writer, Callback):
                       + "\n")
             out.flush()
 
-    def on_step_end(self, trainer: "Trainer") -> None:
+    def on_step_end(self, trainer: "RunView") -> None:
         # The hot path: one counter update (tqdm checks the clock only every few
         # steps), or one clock read in lines mode. No tensor is touched.
         if self._bar is not None:
@@ -170,12 +170,12 @@ class Progress(Writer, Callback):
                 self._next_line = now + self.interval
                 self._print_line(trainer, now)
 
-    def on_epoch_end(self, trainer: "Trainer") -> None:
+    def on_epoch_end(self, trainer: "RunView") -> None:
         self._epoch_started = time.perf_counter()
         if self._bar is not None:
             self._bar.set_description_str(self._epoch_text(trainer), refresh=False)
 
-    def on_train_end(self, trainer: "Trainer") -> None:
+    def on_train_end(self, trainer: "RunView") -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -210,7 +210,7 @@ class Progress(Writer, Callback):
             self._bar = None
 
     # -- text ---------------------------------------------------------------------------
-    def _epoch_text(self, trainer: "Trainer") -> str:
+    def _epoch_text(self, trainer: "RunView") -> str:
         return f"epoch {min(trainer.epoch + 1, self._epochs)}/{self._epochs}"
 
     def _samples_seen(self) -> int:
@@ -240,7 +240,7 @@ class Progress(Writer, Callback):
                          + (f" (MFU {100 * self.mfu:.1f}%)" if self.mfu is not None else ""))
         return ", ".join(parts)
 
-    def _print_line(self, trainer: "Trainer", now: float) -> None:
+    def _print_line(self, trainer: "RunView", now: float) -> None:
         step = trainer.global_step
         then, then_step = self._last_line
         if now > then and step > then_step:

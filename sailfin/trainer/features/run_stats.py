@@ -11,7 +11,7 @@ from ...utils.memory import peak_rss_bytes
 from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 
 def flat_metrics(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -44,7 +44,7 @@ class RunStats(Callback):
         self.metric, self.mode = metric, mode
         self.best: Optional[dict[str, Any]] = None
 
-    def on_validation_end(self, trainer: "Trainer", metrics) -> None:
+    def on_validation_end(self, trainer: "RunView", metrics) -> None:
         flat = flat_metrics(metrics)
         if len(metrics) == 1:  # a single set also answers to "<set name>/<metric>"
             name = next(iter(metrics))

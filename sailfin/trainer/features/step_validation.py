@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 
 class StepValidation(Callback):
@@ -32,7 +32,7 @@ class StepValidation(Callback):
             raise ValueError(f"every must be >= 1, got {every}")
         self.every = every
 
-    def on_step_end(self, trainer: "Trainer") -> None:
+    def on_step_end(self, trainer: "RunView") -> None:
         if trainer.global_step % self.every:
             return
         started = time.perf_counter()

@@ -31,12 +31,13 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from ...checkpoint.metrics_log import last_logged_step
 from ...checkpoint.time_account_file import (COMPONENTS, VERSION, account_path, account_totals,
-                                             read_account, run_start_time, write_account)
+                                             read_account, run_start_time, set_summary_field,
+                                             write_account)
 from ..core.callbacks import Callback
 from .phase_sampler import PhaseSampler
 
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 log = logging.getLogger("sailfin")
 
@@ -84,7 +85,7 @@ class TimeAccount(Callback):
             self.last_sign = os.path.getmtime(metrics) if os.path.exists(metrics) else None
 
     # -- the boundaries -----------------------------------------------------------------
-    def on_train_start(self, trainer: "Trainer") -> None:
+    def on_train_start(self, trainer: "RunView") -> None:
         if not self.active:
             return
         self._train_start = time.perf_counter()
@@ -105,14 +106,14 @@ class TimeAccount(Callback):
             self.sampler.start()
         self.write(trainer, durable=True)
 
-    def on_save_end(self, trainer: "Trainer", kind: str, seconds: float) -> None:
+    def on_save_end(self, trainer: "RunView", kind: str, seconds: float) -> None:
         if self._segment is None:
             return
         self._stalls[kind] += seconds
         if kind == "checkpoint" or time.perf_counter() - self._last_write >= _SNAPSHOT_WRITE:
             self.write(trainer, durable=kind == "checkpoint")
 
-    def on_epoch_end(self, trainer: "Trainer") -> None:
+    def on_epoch_end(self, trainer: "RunView") -> None:
         if self._segment is not None:
             self.write(trainer)
 
@@ -125,7 +126,7 @@ class TimeAccount(Callback):
             self.sampler.stop()
         return {"time_account": self.totals()}
 
-    def on_train_end(self, trainer: "Trainer") -> None:
+    def on_train_end(self, trainer: "RunView") -> None:
         """After the final save: the segment ends, the totals go to summary.json, the end
         line and the writers."""
         if self._segment is None:
@@ -136,10 +137,10 @@ class TimeAccount(Callback):
         self.write(trainer, durable=True)
         totals = self.totals()
         summary = getattr(trainer, "summary", None)
-        if isinstance(summary, dict):
+        path = os.path.join(trainer.args.output_dir, "summary.json")
+        if isinstance(summary, dict) and os.path.exists(path):
             summary["time_account"] = totals
-            from ..core.outputs import write_json_atomic
-            write_json_atomic(os.path.join(trainer.args.output_dir, "summary.json"), summary)
+            set_summary_field(path, "time_account", totals)
         metrics = {"goodput": totals["goodput"], "wall_seconds": totals["wall_seconds"],
                    "restarts": totals["failures"]}
         metrics.update({f"{k}_seconds": v for k, v in totals["seconds"].items()})
@@ -147,7 +148,7 @@ class TimeAccount(Callback):
         self._segment = None
 
     # -- the numbers --------------------------------------------------------------------
-    def write(self, trainer: "Trainer", durable: bool = False) -> None:
+    def write(self, trainer: "RunView", durable: bool = False) -> None:
         """Bring the current segment up to now and replace the file."""
         seg = self._segment
         assert seg is not None
@@ -266,6 +267,6 @@ def _roll_back(seg: dict[str, Any], step: int) -> None:
     seg["marks"] = [m for m in marks if m[0] < step] + [[max(step, marks[0][0]), kept]]
 
 
-def _retry_seconds(trainer: "Trainer") -> float:
+def _retry_seconds(trainer: "RunView") -> float:
     autobatch = getattr(trainer, "autobatch", None)
     return float(getattr(autobatch, "retry_seconds", 0.0)) if autobatch is not None else 0.0

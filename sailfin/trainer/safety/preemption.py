@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ...distributed.exit_codes import PREEMPTED_EXIT_CODE  # noqa: F401 (the CLI reads it here)
+from ...distributed.launch_notes import TRAINING, leave_note
 
 _NEVER = sys.maxsize
 # torchrun's agent passes a Ctrl-C it received on to its workers, which got the same
@@ -97,6 +98,7 @@ class Preemption:
         """Take over SIGTERM and SIGINT (main thread only: Python's rule for handlers)."""
         if self.distributed:  # the same steps on every rank: a pure function of the step
             self.check_at = (global_step // self.check_every + 1) * self.check_every
+        leave_note(TRAINING)  # sailfin launch: steps can be lost from here, unless saved
         if threading.current_thread() is not threading.main_thread():
             return
         self._pid = os.getpid()

@@ -4,8 +4,8 @@
   (``OneCycleLR``'s ``total_steps``) cannot run past them; a run extended with
   more epochs or ``max_steps`` stops before its first step, naming it.
 - :func:`sanity_validate`: ``trainer.sanity_val_batches`` validation batches go
-  through ``val_step`` before the first training step, and their outputs are
-  checked. It draws nothing from the training's random streams, so the run's
+  through ``val_step`` before the first training step, their outputs are
+  checked, and ``on_end_val_epoch`` runs on them (its signature is checked). It draws nothing from the training's random streams, so the run's
   result is the same with or without it.
 - :func:`train_output_checker`: the first ``train_step`` return value is
   checked once; the loop then unpacks returns without checking.
@@ -18,26 +18,32 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import random
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 import torch
 
+from ...distributed.watchdog import STARTUP_CHECKS
+from ...interfaces import RecipeError
+from ..core.pymarlin_forms import CallbackSignatureError, batch_size, val_epoch_end_caller
+from ..core.validation import merge_outputs
+
 if TYPE_CHECKING:
-    from ..core.trainer import Trainer
+    from ..core.view import RunView
 
 TRAIN_STEP_FORMS = ("the batch's mean loss (a tensor with one value), "
                     "(loss, {name: scalar tensor}) to log more values, or PyMarlin's "
                     "(loss, outputs...) passed to on_end_train_step")
 
 
-class StartupCheckError(ValueError):
+class StartupCheckError(RecipeError):
     """A recipe piece returned something the trainer cannot use; found before training."""
 
 
 # -- schedulers ---------------------------------------------------------------------
-def steps_left(trainer: "Trainer") -> int:
+def steps_left(trainer: "RunView") -> int:
     """Optimizer steps this run still takes (the rest of the epochs, capped by max_steps)."""
     args = trainer.args
     left = max(0, trainer.steps_per_epoch - trainer.step_in_epoch) if \
@@ -48,7 +54,7 @@ def steps_left(trainer: "Trainer") -> int:
     return left
 
 
-def check_schedulers_fit(trainer: "Trainer") -> None:
+def check_schedulers_fit(trainer: "RunView") -> None:
     """Stop now if a scheduler with a fixed length would run out during this run."""
     left = steps_left(trainer)
     if not left and trainer.resumed_from is not None and trainer.dist.is_main:
@@ -78,11 +84,14 @@ def check_schedulers_fit(trainer: "Trainer") -> None:
 
 
 # -- validation sanity check -----------------------------------------------------------
-def sanity_validate(trainer: "Trainer") -> None:
-    """Run ``sanity_val_batches`` batches of each validation set through ``val_step``."""
+def sanity_validate(trainer: "RunView") -> None:
+    """Run ``sanity_val_batches`` batches of each validation set through ``val_step``,
+    then the recipe's ``on_end_val_epoch`` on their gathered outputs (what it returns is
+    not logged): a callback whose signature cannot take them fails here, in one line."""
     count = trainer.args.sanity_val_batches
     if not count or not trainer.val_loaders:
         return
+    trainer.heartbeat.phase = STARTUP_CHECKS  # watched: a rank may stop in these batches
     module, device = trainer.module, trainer.device
     was_training = module.training
     states = (random.getstate(), np.random.get_state())
@@ -90,16 +99,30 @@ def sanity_validate(trainer: "Trainer") -> None:
     # fork_rng puts torch's streams back (iter(loader) draws its worker seed from them).
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         module.eval()
+        module.sanity_checking = True
         try:
             for name, loader in trainer.val_loaders.items():
-                for i, batch in enumerate(loader):
+                where = (f"validation set {name!r}, sanity check before training; "
+                         f"trainer.sanity_val_batches {count}")
+                outputs, sizes = [], []
+                for i, batch in enumerate(trainer.heartbeat.count(loader)):
                     if i >= count:
                         break
+                    sizes.append(batch_size(batch))
                     out = trainer.backend.val_step(module, trainer.global_step, batch)
-                    check_val_output(out, f"val_step (validation set {name!r}, sanity "
-                                          f"check before training; trainer.sanity_val_batches "
-                                          f"{count})")
+                    check_val_output(out, f"val_step ({where})")
+                    outputs.append(out)
+                gathered = trainer.backend.gather_outputs(merge_outputs(outputs, sizes=sizes))
+                # The recipe's checkpointed state (a count of validations, a best score)
+                # is put back: the check leaves the run as it found it.
+                state = copy.deepcopy(module.get_state())
+                try:
+                    val_epoch_end_caller(module)(trainer.global_step, gathered, name)
+                except CallbackSignatureError as err:
+                    raise StartupCheckError(f"{err} ({where})") from None
+                module.update_state(state)
         finally:
+            module.sanity_checking = False
             module.train(was_training)
             random.setstate(states[0])
             np.random.set_state(states[1])

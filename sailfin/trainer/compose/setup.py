@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ...checkpoint import build_checkpointer
 from ...checkpoint.checkpointer import say
 from ...data.plan import BatchPlan
+from ...interfaces import RecipeError
 from ...logging.destination import check_directory
 from ...utils.seed import seed_everything
 from ..checkpointing.accepted import FreshHyperparameters, apply_accepted
@@ -20,10 +21,11 @@ from ..features.loop_features import build_loop_features
 from ..features.observe import build_observers
 from ..features.run_stats import RunStats
 from ..features.time_account import TimeAccount
+from .watchdog import start_watchdog
 from ..safety.nonfinite import NonFiniteGuard
-from .hooks import as_list, overridden
-from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
-from .pymarlin_forms import train_step_end_caller, val_epoch_end_caller
+from ..core.hooks import as_list, overridden
+from ..core.loaders import build_train_loader, build_val_loaders, dataset_set_epoch
+from ..core.pymarlin_forms import train_step_end_caller, val_epoch_end_caller
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -38,8 +40,10 @@ def build_run(trainer: "Trainer") -> None:
     size = args.micro_batch_size if trainer.autobatch is None else trainer.autobatch.size
     trainer.plan = BatchPlan.create(args.train_batch_size, size, dist.world_size,
                                     args.drop_last, args.max_train_steps_per_epoch,
-                                    micro_batch_limit=args.gpu_batch_size_limit)
+                                    micro_batch_limit=args.gpu_batch_size_limit,
+                                    note=say if dist.is_main else None)
     trainer.backend.setup(trainer.module)
+    start_watchdog(trainer, in_setup=True)  # from the first collective: resume, checks
     trainer.plan = trainer.backend.batch_plan(trainer.plan)  # dp: unweighted, Poisson steps
     trainer.device = trainer.backend.device
     trainer.train_loader, trainer.train_sampler = build_train_loader(
@@ -53,7 +57,8 @@ def build_run(trainer: "Trainer") -> None:
     trainer.optimizers = as_list(optimizers, "optimizers")
     trainer.schedulers = as_list(schedulers, "schedulers")
     if not trainer.optimizers:
-        raise ValueError("get_optimizers_schedulers returned no optimizer")
+        raise RecipeError("get_optimizers_schedulers returned no optimizer: return "
+                          "([optimizer, ...], [scheduler, ...]) (the schedulers may be [])")
     # dp: clipping, noise and accounting around the optimizers (a no-op otherwise).
     trainer.backend.attach_optimizers(trainer.optimizers, trainer.num_train_samples,
                                    trainer.steps_per_epoch)

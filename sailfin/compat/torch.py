@@ -1,0 +1,80 @@
+"""sailfin's uses of torch's private attributes, each beside its public alternative or
+the upstream issue that would give one.
+
+A torch release may rename or drop any of these without a deprecation. Keeping them
+here says which ones sailfin depends on, and :func:`missing` (run by
+``tests/test_compat.py``) names those the installed torch lacks.
+
+Example::
+
+    found = found_inf_per_device(scaler, optimizer)   # after scaler.step(optimizer)
+    stepped = not any(bool(v.item()) for v in found.values())
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+PRIVATE = (
+    "torch.amp.GradScaler._found_inf_per_device",
+    "torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter",
+    "torch.distributed.checkpoint._fsspec_filesystem.FsspecReader",
+)
+"""The dotted names sailfin reads; :func:`missing` checks each."""
+
+
+def found_inf_per_device(scaler: "torch.amp.GradScaler", optimizer: torch.optim.Optimizer
+                         ) -> dict[Any, torch.Tensor]:
+    """Device -> the inf/NaN flag that ``scaler.step(optimizer)`` read: whether it skipped
+    the optimizer's step. Read after ``step()`` and before ``update()``.
+
+    Private: ``GradScaler._found_inf_per_device``. Public alternative: compare
+    ``scaler.get_scale()`` before and after ``scaler.update()`` (a skipped step backs the
+    scale off), which costs a host sync of its own and answers only after ``update()``.
+    Upstream: pytorch/pytorch#67590 asks for the scaler to say whether it stepped.
+    """
+    return scaler._found_inf_per_device(optimizer)
+
+
+def fsspec_writer() -> type:
+    """DCP's storage writer for fsspec URLs (``s3://``, ``gs://``, ...).
+
+    Private module: ``torch.distributed.checkpoint._fsspec_filesystem``. Upstream:
+    pytorch/pytorch#188772 (make ``FsspecWriter``/``FsspecReader`` public); until then
+    ``dcp.save(checkpoint_id=url)`` picks it itself, but takes no storage options.
+    Imported when called: ``torch.distributed.checkpoint`` takes a second to import.
+    """
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter
+
+
+def fsspec_reader() -> type:
+    """DCP's storage reader for fsspec URLs; private as :func:`fsspec_writer` says."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader
+
+
+def missing() -> list[str]:
+    """The names in :data:`PRIVATE` the installed torch lacks (empty: all present)."""
+    return [name for name in PRIVATE if not _resolves(name)]
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``dotted`` names something: its longest importable module, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False

@@ -1,0 +1,119 @@
+"""The public Trainer: the loop (:class:`~sailfin.trainer.core.trainer.Loop`) with what a
+run needs around it: set-up from the config, the run lock, the start-up checks,
+preemption, the hang watchdog, the run's outputs and the checkpoint state."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Mapping, Optional
+
+from ...utils.log import configure_logging
+from ..checkpointing.state import load_trainer_state, trainer_state
+from ..core.trainer import Loop
+from .watchdog import start_watchdog
+from ..safety.preemption import Preemption, save_and_stop
+from ..safety.run_lock import RunLock, take_run_lock
+from ..safety.startup_checks import check_schedulers_fit, sanity_validate, train_output_checker
+from .outputs import finish_run
+from .setup import build_run
+
+
+class Trainer(Loop):
+    """Trains a :class:`ModuleInterface` as ``args`` says.
+
+    Example::
+
+        args = TrainerArguments(epochs=3, train_batch_size=64, micro_batch_size=32)
+        Trainer(MyModule(data=MyData()), args).train()
+    """
+
+    _is_setup = False
+    _run_lock: Optional[RunLock] = None  # rank 0's hold on output_dir, from setup() on
+    watchdog: Any = None                 # the hang watchdog, from set-up to train()'s end
+
+    # -- the run ---------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        """Train for ``args.epochs`` (or until ``args.max_steps``); return the summary."""
+        try:
+            self.setup()
+            # Fail now, not after an epoch: schedule length, val_step, the first train_step.
+            check_schedulers_fit(self)
+            sanity_validate(self)
+        except BaseException:
+            self._stop_watchdog()  # its record says this rank failed (the others may wait)
+            self._release_run_lock()
+            raise
+        self._check_first_output = train_output_checker(self.global_step)
+        args = self.args
+        # SIGTERM / first Ctrl-C: finish the step, save on every rank, stop (preemption.py).
+        self.preemption = Preemption(self.dist.world_size, self.backend.all_reduce_mean,
+                                     self.device, args.preemption_check_every_n_steps)
+        try:
+            start_watchdog(self)  # one process; several: running since set-up joined the group
+            self.train_log.ready_since = self.global_step
+            self.preemption.install(self.global_step)
+            self._notify("on_train_start")
+            self._run_epochs()  # the loop (core/trainer.py)
+            self.module.on_end_train(self.global_step)
+            summary = self.summary = finish_run(self)
+            self._notify("on_train_end")
+            return summary
+        finally:
+            self.preemption.uninstall()
+            self.flops.abort()  # an error inside the counted step leaves the counting mode
+            try:
+                self.checkpointer.close()  # a background save finishes, or reports its error
+            finally:
+                self._stop_watchdog()
+                self.writers.flush()  # close() closes them; validate() may still log
+                self._release_run_lock()
+
+    def close(self) -> None:
+        """Close the writers and leave the process group (DDP). Safe to call twice."""
+        try:
+            self._stop_watchdog()
+            if self._is_setup:
+                self.writers.close()
+            self.backend.teardown()
+        finally:
+            self._release_run_lock()
+
+    def _release_run_lock(self) -> None:
+        lock, self._run_lock = self._run_lock, None
+        if lock is not None:
+            lock.release()
+
+    def _stop_watchdog(self) -> None:
+        if self.watchdog is not None:
+            # Raising here (in a finally) tells the partners' reports who stopped first.
+            self.watchdog.stop(failed=sys.exc_info()[0] is not None)
+            self.watchdog = None
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def setup(self) -> None:
+        """Place the module, build the batch plan, loaders, optimizers, checkpointer and
+        writers, and resume from a checkpoint as ``trainer.resume`` says."""
+        if self._is_setup:
+            return
+        configure_logging(self.dist.rank)
+        if self._run_lock is None:  # before anything is written there: one run per directory
+            self._run_lock = take_run_lock(self.args.output_dir, self.dist.is_main)
+        build_run(self)
+        self._is_setup = True
+
+    def _save_and_stop(self) -> None:
+        save_and_stop(self)  # raises TrainingPreempted
+
+    # -- checkpoint state ------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Every stateful piece but the random streams (per rank: ``checkpoint.rng``)."""
+        return trainer_state(self)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put back what :meth:`state_dict` returned (after :meth:`setup` built the pieces)."""
+        load_trainer_state(self, state)

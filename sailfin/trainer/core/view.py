@@ -1,0 +1,95 @@
+"""What a feature may read and call on the run: the door between the loop and the
+modules in ``trainer/features``, ``trainer/checkpointing`` and ``trainer/safety``.
+
+Every callback hook receives the run as a :class:`RunView`. The trainer has more
+attributes than these; the others are the loop's own and may change with it. A
+feature that needs something more adds it here, with a line saying what it is
+(``tests/test_architecture.py`` reads this class: a feature reaching for a name
+not listed here fails it, and ``docs/architecture.md`` lists the same names).
+
+Example::
+
+    class StopAtLoss(Callback):
+        def on_step_end(self, trainer: RunView) -> None:
+            if trainer.global_step >= 100:
+                trainer.stop_reason = {"reason": "enough", "step": trainer.global_step}
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Protocol
+
+import torch
+
+from ...config.trainer import TrainerArguments
+from ...distributed import DistEnv
+from ...interfaces import ModuleInterface
+
+
+class RunView(Protocol):
+    """The run as a feature sees it (grouped as in docs/architecture.md)."""
+
+    # -- the recipe and where it runs --------------------------------------------------
+    module: ModuleInterface          # the recipe (its model, train_step, callbacks, get_state)
+    args: TrainerArguments           # the trainer settings in effect
+    dist: DistEnv                    # rank, world size, is_main
+    device: torch.device             # where the model's parameters live
+    backend: Any                     # the step's pieces: train_step, backward, all_reduce_mean,
+    #                                  optimizer_step, state dicts, barrier (sailfin.backends)
+    hparams: Optional[Mapping[str, Any]]  # the hyper-parameters the writers log (None: the settings)
+
+    # -- counters (read; checkpointing/state.py restores them) --------------------------
+    global_step: int                 # optimizer steps done
+    epoch: int                       # the current epoch (0-based)
+    step_in_epoch: int               # optimizer steps done in the current epoch
+    samples_seen: int                # samples behind the optimizer steps done
+    train_seconds: float             # time spent training (validation every N excluded)
+    validation_seconds: float        # time spent validating (features/time_account.py)
+    steps_per_epoch: int             # optimizer steps in a full epoch
+    num_train_samples: int           # samples in one epoch of the training data
+    last_val_step: int               # the global step last validated at (-1: none yet)
+    last_val_metrics: dict[str, dict[str, float]]  # validation set name -> its metrics
+    summary: Optional[dict[str, Any]]  # summary.json's fields, once train() has finished
+
+    # -- the run's pieces ---------------------------------------------------------------
+    plan: Any                        # the batch plan in effect (sailfin.data.plan.BatchPlan)
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: list[Any]
+    trainable_params: list[torch.nn.Parameter]
+    val_loaders: dict[str, Any]      # validation set name -> loader
+    callbacks: list[Any]             # every callback, in call order (their state is saved)
+    writers: Any                     # the metric writers (sailfin.logging.Writers)
+    heartbeat: Any                   # where the loop is, for the hang watchdog (phase, step)
+    resumed_from: Any                # the checkpoint this run resumed from, or None
+
+    # -- pieces the composition root built, for the features that work together ---------
+    checkpointer: Any                # storage (sailfin.checkpoint)
+    saver: Any                       # the checkpoint callback, or None (checkpointing/saver.py)
+    nonfinite: Any                   # the non-finite loss guard (safety/nonfinite.py)
+    preemption: Any                  # the SIGTERM flag and agreement (safety/preemption.py)
+    ema: Any                         # the weight average, or None (features/ema.py)
+    flops: Any                       # the FLOPs meter (features/flops.py)
+    autobatch: Any                   # micro_batch_size: auto's search, or None (its retries:
+    #                                  features/autobatch.py; the time account reads them)
+
+    # -- a way to stop -------------------------------------------------------------------
+    stop_reason: Optional[dict[str, Any]]  # set it (reason, step, ...): the run ends after this step
+
+    # -- what a feature may call ---------------------------------------------------------
+    def validate(self) -> dict[str, dict[str, float]]:
+        """Run every validation set now; name -> metrics."""
+
+    def exclude_time(self, seconds: float) -> None:
+        """``seconds`` spent inside a hook on something else: not training time."""
+
+    def replan(self, micro_batch_size: int) -> None:
+        """Run with another micro-batch size from the current step (same global batch)."""
+
+    def remove_callback(self, callback: Any) -> None:
+        """Stop calling ``callback`` from the next step on."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every stateful piece but the random streams (what a checkpoint saves)."""
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put back what :meth:`state_dict` returned."""

@@ -1,0 +1,245 @@
+"""Checkpoint files that are not what they claim: none hangs, escapes or crashes a resume.
+
+Each damage is done to the newest checkpoint (step 6); ``resume: auto`` must fall back
+to step 4 with one line naming the file, and the same checkpoint named as
+``trainer.resume`` must fail with that line (a :class:`CheckpointCorrupt`).
+"""
+
+import json
+import os
+import shutil
+import signal
+import zlib
+
+import pytest
+import torch
+
+from sailfin import Trainer
+from sailfin.checkpoint import CheckpointCorrupt
+from tests.checkpoint.helpers import Crash, CrashAt
+from tests.recipes import IdData, LinearRecipe, args
+
+STEP = {"every_n_steps": 2, "at_epoch_end": False, "keep_last": None}
+
+
+def train(tmp, callbacks=(), **kw):
+    module = LinearRecipe(IdData(40, 6), dropout=0.2, momentum=0.9)
+    trainer = Trainer(module, args(tmp, **kw), callbacks=list(callbacks))
+    try:
+        trainer.train()
+    except Crash:
+        pass
+    return module, trainer
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    """A run stopped after step 7: checkpoints at steps 2, 4 and 6."""
+    out = tmp_path_factory.mktemp("pristine")
+    train(out, callbacks=[CrashAt(7)], epochs=2, checkpoint=STEP)
+    return out
+
+
+@pytest.fixture
+def run_dir(pristine, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(pristine, out, symlinks=True)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def no_hang():
+    """A read that blocks (a FIFO opened for reading) fails the test instead of hanging it."""
+    def on_alarm(signum, frame):
+        raise TimeoutError("reading the checkpoint hung")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+def manifest_of(step_dir):
+    return json.loads((step_dir / "manifest.json").read_text())
+
+
+def write_manifest(step_dir, body):
+    (step_dir / "manifest.json").write_text(json.dumps(body))
+
+
+def fifo(path):
+    path.unlink()
+    os.mkfifo(path)
+    return path
+
+
+def dev_zero(path):
+    path.unlink()
+    path.symlink_to("/dev/zero")
+    return path
+
+
+def escaping_entry(step):
+    """The manifest lists ../../outside.pt: a perfect copy of model.pt, outside the run."""
+    outside = step.parent.parent.parent / "outside.pt"
+    shutil.copy(step / "model.pt", outside)
+    body = manifest_of(step)
+    body["files"]["../../../outside.pt"] = body["files"].pop("model.pt")
+    write_manifest(step, body)
+    return step / "manifest.json", "'../../../outside.pt', not a file name"
+
+
+def escaping_link(step):
+    """model.pt is a link to a perfect copy of itself outside the checkpoint."""
+    outside = step.parent.parent.parent / "outside.pt"
+    shutil.copy(step / "model.pt", outside)
+    (step / "model.pt").unlink()
+    (step / "model.pt").symlink_to(outside)
+    return step / "model.pt", "outside the checkpoint directory"
+
+
+def no_files(step):
+    body = manifest_of(step)
+    body["files"] = {}
+    write_manifest(step, body)
+    return step / "manifest.json", "lists no files"
+
+
+def deep_json(step):
+    (step / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
+    return step / "manifest.json", "nests deeper than 64 levels"
+
+
+def huge_manifest(step):
+    with open(step / "manifest.json", "r+b") as fh:
+        fh.truncate(17 << 20)  # sparse: costs no disk
+    return step / "manifest.json", "more than the 16777216 such a file can hold"
+
+
+def list_in_model(step):
+    """model.pt rewritten as a list, its checksum fixed in the manifest."""
+    torch.save([1, 2, 3], step / "model.pt")
+    data = (step / "model.pt").read_bytes()
+    body = manifest_of(step)
+    body["files"]["model.pt"] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    write_manifest(step, body)
+    return step / "model.pt", "holds a list, not a state dict"
+
+
+def absurd_step(step):
+    body = manifest_of(step)
+    body["step"] = 10 ** 12
+    write_manifest(step, body)
+    return step / "manifest.json", "says step 1000000000000, but trainer.pt holds 6"
+
+
+def trainer_is_a_directory(step):
+    (step / "trainer.pt").unlink()
+    (step / "trainer.pt").mkdir()
+    return step / "trainer.pt", "is a directory, not a regular file"
+
+
+DAMAGES = {
+    "model.pt a FIFO": lambda s: (fifo(s / "model.pt"), "is a named pipe (FIFO)"),
+    "model.pt a link to /dev/zero": lambda s: (dev_zero(s / "model.pt"),
+                                                "is a character device"),
+    "manifest.json a FIFO": lambda s: (fifo(s / "manifest.json"), "is a named pipe (FIFO)"),
+    "rng file a link to /dev/zero": lambda s: (dev_zero(s / "rng-rank00000.pt"),
+                                               "is a character device"),
+    "manifest entry ../../../outside.pt": escaping_entry,
+    "model.pt a link out of the checkpoint": escaping_link,
+    "manifest files {}": no_files,
+    "manifest 200,000 levels deep": deep_json,
+    "manifest of 17 MB": huge_manifest,
+    "model.pt holds a list": list_in_model,
+    "manifest step 10**12": absurd_step,
+    "trainer.pt a directory": trainer_is_a_directory,
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_auto_falls_back_with_one_line_naming_the_file(run_dir, damage, capfd):
+    file, said = DAMAGES[damage](run_dir / "checkpoints" / "step-00000006")
+    capfd.readouterr()
+    _, trainer = train(run_dir, epochs=2, checkpoint=STEP)
+    err = capfd.readouterr().err
+    assert trainer.resumed_from.name == "step-00000004"
+    line = next(line for line in err.splitlines() if line.startswith("sailfin: resume: "))
+    assert str(file) in line and said in line, line
+    assert "skipped damaged checkpoint(s) step-00000006; falling back to" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_an_explicit_path_fails_with_one_line_naming_the_file(run_dir, tmp_path, damage):
+    step = run_dir / "checkpoints" / "step-00000006"
+    file, said = DAMAGES[damage](step)
+    with pytest.raises(CheckpointCorrupt) as caught:
+        train(tmp_path / "other", epochs=2, resume=str(step))
+    message = str(caught.value)
+    assert str(file) in message and said in message and "\n" not in message, message
+
+
+def test_nothing_outside_the_checkpoint_is_read(run_dir, monkeypatch):
+    """The escaping entry is refused before anything is opened (not after a checksum)."""
+    escaping_entry(run_dir / "checkpoints" / "step-00000006")
+    opened = []
+    real_open = os.open
+
+    def spy(path, *a, **kw):
+        opened.append(os.path.realpath(path))
+        return real_open(path, *a, **kw)
+
+    monkeypatch.setattr(os, "open", spy)
+    train(run_dir, epochs=2, checkpoint=STEP)
+    outside = str(run_dir.parent.parent / "outside.pt")
+    assert outside not in opened and any(p.endswith("model.pt") for p in opened)
+
+
+@pytest.mark.parametrize("mode", ["auto", "explicit"])
+def test_latest_a_directory_is_ignored_and_replaced(run_dir, tmp_path, mode, capfd):
+    root = run_dir / "checkpoints"
+    (root / "latest").unlink()
+    (root / "latest").mkdir()
+    resume = "auto" if mode == "auto" else str(root / "step-00000006")
+    _, trainer = train(run_dir, epochs=2, checkpoint=STEP, resume=resume)
+    assert os.path.basename(trainer.resumed_from.name) == "step-00000006"
+    assert (root / "latest").is_file()  # the next saves moved the pointer again
+    assert (root / "latest").read_text().strip() == "step-00000008"
+    assert f"removed {root / 'latest'}: it was not the pointer file" in capfd.readouterr().err
+
+
+def test_latest_a_directory_with_files_stops_before_the_first_step(run_dir):
+    from sailfin.checkpoint import CheckpointError
+
+    root = run_dir / "checkpoints"
+    (root / "latest").unlink()
+    (root / "latest").mkdir()
+    (root / "latest" / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=f"{root / 'latest'} is a directory with files"):
+        train(run_dir, epochs=2, checkpoint=STEP)
+    assert (root / "latest" / "notes.txt").read_text() == "mine"
+
+
+def test_the_cli_says_one_line_and_exits_2(tmp_path, capfd):
+    from sailfin.cli import main
+
+    out = tmp_path / "out"
+    config = tmp_path / "run.yaml"
+    config.write_text(f"""
+data: {{class_path: tests.recipes.IdData, init_args: {{n_train: 20, n_val: 0}}}}
+module: {{class_path: tests.recipes.LinearRecipe}}
+trainer: {{train_batch_size: 10, writers: [jsonl], output_dir: {out},
+           checkpoint: {{every_n_steps: 1}}}}
+""")
+    assert main(["train", str(config)]) == 0
+    step = out / "checkpoints" / "step-00000002"
+    fifo(step / "model.pt")
+    capfd.readouterr()
+    assert main(["train", str(config), "--trainer.resume", str(step),
+                 "--trainer.output_dir", str(tmp_path / "again")]) == 2
+    err = capfd.readouterr().err
+    assert err == (f"sailfin: checkpoint error: checkpoint file {step / 'model.pt'} is a named "
+                   "pipe (FIFO), not a regular file: the checkpoint is damaged or was tampered "
+                   "with\n")

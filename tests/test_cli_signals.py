@@ -1,0 +1,59 @@
+"""A SIGTERM that ends ``sailfin train`` says what it ended: before the first step, that
+nothing was lost; after the loop began (torchrun stopping the job after a worker died,
+while this rank stops on the error), the step reached, the error, and the steps lost."""
+
+import signal
+
+import pytest
+
+from sailfin.cli import main
+from sailfin.trainer.safety.preemption import Preemption
+from tests.recipes import LinearRecipe
+
+CONFIG = """
+data: {class_path: tests.recipes.IdData, init_args: {n_train: 200, n_val: 4}}
+module: {class_path: tests.test_cli_signals.PeerGone}
+trainer: {epochs: 1, train_batch_size: 10, writers: [jsonl], output_dir: OUT,
+          progress: none, checkpoint: {every_n_steps: EVERY}}
+"""
+
+
+class PeerGone(LinearRecipe):
+    """Step 6 fails as a collective does when a partner process died."""
+
+    def train_step(self, global_step, batch, device):
+        if global_step == 5:
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:29500")
+        return super().train_step(global_step, batch, device)
+
+
+@pytest.fixture
+def sigterm_after_the_loop_leaves(monkeypatch):
+    """torchrun's SIGTERM lands while the rank stops on its error, after the loop's own
+    handler has left (the moment the old message called 'set-up')."""
+    uninstall = Preemption.uninstall
+
+    def then_sigterm(self):
+        uninstall(self)
+        signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(Preemption, "uninstall", then_sigterm)
+
+
+@pytest.mark.parametrize("every,lost", [
+    (4, "the 1 step(s) after the last checkpoint (step-00000004) are lost; run the same "
+        "command again to resume from it"),
+    (50, "no checkpoint was saved: the 5 step(s) trained are lost; run the same command "
+         "again to start over")])
+def test_a_sigterm_after_steps_says_what_was_lost(tmp_path, capsys,
+                                                   sigterm_after_the_loop_leaves, every, lost):
+    path = tmp_path / "run.yaml"
+    path.write_text(CONFIG.replace("OUT", str(tmp_path / "out")).replace("EVERY", str(every)))
+    assert main(["train", str(path)]) == 75
+    err = capsys.readouterr().err
+    assert "during set-up" not in err and "nothing was lost" not in err
+    assert (f"sailfin: stopped by SIGTERM at step 5, while stopping after RuntimeError: "
+            f"Connection closed by peer [127.0.0.1]:29500; {lost} (exit code 75)") in err
+    saved = sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("step-*")) \
+        if every == 4 else []
+    assert saved == (["step-00000004"] if every == 4 else [])
