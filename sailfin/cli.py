@@ -124,8 +124,11 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         return PREEMPTED_EXIT_CODE
     if not trainer.dist.is_main:
         return 0
+    account = summary.get("time_account") or {}
+    goodput = (f"; goodput {100 * account['goodput']:.1f}% of {account['wall_seconds']:.1f} s "
+               f"wall" if account.get("goodput") is not None else "")  # docs/goodput.md
     print(f"done: {summary['global_step']} steps, {summary['samples_seen']} samples in "
-          f"{summary['train_seconds']:.1f} s; outputs in {cfg.trainer.output_dir}")
+          f"{summary['train_seconds']:.1f} s{goodput}; outputs in {cfg.trainer.output_dir}")
     for name, value in _flatten(summary["val"]).items():
         print(f"validation {name}: {value:.4f}" if isinstance(value, float)
               else f"validation {name}: {value}")

@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
+from .checkpoint.time_account_file import COMPONENTS, account_path, account_totals, read_account
+
 # Training values that are not charted on their own.
 _TRAIN_SKIP = {"step", "epoch", "split", "dataset"}
 
@@ -33,6 +35,7 @@ class Run:
     train: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
     val: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
+    account: Optional[dict[str, Any]] = None  # time_account.json, when present
 
 
 def load_run(path: str, name: Optional[str] = None) -> Run:
@@ -75,6 +78,7 @@ def load_run(path: str, name: Optional[str] = None) -> Run:
     if os.path.isfile(summary):
         with open(summary, encoding="utf-8") as fh:
             run.summary = json.load(fh)
+    run.account, _ = read_account(account_path(path))  # an unreadable one: no chart
     return run
 
 
@@ -173,6 +177,13 @@ def render(dirs: Sequence[str], out_dir: Optional[str] = None, dpi: int = 100) -
     overview = os.path.join(out_dir, "overview.png")
     _save(fig, overview, dpi)
     written.append(overview)
+    bars = [(run, seg) for run in runs if run.account for seg in run.account["segments"]]
+    if bars:
+        fig = Figure(figsize=(7.0, 2.6 + 0.45 * len(bars)), layout="constrained")
+        _goodput_bars(fig, bars, len(runs) > 1)
+        path = os.path.join(out_dir, "goodput.png")
+        _save(fig, path, dpi)
+        written.append(path)
     md = os.path.join(out_dir, "report.md")
     tmp = f"{md}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as fh:
@@ -180,6 +191,37 @@ def render(dirs: Sequence[str], out_dir: Optional[str] = None, dpi: int = 100) -
     os.replace(tmp, md)
     written.append(md)
     return written
+
+
+# One colour per component of the time account: productive green, losses warm.
+_COMPONENT_COLORS = {"productive": "#2ca02c", "replayed": "#d62728", "startup": "#ff7f0e",
+                     "restart_gap": "#7f7f7f", "data_wait": "#9467bd", "checkpoint": "#1f77b4",
+                     "snapshot": "#17becf", "validation": "#bcbd22", "oom_retries": "#e377c2",
+                     "other": "#c7c7c7"}
+
+
+def _goodput_bars(fig: Any, bars: list[tuple[Run, dict[str, Any]]], named: bool) -> None:
+    """One horizontal bar per restart segment, its seconds stacked by component."""
+    ax = fig.subplots()
+    labels = []
+    for row, (run, seg) in enumerate(bars):
+        left = 0.0
+        for key in COMPONENTS:
+            width = seg["seconds"].get(key, 0.0)
+            if width > 0:
+                ax.barh(row, width, left=left, color=_COMPONENT_COLORS[key],
+                        label=key if key not in ax.get_legend_handles_labels()[1] else None)
+                left += width
+        labels.append((f"{run.name} " if named else "") + f"#{seg['restart']} steps "
+                      f"{seg['from_step']}-{seg['step']}")
+    ax.set_yticks(range(len(bars)), labels)
+    ax.invert_yaxis()  # the first start on top
+    ax.set_xlabel("seconds (restart gap, start-up, training, ...)")
+    runs = [r for i, (r, _) in enumerate(bars) if i == 0 or bars[i - 1][0] is not r]
+    goodput = [(f"{r.name} " if named else "")
+               + f"{100 * (account_totals(r.account or {})['goodput'] or 0):.1f}%" for r in runs]
+    ax.set_title("Where the time went, per start: goodput " + ", ".join(goodput))
+    fig.legend(fontsize="small", ncols=5, loc="outside lower center")
 
 
 def _named(runs: list[Run]) -> list[Run]:
@@ -231,6 +273,15 @@ def markdown(runs: Sequence[Run], images: Sequence[str]) -> str:
               f"{run.summary['stopped_early']['step']})." for run in runs
               if run.summary.get("stopped_early")]
     if any(run.summary.get("stopped_early") for run in runs):
+        lines.append("")
+    for run in runs:
+        if run.account:
+            totals = account_totals(run.account)
+            spent = ", ".join(f"{k} {v:.4g} s" for k, v in totals["seconds"].items() if v > 0)
+            lines.append(f"{run.name}: goodput {100 * (totals['goodput'] or 0):.1f}% of "
+                         f"{totals['wall_seconds']:.4g} s wall, {totals['segments']} start(s), "
+                         f"{totals['failures']} restart(s) after a failure: {spent}.")
+    if any(run.account for run in runs):
         lines.append("")
     if any(not r.summary for r in runs):
         lines += ["Runs without summary.json (still running, or stopped early) show only "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from .errors import ConfigError
 from .memory import MemorySnapshotArguments
@@ -22,8 +22,12 @@ class CheckpointArguments:
 
     dir: Optional[str] = None
     """A local directory or an fsspec URL (``s3://bucket/run``); null: <output_dir>/checkpoints."""
-    every_n_steps: Optional[int] = None
-    """Save every N optimizer steps (null: not by step count)."""
+    every_n_steps: Union[int, Literal["auto"], None] = None
+    """Save every N optimizer steps (null: not by step count); ``auto``: N chosen from the
+    measured save and step times and the failure rate (Young-Daly; docs/goodput.md)."""
+    mtbf_hours: Optional[float] = None
+    """Mean time between failures for ``every_n_steps: auto``; null: the failure rate this
+    run has seen (24 h until its first failure)."""
     at_epoch_end: bool = True
     """Save at the end of every epoch (after its validation)."""
     best_metric: Optional[str] = None
@@ -48,9 +52,15 @@ class CheckpointArguments:
             from .coerce import build_dataclass
             self.memory = build_dataclass(MemorySnapshotArguments, self.memory,
                                           prefix="trainer.checkpoint.memory.")
+        if isinstance(self.every_n_steps, str) and self.every_n_steps != "auto":
+            raise ConfigError(f"trainer.checkpoint.every_n_steps must be a number, auto or "
+                              f"null, got {self.every_n_steps!r}")
+        if self.mtbf_hours is not None and not self.mtbf_hours > 0:
+            raise ConfigError(f"trainer.checkpoint.mtbf_hours must be > 0 hours or null (the "
+                              f"failure rate this run has seen), got {self.mtbf_hours}")
         for name in ("every_n_steps", "keep_last"):
             value = getattr(self, name)
-            if value is not None and value < 1:
+            if value is not None and value != "auto" and value < 1:
                 raise ConfigError(f"trainer.checkpoint.{name} must be >= 1 or null, got {value}")
         if self.dir is not None and not self.dir.strip():
             raise ConfigError("trainer.checkpoint.dir is empty; give a directory or URL, or "

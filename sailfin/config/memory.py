@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional, Union
 
 from .errors import ConfigError
 
@@ -21,8 +21,9 @@ class MemorySnapshotArguments:
             memory=MemorySnapshotArguments(every_n_steps=1, replicas=1)))
     """
 
-    every_n_steps: Optional[int] = None
-    """Snapshot every N optimizer steps (null: off; 1: every step)."""
+    every_n_steps: Union[int, Literal["auto"], None] = None
+    """Snapshot every N optimizer steps (null: off; 1: every step); ``auto``: N chosen from
+    the measured snapshot and step times and the failure rate (docs/goodput.md)."""
     dir: Optional[str] = None
     """A directory on a RAM file system; null: /dev/shm/sailfin-<run id>-node<N>."""
     persist_every_n_steps: Optional[int] = None
@@ -31,9 +32,12 @@ class MemorySnapshotArguments:
     """1: also keep each rank's snapshot in the memory of a rank on another node."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.every_n_steps, str) and self.every_n_steps != "auto":
+            raise ConfigError(f"trainer.checkpoint.memory.every_n_steps must be a number, auto "
+                              f"or null, got {self.every_n_steps!r}")
         for name in ("every_n_steps", "persist_every_n_steps"):
             value = getattr(self, name)
-            if value is not None and value < 1:
+            if value is not None and value != "auto" and value < 1:
                 raise ConfigError(f"trainer.checkpoint.memory.{name} must be >= 1 or null, "
                                   f"got {value}")
         if self.replicas not in (0, 1):

@@ -109,6 +109,9 @@ class MlflowWriter(Writer):
                 or now - self._last_flush >= self.flush_seconds):
             self.flush()
 
+    def log_run_totals(self, totals, step, epoch):
+        self.log_metrics(totals, step, epoch, "time")  # time/goodput, time/replayed_seconds...
+
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:
         # Sent now, in this thread: a store that refuses them fails before training.
         params = [Param(str(k)[:250], _param_text(v)) for k, v in hparams.items()]

@@ -52,6 +52,9 @@ class TensorBoardWriter(Writer):
                 continue
             self._tb.add_scalar(prefix + key, float(value), global_step=step)
 
+    def log_run_totals(self, totals, step, epoch):
+        self.log_metrics(totals, step, epoch, "time")  # time/goodput, time/replayed_seconds...
+
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:
         # HParams takes bool, int, float and str; None and lists become text.
         clean = {k: v if isinstance(v, (bool, int, float, str)) and not (

@@ -40,6 +40,12 @@ class Writer:
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:
         """Called once before training with the run's flattened settings."""
 
+    def log_run_totals(self, totals: Mapping[str, float], step: int, epoch: int) -> None:
+        """Called once at the end with figures of the whole run across its restarts
+        (goodput, the time account's seconds). They are no event of the training, so the
+        event logs (metrics.jsonl, metrics.csv, which a resumed run must repeat exactly)
+        leave them to summary.json; dashboards (TensorBoard, MLflow) show them."""
+
     def flush(self) -> None: ...
 
     def close(self) -> None:
@@ -59,6 +65,10 @@ class Writers(Writer):
     def log_hparams(self, hparams):
         for w in self.writers:
             w.log_hparams(hparams)
+
+    def log_run_totals(self, totals, step, epoch):
+        for w in self.writers:
+            w.log_run_totals(totals, step, epoch)
 
     def flush(self):
         for w in self.writers:

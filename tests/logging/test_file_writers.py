@@ -22,6 +22,7 @@ def log_all(writer):
                         "trainer.writers": ["csv"], "module.init_args.lr": 0.1})
     for event in EVENTS:
         writer.log_metrics(*event)
+    writer.log_run_totals({"goodput": 0.5, "replayed_seconds": 1.25}, 20, 1)  # the end
     writer.close()
 
 
@@ -95,6 +96,9 @@ def test_tensorboard_scalars_and_hparams_read_back(tmp_path):
     assert [e.value for e in lr] == pytest.approx([0.1, 0.05])
     assert [(e.step, e.value) for e in acc.Scalars("val/test/accuracy")] == [(20, 0.75)]
     assert math.isnan(acc.Scalars("train/loss")[1].value)
+    # The run's totals (the time account) as time/..., once, at the last step.
+    assert [(e.step, e.value) for e in acc.Scalars("time/goodput")] == [(20, 0.5)]
+    assert [(e.step, e.value) for e in acc.Scalars("time/replayed_seconds")] == [(20, 1.25)]
     from tensorboard.plugins.hparams import plugin_data_pb2
 
     content = acc.PluginTagToContent("hparams")
@@ -125,6 +129,8 @@ def test_mlflow_params_and_metrics_read_back(tmp_path):
     assert [(m.step, m.value) for m in history] == [(10, 0.1), (20, 0.05)]
     assert [(m.step, m.value) for m in client.get_metric_history(
         run_id, "val/test/accuracy")] == [(20, 0.75)]
+    assert [(m.step, m.value) for m in client.get_metric_history(
+        run_id, "time/goodput")] == [(20, 0.5)]
     assert not os.path.exists("mlruns")  # nothing lands in the working directory
 
 

@@ -23,7 +23,7 @@ from ...checkpoint.memory_checkpointer import MemoryFirstCheckpointer
 from ...checkpoint.memory_shards import local_shards, mesh_of
 from ...checkpoint.rng import rng_state
 from ...config.trainer import TrainerArguments
-from ..core.callbacks import Callback
+from ..core.callbacks import Callback, notify_save_end
 from .memory_space import mb, snapshot_bytes
 from .saver import CheckpointCallback, manifest_facts
 
@@ -45,7 +45,8 @@ class MemorySnapshots(Callback):
                  saver: Optional[CheckpointCallback]) -> None:
         self.checkpointer, self.store = checkpointer, checkpointer.store
         memory = args.checkpoint.memory
-        self.every, self.persist = memory.every_n_steps or 1, memory.persist_every_n_steps
+        self.every = memory.every_n_steps if isinstance(memory.every_n_steps, int) else 1
+        self.persist = memory.persist_every_n_steps
         self.replicas = int(self.store.replica_dst is not None)
         # Persisting is an ordinary (async) save; the saver also supplies the best metric.
         self.saver = saver or CheckpointCallback(checkpointer, args.checkpoint)
@@ -81,6 +82,7 @@ class MemorySnapshots(Callback):
             if trainer.dist.is_main:
                 say(self.store.stopped)
         self.stall_seconds.append(time.perf_counter() - started)
+        notify_save_end(trainer, "snapshot", self.stall_seconds[-1])  # the time account
 
     def on_train_end(self, trainer: "RunView") -> None:
         if self.store.skipped and trainer.dist.is_main:
@@ -140,4 +142,7 @@ def memory_snapshot_callback(checkpointer: Checkpointer, args: TrainerArguments,
     if not isinstance(checkpointer, MemoryFirstCheckpointer):
         return []
     checkpointer.mesh = mesh_of(module)
+    if args.checkpoint.memory.every_n_steps == "auto":  # chosen from measurements
+        from .auto_interval import AutoMemorySnapshots
+        return [AutoMemorySnapshots(checkpointer, args, saver)]
     return [MemorySnapshots(checkpointer, args, saver)]

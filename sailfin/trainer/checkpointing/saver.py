@@ -20,7 +20,7 @@ from ...config.checkpoint import CheckpointArguments
 from ...config.errors import suggest
 from ...distributed.watchdog import CHECKPOINT_SAVE
 from ...version import __version__
-from ..core.callbacks import Callback
+from ..core.callbacks import Callback, notify_save_end
 
 if TYPE_CHECKING:
     from ..core.view import RunView
@@ -126,6 +126,7 @@ class CheckpointCallback(Callback):
             beat.phase = phase
         self._saved_step, self._improved = trainer.global_step, False
         self.stall_seconds.append(time.perf_counter() - started)
+        notify_save_end(trainer, "checkpoint", self.stall_seconds[-1])  # the time account
 
     def _failed(self, trainer: "RunView", exc: BaseException) -> CheckpointError:
         """Remove the failed save's partial files (a full disk stays full otherwise) and
@@ -197,6 +198,9 @@ def checkpoint_callback(checkpointer: Checkpointer, args: CheckpointArguments
     """The callback ``args`` asks for, or None when nothing triggers a save."""
     if not args.saves:
         return None
+    if args.every_n_steps == "auto":  # chosen from measurements (auto_interval.py)
+        from .auto_interval import AutoStepCheckpointCallback
+        return AutoStepCheckpointCallback(checkpointer, args)
     cls = StepCheckpointCallback if args.every_n_steps else CheckpointCallback
     return cls(checkpointer, args)
 

@@ -20,6 +20,7 @@ from ..features.autobatch import auto_micro_batch
 from ..features.loop_features import build_loop_features
 from ..features.observe import build_observers
 from ..features.run_stats import RunStats
+from ..features.time_account import TimeAccount
 from .watchdog import start_watchdog
 from ..safety.nonfinite import NonFiniteGuard
 from ..core.hooks import as_list, overridden
@@ -79,12 +80,17 @@ def build_run(trainer: "Trainer") -> None:
     if trainer.autobatch is not None:  # its size is kept in checkpoints
         trainer.callbacks.append(trainer.autobatch)
     trainer.callbacks += features.last_callbacks  # the first step's FLOPs
+    # The time account reads how far a killed run logged before resuming trims metrics.jsonl.
+    account = TimeAccount(args.output_dir, dist.is_main, args.resume != "never",
+                          trainer.heartbeat)
     # Before the writers open metrics.jsonl: resuming trims events past the checkpoint.
     fresh = FreshHyperparameters.capture(trainer.optimizers, trainer.schedulers)
     trainer.resumed_from = resume(trainer, trainer.checkpointer)
     apply_accepted(trainer, fresh, say)  # resume_config: accept: the new lr... take effect
     if trainer.autobatch is not None:
         trainer.autobatch.start(trainer)  # the checkpoint's size, or a search after a resize
+    # After the savers (their final save is counted), before the progress (its end line).
+    trainer.callbacks.append(account)
     # Writers and progress (rank 0), profiler: destination errors surface here.
     observers = build_observers(args, dist, trainer._writers, trainer._hparams,
                                 trainer.callbacks)

@@ -50,4 +50,15 @@ class Callback:
                           ) -> None:
         """``metrics`` is name of validation set -> its metrics."""
 
+    def on_save_end(self, trainer: "RunView", kind: str, seconds: float) -> None:
+        """After a save: ``kind`` is ``"checkpoint"`` (to disk) or ``"snapshot"`` (memory);
+        ``seconds`` is how long training waited for it."""
+
     def on_train_end(self, trainer: "RunView") -> None: ...
+
+
+def notify_save_end(trainer: "RunView", kind: str, seconds: float) -> None:
+    """Call ``on_save_end`` on the callbacks that override it (the savers call this)."""
+    for callback in trainer.callbacks:
+        if type(callback).on_save_end is not Callback.on_save_end:
+            callback.on_save_end(trainer, kind, seconds)

@@ -58,6 +58,7 @@ class Loop:
         self.samples_seen = 0
         self.last_val_metrics: dict[str, dict[str, float]] = {}
         self.train_seconds = 0.0
+        self.validation_seconds = 0.0  # time spent validating (the time account reads it)
         self.summary: Optional[dict[str, Any]] = None  # set when train() finishes
         self.last_val_step = -1  # the global step last validated at
         self._check_first_output: Any = None  # checks the first train_step's return, once
@@ -257,7 +258,9 @@ class Loop:
         self.setup()
         if not self.val_loaders:
             return {}
+        started = time.perf_counter()
         results = run_validation(self)
+        self.validation_seconds += time.perf_counter() - started
         self.writers.flush()
         self.last_val_metrics = results
         self.last_val_step = self.global_step

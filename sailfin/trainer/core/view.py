@@ -44,6 +44,7 @@ class RunView(Protocol):
     step_in_epoch: int               # optimizer steps done in the current epoch
     samples_seen: int                # samples behind the optimizer steps done
     train_seconds: float             # time spent training (validation every N excluded)
+    validation_seconds: float        # time spent validating (features/time_account.py)
     steps_per_epoch: int             # optimizer steps in a full epoch
     num_train_samples: int           # samples in one epoch of the training data
     last_val_step: int               # the global step last validated at (-1: none yet)
@@ -68,6 +69,8 @@ class RunView(Protocol):
     preemption: Any                  # the SIGTERM flag and agreement (safety/preemption.py)
     ema: Any                         # the weight average, or None (features/ema.py)
     flops: Any                       # the FLOPs meter (features/flops.py)
+    autobatch: Any                   # micro_batch_size: auto's search, or None (its retries:
+    #                                  features/autobatch.py; the time account reads them)
 
     # -- a way to stop -------------------------------------------------------------------
     stop_reason: Optional[dict[str, Any]]  # set it (reason, step, ...): the run ends after this step

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
@@ -77,6 +78,8 @@ class AutoMicroBatch(Callback):
         self.clean_steps = 0          # steps finished at self.size by this process
         self.out_of_memory_steps: list[dict[str, int]] = []  # {"step", "size"}
         self._failed = False
+        self.retry_seconds = 0.0      # failed attempts, memory freed, replanned
+        self._step_started = 0.0
         self._local: Optional[contextlib.ExitStack] = None
         self._saved: Optional[Mapping[str, Any]] = None
 
@@ -115,6 +118,7 @@ class AutoMicroBatch(Callback):
         return self.end_step(trainer, trainer.step_in_epoch)
 
     def begin_step(self, backend: Any) -> None:
+        self._step_started = time.perf_counter()  # a failed attempt's time: oom_retries
         if self.probing:
             self._local = contextlib.ExitStack()
             self._local.enter_context(backend.local_gradients())
@@ -173,6 +177,7 @@ class AutoMicroBatch(Callback):
         if trainer.dist.is_main:
             log.info("micro_batch_size auto: step %d runs again with micro-batch %d "
                      "(%d ran out of memory)", trainer.global_step + 1, new, old)
+        self.retry_seconds += time.perf_counter() - self._step_started  # the time account
         return True
 
     def summary(self) -> dict[str, Any]:

@@ -268,6 +268,12 @@ def summary_text(summary: dict) -> str:
         parts.append(f"{flop_rate(summary['tflops'])} per device"
                      + (f", MFU {100 * summary['mfu']:.1f}%" if summary.get("mfu") is not None
                         else ""))
+    account = summary.get("time_account") or {}
+    if account.get("goodput") is not None:  # the time account, across restarts
+        restarts = account.get("failures", 0)
+        parts.append(f"goodput {100 * account['goodput']:.1f}% of {account['wall_seconds']:.1f}"
+                     f" s wall" + (f" ({restarts} restart{'s' if restarts != 1 else ''})"
+                                   if restarts else ""))
     stopped = summary.get("stopped_early")
     if stopped:
         parts.append(f"stopped early at step {stopped['step']}")

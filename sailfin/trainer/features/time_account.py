@@ -1,0 +1,272 @@
+"""The time account: where a run's wall time went, from its first start to its end,
+across every restart, and its goodput (the share that became kept training).
+
+Each start of the run (the first, a torchrun restart, a resume after a kill or a
+preemption) is a *segment* of ``<output_dir>/time_account.json``. A segment's
+seconds are split into components that sum to it:
+
+- ``productive``: training of steps that were kept;
+- ``replayed``: training a restart threw away (the steps after the checkpoint it
+  resumed from, trained again since); the part after the account's last write
+  is estimated from the steps ``metrics.jsonl`` logged and the segment's step time;
+- ``startup``: process start (imports, build, loading the checkpoint, reaching
+  the data position) to the first step;
+- ``restart_gap``: the previous segment's last sign of life to this start;
+- ``data_wait``, ``checkpoint`` and ``snapshot`` (stalls), ``validation``,
+  ``oom_retries`` (steps ``micro_batch_size: auto`` ran again); ``other``: the rest
+  (writing the final weights, end-of-run work).
+
+``goodput = productive / wall``. Rank 0 keeps the account, on its own clock.
+Nothing runs per step: the account is updated and written at the boundaries
+that already exist (start, each checkpoint or snapshot, each epoch end, the
+end), and the data wait is sampled off the step (:mod:`.phase_sampler`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+from ...checkpoint.metrics_log import last_logged_step
+from ...checkpoint.time_account_file import (COMPONENTS, VERSION, account_path, account_totals,
+                                             read_account, run_start_time, set_summary_field,
+                                             write_account)
+from ..core.callbacks import Callback
+from .phase_sampler import PhaseSampler
+
+if TYPE_CHECKING:
+    from ..core.view import RunView
+
+log = logging.getLogger("sailfin")
+
+_MARKS = 64            # (step, productive seconds) points kept per segment
+_SNAPSHOT_WRITE = 1.0  # seconds between writes when snapshots come every step
+
+
+class TimeAccount(Callback):
+    """Keeps ``<output_dir>/time_account.json`` and puts its totals in ``summary.json``.
+
+    The trainer builds one for every run (before resume, which trims
+    ``metrics.jsonl``: the steps a killed run logged tell how far it came).
+
+    Example::
+
+        account = TimeAccount("outputs/run", is_main=True)
+        Trainer(module, args, callbacks=[account])   # the trainer adds its own
+        account.totals()["goodput"]                  # 0.93
+    """
+
+    def __init__(self, output_dir: str, is_main: bool, continues: bool = True,
+                 heartbeat: Any = None) -> None:
+        self.active = is_main
+        self.path = account_path(output_dir)
+        self.started = run_start_time()
+        self.account: dict[str, Any] = {"version": VERSION, "segments": []}
+        self.reached: Optional[int] = None
+        self.last_sign: Optional[float] = None
+        self.sampler = PhaseSampler(heartbeat) if heartbeat is not None and is_main else None
+        self._segment: Optional[dict[str, Any]] = None
+        self._stalls = {"checkpoint": 0.0, "snapshot": 0.0}
+        self._loop_end: Optional[float] = None
+        self._last_write = 0.0
+        if not is_main:
+            return
+        if continues:  # resume: auto or a path; never starts a new account
+            previous, problem = read_account(self.path)
+            if problem:
+                log.warning("time account: %s; starting a new one", problem)
+            if previous is not None:
+                self.account = previous
+            metrics = os.path.join(output_dir, "metrics.jsonl")
+            self.reached = last_logged_step(metrics)
+            # The previous start's last sign of life: its last metrics line (or account write).
+            self.last_sign = os.path.getmtime(metrics) if os.path.exists(metrics) else None
+
+    # -- the boundaries -----------------------------------------------------------------
+    def on_train_start(self, trainer: "RunView") -> None:
+        if not self.active:
+            return
+        self._train_start = time.perf_counter()
+        wall_start = time.time()
+        segments, step = self.account["segments"], trainer.global_step
+        seg = {"started": self.started, "last_seen": wall_start, "restart": len(segments),
+               "world_size": trainer.dist.world_size, "from_step": step, "step": step,
+               "failure": False, "ended": None, "replayed_estimated": 0.0,
+               "seconds": dict.fromkeys(COMPONENTS, 0.0), "marks": [[step, 0.0]]}
+        seg["seconds"]["startup"] = max(0.0, wall_start - self.started)
+        if segments:
+            _after_restart(segments, seg, step, self.reached, self.started, self.last_sign)
+        segments.append(seg)
+        self._segment = seg
+        self._validation0 = getattr(trainer, "validation_seconds", 0.0)
+        self._oom0 = _retry_seconds(trainer)
+        if self.sampler is not None:
+            self.sampler.start()
+        self.write(trainer, durable=True)
+
+    def on_save_end(self, trainer: "RunView", kind: str, seconds: float) -> None:
+        if self._segment is None:
+            return
+        self._stalls[kind] += seconds
+        if kind == "checkpoint" or time.perf_counter() - self._last_write >= _SNAPSHOT_WRITE:
+            self.write(trainer, durable=kind == "checkpoint")
+
+    def on_epoch_end(self, trainer: "RunView") -> None:
+        if self._segment is not None:
+            self.write(trainer)
+
+    def summary_fields(self) -> dict[str, Any]:
+        """Called once the loop is done (summary.json): training time stops here."""
+        if self._segment is None:
+            return {}
+        self._loop_end = time.perf_counter()
+        if self.sampler is not None:
+            self.sampler.stop()
+        return {"time_account": self.totals()}
+
+    def on_train_end(self, trainer: "RunView") -> None:
+        """After the final save: the segment ends, the totals go to summary.json, the end
+        line and the writers."""
+        if self._segment is None:
+            return
+        if self._loop_end is None:
+            self.summary_fields()
+        self._segment["ended"] = "finished"
+        self.write(trainer, durable=True)
+        totals = self.totals()
+        summary = getattr(trainer, "summary", None)
+        path = os.path.join(trainer.args.output_dir, "summary.json")
+        if isinstance(summary, dict) and os.path.exists(path):
+            summary["time_account"] = totals
+            set_summary_field(path, "time_account", totals)
+        metrics = {"goodput": totals["goodput"], "wall_seconds": totals["wall_seconds"],
+                   "restarts": totals["failures"]}
+        metrics.update({f"{k}_seconds": v for k, v in totals["seconds"].items()})
+        trainer.writers.log_run_totals(metrics, trainer.global_step, trainer.epoch)
+        self._segment = None
+
+    # -- the numbers --------------------------------------------------------------------
+    def write(self, trainer: "RunView", durable: bool = False) -> None:
+        """Bring the current segment up to now and replace the file."""
+        seg = self._segment
+        assert seg is not None
+        now = time.perf_counter()
+        seg["last_seen"] = time.time()
+        seg["step"] = trainer.global_step
+        sec = seg["seconds"]
+        sec["checkpoint"], sec["snapshot"] = self._stalls["checkpoint"], self._stalls["snapshot"]
+        sec["validation"] = max(0.0, getattr(trainer, "validation_seconds", 0.0)
+                                - self._validation0)
+        sec["oom_retries"] = max(0.0, _retry_seconds(trainer) - self._oom0)
+        if self._loop_end is None:  # still training: the loop's time not spent otherwise
+            loop = now - self._train_start
+            sec["data_wait"] = self.sampler.data_share() * loop if self.sampler else 0.0
+            sec["productive"] = max(0.0, loop - sec["data_wait"] - sec["checkpoint"]
+                                    - sec["snapshot"] - sec["validation"] - sec["oom_retries"])
+            marks = seg["marks"]
+            if marks[-1][0] == seg["step"]:
+                marks[-1][1] = sec["productive"]
+            else:
+                marks.append([seg["step"], sec["productive"]])
+            if len(marks) > _MARKS:
+                del marks[1]  # the first (the segment's start) stays: it anchors rollbacks
+        if "unaccounted_steps" in seg:  # (a restart: the previous segment is before it)
+            _settle_gap(self.account["segments"][-2], seg)
+        # The segment so far: its gap, then process start to now; what is not measured.
+        total = sec["restart_gap"] + (seg["last_seen"] - seg["started"])
+        sec["other"] = max(0.0, total - sum(v for k, v in sec.items() if k != "other"))
+        self._last_write = now
+        write_account(self.path, self.account, durable)
+
+    def totals(self) -> dict[str, Any]:
+        return account_totals(self.account)
+
+
+def _after_restart(segments: list[dict[str, Any]], seg: dict[str, Any], step: int,
+                   reached: Optional[int], started: float, last_sign: Optional[float]) -> None:
+    """A new segment resumed at ``step``: earlier training past it was thrown away, and the
+    time since the previous segment's last sign of life is a restart gap (or idle, if it
+    ended)."""
+    prev = segments[-1]
+    for earlier in segments:
+        _roll_back(earlier, step)
+    if prev.get("ended") == "finished":
+        seg["idle_before"] = max(0.0, started - prev["last_seen"])  # a run extended: no failure
+        return
+    seg["failure"] = True
+    # It lived until its last metrics line, if that came after its account's last write.
+    last = prev["last_seen"]
+    if last_sign is not None and last < last_sign <= started:
+        last = last_sign
+    tail = last - prev["last_seen"]
+    prev["seconds"]["other"] += tail
+    prev["last_seen"] = last
+    seg["seconds"]["restart_gap"] = started - last
+    # Steps it trained after that write: kept ones (the checkpoint is newer than the
+    # write: snapshots write it at most once a second) were productive, the others
+    # (logged in metrics.jsonl, then lost) replayed. Their time is in its tail, and past
+    # the tail in the gap; it moves at the step time, once one is known (_settle_gap).
+    prev_step = prev["step"]
+    seg["unaccounted_steps"] = {"kept": max(0, step - prev_step),
+                                "lost": max(0, (reached or 0) - max(prev_step, step)),
+                                "tail": tail}
+    _settle_gap(prev, seg)
+
+
+def _settle_gap(prev: dict[str, Any], seg: dict[str, Any]) -> None:
+    """Give the previous segment the time of the steps it trained after its account's last
+    write, from its tail and then this segment's restart gap, at its step time (or this
+    one's, when it wrote no step: killed before its first save)."""
+    steps = seg.get("unaccounted_steps")
+    if not steps:
+        return
+    step_seconds = _step_seconds(prev) or _step_seconds(seg)
+    if not step_seconds and (steps["kept"] or steps["lost"]):
+        return  # no step time yet: the next write settles it
+    tail, gap = steps["tail"], seg["seconds"]["restart_gap"]
+    kept = min(tail + gap, steps["kept"] * step_seconds)
+    lost = min(tail + gap - kept, steps["lost"] * step_seconds)
+    from_tail = min(tail, kept + lost)
+    prev["seconds"]["other"] -= from_tail
+    seg["seconds"]["restart_gap"] = gap - (kept + lost - from_tail)
+    prev["seconds"]["productive"] += kept
+    prev["seconds"]["replayed"] += lost
+    prev["replayed_estimated"] = prev.get("replayed_estimated", 0.0) + lost
+    del seg["unaccounted_steps"]
+
+
+def _step_seconds(seg: dict[str, Any]) -> float:
+    marks = seg["marks"]
+    steps = marks[-1][0] - marks[0][0]
+    return (marks[-1][1] - marks[0][1]) / steps if steps > 0 else 0.0
+
+
+def _productive_at(marks: list[list[float]], step: int) -> float:
+    """Productive seconds when the segment reached ``step`` (linear between marks)."""
+    if step <= marks[0][0]:
+        return marks[0][1]
+    for (s0, p0), (s1, p1) in zip(marks, marks[1:]):
+        if step <= s1:
+            return p0 + (p1 - p0) * (step - s0) / (s1 - s0)
+    return marks[-1][1]
+
+
+def _roll_back(seg: dict[str, Any], step: int) -> None:
+    """Training of ``seg`` past ``step`` was not kept: productive -> replayed."""
+    marks = seg["marks"]
+    if marks[-1][0] <= step:
+        return
+    kept = _productive_at(marks, step)
+    moved = marks[-1][1] - kept
+    sec = seg["seconds"]
+    moved = min(moved, sec["productive"])
+    sec["productive"] -= moved
+    sec["replayed"] += moved
+    seg["marks"] = [m for m in marks if m[0] < step] + [[max(step, marks[0][0]), kept]]
+
+
+def _retry_seconds(trainer: "RunView") -> float:
+    autobatch = getattr(trainer, "autobatch", None)
+    return float(getattr(autobatch, "retry_seconds", 0.0)) if autobatch is not None else 0.0

@@ -1,0 +1,118 @@
+"""The time account: components that sum to the wall time, no replay or restart gap
+without failures, and observing it never changes the weights."""
+
+import json
+
+import pytest
+import torch
+
+from sailfin import Callback, Trainer
+from sailfin.checkpoint.time_account_file import COMPONENTS
+from sailfin.logging import Writer
+from sailfin.logging.jsonl import JsonlWriter
+from sailfin.trainer.compose import setup
+from tests.checkpoint.helpers import SlowLinear
+from tests.recipes import IdData, args
+
+
+class Totals(Writer):
+    def __init__(self):
+        self.seen = []
+
+    def log_run_totals(self, totals, step, epoch):
+        self.seen.append((step, dict(totals)))
+
+
+def train(out, writers=None, **kw):
+    module = SlowLinear(IdData(200, 20), momentum=0.9, dropout=0.2, step_seconds=0.01)
+    trainer = Trainer(module, args(out, epochs=2, checkpoint={"every_n_steps": 7},
+                                   val_every_n_epochs=1, **kw), writers=writers)
+    summary = trainer.train()
+    trainer.close()
+    return summary, {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def test_a_run_without_failures_has_no_replay_and_no_restart_gap(tmp_path):
+    seen = Totals()
+    summary, _ = train(tmp_path / "run", writers=[JsonlWriter(str(tmp_path / "run" /
+                                                                   "metrics.jsonl")), seen])
+    seen = seen.seen
+    totals = summary["time_account"]
+    seconds = totals["seconds"]
+    assert set(seconds) == set(COMPONENTS)
+    assert totals["segments"] == 1 and totals["failures"] == 0
+    assert seconds["replayed"] == 0 and seconds["restart_gap"] == 0
+    assert abs(sum(seconds.values()) - totals["wall_seconds"]) < 1e-3
+    # 40 steps of >= 10 ms each: at least 0.4 s productive; saves and validation measured.
+    assert seconds["productive"] >= 0.4
+    assert seconds["checkpoint"] > 0 and seconds["validation"] > 0
+    assert abs(totals["goodput"] - seconds["productive"] / totals["wall_seconds"]) < 1e-3
+    # The file and summary.json say the same; the writers got the totals.
+    on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())["time_account"]
+    assert on_disk == totals
+    account = json.loads((tmp_path / "run" / "time_account.json").read_text())
+    assert account["segments"][0]["ended"] == "finished"
+    assert seen == [(40, {"goodput": totals["goodput"], "wall_seconds": totals["wall_seconds"],
+                          "restarts": 0, **{f"{k}_seconds": v for k, v in seconds.items()}})]
+
+
+def test_observing_the_time_never_changes_the_weights(tmp_path, monkeypatch):
+    _, with_account = train(tmp_path / "with")
+
+    class Off(Callback):  # the same run with no account at all
+        def __init__(self, *a, **k):
+            pass
+
+    monkeypatch.setattr(setup, "TimeAccount", Off)
+    summary, without = train(tmp_path / "without")
+    assert "time_account" not in summary
+    assert not (tmp_path / "without" / "time_account.json").exists()
+    for key in with_account:
+        assert torch.equal(with_account[key], without[key]), key
+
+
+class Crash(Exception):
+    pass
+
+
+def test_steps_lost_before_the_first_save_are_replayed_not_a_restart_gap(tmp_path):
+    """Killed before any save: the next start trains from step 0 again; the lost steps'
+    time (at the step time the new start measures) is replayed, the rest is the gap."""
+
+    class CrashAt(Callback):
+        def on_step_end(self, trainer):
+            if trainer.global_step == 10:
+                raise Crash()
+
+    kw = dict(epochs=1, checkpoint={"every_n_steps": 15})
+    with pytest.raises(Crash):
+        Trainer(SlowLinear(IdData(200, 0), step_seconds=0.02), args(tmp_path, **kw),
+                callbacks=[CrashAt()]).train()
+    Trainer(SlowLinear(IdData(200, 0), step_seconds=0.02), args(tmp_path, **kw)).train()
+    first, second = json.loads((tmp_path / "time_account.json").read_text())["segments"]
+    assert (first["step"], second["from_step"], second["failure"]) == (0, 0, True)
+    step_time = second["seconds"]["productive"] / 20
+    assert step_time >= 0.02
+    # 10 steps logged, then lost: 10 step times moved out of the gap.
+    assert first["replayed_estimated"] == pytest.approx(10 * step_time, rel=0.25)
+    assert first["seconds"]["replayed"] == first["replayed_estimated"]
+    assert "unaccounted_steps" not in second
+
+
+def test_a_process_start_is_read_from_the_system(tmp_path):
+    """Start-up counts from the process's (under torchrun's first round: the launcher's)
+    start, which /proc gives to 10 ms."""
+    import subprocess
+    import sys
+    import time
+
+    from sailfin.checkpoint.time_account_file import process_start_time
+
+    before = time.time()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    try:
+        after = time.time()
+        assert before - 0.05 <= process_start_time(child.pid) <= after + 0.05
+    finally:
+        child.kill()
+        child.wait()
