@@ -25,6 +25,7 @@ LAYERS = {
     "logging": 3,
     "distributed": 2,
     "config": 1, "utils": 1, "version": 1,
+    "compat": 1,
 }
 TOP = "sailfin"          # sailfin/__init__.py: the public API, above the trainer
 TOP_LEVEL = 8

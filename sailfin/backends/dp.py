@@ -36,34 +36,36 @@ from ..config.errors import ConfigError
 from ..config.trainer import TrainerArguments
 from ..data.plan import BatchPlan
 from ..data.poisson import PoissonPlan, PrivatePlan
+from ..compat.opacus import drop_pending_step
 from .precision import Precision
+from .privacy_budget import Segment, epsilon_of, plan_segment
 from .privacy_model import attach_hooks, check_model, import_opacus
 from .strategy import SingleDevice, StepRunner
 
 
-def make_private(backend: SingleDevice, args: TrainerArguments) -> SingleDevice:
-    """``backend`` with DP-SGD composed on it (its class becomes a private subclass)."""
-    if backend.strategy == "fsdp":
+def check_private(strategy: str, precision: Precision, args: TrainerArguments) -> None:
+    """Refuse, before anything is built, the compositions DP-SGD cannot run."""
+    if strategy == "fsdp":
         raise ConfigError(
             f"trainer.backend {args.backend} is not supported: Opacus's FSDP path "
             "(grad_sample_mode ghost_fsdp) shards the model with its own wrapper and supports "
             "only flat ghost clipping, which sailfin's fsdp strategy does not drive yet; use "
             "ddp-dp (trainer.dp.clipping: ghost for memory)")
-    if type(backend.precision) is not Precision:
+    if type(precision) is not Precision:
         raise ConfigError(
             f"trainer.backend {args.backend}: mixed precision does not combine with dp "
             "(per-sample gradients and their norms are computed in float32); use "
-            f"{backend.strategy.replace('single', 'sp')}-dp")
+            f"{strategy.replace('single', 'sp')}-dp")
     import_opacus()
-    backend.__class__ = _private_class(type(backend))
-    backend.init_privacy(args)
-    return backend
 
 
 @lru_cache(maxsize=None)
-def _private_class(strategy: type) -> type:
+def private_class(strategy: type) -> type:
+    """``strategy`` with DP-SGD composed on it: a subclass whose step methods come from
+    :class:`PrivateStrategy` (built once per strategy class)."""
     return type(f"Private{strategy.__name__}", (PrivateStrategy, strategy),
-                {"__doc__": f"{strategy.__name__} with DP-SGD (see sailfin.backends.dp)."})
+                {"__doc__": f"{strategy.__name__} with DP-SGD (see sailfin.backends.dp).",
+                 "__module__": __name__})
 
 
 class PrivateStrategy(SingleDevice):
@@ -71,10 +73,11 @@ class PrivateStrategy(SingleDevice):
 
     Example::
 
-        backend = make_private(SingleDevice(Precision(), torch.device("cpu")),
-                               TrainerArguments(backend="sp-dp", dp={"noise_multiplier": 1.0}))
+        backend = private_class(SingleDevice)(Precision(), torch.device("cpu"))
+        backend.init_privacy(TrainerArguments(backend="sp-dp", dp={"noise_multiplier": 1.0}))
         backend.setup(module)                                # checks, hooks
         backend.attach_optimizers([opt], num_samples=1000, steps_per_epoch=16)
+        backend.begin_segment(steps=16)                      # the noise, the epsilon table
         backend.epsilon()                                    # 0.0 before the first step
     """
 
@@ -88,6 +91,9 @@ class PrivateStrategy(SingleDevice):
         self.sample_rate = 0.0
         self.delta = 0.0
         self.planned_steps = 0
+        self.accounted = 0              # steps the accountant holds (every checkpoint's too)
+        self.segment: Optional[Segment] = None  # this run's noise and epsilon table
+        self._segment_start = 0         # self.accounted when the segment began
         self._seed = args.seed          # the Poisson draws' and the noise's seed
         self._open_step = -1            # the global step whose micro-batches run now
         self._last_micro = True
@@ -101,9 +107,6 @@ class PrivateStrategy(SingleDevice):
     def setup(self, module: torch.nn.Module) -> None:
         check_model(module, self.dp_args.fix_model, self.train_args.backend)
         super().setup(module)
-        # The fp32 fast paths SingleDevice installs skip this class's methods.
-        for attr in ("train_step", "backward", "optimizer_step"):
-            self.__dict__.pop(attr, None)
         # PyTorch notes that a full backward hook fires on a layer whose input needs no
         # gradient (the first layer): Opacus's hooks want exactly that.
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -128,7 +131,6 @@ class PrivateStrategy(SingleDevice):
     def attach_optimizers(self, optimizers: list[torch.optim.Optimizer], num_samples: int,
                           steps_per_epoch: int) -> None:
         from opacus.accountants import create_accountant
-        from opacus.accountants.utils import get_noise_multiplier
         from opacus.optimizers import get_optimizer_class
 
         dp, args = self.dp_args, self.train_args
@@ -148,18 +150,6 @@ class PrivateStrategy(SingleDevice):
         self.planned_steps = steps_per_epoch * args.epochs
         if args.max_steps is not None:
             self.planned_steps = min(self.planned_steps, args.max_steps)
-        if dp.target_epsilon is not None:
-            try:
-                self.noise_multiplier = get_noise_multiplier(
-                    target_epsilon=dp.target_epsilon, target_delta=self.delta,
-                    sample_rate=self.sample_rate, steps=max(1, self.planned_steps),
-                    accountant=dp.accountant)
-            except ValueError as exc:
-                raise ConfigError(
-                    f"trainer.dp.target_epsilon {dp.target_epsilon} is unreachable for "
-                    f"{self.planned_steps} steps at sampling rate {self.sample_rate:.4g} and "
-                    f"delta {self.delta:.3g} ({exc}): raise target_epsilon, train fewer "
-                    "steps, or use a smaller train_batch_size") from None
         self.noise_rng = torch.Generator(device=self.device)
         self.noise_rng.manual_seed(
             int(secrets.randbits(63)) if dp.secure_rng else _noise_seed(self._seed))
@@ -172,13 +162,43 @@ class PrivateStrategy(SingleDevice):
                                   self.strategy != "single", mode)
         # The mean over the expected global batch; distributed optimizers also divide by W.
         expected = args.train_batch_size / (world if self.strategy != "single" else 1)
-        self.dp_optimizer = cls(optimizers[0], noise_multiplier=self.noise_multiplier,
+        # The noise is chosen by begin_segment, before the first step (target_epsilon:
+        # given what a checkpoint already spent).
+        self.dp_optimizer = cls(optimizers[0], noise_multiplier=self.noise_multiplier or 0.0,
                                 max_grad_norm=max_norm, expected_batch_size=expected,
                                 loss_reduction="mean", generator=self.noise_rng,
                                 secure_mode=dp.secure_rng)
-        self.accountant = create_accountant(mechanism=dp.accountant)
-        self.dp_optimizer.attach_step_hook(
-            self.accountant.get_optimizer_hook_fn(sample_rate=self.sample_rate))
+        with warnings.catch_warnings():  # gdp's "experimental" is in docs/dp.md
+            warnings.simplefilter("ignore")
+            self.accountant = create_accountant(mechanism=dp.accountant)
+        self.dp_optimizer.attach_step_hook(self._account)
+
+    def _account(self, optimizer: Any) -> None:
+        """The optimizer's step hook: one step at this segment's noise and rate (what
+        Opacus's ``get_optimizer_hook_fn`` adds; sailfin clips every micro-batch itself,
+        so a step is one accumulated iteration), counted for the epsilon table."""
+        self.accountant.step(noise_multiplier=optimizer.noise_multiplier,
+                             sample_rate=self.sample_rate)
+        self.accounted += 1
+
+    def begin_segment(self, steps: int) -> Optional[str]:
+        """Choose the noise of the ``steps`` steps this run may still take, given the
+        history its checkpoint spent (``target_epsilon`` stays a bound: see
+        :func:`~.privacy_budget.plan_segment`), and build their epsilon table. Returns the
+        line to log when the noise changed from the checkpoint's; raises ConfigError
+        (before the first step) when no noise keeps the target or epsilon is unbounded."""
+        dp = self.dp_args
+        self.accounted = sum(int(h[2]) for h in self.accountant.history)
+        segment = plan_segment(dp.accountant, self.accountant.history, self.sample_rate,
+                               self.delta, steps, dp.noise_multiplier, dp.target_epsilon)
+        self.segment, self._segment_start = segment, self.accounted
+        self.noise_multiplier = self.dp_optimizer.noise_multiplier = segment.sigma
+        return segment.note
+
+    def last_allowed(self, limit: float) -> int:
+        """The accounted step count after which the next step would take epsilon past
+        ``limit`` (found once per segment: a binary search on its epsilon table)."""
+        return self._segment_start + self.segment.table.last_within(limit)
 
     def teardown(self) -> None:
         if self.hooks is not None:
@@ -236,35 +256,37 @@ class PrivateStrategy(SingleDevice):
         """A new step: drop what a step that never reached the optimizer left (a
         non-finite loss skipped it); nothing of it was released, nothing is accounted."""
         self._open_step = global_step
-        opt = self.dp_optimizer
-        opt._step_skip_queue.clear()
-        opt._is_last_step_skipped = False
-        for p in opt.params:
-            p.grad_sample = None
-            p.summed_grad = None
+        if self.segment is None:  # stepped without the trainer's on_train_start
+            self.begin_segment(self.planned_steps - self.accounted)
+        drop_pending_step(self.dp_optimizer)
 
     # -- privacy spent -------------------------------------------------------------------------
-    def epsilon(self, extra_steps: int = 0) -> float:
-        """Epsilon at ``delta`` after the steps taken (and ``extra_steps`` more)."""
-        acc = self.accountant
-        if extra_steps:
-            from opacus.accountants import create_accountant
-            acc = create_accountant(mechanism=self.dp_args.accountant)
-            acc.history = list(self.accountant.history)
-            for _ in range(extra_steps):
-                acc.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
-        if not acc.history:
-            return 0.0
-        return float(acc.get_epsilon(delta=self.delta))
+    def epsilon(self, ahead: int = 0) -> Optional[float]:
+        """Epsilon at ``delta`` after the steps taken (and ``ahead`` more at this segment's
+        noise), read from the segment's table: never below 0 (a negative figure of the
+        accountant bounds nothing tighter than 0); None when nothing is bounded (a noise
+        multiplier of 0)."""
+        if self.segment is not None:
+            eps = self.segment.table(self.accounted - self._segment_start + ahead)
+        else:
+            eps = epsilon_of(self.dp_args.accountant, self.accountant.history, self.delta)
+        return max(0.0, eps) if math.isfinite(eps) else None
 
     def privacy_facts(self) -> dict[str, Any]:
-        """What summary.json says of the privacy of the run."""
+        """What summary.json says of the privacy of the run: epsilon at delta, the settings,
+        and each segment of constant noise and sampling rate with epsilon at its end."""
+        dp, history = self.dp_args, [tuple(h) for h in self.accountant.history]
+        segments = []
+        for i, (sigma, rate, steps) in enumerate(history):
+            eps = epsilon_of(dp.accountant, history[:i + 1], self.delta)
+            segments.append({"noise_multiplier": sigma, "sample_rate": rate, "steps": steps,
+                             "epsilon": max(0.0, eps) if math.isfinite(eps) else None})
         return {"epsilon": self.epsilon(), "delta": self.delta,
                 "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
-                "max_grad_norm": self.dp_args.max_grad_norm, "clipping": self.dp_args.clipping,
-                "poisson_sampling": self.dp_args.poisson_sampling,
-                "accountant": self.dp_args.accountant,
-                "accounted_steps": sum(int(h[-1]) for h in self.accountant.history)}
+                "target_epsilon": dp.target_epsilon,
+                "max_grad_norm": dp.max_grad_norm, "clipping": dp.clipping,
+                "poisson_sampling": dp.poisson_sampling, "accountant": dp.accountant,
+                "accounted_steps": self.accounted, "segments": segments}
 
     # -- checkpoint state -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -290,8 +312,11 @@ class PrivateStrategy(SingleDevice):
             raise ConfigError(
                 f"trainer.dp.accountant {self.accountant.mechanism()}: the checkpoint was "
                 f"accounted with {saved['mechanism']}; keep it")
-        # Past steps keep the noise and rate they were taken with.
+        # Past steps keep the noise and rate they were taken with; this run's noise is
+        # chosen given them (begin_segment).
         self.accountant.history = [tuple(h) for h in saved["history"]]
+        self.accounted = sum(int(h[2]) for h in self.accountant.history)
+        self.segment = None
         if saved["noise_rng"] is not None and not self.dp_args.secure_rng:
             self.noise_rng.set_state(saved["noise_rng"])
 

@@ -51,8 +51,7 @@ def fix_in_place(module: torch.nn.Module) -> list[str]:
             continue
         new = fixer(sub)
         new.to(next(sub.parameters()).device)
-        ModuleValidator._replace_sub_module(root=module, sub_module_name=name,
-                                            new_sub_module=new)
+        module.set_submodule(name, new)  # PyTorch's public way to swap a submodule
         done.append(f"{name}: {type(sub).__name__} -> {type(new).__name__}")
     return done
 
@@ -67,14 +66,24 @@ def check_model(module: torch.nn.Module, fix: bool, backend: str) -> None:
         bad = unsupported_layers(module)
     if bad:
         batchnorm = any("BatchNorm" in b for b in bad)
+        way_out = ("" if fix or not fixable(module) else
+                   ", or set trainer.dp.fix_model: true to let Opacus's ModuleValidator.fix "
+                   "replace " + ", ".join(fixable(module)))
         raise ConfigError(
             f"trainer.backend {backend}: Opacus cannot compute per-sample gradients for "
             f"{', '.join(bad)}"
             + (": BatchNorm mixes the samples of a batch; use GroupNorm "
-               "(torch.nn.GroupNorm) instead, or set trainer.dp.fix_model: true to let "
-               "Opacus's ModuleValidator.fix replace it" if batchnorm else
-               "; replace these layers, or set trainer.dp.fix_model: true if Opacus "
-               "has a fix for them"))
+               "(torch.nn.GroupNorm) instead" if batchnorm else
+               "; replace these layers with ones that treat each sample alone")
+            + way_out)
+
+
+def fixable(module: torch.nn.Module) -> list[str]:
+    """Names of the submodules Opacus's ``ModuleValidator`` has a fixer for."""
+    from opacus.validators import ModuleValidator
+
+    return [name for name, sub in module.named_modules()
+            if name and type(sub) in ModuleValidator.FIXERS]
 
 
 def attach_hooks(module: torch.nn.Module, clipping: str, max_grad_norm: float) -> Any:

@@ -1,0 +1,1 @@
+"""Every use of a private attribute of torch, Opacus or transformers, one module per library."""
