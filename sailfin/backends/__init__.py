@@ -29,9 +29,9 @@ ALIASES: dict[str, tuple[str, str]] = {
     "fsdp-amp": ("fsdp", "amp"),
 }
 
-# PyMarlin's private backends; any name above + "-dp" composes DP-SGD on it (fsdp-dp and
-# the -amp ones are refused with the reason when built).
-PRIVATE = ("sp-dp", "ddp-dp")
+# PyMarlin's private backends and fsdp-dp; any name above + "-dp" composes DP-SGD on it
+# (the -amp ones are refused with the reason when built).
+PRIVATE = ("sp-dp", "ddp-dp", "fsdp-dp")
 
 # Names kept for PyMarlin configs whose meaning changed: printed once when chosen.
 NOTICES: dict[str, str] = {

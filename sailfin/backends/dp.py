@@ -45,12 +45,12 @@ from .strategy import SingleDevice, StepRunner
 
 def check_private(strategy: str, precision: Precision, args: TrainerArguments) -> None:
     """Refuse, before anything is built, the compositions DP-SGD cannot run."""
-    if strategy == "fsdp":
+    if strategy == "fsdp" and args.dp.clipping != "ghost":
         raise ConfigError(
-            f"trainer.backend {args.backend} is not supported: Opacus's FSDP path "
-            "(grad_sample_mode ghost_fsdp) shards the model with its own wrapper and supports "
-            "only flat ghost clipping, which sailfin's fsdp strategy does not drive yet; use "
-            "ddp-dp (trainer.dp.clipping: ghost for memory)")
+            f"trainer.backend {args.backend}: Opacus trains FSDP-sharded models with ghost "
+            f"clipping only (its ghost_fsdp mode), not trainer.dp.clipping "
+            f"{args.dp.clipping}; set trainer.dp.clipping: ghost (train_step returns the "
+            "per-sample losses), or train with ddp-dp")
     if type(precision) is not Precision:
         raise ConfigError(
             f"trainer.backend {args.backend}: mixed precision does not combine with dp "
@@ -107,14 +107,20 @@ class PrivateStrategy(SingleDevice):
     def setup(self, module: torch.nn.Module) -> None:
         check_model(module, self.dp_args.fix_model, self.train_args.backend)
         super().setup(module)
+        if self.strategy == "fsdp":
+            check_shardable(module, self.dist.world_size, self.train_args.backend)
         # PyTorch notes that a full backward hook fires on a layer whose input needs no
         # gradient (the first layer): Opacus's hooks want exactly that.
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        self.hooks = attach_hooks(module, self.dp_args.clipping, self.dp_args.max_grad_norm)
+        # Under fsdp the hooks go on the sharded model (Opacus's order: shard, then hook).
+        self.hooks = attach_hooks(module, self.dp_args.clipping, self.dp_args.max_grad_norm,
+                                  sharded=self.strategy == "fsdp")
         if self.dp_args.secure_rng:  # rank 0's secret seed: every rank draws the same batches
             self._seed = self.broadcast_object(secrets.randbits(63))
 
     def wrap(self, runner: StepRunner) -> Optional[torch.nn.Module]:
+        if self.strategy == "fsdp":  # the fsdp strategy's sharding; the step runs through it
+            return super().wrap(runner)
         if self.strategy != "single":
             # Opacus's DPDDP: no gradient hooks, rank 0's weights everywhere once.
             import torch.distributed as dist
@@ -157,7 +163,8 @@ class PrivateStrategy(SingleDevice):
         max_norm: Any = dp.max_grad_norm
         if dp.clipping == "per_layer":  # equal shares: the total norm stays max_grad_norm
             max_norm = [dp.max_grad_norm / math.sqrt(len(params))] * len(params)
-        mode = "ghost" if dp.clipping == "ghost" else "hooks"
+        mode = "hooks" if dp.clipping != "ghost" else (
+            "ghost_fsdp" if self.strategy == "fsdp" else "ghost")
         cls = get_optimizer_class(dp.clipping if mode == "hooks" else "flat",
                                   self.strategy != "single", mode)
         # The mean over the expected global batch; distributed optimizers also divide by W.
@@ -212,7 +219,10 @@ class PrivateStrategy(SingleDevice):
         if global_step != self._open_step:
             self._begin_step(global_step)
         self._last_micro = sync
-        out = self._train_step(global_step, batch, self.device)
+        if self.runner is None:
+            out = self._train_step(global_step, batch, self.device)
+        else:  # fsdp: through the root; every micro-batch's gradient is reduce-scattered
+            out = super().train_step(module, global_step, batch, True)  # (Opacus sums shards)
         loss, rest = (out[0], out[1:]) if type(out) is tuple else (out, None)
         if isinstance(loss, torch.Tensor) and loss.dim() == 1:
             # Per-sample losses (what ghost clipping needs): the loop sees their mean.
@@ -319,6 +329,20 @@ class PrivateStrategy(SingleDevice):
         self.segment = None
         if saved["noise_rng"] is not None and not self.dp_args.secure_rng:
             self.noise_rng.set_state(saved["noise_rng"])
+
+
+def check_shardable(module: torch.nn.Module, world: int, backend: str) -> None:
+    """Refuse parameters Opacus's FSDP optimizer cannot step: fsdp shards dimension 0, and
+    a parameter whose dimension 0 is 1 loses its sharding when Opacus reshapes the noised
+    gradient (DTensor treats a dimension of 1 as unshardable), so the step fails."""
+    warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
+    flat = [f"{name} {list(p.shape)}" for name, p in module.named_parameters()
+            if p.requires_grad and p.dim() and p.shape[0] == 1]
+    if flat and world > 1:
+        raise ConfigError(
+            f"trainer.backend {backend}: Opacus's FSDP optimizer cannot step a parameter "
+            f"whose first dimension is 1 once it is sharded over {world} ranks "
+            f"({', '.join(flat)}); give such layers at least 2 outputs, or train with ddp-dp")
 
 
 def _noise_seed(seed: int) -> int:

@@ -226,7 +226,7 @@ def plan_segment(mechanism: str, history: Sequence[Entry], rate: float, delta: f
 
     past = epsilon_of(mechanism, history, delta) if history else 0.0
     done = sum(int(h[2]) for h in history)
-    where = (f"the checkpoint's {done} steps already spent epsilon {past:.4g}; "
+    where = (f"the checkpoint's {done} steps already spent epsilon {past:.6g}; "
              if history else "")
     if target is None:
         sigma = float(noise_multiplier)
@@ -286,7 +286,7 @@ def _solve_or_refuse(mechanism: str, history: Sequence[Entry], rate: float, delt
         would = epsilon_of(mechanism, extended(history, sigma, rate, steps), delta)
         raise ConfigError(
             f"trainer.dp.target_epsilon {target:g} cannot hold: {where}the {steps} steps "
-            f"this run adds would bring it to {would:.4g} at noise_multiplier {sigma:.4g}, "
+            f"this run adds would bring it to {would:.6g} at noise_multiplier {sigma:.4g}, "
             "and no noise keeps it within the target; raise target_epsilon, or stop "
             f"training (the checkpoint is untouched)")
     why = ("no noise_multiplier up to 1e6 reaches it" if solved is None else

@@ -86,13 +86,19 @@ def fixable(module: torch.nn.Module) -> list[str]:
             if name and type(sub) in ModuleValidator.FIXERS]
 
 
-def attach_hooks(module: torch.nn.Module, clipping: str, max_grad_norm: float) -> Any:
+def attach_hooks(module: torch.nn.Module, clipping: str, max_grad_norm: float,
+                 sharded: bool = False) -> Any:
     """Opacus's per-sample gradient hooks on ``module`` (not a wrapper: the recipe's
-    ``train_step`` calls its submodules, whose hooks fire)."""
-    from opacus.grad_sample import GradSampleHooks
+    ``train_step`` calls its submodules, whose hooks fire). ``sharded``: the module is
+    FSDP2-sharded (Opacus's ghost_fsdp hooks, ghost clipping only)."""
+    from opacus.grad_sample import GradSampleHooks, GradSampleHooksFastGradientClippingFSDP
     from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
         GradSampleHooksFastGradientClipping)
 
+    if sharded:
+        return GradSampleHooksFastGradientClippingFSDP(
+            module, batch_first=True, loss_reduction="mean", strict=False,
+            max_grad_norm=max_grad_norm)
     if clipping == "ghost":
         return GradSampleHooksFastGradientClipping(
             module, batch_first=True, loss_reduction="mean", strict=False,

@@ -26,6 +26,8 @@ def drop_pending_step(optimizer: Any) -> None:
     for p in optimizer.params:
         p.grad_sample = None
         p.summed_grad = None
+    for held in getattr(optimizer, "grad_state", {}).values():  # the FSDP optimizer's sums
+        held["summed_grad"] = None
 
 
 def missing() -> list[str]:

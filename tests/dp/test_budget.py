@@ -71,9 +71,9 @@ def test_a_resume_the_target_cannot_cover_stops_before_its_first_step(tmp_path):
     line = str(info.value)
     assert "\n" not in line
     assert "trainer.dp.target_epsilon 2 cannot hold" in line
-    assert f"already spent epsilon {spent:.4g}" in line
+    assert f"already spent epsilon {spent:.6g}" in line
     would = accountant_epsilon([(first["privacy"]["noise_multiplier"], 10 / 47, 20)])
-    assert f"would bring it to {would:.4g}" in line
+    assert f"would bring it to {would:.6g}" in line
     assert module.seen == []
     assert digest(tmp_path / "checkpoints") == before
 
