@@ -86,6 +86,7 @@ def trainer_for(strategy: str, clipping: str | None, steps: int, hidden: int, ba
                             val_every_n_epochs=0, sanity_val_batches=0, count_flops=False,
                             output_dir=tempfile.mkdtemp(prefix="sailfin-dp-bench-"),
                             resume="never", dp=dp_args, log_every_n_steps=log_every,
+                            checkpoint={"at_epoch_end": False},
                             **({"distributed": dist} if dist is not None else {}))
     clock = Clock(warmup=5)
     return Trainer(module, args, callbacks=[clock]), clock
