@@ -160,3 +160,32 @@ def test_max_epsilon_is_found_once_not_asked_every_step(tmp_path, monkeypatch):
     assert summary["stopped_early"]["next_step_epsilon"] > limit >= summary["privacy"]["epsilon"]
     assert len(calls) < 10, len(calls)  # 40 steps, each logged: the table answers
     assert not math.isnan(summary["privacy"]["epsilon"])
+
+
+class Settle(Callback):
+    """Waits for the previous memory snapshot before each one (the steps take no time)."""
+
+    def on_step_end(self, trainer):
+        trainer.checkpointer.store.wait()
+
+
+def test_memory_snapshots_change_nothing_and_resume_the_same_noise_and_epsilon(tmp_path):
+    """sp-dp with a budget: a run crashed after step 7 resumes from its snapshot in RAM
+    (step 7, no checkpoint on disk) and ends as the run without snapshots."""
+    ref, ref_summary = run(tmp_path / "ref", epochs=3, dp=TARGET)
+    memory = {"at_epoch_end": False, "memory": {"every_n_steps": 1, "dir": str(tmp_path / "shm")}}
+
+    def snapshotted(**kw):
+        module = LinearRecipe(IdData(47, 0))
+        trainer = Trainer(module, dp_args(tmp_path / "run", epochs=3, checkpoint=memory,
+                                          dp=TARGET), **kw)
+        return module, trainer.train()
+
+    with pytest.raises(Crash):
+        snapshotted(callbacks=[Settle(), CrashAt(7)])
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any(
+        (tmp_path / "run" / "checkpoints").glob("step-*"))
+    module, summary = snapshotted(callbacks=[Settle()])
+    assert summary["privacy"] == ref_summary["privacy"]
+    for a, b in zip(ref.parameters(), module.parameters()):
+        assert a.equal(b)
