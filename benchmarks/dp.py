@@ -200,7 +200,8 @@ def main() -> None:
     for name, strategy, clipping in modes():
         rates = [r[name] for r in rounds]
         mib = statistics.median(peaks[name]) / 2**20
-        ratio = "" if clipping is None else f"; x{statistics.median(ratios(rounds, name, strategy)):.2f}"
+        ratio = ("" if clipping is None else
+                 f"; x{statistics.median(ratios(rounds, name, strategy)):.2f}")
         print(f"{name:14s} steps/s {spread(rates)}{ratio}; peak memory (median, largest rank)"
               f" {mib:.1f} MiB")
     for (strategy, clipping), why in REFUSED.items():

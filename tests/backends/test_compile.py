@@ -5,7 +5,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from sailfin import Trainer
-from sailfin.backends import Precision, SingleDevice
+from sailfin.backends import SingleDevice
 from sailfin.backends import strategy as strategy_module
 from sailfin.backends.compile import CompileError
 from sailfin.backends.strategy import Execution

@@ -48,8 +48,9 @@ class PrivacyCallback(Callback):
         if self.stop_after <= self.backend.accounted and trainer.global_step == 0:
             raise ConfigError(
                 f"trainer.dp.max_epsilon {limit}: the first step alone spends epsilon "
-                f"{self.backend.epsilon(ahead=1):.4g} (noise_multiplier {self.backend.noise_multiplier:.4g}, sampling "
-                f"rate {self.backend.sample_rate:.4g}); raise the noise or max_epsilon")
+                f"{self.backend.epsilon(ahead=1):.4g} (noise_multiplier "
+                f"{self.backend.noise_multiplier:.4g}, sampling rate "
+                f"{self.backend.sample_rate:.4g}); raise the noise or max_epsilon")
         self._stop_if_over(trainer)
 
     def on_step_end(self, trainer: "Trainer") -> None:
