@@ -1,4 +1,6 @@
-"""Differential privacy (DP-SGD on Opacus) as a composition on a strategy: ``sp-dp``, ``ddp-dp``.
+"""Differential privacy (DP-SGD on Opacus) composed on a strategy: ``sp-dp``, ``ddp-dp``,
+``fsdp-dp`` (:func:`private_class`: a subclass of the strategy's class, chosen when the
+backend is built).
 
 What it adds to a step, all from Opacus's own pieces:
 
@@ -7,7 +9,10 @@ What it adds to a step, all from Opacus's own pieces:
   to it (``GradSampleHooks``; ghost clipping: ``GradSampleHooksFastGradientClipping``).
   Under ``ddp-dp`` there is no DDP wrapper: as Opacus's ``DPDDP``, rank 0's weights
   are broadcast once and the ``DistributedDPOptimizer`` all-reduces the clipped,
-  noised gradients at the step.
+  noised gradients at the step. Under ``fsdp-dp`` the fsdp strategy shards the model,
+  then Opacus's FSDP ghost-clipping hooks go on it (``ghost_fsdp``): every micro-batch's
+  re-weighted gradient is reduce-scattered and ``FSDPOptimizerFastGradientClipping``
+  sums each rank's rows and adds the same noise on every rank (one seeded generator).
 - each micro-batch: backward, then (but on a step's last micro-batch) the per-sample
   gradients are clipped and summed and dropped, as Opacus's ``BatchMemoryManager``
   does with ``signal_skip_step``: memory holds one micro-batch of them.
@@ -17,7 +22,9 @@ What it adds to a step, all from Opacus's own pieces:
 
 The noise generator's state and the accountant's history are backend state: they
 ride in every checkpoint, so a resumed run adds the same noise and reports the
-same epsilon as one never interrupted.
+same epsilon as one never interrupted. Before the first step the noise of the steps
+to come is chosen given that history (:mod:`.privacy_budget`: ``target_epsilon`` is a
+bound across resumes) and their epsilon table is built once.
 """
 
 from __future__ import annotations
