@@ -16,10 +16,11 @@ from ..config.trainer import BACKEND_ALIASES, BACKENDS, PRIVATE_BACKENDS, Traine
 from ..distributed import DistEnv
 from .amp import MixedPrecision
 from .precision import Precision
-from .strategy import Execution, SingleDevice
+from .strategy import Execution, PlainSingleDevice, SingleDevice
 
-# name -> (strategy, precision), and the "-dp" names: one list, in the config's schema
-# (sailfin train --help prints it; fsdp-dp and the -amp-dp ones are refused with the reason).
+# name -> (strategy, precision), and the "-dp" names (PyMarlin's sp-dp and ddp-dp, and
+# fsdp-dp; the -amp-dp ones are refused with the reason when built): one list, in the
+# config's schema (sailfin train --help prints it).
 ALIASES = BACKEND_ALIASES
 PRIVATE = PRIVATE_BACKENDS
 
@@ -35,32 +36,40 @@ _PRECISIONS: dict[str, Callable[[TrainerArguments, torch.device], Precision]] = 
 }
 
 
+# Each strategy's factory takes ``compose``: the class it builds goes through it first
+# (dp: a subclass with DP-SGD's step methods; otherwise the class itself).
+Compose = Callable[[type], type]
+
+
 def _single(precision: Precision, device: torch.device, dist: DistEnv,
-            args: TrainerArguments, execution: Execution) -> SingleDevice:
+            args: TrainerArguments, execution: Execution, compose: Compose) -> SingleDevice:
     if dist.is_distributed:
         raise ConfigError(
             f"trainer.backend '{args.backend}' trains in one process, but this is rank "
             f"{dist.rank} of {dist.world_size} ({dist.launcher}): every rank would train alone. "
             "Use trainer.backend ddp (or ddp-amp) under a launcher")
-    return SingleDevice(precision, device, dist, execution)
+    plain = type(precision) is Precision and not execution.compile  # fp32, called directly
+    return compose(PlainSingleDevice if plain else SingleDevice)(
+        precision, device, dist, execution)
 
 
 def _ddp(precision: Precision, device: torch.device, dist: DistEnv,
-         args: TrainerArguments, execution: Execution) -> SingleDevice:
+         args: TrainerArguments, execution: Execution, compose: Compose) -> SingleDevice:
     from .ddp import DDPStrategy  # imports torch.distributed pieces only when used
 
-    return DDPStrategy(precision, device, dist, args.distributed, execution)
+    return compose(DDPStrategy)(precision, device, dist, args.distributed, execution)
 
 
 def _fsdp(precision: Precision, device: torch.device, dist: DistEnv,
-          args: TrainerArguments, execution: Execution) -> SingleDevice:
+          args: TrainerArguments, execution: Execution, compose: Compose) -> SingleDevice:
     from .fsdp import FSDPStrategy  # imports torch.distributed pieces only when used
 
-    return FSDPStrategy(precision, device, dist, args.distributed, execution, args.fsdp)
+    return compose(FSDPStrategy)(precision, device, dist, args.distributed, execution,
+                                 args.fsdp)
 
 
 _STRATEGIES: dict[str, Callable[[Precision, torch.device, DistEnv, TrainerArguments,
-                                 Execution], SingleDevice]] = {
+                                 Execution, Compose], SingleDevice]] = {
     "single": _single,
     "ddp": _ddp,
     "fsdp": _fsdp,
@@ -104,14 +113,20 @@ def build_backend(args: TrainerArguments, dist: DistEnv) -> SingleDevice:
         print(NOTICES[args.backend], file=sys.stderr)
     device = resolve_device(args.device, dist)
     execution = Execution(args.compile, args.compile_mode, tuple(args.activation_checkpointing))
-    backend = _STRATEGIES[strategy](_PRECISIONS[precision](args, device), device, dist, args,
-                                    execution)
-    if private:
-        from .dp import make_private  # imports Opacus only when used
+    chosen = _PRECISIONS[precision](args, device)
+    if not private:
+        return _STRATEGIES[strategy](chosen, device, dist, args, execution, _same)
+    from .dp import check_private, private_class  # imports Opacus only when used
 
-        backend = make_private(backend, args)
+    check_private(strategy, chosen, args)
+    backend = _STRATEGIES[strategy](chosen, device, dist, args, execution, private_class)
+    backend.init_privacy(args)
     return backend
 
 
-__all__ = ["ALIASES", "Execution", "MixedPrecision", "Precision", "SingleDevice",
-           "build_backend", "resolve_device"]
+def _same(cls: type) -> type:
+    return cls
+
+
+__all__ = ["ALIASES", "Execution", "MixedPrecision", "PlainSingleDevice", "Precision",
+           "SingleDevice", "build_backend", "resolve_device"]

@@ -1,4 +1,6 @@
-"""Differential privacy (DP-SGD on Opacus) as a composition on a strategy: ``sp-dp``, ``ddp-dp``.
+"""Differential privacy (DP-SGD on Opacus) composed on a strategy: ``sp-dp``, ``ddp-dp``,
+``fsdp-dp`` (:func:`private_class`: a subclass of the strategy's class, chosen when the
+backend is built).
 
 What it adds to a step, all from Opacus's own pieces:
 
@@ -7,7 +9,10 @@ What it adds to a step, all from Opacus's own pieces:
   to it (``GradSampleHooks``; ghost clipping: ``GradSampleHooksFastGradientClipping``).
   Under ``ddp-dp`` there is no DDP wrapper: as Opacus's ``DPDDP``, rank 0's weights
   are broadcast once and the ``DistributedDPOptimizer`` all-reduces the clipped,
-  noised gradients at the step.
+  noised gradients at the step. Under ``fsdp-dp`` the fsdp strategy shards the model,
+  then Opacus's FSDP ghost-clipping hooks go on it (``ghost_fsdp``): every micro-batch's
+  re-weighted gradient is reduce-scattered and ``FSDPOptimizerFastGradientClipping``
+  sums each rank's rows and adds the same noise on every rank (one seeded generator).
 - each micro-batch: backward, then (but on a step's last micro-batch) the per-sample
   gradients are clipped and summed and dropped, as Opacus's ``BatchMemoryManager``
   does with ``signal_skip_step``: memory holds one micro-batch of them.
@@ -17,7 +22,9 @@ What it adds to a step, all from Opacus's own pieces:
 
 The noise generator's state and the accountant's history are backend state: they
 ride in every checkpoint, so a resumed run adds the same noise and reports the
-same epsilon as one never interrupted.
+same epsilon as one never interrupted. Before the first step the noise of the steps
+to come is chosen given that history (:mod:`.privacy_budget`: ``target_epsilon`` is a
+bound across resumes) and their epsilon table is built once.
 """
 
 from __future__ import annotations
@@ -36,34 +43,36 @@ from ..config.errors import ConfigError
 from ..config.trainer import TrainerArguments
 from ..data.plan import BatchPlan
 from ..data.poisson import PoissonPlan, PrivatePlan
+from ..compat.opacus import drop_pending_step
 from .precision import Precision
+from .privacy_budget import Segment, epsilon_of, plan_segment
 from .privacy_model import attach_hooks, check_model, import_opacus
 from .strategy import SingleDevice, StepRunner
 
 
-def make_private(backend: SingleDevice, args: TrainerArguments) -> SingleDevice:
-    """``backend`` with DP-SGD composed on it (its class becomes a private subclass)."""
-    if backend.strategy == "fsdp":
+def check_private(strategy: str, precision: Precision, args: TrainerArguments) -> None:
+    """Refuse, before anything is built, the compositions DP-SGD cannot run."""
+    if strategy == "fsdp" and args.dp.clipping != "ghost":
         raise ConfigError(
-            f"trainer.backend {args.backend} is not supported: Opacus's FSDP path "
-            "(grad_sample_mode ghost_fsdp) shards the model with its own wrapper and supports "
-            "only flat ghost clipping, which sailfin's fsdp strategy does not drive yet; use "
-            "ddp-dp (trainer.dp.clipping: ghost for memory)")
-    if type(backend.precision) is not Precision:
+            f"trainer.backend {args.backend}: Opacus trains FSDP-sharded models with ghost "
+            f"clipping only (its ghost_fsdp mode), not trainer.dp.clipping "
+            f"{args.dp.clipping}; set trainer.dp.clipping: ghost (train_step returns the "
+            "per-sample losses), or train with ddp-dp")
+    if type(precision) is not Precision:
         raise ConfigError(
             f"trainer.backend {args.backend}: mixed precision does not combine with dp "
             "(per-sample gradients and their norms are computed in float32); use "
-            f"{backend.strategy.replace('single', 'sp')}-dp")
+            f"{strategy.replace('single', 'sp')}-dp")
     import_opacus()
-    backend.__class__ = _private_class(type(backend))
-    backend.init_privacy(args)
-    return backend
 
 
 @lru_cache(maxsize=None)
-def _private_class(strategy: type) -> type:
+def private_class(strategy: type) -> type:
+    """``strategy`` with DP-SGD composed on it: a subclass whose step methods come from
+    :class:`PrivateStrategy` (built once per strategy class)."""
     return type(f"Private{strategy.__name__}", (PrivateStrategy, strategy),
-                {"__doc__": f"{strategy.__name__} with DP-SGD (see sailfin.backends.dp)."})
+                {"__doc__": f"{strategy.__name__} with DP-SGD (see sailfin.backends.dp).",
+                 "__module__": __name__})
 
 
 class PrivateStrategy(SingleDevice):
@@ -71,10 +80,11 @@ class PrivateStrategy(SingleDevice):
 
     Example::
 
-        backend = make_private(SingleDevice(Precision(), torch.device("cpu")),
-                               TrainerArguments(backend="sp-dp", dp={"noise_multiplier": 1.0}))
+        backend = private_class(SingleDevice)(Precision(), torch.device("cpu"))
+        backend.init_privacy(TrainerArguments(backend="sp-dp", dp={"noise_multiplier": 1.0}))
         backend.setup(module)                                # checks, hooks
         backend.attach_optimizers([opt], num_samples=1000, steps_per_epoch=16)
+        backend.begin_segment(steps=16)                      # the noise, the epsilon table
         backend.epsilon()                                    # 0.0 before the first step
     """
 
@@ -88,6 +98,9 @@ class PrivateStrategy(SingleDevice):
         self.sample_rate = 0.0
         self.delta = 0.0
         self.planned_steps = 0
+        self.accounted = 0              # steps the accountant holds (every checkpoint's too)
+        self.segment: Optional[Segment] = None  # this run's noise and epsilon table
+        self._segment_start = 0         # self.accounted when the segment began
         self._seed = args.seed          # the Poisson draws' and the noise's seed
         self._open_step = -1            # the global step whose micro-batches run now
         self._last_micro = True
@@ -101,17 +114,20 @@ class PrivateStrategy(SingleDevice):
     def setup(self, module: torch.nn.Module) -> None:
         check_model(module, self.dp_args.fix_model, self.train_args.backend)
         super().setup(module)
-        # The fp32 fast paths SingleDevice installs skip this class's methods.
-        for attr in ("train_step", "backward", "optimizer_step"):
-            self.__dict__.pop(attr, None)
+        if self.strategy == "fsdp":
+            check_shardable(module, self.dist.world_size, self.train_args.backend)
         # PyTorch notes that a full backward hook fires on a layer whose input needs no
         # gradient (the first layer): Opacus's hooks want exactly that.
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        self.hooks = attach_hooks(module, self.dp_args.clipping, self.dp_args.max_grad_norm)
+        # Under fsdp the hooks go on the sharded model (Opacus's order: shard, then hook).
+        self.hooks = attach_hooks(module, self.dp_args.clipping, self.dp_args.max_grad_norm,
+                                  sharded=self.strategy == "fsdp")
         if self.dp_args.secure_rng:  # rank 0's secret seed: every rank draws the same batches
             self._seed = self.broadcast_object(secrets.randbits(63))
 
     def wrap(self, runner: StepRunner) -> Optional[torch.nn.Module]:
+        if self.strategy == "fsdp":  # the fsdp strategy's sharding; the step runs through it
+            return super().wrap(runner)
         if self.strategy != "single":
             # Opacus's DPDDP: no gradient hooks, rank 0's weights everywhere once.
             import torch.distributed as dist
@@ -128,7 +144,6 @@ class PrivateStrategy(SingleDevice):
     def attach_optimizers(self, optimizers: list[torch.optim.Optimizer], num_samples: int,
                           steps_per_epoch: int) -> None:
         from opacus.accountants import create_accountant
-        from opacus.accountants.utils import get_noise_multiplier
         from opacus.optimizers import get_optimizer_class
 
         dp, args = self.dp_args, self.train_args
@@ -148,18 +163,6 @@ class PrivateStrategy(SingleDevice):
         self.planned_steps = steps_per_epoch * args.epochs
         if args.max_steps is not None:
             self.planned_steps = min(self.planned_steps, args.max_steps)
-        if dp.target_epsilon is not None:
-            try:
-                self.noise_multiplier = get_noise_multiplier(
-                    target_epsilon=dp.target_epsilon, target_delta=self.delta,
-                    sample_rate=self.sample_rate, steps=max(1, self.planned_steps),
-                    accountant=dp.accountant)
-            except ValueError as exc:
-                raise ConfigError(
-                    f"trainer.dp.target_epsilon {dp.target_epsilon} is unreachable for "
-                    f"{self.planned_steps} steps at sampling rate {self.sample_rate:.4g} and "
-                    f"delta {self.delta:.3g} ({exc}): raise target_epsilon, train fewer "
-                    "steps, or use a smaller train_batch_size") from None
         self.noise_rng = torch.Generator(device=self.device)
         self.noise_rng.manual_seed(
             int(secrets.randbits(63)) if dp.secure_rng else _noise_seed(self._seed))
@@ -167,18 +170,49 @@ class PrivateStrategy(SingleDevice):
         max_norm: Any = dp.max_grad_norm
         if dp.clipping == "per_layer":  # equal shares: the total norm stays max_grad_norm
             max_norm = [dp.max_grad_norm / math.sqrt(len(params))] * len(params)
-        mode = "ghost" if dp.clipping == "ghost" else "hooks"
+        mode = "hooks" if dp.clipping != "ghost" else (
+            "ghost_fsdp" if self.strategy == "fsdp" else "ghost")
         cls = get_optimizer_class(dp.clipping if mode == "hooks" else "flat",
                                   self.strategy != "single", mode)
         # The mean over the expected global batch; distributed optimizers also divide by W.
         expected = args.train_batch_size / (world if self.strategy != "single" else 1)
-        self.dp_optimizer = cls(optimizers[0], noise_multiplier=self.noise_multiplier,
+        # The noise is chosen by begin_segment, before the first step (target_epsilon:
+        # given what a checkpoint already spent).
+        self.dp_optimizer = cls(optimizers[0], noise_multiplier=self.noise_multiplier or 0.0,
                                 max_grad_norm=max_norm, expected_batch_size=expected,
                                 loss_reduction="mean", generator=self.noise_rng,
                                 secure_mode=dp.secure_rng)
-        self.accountant = create_accountant(mechanism=dp.accountant)
-        self.dp_optimizer.attach_step_hook(
-            self.accountant.get_optimizer_hook_fn(sample_rate=self.sample_rate))
+        with warnings.catch_warnings():  # gdp's "experimental" is in docs/dp.md
+            warnings.simplefilter("ignore")
+            self.accountant = create_accountant(mechanism=dp.accountant)
+        self.dp_optimizer.attach_step_hook(self._account)
+
+    def _account(self, optimizer: Any) -> None:
+        """The optimizer's step hook: one step at this segment's noise and rate (what
+        Opacus's ``get_optimizer_hook_fn`` adds; sailfin clips every micro-batch itself,
+        so a step is one accumulated iteration), counted for the epsilon table."""
+        self.accountant.step(noise_multiplier=optimizer.noise_multiplier,
+                             sample_rate=self.sample_rate)
+        self.accounted += 1
+
+    def begin_segment(self, steps: int) -> Optional[str]:
+        """Choose the noise of the ``steps`` steps this run may still take, given the
+        history its checkpoint spent (``target_epsilon`` stays a bound: see
+        :func:`~.privacy_budget.plan_segment`), and build their epsilon table. Returns the
+        line to log when the noise changed from the checkpoint's; raises ConfigError
+        (before the first step) when no noise keeps the target or epsilon is unbounded."""
+        dp = self.dp_args
+        self.accounted = sum(int(h[2]) for h in self.accountant.history)
+        segment = plan_segment(dp.accountant, self.accountant.history, self.sample_rate,
+                               self.delta, steps, dp.noise_multiplier, dp.target_epsilon)
+        self.segment, self._segment_start = segment, self.accounted
+        self.noise_multiplier = self.dp_optimizer.noise_multiplier = segment.sigma
+        return segment.note
+
+    def last_allowed(self, limit: float) -> int:
+        """The accounted step count after which the next step would take epsilon past
+        ``limit`` (found once per segment: a binary search on its epsilon table)."""
+        return self._segment_start + self.segment.table.last_within(limit)
 
     def teardown(self) -> None:
         if self.hooks is not None:
@@ -192,7 +226,10 @@ class PrivateStrategy(SingleDevice):
         if global_step != self._open_step:
             self._begin_step(global_step)
         self._last_micro = sync
-        out = self._train_step(global_step, batch, self.device)
+        if self.runner is None:
+            out = self._train_step(global_step, batch, self.device)
+        else:  # fsdp: through the root; every micro-batch's gradient is reduce-scattered
+            out = super().train_step(module, global_step, batch, True)  # (Opacus sums shards)
         loss, rest = (out[0], out[1:]) if type(out) is tuple else (out, None)
         if isinstance(loss, torch.Tensor) and loss.dim() == 1:
             # Per-sample losses (what ghost clipping needs): the loop sees their mean.
@@ -236,35 +273,37 @@ class PrivateStrategy(SingleDevice):
         """A new step: drop what a step that never reached the optimizer left (a
         non-finite loss skipped it); nothing of it was released, nothing is accounted."""
         self._open_step = global_step
-        opt = self.dp_optimizer
-        opt._step_skip_queue.clear()
-        opt._is_last_step_skipped = False
-        for p in opt.params:
-            p.grad_sample = None
-            p.summed_grad = None
+        if self.segment is None:  # stepped without the trainer's on_train_start
+            self.begin_segment(self.planned_steps - self.accounted)
+        drop_pending_step(self.dp_optimizer)
 
     # -- privacy spent -------------------------------------------------------------------------
-    def epsilon(self, extra_steps: int = 0) -> float:
-        """Epsilon at ``delta`` after the steps taken (and ``extra_steps`` more)."""
-        acc = self.accountant
-        if extra_steps:
-            from opacus.accountants import create_accountant
-            acc = create_accountant(mechanism=self.dp_args.accountant)
-            acc.history = list(self.accountant.history)
-            for _ in range(extra_steps):
-                acc.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
-        if not acc.history:
-            return 0.0
-        return float(acc.get_epsilon(delta=self.delta))
+    def epsilon(self, ahead: int = 0) -> Optional[float]:
+        """Epsilon at ``delta`` after the steps taken (and ``ahead`` more at this segment's
+        noise), read from the segment's table: never below 0 (a negative figure of the
+        accountant bounds nothing tighter than 0); None when nothing is bounded (a noise
+        multiplier of 0)."""
+        if self.segment is not None:
+            eps = self.segment.table(self.accounted - self._segment_start + ahead)
+        else:
+            eps = epsilon_of(self.dp_args.accountant, self.accountant.history, self.delta)
+        return max(0.0, eps) if math.isfinite(eps) else None
 
     def privacy_facts(self) -> dict[str, Any]:
-        """What summary.json says of the privacy of the run."""
+        """What summary.json says of the privacy of the run: epsilon at delta, the settings,
+        and each segment of constant noise and sampling rate with epsilon at its end."""
+        dp, history = self.dp_args, [tuple(h) for h in self.accountant.history]
+        segments = []
+        for i, (sigma, rate, steps) in enumerate(history):
+            eps = epsilon_of(dp.accountant, history[:i + 1], self.delta)
+            segments.append({"noise_multiplier": sigma, "sample_rate": rate, "steps": steps,
+                             "epsilon": max(0.0, eps) if math.isfinite(eps) else None})
         return {"epsilon": self.epsilon(), "delta": self.delta,
                 "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
-                "max_grad_norm": self.dp_args.max_grad_norm, "clipping": self.dp_args.clipping,
-                "poisson_sampling": self.dp_args.poisson_sampling,
-                "accountant": self.dp_args.accountant,
-                "accounted_steps": sum(int(h[-1]) for h in self.accountant.history)}
+                "target_epsilon": dp.target_epsilon,
+                "max_grad_norm": dp.max_grad_norm, "clipping": dp.clipping,
+                "poisson_sampling": dp.poisson_sampling, "accountant": dp.accountant,
+                "accounted_steps": self.accounted, "segments": segments}
 
     # -- checkpoint state -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -290,10 +329,27 @@ class PrivateStrategy(SingleDevice):
             raise ConfigError(
                 f"trainer.dp.accountant {self.accountant.mechanism()}: the checkpoint was "
                 f"accounted with {saved['mechanism']}; keep it")
-        # Past steps keep the noise and rate they were taken with.
+        # Past steps keep the noise and rate they were taken with; this run's noise is
+        # chosen given them (begin_segment).
         self.accountant.history = [tuple(h) for h in saved["history"]]
+        self.accounted = sum(int(h[2]) for h in self.accountant.history)
+        self.segment = None
         if saved["noise_rng"] is not None and not self.dp_args.secure_rng:
             self.noise_rng.set_state(saved["noise_rng"])
+
+
+def check_shardable(module: torch.nn.Module, world: int, backend: str) -> None:
+    """Refuse parameters Opacus's FSDP optimizer cannot step: fsdp shards dimension 0, and
+    a parameter whose dimension 0 is 1 loses its sharding when Opacus reshapes the noised
+    gradient (DTensor treats a dimension of 1 as unshardable), so the step fails."""
+    warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
+    flat = [f"{name} {list(p.shape)}" for name, p in module.named_parameters()
+            if p.requires_grad and p.dim() and p.shape[0] == 1]
+    if flat and world > 1:
+        raise ConfigError(
+            f"trainer.backend {backend}: Opacus's FSDP optimizer cannot step a parameter "
+            f"whose first dimension is 1 once it is sharded over {world} ranks "
+            f"({', '.join(flat)}); give such layers at least 2 outputs, or train with ddp-dp")
 
 
 def _noise_seed(seed: int) -> int:

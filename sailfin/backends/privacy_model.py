@@ -51,8 +51,7 @@ def fix_in_place(module: torch.nn.Module) -> list[str]:
             continue
         new = fixer(sub)
         new.to(next(sub.parameters()).device)
-        ModuleValidator._replace_sub_module(root=module, sub_module_name=name,
-                                            new_sub_module=new)
+        module.set_submodule(name, new)  # PyTorch's public way to swap a submodule
         done.append(f"{name}: {type(sub).__name__} -> {type(new).__name__}")
     return done
 
@@ -67,23 +66,39 @@ def check_model(module: torch.nn.Module, fix: bool, backend: str) -> None:
         bad = unsupported_layers(module)
     if bad:
         batchnorm = any("BatchNorm" in b for b in bad)
+        way_out = ("" if fix or not fixable(module) else
+                   ", or set trainer.dp.fix_model: true to let Opacus's ModuleValidator.fix "
+                   "replace " + ", ".join(fixable(module)))
         raise ConfigError(
             f"trainer.backend {backend}: Opacus cannot compute per-sample gradients for "
             f"{', '.join(bad)}"
             + (": BatchNorm mixes the samples of a batch; use GroupNorm "
-               "(torch.nn.GroupNorm) instead, or set trainer.dp.fix_model: true to let "
-               "Opacus's ModuleValidator.fix replace it" if batchnorm else
-               "; replace these layers, or set trainer.dp.fix_model: true if Opacus "
-               "has a fix for them"))
+               "(torch.nn.GroupNorm) instead" if batchnorm else
+               "; replace these layers with ones that treat each sample alone")
+            + way_out)
 
 
-def attach_hooks(module: torch.nn.Module, clipping: str, max_grad_norm: float) -> Any:
+def fixable(module: torch.nn.Module) -> list[str]:
+    """Names of the submodules Opacus's ``ModuleValidator`` has a fixer for."""
+    from opacus.validators import ModuleValidator
+
+    return [name for name, sub in module.named_modules()
+            if name and type(sub) in ModuleValidator.FIXERS]
+
+
+def attach_hooks(module: torch.nn.Module, clipping: str, max_grad_norm: float,
+                 sharded: bool = False) -> Any:
     """Opacus's per-sample gradient hooks on ``module`` (not a wrapper: the recipe's
-    ``train_step`` calls its submodules, whose hooks fire)."""
-    from opacus.grad_sample import GradSampleHooks
+    ``train_step`` calls its submodules, whose hooks fire). ``sharded``: the module is
+    FSDP2-sharded (Opacus's ghost_fsdp hooks, ghost clipping only)."""
+    from opacus.grad_sample import GradSampleHooks, GradSampleHooksFastGradientClippingFSDP
     from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
         GradSampleHooksFastGradientClipping)
 
+    if sharded:
+        return GradSampleHooksFastGradientClippingFSDP(
+            module, batch_first=True, loss_reduction="mean", strict=False,
+            max_grad_norm=max_grad_norm)
     if clipping == "ghost":
         return GradSampleHooksFastGradientClipping(
             module, batch_first=True, loss_reduction="mean", strict=False,

@@ -104,12 +104,6 @@ class SingleDevice:
                 self._run = explain_failures(self.runner, type(module).__name__)
             return
         self._train_step = module.train_step
-        if type(self.precision).forward_context is Precision.forward_context:
-            self.train_step = self._train_step_plain  # fp32: no autocast to enter per step
-        if type(self.precision) is Precision:
-            # fp32 has nothing to do around backward and step: skip two calls per step.
-            self.backward = torch.Tensor.backward
-            self.optimizer_step = _step_plain
 
     def place(self, module: torch.nn.Module) -> None:
         """Put ``module`` on this device."""
@@ -134,10 +128,6 @@ class SingleDevice:
     def sync_context(self, sync: bool) -> ContextManager:
         """Context for a micro-batch's forward; ``sync=False`` keeps gradients local."""
         return _NULL
-
-    def _train_step_plain(self, module: torch.nn.Module, global_step: int, batch: Any,
-                          sync: bool = True) -> Any:
-        return self._train_step(global_step, batch, self.device)
 
     def teardown(self) -> None:
         pass
@@ -265,3 +255,31 @@ def _step_plain(optimizers: list[torch.optim.Optimizer]) -> bool:
     for opt in optimizers:
         opt.step()
     return True
+
+
+class PlainSingleDevice(SingleDevice):
+    """:class:`SingleDevice` in float32 with the recipe called directly (no compiled or
+    wrapped runner): nothing happens around a step, so its step methods are the recipe's
+    ``train_step``, ``Tensor.backward`` and the optimizers' ``step`` themselves, one Python
+    call fewer each per micro-batch. ``build_backend`` chooses it for ``sp``.
+
+    Example::
+
+        backend = PlainSingleDevice(Precision(), torch.device("cpu"))
+        backend.setup(module)
+        backend.backward(backend.train_step(module, 0, batch))
+    """
+
+    def __init__(self, precision: Precision, device: torch.device,
+                 dist: Optional[DistEnv] = None, execution: Optional[Execution] = None) -> None:
+        if type(precision) is not Precision or (execution is not None and execution.compile):
+            raise ValueError("PlainSingleDevice runs float32 steps uncompiled; use "
+                             "SingleDevice for mixed precision or compile")
+        super().__init__(precision, device, dist, execution)
+
+    backward = staticmethod(torch.Tensor.backward)  # fp32: nothing to scale
+    optimizer_step = staticmethod(_step_plain)      # fp32: nothing to unscale or skip
+
+    def train_step(self, module: torch.nn.Module, global_step: int, batch: Any,
+                   sync: bool = True) -> Any:
+        return self._train_step(global_step, batch, self.device)  # no autocast to enter

@@ -13,7 +13,8 @@ DP_SUFFIX = "-dp"
 
 
 def is_private(backend: str) -> bool:
-    """Whether ``trainer.backend`` trains with differential privacy (``sp-dp``, ``ddp-dp``)."""
+    """Whether ``trainer.backend`` trains with differential privacy (``sp-dp``, ``ddp-dp``,
+    ``fsdp-dp``)."""
     return backend.endswith(DP_SUFFIX)
 
 
@@ -34,8 +35,9 @@ class DPArguments:
     noise_multiplier: Optional[float] = None
     """Noise standard deviation over the clipping norm (sigma). Null: from target_epsilon."""
     target_epsilon: Optional[float] = None
-    """Epsilon the whole run (epochs, or max_steps) spends at ``delta``: Opacus finds the
-    noise multiplier that reaches it. Null: noise_multiplier is given."""
+    """Epsilon the whole run (epochs, or max_steps) spends at ``delta``, a bound across
+    resumes: the noise of the steps to come is chosen given what a checkpoint already
+    spent, or the run stops before its first step. Null: noise_multiplier is given."""
     max_grad_norm: float = 1.0
     """Each sample's gradient is clipped to this L2 norm (per_layer: the norm over all
     layers, split equally between the parameters)."""

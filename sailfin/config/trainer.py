@@ -28,7 +28,7 @@ BACKEND_ALIASES: dict[str, tuple[str, str]] = {
 }
 # DP-SGD composed on a name above (sailfin.backends.dp); any other "<name>-dp" is refused
 # there with the reason.
-PRIVATE_BACKENDS: tuple[str, ...] = ("sp-dp", "ddp-dp")
+PRIVATE_BACKENDS: tuple[str, ...] = ("sp-dp", "ddp-dp", "fsdp-dp")
 BACKENDS: tuple[str, ...] = (*BACKEND_ALIASES, *PRIVATE_BACKENDS)
 """Every ``trainer.backend`` name sailfin builds: the one list the errors and the help show."""
 

@@ -49,6 +49,18 @@ class PrivatePlan(BatchPlan):
         start, stop = self.step_positions(step, num_samples)
         return private_micro_batches(self.micro_batch, self.world_size, stop - start, rank)
 
+    def sampler(self, num_samples: int, rank: int = 0, seed: int = 0, shuffle: bool = True,
+                order: Any = None) -> "PrivateSampler":
+        return PrivateSampler(num_samples, self, rank, seed, shuffle, order=order)
+
+
+class PrivateSampler(ResumableSampler):
+    """The fixed-size batches of ``poisson_sampling: false``: a :class:`ResumableSampler`
+    whose loader must sample with it alone (:func:`check_loader`)."""
+
+    def check_loader(self, loader: Any) -> None:
+        check_loader(loader, self)
+
 
 @dataclass(frozen=True)
 class PoissonPlan(PrivatePlan):
@@ -159,10 +171,44 @@ class PoissonSampler(ResumableSampler):
     def __len__(self) -> int:
         return sum(len(b) for b in self.batches())
 
+    def check_loader(self, loader: Any) -> None:
+        check_loader(loader, self)
+
     def wrap_loader(self, loader: Any) -> Any:
         """The recipe's loader rebuilt to read this sampler's micro-batches of varying size
         (as Opacus's ``DPDataLoader`` rebuilds one with its batch sampler)."""
         return poisson_loader(loader, self)
+
+
+def check_loader(loader: Any, sampler: ResumableSampler) -> None:
+    """Refuse a training loader that does not sample with ``sampler`` alone: the privacy
+    accountant assumes sailfin's sampling (each sample with probability q per step, or
+    sailfin's fixed-size batches), so a recipe's own sampler or batch sampler (a weighted
+    one, a fixed-size one under Poisson accounting), ``drop_last`` or another dataset
+    would make the reported epsilon wrong without a word."""
+    from torch.utils.data import BatchSampler, DataLoader
+
+    name = type(loader).__name__
+    if not isinstance(loader, DataLoader):
+        wrong = "is not a torch DataLoader: sailfin cannot see how it samples"
+    elif not (type(loader.batch_sampler) is BatchSampler
+              and loader.batch_sampler.sampler is loader.sampler):
+        wrong = (f"samples with its own batch sampler "
+                 f"({type(loader.batch_sampler).__name__})")
+    elif loader.sampler is not sampler:
+        wrong = f"samples with its own sampler ({type(loader.sampler).__name__})"
+    elif loader.drop_last:
+        wrong = "drops the last micro-batch (drop_last=True)"
+    elif len(loader.dataset) != sampler.num_samples:
+        wrong = (f"reads a dataset of {len(loader.dataset)} samples, not the "
+                 f"{sampler.num_samples} it passed to sampler(dataset)")
+    else:
+        return
+    raise ValueError(
+        f"get_train_dataloader returned a {name} that {wrong}; under a -dp backend each "
+        "step's samples must be the ones sailfin's sampler draws (the privacy accountant "
+        "assumes its sampling rate): build it as DataLoader(dataset, batch_size=batch_size, "
+        "sampler=sampler(dataset))")
 
 
 class _Batches(torch.utils.data.Sampler[list[int]]):

@@ -5,7 +5,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from sailfin import Trainer
-from sailfin.backends import Precision, SingleDevice
+from sailfin.backends import SingleDevice
 from sailfin.backends import strategy as strategy_module
 from sailfin.backends.compile import CompileError
 from sailfin.backends.strategy import Execution
@@ -106,11 +106,21 @@ def test_uncompilable_model_names_the_reason_and_the_key(tmp_path, monkeypatch):
 
 
 def test_eager_fp32_path_calls_the_recipe_directly():
-    backend = SingleDevice(Precision(), torch.device("cpu"))
+    from sailfin.backends import PlainSingleDevice, build_backend
+    from sailfin.config.trainer import TrainerArguments
+    from sailfin.distributed import DistEnv
+
+    backend = build_backend(TrainerArguments(backend="sp", device="cpu"), DistEnv())
+    assert type(backend) is PlainSingleDevice  # sp, fp32, not compiled
     module = TinyLM()
     backend.setup(module)
     assert backend.runner is None
-    assert backend.train_step == backend._train_step_plain  # no runner, no autocast per step
+    # No runner, no autocast per step: the step methods are PyTorch's own calls.
+    assert backend.backward is torch.Tensor.backward and not vars(backend).keys() & {
+        "train_step", "backward", "optimizer_step"}
+    compiled = build_backend(TrainerArguments(backend="sp", device="cpu", compile=True),
+                             DistEnv())
+    assert type(compiled) is SingleDevice
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +34,33 @@ class PerSampleRecipe(LinearRecipe):
         return nn.functional.mse_loss(self(x.to(device)), y.to(device), reduction="none")
 
 
+class WidePerSample(PerSampleRecipe):
+    """Per-sample losses through 4 -> 3 -> 2 linear layers (no parameter with a first
+    dimension of 1: fsdp shards dimension 0, and Opacus's FSDP step needs rows on every
+    rank), the prediction the mean of the two outputs."""
+
+    def __init__(self, data) -> None:
+        super().__init__(data)
+        torch.manual_seed(0)
+        self.hidden, self.linear = nn.Linear(4, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.linear(torch.tanh(self.hidden(x))).mean(-1)
+
+
+class SlowWidePerSample(WidePerSample):
+    """WidePerSample whose steps take ``step_seconds``: a job can be killed mid-run."""
+
+    def __init__(self, data, step_seconds: float = 0.0) -> None:
+        super().__init__(data)
+        self.step_seconds = step_seconds
+
+    def train_step(self, global_step, batch, device):
+        if self.step_seconds:
+            time.sleep(self.step_seconds)
+        return super().train_step(global_step, batch, device)
+
+
 def dp_args(out, **kw) -> TrainerArguments:
     dp = {"noise_multiplier": 1.1, "max_grad_norm": 1.0, **kw.pop("dp", {})}
     base = dict(backend="sp-dp", epochs=2, train_batch_size=10, micro_batch_size=5, seed=3,
@@ -42,15 +70,17 @@ def dp_args(out, **kw) -> TrainerArguments:
     return TrainerArguments(**base)
 
 
-def train_dp_rank(rank, world, dist_args, out, backend="ddp-dp", n=47):
-    """One rank of a ddp-dp run; rank 0 writes its final parameters and epsilon."""
-    args = dp_args(out / "run", backend=backend, distributed=dist_args)
-    module = LinearRecipe(IdData(n, 9))
+def train_dp_rank(rank, world, dist_args, out, backend="ddp-dp", n=47, per_sample=False,
+                  dp=None):
+    """One rank of a ddp-dp (or fsdp-dp) run; rank 0 writes its final parameters (full
+    tensors, gathered under fsdp) and the privacy summary."""
+    args = dp_args(out / "run", backend=backend, distributed=dist_args, dp=dp or {})
+    module = (WidePerSample if per_sample else LinearRecipe)(IdData(n, 9))
     with Trainer(module, args) as trainer:
         summary = trainer.train()
+        weights = trainer.backend.final_state_dict(module)  # every rank: a collective
     seen = [i for ids in module.seen for i in ids]
     (out / f"seen-{rank}.json").write_text(json.dumps(seen))
     if rank == 0:
-        torch.save({k: v.detach().clone() for k, v in module.state_dict().items()},
-                   out / "weights.pt")
+        torch.save({k: v.detach().clone() for k, v in weights.items()}, out / "weights.pt")
         Path(out, "privacy.json").write_text(json.dumps(summary["privacy"]))

@@ -72,6 +72,10 @@ MAY_CHANGE: dict[str, str] = {
     "compile_check": "a start-up measurement",
     "preemption_check_every_n_steps": "how soon a SIGTERM is acted on",
     "on_nonfinite": "what a non-finite loss does",
+    # the privacy budget: the accountant composes what was spent with what follows
+    "dp.noise_multiplier": "the noise of the steps to come (epsilon composes)",
+    "dp.target_epsilon": "a bound on the whole run, checked before the first step",
+    "dp.max_epsilon": "when the run stops",
     # where outputs and checkpoints go, how often, and how this run starts
     "output_dir": "where outputs go",
     "checkpoint": "checkpoint cadence and place",

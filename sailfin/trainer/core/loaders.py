@@ -39,6 +39,9 @@ def build_train_loader(module: ModuleInterface, plan: BatchPlan, dist: DistEnv,
             "get_train_dataloader did not call sampler(dataset): build the loader with "
             "DataLoader(dataset, batch_size=batch_size, sampler=sampler(dataset)) so "
             "sailfin decides which samples form each optimizer step")
+    check = getattr(made[-1], "check_loader", None)  # dp: the accountant's sampling only
+    if check is not None:
+        check(loader)
     if getattr(loader, "batch_size", None) != plan.micro_batch or getattr(
             loader, "drop_last", False):
         raise RecipeError(

@@ -3,7 +3,8 @@ the progress line and ``sailfin report``), in summary.json, and ``max_epsilon``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import logging
+from typing import TYPE_CHECKING, Any, Optional
 
 from ...config.dp import DPArguments
 from ...config.errors import ConfigError
@@ -12,11 +13,17 @@ from ..core.callbacks import Callback
 if TYPE_CHECKING:
     from ..core.view import RunView
 
+log = logging.getLogger("sailfin")
+
 
 class PrivacyCallback(Callback):
-    """Logs epsilon at ``delta`` every ``log_every_n_steps``, stops the run before a step
-    would spend more than ``trainer.dp.max_epsilon``, and adds ``privacy`` to summary.json.
-    The accountant itself is backend state (in every checkpoint).
+    """Before the first step: has the backend choose this run's noise for the steps it
+    may still take (``target_epsilon`` is a bound across resumes) and finds the step
+    after which ``trainer.dp.max_epsilon`` would be passed. Each step then costs an index
+    into a table and a comparison: epsilon at ``delta`` is logged every
+    ``log_every_n_steps``, the run stops before a step would pass ``max_epsilon``, and
+    ``privacy`` goes into summary.json. The accountant itself is backend state (in every
+    checkpoint).
 
     Example (the trainer adds it for a ``*-dp`` backend)::
 
@@ -27,34 +34,53 @@ class PrivacyCallback(Callback):
         self.args = args
         self.log_every = log_every
         self.backend: Any = None
+        self.stop_after: Optional[int] = None  # accounted steps that fit max_epsilon
 
     def on_train_start(self, trainer: "RunView") -> None:
         self.backend = trainer.backend
+        note = self.backend.begin_segment(remaining_steps(trainer))
+        if note and trainer.dist.is_main:
+            log.warning("sailfin: %s", note)
         limit = self.args.max_epsilon
         if limit is None:
             return
-        upcoming = self.backend.epsilon(extra_steps=1)
-        if upcoming > limit and trainer.global_step == 0:
+        self.stop_after = self.backend.last_allowed(limit)
+        if self.stop_after <= self.backend.accounted and trainer.global_step == 0:
             raise ConfigError(
                 f"trainer.dp.max_epsilon {limit}: the first step alone spends epsilon "
-                f"{upcoming:.4g} (noise_multiplier {self.backend.noise_multiplier:.4g}, sampling "
-                f"rate {self.backend.sample_rate:.4g}); raise the noise or max_epsilon")
-        self._stop_if_over(trainer, upcoming)
+                f"{self.backend.epsilon(ahead=1):.4g} (noise_multiplier "
+                f"{self.backend.noise_multiplier:.4g}, sampling rate "
+                f"{self.backend.sample_rate:.4g}); raise the noise or max_epsilon")
+        self._stop_if_over(trainer)
 
     def on_step_end(self, trainer: "RunView") -> None:
         if trainer.global_step % self.log_every == 0:
-            trainer.writers.log_metrics({"epsilon": self.backend.epsilon()},
-                                        trainer.global_step, trainer.epoch, "train")
-        if self.args.max_epsilon is not None:
-            self._stop_if_over(trainer, self.backend.epsilon(extra_steps=1))
+            eps = self.backend.epsilon()
+            if eps is not None:  # a noise multiplier of 0 bounds nothing
+                trainer.writers.log_metrics({"epsilon": eps}, trainer.global_step,
+                                            trainer.epoch, "train")
+        if self.stop_after is not None:
+            self._stop_if_over(trainer)
 
-    def _stop_if_over(self, trainer: "RunView", upcoming: float) -> None:
-        if upcoming > self.args.max_epsilon:
-            trainer.stop_reason = {"reason": "max_epsilon", "step": trainer.global_step,
-                                   "epsilon": self.backend.epsilon(),
-                                   "next_step_epsilon": upcoming,
-                                   "max_epsilon": self.args.max_epsilon}
+    def _stop_if_over(self, trainer: "RunView") -> None:
+        backend = self.backend
+        if backend.accounted >= self.stop_after:
+            trainer.stop_reason = {
+                "reason": "max_epsilon", "step": trainer.global_step,
+                "epsilon": backend.epsilon(),
+                "next_step_epsilon": backend.epsilon(ahead=1),
+                "max_epsilon": self.args.max_epsilon}
 
     def summary_fields(self) -> dict[str, Any]:
-        """summary.json's ``privacy``: epsilon, delta, noise, sampling rate, steps."""
+        """summary.json's ``privacy``: epsilon, delta, noise, sampling rate, segments."""
         return {"privacy": self.backend.privacy_facts()} if self.backend is not None else {}
+
+
+def remaining_steps(trainer: "RunView") -> int:
+    """The optimizer steps this run may still take: the rest of its epochs, at most up to
+    ``max_steps`` (the loop's own bounds; early stopping can only end it sooner)."""
+    args = trainer.args
+    left = (args.epochs - trainer.epoch) * trainer.steps_per_epoch - trainer.step_in_epoch
+    if args.max_steps is not None:
+        left = min(left, args.max_steps - trainer.global_step)
+    return max(0, left)
