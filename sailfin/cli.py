@@ -104,6 +104,13 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         # A save that failed on this rank alone (its disk, its files) is said here: the
         # rank that would print it (rank 0) may be stopped by torchrun first.
         cause = exc.__cause__
+        if _staging_removed_under_us(cause):
+            # Another rank's save failed and it removed the shared partial save while this
+            # rank still wrote into it: that rank prints the error; this one is its echo.
+            print(f"sailfin: rank {os.environ.get('RANK', '?')} stopped: the partial save it "
+                  f"was writing ({cause.file}) was removed, as a rank whose save failed does; "
+                  "that rank printed why", file=sys.stderr, flush=True)
+            return 1
         alone = (isinstance(cause, (OSError, CheckpointWriteError))
                  and not getattr(cause, "every_rank", False))
         _user_error(f"sailfin: checkpoint error: {exc}", here=alone)
@@ -182,6 +189,19 @@ def _stopped_after_start(trainer, exc: StoppedDuringSetup) -> str:
         lost = f"nothing past the last checkpoint ({latest}) was lost; run the same command " \
                "again to resume from it"
     return f"stopped by {exc.signal_name} at step {step}{why}; {lost}"
+
+
+def _staging_removed_under_us(cause: Optional[BaseException]) -> bool:
+    """A local checkpoint file this rank could not write because its directory (the save's
+    partial, shared with the other ranks) no longer exists."""
+    import errno
+
+    from .checkpoint.errors import CheckpointWriteError
+
+    if not isinstance(cause, CheckpointWriteError) or cause.errno != errno.ENOENT:
+        return False
+    parent = os.path.dirname(cause.file)
+    return bool(parent) and os.path.isabs(parent) and not os.path.exists(parent)
 
 
 def _module_builder(trainer):

@@ -172,3 +172,20 @@ def test_a_recipe_mistake_found_while_building_the_run_is_one_line_before_step_1
     out = tmp_path / "out"
     assert not (out / "summary.json").exists() and not (out / "checkpoints").exists()
     assert not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text()
+
+
+def test_a_partial_save_removed_under_a_rank_is_told_apart(tmp_path):
+    """A rank whose save file's directory vanished (another rank's failed save removed the
+    shared partial) is an echo of that failure; any other write error is its own."""
+    import errno
+
+    from sailfin.checkpoint.errors import CheckpointWriteError
+    from sailfin.cli import _staging_removed_under_us
+
+    gone = str(tmp_path / ".tmp-step-00000002" / "rng-rank00000.pt")
+    assert _staging_removed_under_us(CheckpointWriteError("x", gone, errno.ENOENT))
+    (tmp_path / "kept").mkdir()
+    here = str(tmp_path / "kept" / "rng-rank00000.pt")
+    assert not _staging_removed_under_us(CheckpointWriteError("x", here, errno.ENOENT))
+    assert not _staging_removed_under_us(CheckpointWriteError("x", gone, errno.ENOSPC))
+    assert not _staging_removed_under_us(OSError(errno.ENOENT, "gone"))
