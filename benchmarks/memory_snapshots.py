@@ -2,9 +2,13 @@
 step time without, under sp and under 2-process ddp (gloo, one node), and what the node's
 snapshot directory holds per snapshot against the state's size.
 
-Each round runs both arms back to back, in alternating order; a run's clock starts
-after ``Trainer.setup()`` (and the snapshot writer's start) and stops at the end
-of its last step. The figure is the median of the per-round ratios. The bytes
+Each round runs both arms back to back, in alternating order. A run's step time is
+its steady state: from the end of its first step to the end of its last, over the
+steps between. What happens once per run is printed apart, not hidden: the first
+step (the staging files are created and the first copy touches their pages) and
+the run's end (the last write is awaited, the files removed), as the extra
+milliseconds a run with snapshots spends there. The figure is the median of the
+per-round ratios. The bytes
 are measured in the ddp run with snapshots, at its last step, once both ranks'
 writes are done: the step directories of every rank for one step, the staging
 files, and one rank's state (model, optimizer, trainer state, random streams).
@@ -38,7 +42,7 @@ from sailfin.config.distributed import DistArguments  # noqa: E402
 
 DIMS = [512, 1024, 1024, 512, 10]  # 2.1 M parameters: 8 MB, and 16 MB of AdamW state
 BATCH = 64  # per process and step
-STEPS = 30  # per run
+STEPS = 60  # per run
 
 
 class Data(DataInterface):
@@ -102,8 +106,23 @@ class NodeBytes(Callback):
         trainer.backend.barrier()
 
 
+class Clock(Callback):
+    """The time at the start of training and at the end of each step."""
+
+    def __init__(self) -> None:
+        self.marks: list[float] = []
+
+    def on_train_start(self, trainer) -> None:
+        self.marks.append(time.perf_counter())
+
+    def on_step_end(self, trainer) -> None:
+        self.marks.append(time.perf_counter())
+
+
 def run(out: str, memory: bool, steps: int, dist: DistArguments | None = None) -> tuple:
-    """(seconds from after set-up to the end of the last step, the node's bytes)."""
+    """(seconds per step from the end of the first step to the end of the last, seconds
+    of the first step, seconds from the last step's end until train() returned, the
+    node's bytes)."""
     world = dist.world_size if dist is not None else 1
     args = TrainerArguments(
         epochs=1, train_batch_size=BATCH * world, micro_batch_size=BATCH, output_dir=out,
@@ -112,17 +131,18 @@ def run(out: str, memory: bool, steps: int, dist: DistArguments | None = None) -
         backend="ddp" if dist is not None else "sp", distributed=dist or DistArguments(),
         checkpoint={"at_epoch_end": False,
                     "memory": {"every_n_steps": 1} if memory else {}})
-    node = NodeBytes(steps)
+    node, clock = NodeBytes(steps), Clock()
     trainer = Trainer(Recipe(Data(steps * BATCH * world)), args,
-                      callbacks=[node] if memory else [])
+                      callbacks=[clock] + ([node] if memory else []))
     trainer.setup()
     if memory:
         trainer.checkpointer.store.start_writer(wait=True)  # its start is not a step's cost
-    begin = time.perf_counter()
     trainer.train()
-    seconds = time.perf_counter() - begin
+    ended = time.perf_counter()
     trainer.close()
-    return seconds, node.found
+    marks = clock.marks
+    return ((marks[-1] - marks[1]) / (steps - 1), marks[1] - marks[0], ended - marks[-1],
+            node.found)
 
 
 def _rank(rank: int, port: int, out: str, memory: bool, steps: int, threads: int,
@@ -158,18 +178,20 @@ def run_ddp(out: str, memory: bool, steps: int, threads: int) -> tuple:
 def measure(rounds: int, steps: int, threads: int, load) -> None:
     sink = io.StringIO()
     found: dict = {}
+    once: dict = {}  # (arm, memory) -> [(first step, end) seconds]
     with tempfile.TemporaryDirectory() as tmp:
         def arm(memory: bool, ddp: bool):
             def go(i: int) -> float:
                 out = os.path.join(tmp, f"{'ddp' if ddp else 'sp'}-{int(memory)}-{i}")
                 if ddp:
-                    seconds, node = run_ddp(out, memory, steps, threads)
+                    step, first, end, node = run_ddp(out, memory, steps, threads)
                 else:
                     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-                        seconds, node = run(out, memory, steps)
+                        step, first, end, node = run(out, memory, steps)
                 if node:
                     found.setdefault("ddp" if ddp else "sp", []).append(node)
-                return seconds
+                once.setdefault(("ddp" if ddp else "sp", memory), []).append((first, end))
+                return step
             return go
 
         figures = {}
@@ -184,6 +206,10 @@ def measure(rounds: int, steps: int, threads: int, load) -> None:
         print(f"  step time with a snapshot every step / without, {name:>13}: "
               f"{spread(values)}; snapshots skipped (the previous one still being written) "
               f"per run of {steps}: median {statistics.median(skipped) if skipped else 0}")
+        extra = [statistics.median(x[i] for x in once[(key, True)])
+                 - statistics.median(x[i] for x in once[(key, False)]) for i in (0, 1)]
+        print(f"    once per run, with snapshots: first step {extra[0] * 1e3:+.1f} ms, "
+              f"end of the run {extra[1] * 1e3:+.1f} ms (medians, against without)")
     node = found["ddp"][-1] if found.get("ddp") else None
     if node:
         print(f"  2-process ddp, one node: /dev/shm per snapshot {node['snapshot'] / 2**20:.1f} "

@@ -11,24 +11,25 @@ same model and optimizer) the node's local leader writes ``model.pt`` and
 its manifest naming the leader (``shared_from``); a restart reads the node's
 copy. Under ``fsdp`` each rank writes its own shard.
 
-The step pays only the copy of the state into reused staging buffers, files
-mapped shared in the node's directory; a writer process (:mod:`.memory_writer`)
-serialises and checksums from there, writes the files under ``.tmp-step-N`` and
-renames the directory when complete; a thread waits for it and (``replicas: 1``) sends the files to a rank on the next
-node, which keeps them under ``replica-rank<r>/``. At the next snapshot every
-rank says whether its previous one is complete (one tiny all-reduce): if one
-is still being written, every rank skips this step rather than wait; if one
-found the file system full, every rank stops taking snapshots (one warning;
-training and disk checkpoints go on); else the older ones are removed. Every
-rank therefore always holds a step that all ranks hold complete, and at most
-two snapshots (that one and the one being written).
+Training pays only a copy into reused staging buffers (:mod:`.memory_staging`),
+and of the parameters and optimizer state not even that: a thread copies them
+during the next forward and backward, and the optimizer step waits for it. A
+writer process (:mod:`.memory_writer`) writes the files under ``.tmp-step-N``
+(over the oldest snapshot's pages) and renames the directory once complete and
+once the copy is known to hold its step; a thread waits for it and
+(``replicas: 1``) sends the files to a rank on the next node (``replica-rank<r>/``).
+At the next snapshot every rank says whether its previous one is complete (one
+tiny all-reduce): if one is still being written, every rank skips this step; if
+one found the file system full, every rank stops taking snapshots (one warning;
+training and disk checkpoints go on). Every rank therefore always holds a step
+that all ranks hold complete, and at most two snapshots.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import re
+import pickle
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
@@ -37,20 +38,18 @@ from . import manifest as manifests
 from .errors import CheckpointCorrupt, CheckpointError
 from .memory_dirs import free_bytes, used_bytes
 from . import memory_transfer
-from .memory_files import intact, read_manifest, step_name
+from .memory_files import held, prune_snapshots, read_manifest, recycle, step_name
 from .memory_peers import Peers
-from .memory_writer import SharedStaging, WriterProcess
+from .memory_staging import PendingCopy, SharedStaging
+from .memory_writer import Verdict, WriterProcess
 from .serialize import load_object
 from .storage import LocalStorage
 
 __all__ = ["MemoryStore", "NoSpace", "rank_file", "step_name"]
 
-_STEP = re.compile(r"^step-(\d+)$")
 # The previous snapshot, as the ranks agree on it (MIN): a failure wins over a full file
 # system, which wins over one still being written.
 _FAILED, _FULL, _BUSY, _READY = 0, 1, 2, 3
-_OWN = re.compile(r"^rank(\d+)$")
-_REPLICA = re.compile(r"^replica-rank(\d+)$")
 
 
 class NoSpace(OSError):
@@ -96,6 +95,9 @@ class MemoryStore:
         self._writer = WriterProcess()
         self._executor: Optional[ThreadPoolExecutor] = None
         self._pending: Optional[tuple[int, Future]] = None
+        self._copying: Optional[tuple[PendingCopy, tuple]] = None  # copied while training
+        self._prune_from: Optional[int] = None  # older snapshots go before the next write
+        self._complete: Optional[int] = None  # the step of the newest snapshot renamed
         self._last: Optional[int] = None  # the step of the last snapshot started
         self._bytes: dict[int, int] = {}  # step -> bytes this rank wrote to the node for it
         self.run = ""  # the run's identity (memory_dirs.run_identity), in every manifest
@@ -126,15 +128,18 @@ class MemoryStore:
 
     def save(self, step: int, facts: dict[str, Any], shared: dict[str, Any],
              rank_state: Any, replicated: bool = False) -> bool:
-        """Snapshot ``step`` on every rank; False when skipped (or stopped). Every rank says
-        whether its previous snapshot is written (one tiny all-reduce): if one is still
-        being written, every rank skips this step (the step never waits for a write); if
-        one found the file system full, every rank stops; once all are written, older
-        snapshots go, the state is copied into the staging buffers, and the files are
-        written in the background. ``replicated``: ``shared`` is the same on every rank,
-        and only the node's leader writes it."""
+        """Snapshot ``step`` on every rank (:meth:`ready`, then :meth:`stage` copying
+        everything at once); False when skipped (or stopped)."""
+        return self.ready(step) and self.stage(step, facts, shared, rank_state, replicated)
+
+    def ready(self, step: int) -> bool:
+        """Whether every rank takes the snapshot of ``step``. Every rank says whether its
+        previous snapshot is written (one tiny all-reduce): if one is still being written,
+        every rank skips this step (the step never waits for a write); if one found the
+        file system full, every rank stops; once all are written, older snapshots go."""
         if self.stopped is not None:
             return False
+        self.settle()
         busy = self._pending is not None and not self._pending[1].done()
         error = (self._pending[1].exception() if self._pending is not None and not busy
                  else self._full)
@@ -153,23 +158,70 @@ class MemoryStore:
                 + (f" on rank {self.rank}: {error}" if error else " on another rank")
                 + f" ({self.root}); free shared memory, set trainer.checkpoint.memory.dir, "
                 "or turn snapshots off (trainer.checkpoint.memory.every_n_steps: null)")
-        if self._last is not None:
-            self.prune(keep_from=self._last)  # every rank has it complete
+        # Every rank has the last one complete: older ones go, in the writer's thread
+        # before it writes the next (removing a snapshot's files frees its pages: ms).
+        self._prune_from = self._complete
+        return True
+
+    def stage(self, step: int, facts: dict[str, Any], shared: dict[str, Any],
+              rank_state: Any, replicated: bool = False, later: frozenset = frozenset()
+              ) -> bool:
+        """After :meth:`ready` said so: copy the state into the staging buffers and have the
+        files written in the background; False when the file system is full. The storages
+        in ``later`` (``(data_ptr, device)``: parameters and optimizer state) are copied by
+        a thread while training goes on, and the files are written once :meth:`settle`
+        finds them copied unchanged. ``replicated``: ``shared`` is the same on every rank,
+        and only the node's leader writes it."""
         if replicated and self.rank != self.leader:
             shared = {}  # the node's leader writes it
         try:
-            staged = self._staging.copy({"shared": shared, "rank": rank_state})
+            staged, copying = self._staging.stage({"shared": shared, "rank": rank_state},
+                                                  later)
         except OSError as exc:
             if not _is_full(exc):
                 raise
             self._full = exc  # the next snapshot's agreement stops them on every rank
             return False
+        # Frozen now: the state's other values (not tensors) may change before the write.
+        job = (step, dict(facts), pickle.dumps(staged), replicated)
+        verdict: Optional[Verdict] = None
+        if copying is not None:
+            verdict = Verdict()  # settle() says whether the copy holds this step's state
+            self._copying = (copying, verdict)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="sailfin-memory")
         self._last = step
-        self._pending = (step, self._executor.submit(
-            self._write, step, dict(facts), staged["shared"], staged["rank"], replicated))
+        keep_from, self._prune_from = self._prune_from, None
+        self._pending = (step, self._executor.submit(self._write, keep_from, *job,
+                                                     copying=copying, verdict=verdict))
         return True
+
+    @property
+    def copying(self) -> bool:
+        """Whether the last snapshot's parameters are still being copied (until
+        :meth:`settle`)."""
+        return self._copying is not None
+
+    def settle(self) -> Optional[bool]:
+        """Wait for the copy :meth:`stage` left to a thread and say whether its sources
+        stayed unchanged: the writer renames the snapshot's files only then. None when
+        there was none; False when a source changed while it was copied (the snapshot is
+        dropped: it would not be the state of one step)."""
+        if self._copying is None:
+            return None
+        copying, verdict = self._copying
+        self._copying = None
+        try:
+            unchanged = copying.finish()
+        except BaseException:
+            verdict.give(False)  # the copy failed: never renamed
+            raise
+        verdict.give(unchanged)
+        if unchanged and verdict.written.is_set():
+            # The files are written: the rename is a moment, and the step it waits for
+            # then ends with its snapshot complete (and the next one is not skipped).
+            verdict.renamed.wait()
+        return unchanged
 
     def _stop(self, step: int, error: Optional[BaseException]) -> None:
         """The file system is full: no more snapshots. The complete ones stay (a restart
@@ -196,6 +248,7 @@ class MemoryStore:
     def wait(self) -> None:
         """Block until the last snapshot is written (and replicated); raise if it failed
         for another reason than a full file system."""
+        self.settle()
         step = self._last
         error = self._finish()
         if _is_full(error):
@@ -204,21 +257,41 @@ class MemoryStore:
             raise CheckpointError(f"the memory snapshot of step {step} in {self.root} "
                                   f"failed: {error}") from error
 
-    def _write(self, step: int, facts: dict[str, Any], shared: dict[str, Any],
-               rank_state: Any, replicated: bool) -> None:
-        """The writer thread: the writer process writes the files (this thread waits on
-        its pipe), then the replica goes to the next node."""
+    def _write(self, keep_from: Optional[int], step: int, facts: dict[str, Any],
+               frozen: bytes, replicated: bool, copying: Optional[PendingCopy] = None,
+               verdict: Optional["Verdict"] = None) -> None:
+        """The writer thread: snapshots older than ``keep_from`` go, the writer process
+        writes the files once ``copying`` is done (this thread waits on its pipe), renames
+        them if ``verdict`` says the copy holds the step's state, then the replica goes to
+        the next node."""
+        if keep_from is not None:
+            self._recycle(keep_from, step)
+        staged = pickle.loads(frozen)
+        shared, rank_state = staged["shared"], staged["rank"]
         facts = {**facts, "memory_snapshot": {
             "rank": self.rank, "run": self.run, "replicated": replicated,
             "shared_from": None if shared else self.leader}}
         files = {**shared, rank_file(self.rank)[:-3]: rank_state}
         os.makedirs(self.own_dir(), exist_ok=True)
-        self._writer.write(self.own_dir(), step_name(step), files, facts,
-                           self._staging.directory)
-        final = os.path.join(self.own_dir(), step_name(step))
+        if copying is not None:
+            try:
+                copying.wait()
+            except Exception:
+                return  # the training thread raises it (settle)
+        try:
+            renamed = self._writer.write(self.own_dir(), step_name(step), files, facts,
+                                         self._staging.directory,
+                                         verdict.wait if verdict is not None else None)
+        finally:
+            if verdict is not None:
+                verdict.renamed.set()
+        final = os.path.join(self.own_dir(), step_name(step)) if renamed else None
         if self.replica_dst is not None:
-            self._replicate(step, final)
-        self._check_room(step, used_bytes(final) * (2 if self.replica_dst is not None else 1))
+            self._replicate(step, final)  # (a dropped one too: the peer expects a header)
+        if final is not None:
+            self._complete = step
+            self._check_room(step, used_bytes(final) * (2 if self.replica_dst is not None
+                                                        else 1))
 
     def _check_room(self, step: int, size: int) -> None:
         """The next snapshot replaces the one before this: it must fit in what is free
@@ -230,38 +303,16 @@ class MemoryStore:
             raise NoSpace(errno.ENOSPC, f"the next snapshot needs {size / 2**20:.1f} MiB, "
                           f"{(free + previous) / 2**20:.1f} MiB would be free")
 
-    def _replicate(self, step: int, final: str) -> None:
+    def _replicate(self, step: int, final: Optional[str]) -> None:
         assert self.replica_dst is not None and self.replica_src is not None
         memory_transfer.exchange(self.peers.background, final, self.replica_dst,
                                  self.replica_src, self.replica_dir(self.replica_src), step)
 
     # -- what is there -----------------------------------------------------------------
     def inventory(self) -> dict[int, dict[int, str]]:
-        """Rank -> step -> directory of every complete, intact snapshot in this node's
-        directory (own or replica) that a rank of this run can resume from. Left out: a
-        snapshot without a manifest, or whose files do not have its sizes (a half-written
-        one; CRC-32s are checked by :meth:`load`, of the one snapshot loaded), or taken by
-        another run, or sharded on another world size (a
-        resized fsdp job resumes from disk), or whose node copy of the replicated state
-        is not here intact."""
-        found: dict[int, dict[int, tuple[str, Optional[int]]]] = {}
-        for entry in sorted(self.storage.listdir(self.root)):  # own copies before replicas
-            match = _OWN.match(entry) or _REPLICA.match(entry)
-            if not match or int(match.group(1)) >= self.world_size:
-                continue
-            rank = int(match.group(1))
-            for name in self.storage.listdir(os.path.join(self.root, entry)):
-                step = _STEP.match(name)
-                path = os.path.join(self.root, entry, name)
-                if not step or int(step.group(1)) in found.get(rank, {}):
-                    continue
-                manifest = intact(path, self.world_size, self.run, verify=False)
-                if manifest is not None:
-                    source = (manifest.get("memory_snapshot") or {}).get("shared_from")
-                    found.setdefault(rank, {})[int(step.group(1))] = (path, source)
-        return {rank: {step: path for step, (path, source) in steps.items()
-                       if source is None or found.get(source, {}).get(step, ("", 0))[1] is None}
-                for rank, steps in found.items()}
+        """Rank -> step -> directory of every complete, intact snapshot of this run in this
+        node's directory (own or replica) that a rank can resume from (:func:`held`)."""
+        return held(self.root, self.world_size, self.run)
 
     def load(self, path: str) -> tuple[dict[str, Any], dict[str, Any], Any]:
         """(manifest, shared state, this rank's random state) of the snapshot in ``path``;
@@ -295,18 +346,19 @@ class MemoryStore:
                                 self.root)
 
     # -- removing ----------------------------------------------------------------------
-    def prune(self, keep_from: int = 0, only: Optional[int] = None) -> None:
+    def prune(self, keep_from: int = 0, only: Optional[int] = None,
+              spare: Optional[str] = None) -> None:
         """Remove this rank's snapshots (and the replica it keeps) older than ``keep_from``
-        (with ``only``: every step but that one) and unfinished ones. Never called while
-        a snapshot is being written."""
-        dirs = [self.own_dir()] + ([self.replica_dir(self.replica_src)]
-                                   if self.replica_src is not None else [])
-        for directory in dirs:
-            for name in self.storage.listdir(directory):
-                match = _STEP.match(name)
-                step = int(match.group(1)) if match else None
-                if step is None or (step != only if only is not None else step < keep_from):
-                    shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        (with ``only``: every step but that one) and unfinished ones (but ``spare``).
+        Never called while a snapshot is being written."""
+        for directory in [self.own_dir()] + ([self.replica_dir(self.replica_src)]
+                                             if self.replica_src is not None else []):
+            prune_snapshots(directory, keep_from, only, spare)
+
+    def _recycle(self, keep_from: int, step: int) -> None:
+        """Before writing ``step``: older snapshots than ``keep_from`` go, the oldest
+        one's directory kept as the new one's temporary one (:func:`recycle`)."""
+        self.prune(keep_from=keep_from, spare=recycle(self.own_dir(), keep_from, step))
 
     def remove_mine(self) -> None:
         """Remove this rank's snapshots and the replica it keeps (a normal end)."""

@@ -18,16 +18,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from .memory_files import step_name
-from .memory_writer import reserve
+from .memory_staging import reserve
 
 
-def _header(path: str) -> tuple[list[str], torch.Tensor]:
-    names = sorted(os.listdir(path))
+def _header(path: Optional[str]) -> tuple[list[str], torch.Tensor]:
+    names = sorted(os.listdir(path)) if path is not None else []
     sizes = {n: os.path.getsize(os.path.join(path, n)) for n in names}
     data = json.dumps(sizes).encode("utf-8")
     return names, torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -58,9 +58,11 @@ def _close(into: str, staging: str, step: int) -> str:
     return final
 
 
-def exchange(group: Any, path: str, dst: int, src: int, into: str, step: int) -> str:
+def exchange(group: Any, path: Optional[str], dst: int, src: int, into: str, step: int
+             ) -> Optional[str]:
     """Send the snapshot ``path`` to ``dst`` while receiving ``src``'s as
-    ``into/step-N``; returns the received directory."""
+    ``into/step-N``; returns the received directory. ``path`` None: this rank has no
+    snapshot of ``step`` (dropped) and sends an empty header; one received is not kept."""
     import torch.distributed as dist
 
     names, header = _header(path)
@@ -73,15 +75,18 @@ def exchange(group: Any, path: str, dst: int, src: int, into: str, step: int) ->
     staging = _open(into, step)
     requests = []
     for name in names:
-        size = os.path.getsize(os.path.join(path, name))
+        size = os.path.getsize(os.path.join(path, name))  # type: ignore[arg-type]
         if size:
-            requests.append(dist.isend(_source(os.path.join(path, name), size), dst,
+            requests.append(dist.isend(_source(os.path.join(path, name), size), dst,  # type: ignore[arg-type]
                                        group=group))
     for name, size in sorted(incoming.items()):
         target = _target(os.path.join(staging, name), size)
         if size:
             requests.append(dist.irecv(target, src, group=group))
     _wait(requests)
+    if not incoming:  # the sender dropped its snapshot of this step
+        shutil.rmtree(staging, ignore_errors=True)
+        return None
     return _close(into, staging, step)
 
 

@@ -2,216 +2,146 @@
 
 Serialising a snapshot and computing its CRC-32s in a thread of the training
 process competes with training for the interpreter and the cores. So the step
-copies the state into staging buffers that are files in the node's snapshot
-directory, mapped shared (``staging-rank<r>/``, one file per storage, reused
-from snapshot to snapshot); a writer process started once per rank maps the
-same files and writes the snapshot's files, manifest and all, under the
-temporary name, then renames it. Only a small description of the state (the
-tensors' places in the buffers, and the state's other values) crosses the pipe.
+copies the state into staging buffers (:mod:`.memory_staging`), and a writer
+process started once per rank, at the lowest priority, maps the same files and
+writes the snapshot's files, manifest last, under the temporary name, then
+renames it. Only a small description of the state crosses the pipe. The files of
+an older snapshot found under the temporary name are rewritten in place: their
+pages are reused rather than freed and allocated again.
 
-The writer stops when the training process closes it or dies (its pipe ends);
-one that finds the training process gone before the rename leaves the
-snapshot unfinished, never complete.
+A snapshot whose parameters were copied while training went on is written at
+once but renamed only when the training process says the copy holds its step's
+state (``verdict``). The writer stops when the training process closes it or dies
+(its pipe ends); one that finds the training process gone before the rename
+leaves the snapshot unfinished, never complete.
 
 Example::
 
     staging = SharedStaging("/dev/shm/sailfin-run-node0/staging-rank00000")
     described = staging.copy({"model": model.state_dict()})   # on the step's path
     writer = WriterProcess()
-    writer.write(directory, "step-00000012", described, facts, rank_file)
+    writer.write(directory, "step-00000012", {"model": described}, facts,
+                 staging.directory)
     writer.close(); staging.release()
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
-from collections import OrderedDict
-from typing import Any, Optional
+import threading
+from concurrent.futures import Future
+from typing import Any, BinaryIO, Callable, Iterator, Optional
 
 import torch
 
 from . import manifest as manifests
+from .memory_staging import rebuild, remove_file
 from .serialize import FileEntry, save_object
 from .storage import LocalStorage
 
-_ALIGN = 64
 
+class _InPlace(LocalStorage):
+    """Writes a file over its old bytes (then cuts it to the new length) instead of
+    replacing it: on a RAM file system its pages are reused. No fsync: memory is all
+    there is to reach."""
 
-class _Slot:
-    """Where a tensor's storage is in the staging files (what crosses the pipe)."""
-
-    def __init__(self, name: str, nbytes: int, dtype: torch.dtype, size: tuple,
-                 stride: tuple, offset: int) -> None:
-        self.name, self.nbytes, self.dtype = name, nbytes, dtype
-        self.size, self.stride, self.offset = size, stride, offset
-
-
-class SharedStaging:
-    """Staging buffers as files mapped shared in ``directory``, reused while a storage
-    keeps its address, device and size (parameters and optimizer state updated in
-    place): a snapshot costs the step one memory copy and no allocation."""
-
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-        self._buffers: dict[tuple[int, str, int], tuple[str, torch.UntypedStorage]] = {}
-        self._count = 0
-
-    def nbytes(self) -> int:
-        return sum(buf.nbytes() for _, buf in self._buffers.values())
-
-    def copy(self, obj: Any) -> Any:
-        """``obj`` with every tensor copied into a staging file and replaced by its slot."""
-        used: dict[tuple[int, str, int], tuple[str, torch.UntypedStorage]] = {}
-
-        def stage(value: torch.Tensor) -> Any:
-            value = value.detach()
-            if value.layout is not torch.strided or value.is_quantized:
-                return value.to("cpu", copy=True)  # rare: pickled as it is
-            storage = value.untyped_storage()
-            if storage.nbytes() == 0:  # an empty tensor (an fsdp rank's share of a small one)
-                return _Slot("", 0, value.dtype, tuple(value.size()), tuple(value.stride()), 0)
-            key = (storage.data_ptr(), str(value.device), storage.nbytes())
-            if key not in used:
-                found = self._buffers.get(key)
-                if found is None:
-                    found = self._allocate(storage.nbytes())
-                found[1].copy_(storage)
-                used[key] = found
-            return _Slot(used[key][0], storage.nbytes(), value.dtype, tuple(value.size()),
-                         tuple(value.stride()), value.storage_offset())
-
-        staged = _walk(obj, stage)
-        for key, (name, _) in self._buffers.items():
-            if key not in used:  # a storage gone since the last snapshot
-                _remove(os.path.join(self.directory, name))
-        self._buffers = used
-        return staged
-
-    def _allocate(self, nbytes: int) -> tuple[str, torch.UntypedStorage]:
-        os.makedirs(self.directory, exist_ok=True)
-        self._count += 1
-        name = f"{self._count:08d}.bin"
-        path = os.path.join(self.directory, name)
-        # Reserve the pages now: a write into a mapped page of a full tmpfs is a SIGBUS;
-        # a reservation that does not fit is an OSError (ENOSPC) here instead.
+    @contextlib.contextmanager
+    def open_write(self, path: str) -> Iterator[BinaryIO]:
         try:
-            reserve(path, nbytes)
-        except OSError:
-            _remove(path)
-            raise
-        return name, torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
-
-    def release(self) -> None:
-        self._buffers = {}
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-
-def reserve(path: str, nbytes: int) -> None:
-    """Create ``path`` with ``nbytes`` bytes whose pages are reserved (where the platform
-    can: Linux, where /dev/shm is), so that writing them through a mapping cannot fail."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        if nbytes and hasattr(os, "posix_fallocate"):
-            os.posix_fallocate(fd, 0, nbytes)
-        else:
-            os.ftruncate(fd, nbytes)
-    finally:
-        os.close(fd)
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-
-
-def _walk(obj: Any, fn: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        out = {k: _walk(v, fn) for k, v in obj.items()}
-        return OrderedDict(out) if isinstance(obj, OrderedDict) else out
-    if type(obj) in (list, tuple):
-        return type(obj)(_walk(v, fn) for v in obj)
-    return obj
-
-
-def _rebuild(obj: Any, directory: str, mapped: dict[str, torch.UntypedStorage]) -> Any:
-    """The writer's side: each slot back as a tensor on the mapped staging file."""
-    def tensor(slot: Any) -> Any:
-        if not isinstance(slot, _Slot):
-            return slot
-        if slot.nbytes == 0:
-            return torch.empty_strided(slot.size, slot.stride, dtype=slot.dtype)
-        storage = mapped.get(slot.name)
-        if storage is None:
-            storage = mapped[slot.name] = torch.UntypedStorage.from_file(
-                os.path.join(directory, slot.name), shared=True, nbytes=slot.nbytes)
-        out = torch.empty(0, dtype=slot.dtype)
-        out.set_(storage, slot.offset, slot.size, slot.stride)
-        return out
-
-    if isinstance(obj, _Slot):
-        return tensor(obj)
-    if isinstance(obj, dict):
-        out = {k: _rebuild(v, directory, mapped) for k, v in obj.items()}
-        return OrderedDict(out) if isinstance(obj, OrderedDict) else out
-    if type(obj) in (list, tuple):
-        return type(obj)(_rebuild(v, directory, mapped) for v in obj)
-    return obj
+            fh = open(path, "r+b")
+        except FileNotFoundError:
+            fh = open(path, "wb")
+        with fh:
+            yield fh
+            fh.truncate()
 
 
 def write_snapshot(directory: str, name: str, staged: dict[str, Any], facts: dict[str, Any],
-                   staging_dir: str, parent: Optional[int] = None) -> None:
+                   staging_dir: str, parent: Optional[int] = None,
+                   commit: Optional[Callable[[], bool]] = None) -> bool:
     """Write ``staged`` (stem -> state described by :class:`SharedStaging`) as the snapshot
     ``directory/name``: the files under ``.tmp-<name>``, the manifest last, then the
-    rename (not when the training process ``parent`` is gone meanwhile)."""
-    storage = LocalStorage()
+    rename, unless the training process ``parent`` is gone meanwhile or ``commit()``
+    (asked once the files are written) says no. True when renamed."""
+    storage = _InPlace()
     temporary = os.path.join(directory, f".tmp-{name}")
-    shutil.rmtree(temporary, ignore_errors=True)
-    os.makedirs(temporary)
+    # An older snapshot's files may be here (MemoryStore recycles its directory): they are
+    # rewritten in place, the manifest last; one without a manifest is never chosen.
+    os.makedirs(temporary, exist_ok=True)
+    remove_file(os.path.join(temporary, manifests.MANIFEST))
     mapped: dict[str, torch.UntypedStorage] = {}
     files: dict[str, FileEntry] = {}
     for stem, described in staged.items():
-        obj = _rebuild(described, staging_dir, mapped)
+        obj = rebuild(described, staging_dir, mapped)
         files[f"{stem}.pt"] = save_object(storage, os.path.join(temporary, f"{stem}.pt"), obj)
+    for leftover in set(os.listdir(temporary)) - set(files):
+        remove_file(os.path.join(temporary, leftover))
     with open(os.path.join(temporary, manifests.MANIFEST), "wb") as fh:
         fh.write(manifests.encode(facts, files))
+    if commit is not None and not commit():
+        shutil.rmtree(temporary, ignore_errors=True)  # not the state of one step
+        return False
     if parent is not None and os.getppid() != parent:
-        return  # the training process died: its last snapshot stays unfinished
+        return False  # the training process died: its last snapshot stays unfinished
     final = os.path.join(directory, name)
     shutil.rmtree(final, ignore_errors=True)  # a snapshot of this step from before a restart
     os.rename(temporary, final)
+    return True
 
 
 def _serve(parent: int) -> None:
     """The writer process: one snapshot per message on stdin until ``None`` or the pipe
-    ends; each answered on stdout (None, or the error's errno and reason)."""
+    ends; each answered on stdout (None: renamed; ``"dropped"``; or the error's errno and
+    reason). A snapshot sent with ``hold`` is answered ``"written"`` once its files are,
+    and renamed only if the next message says True. It ends the process (``os._exit``)
+    rather than return."""
     torch.set_num_threads(1)
+    # Background work: where it and training want the same core, training goes first.
+    os.nice(19)
+    # A signal to the job (torchrun's SIGTERM to the process group, Ctrl-C) is the
+    # training process's to handle; this one ends when that one closes its pipe or dies.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # a stray print must not land among the replies
     jobs = sys.stdin.buffer
-    pickle.dump("ready", replies)  # torch is imported: snapshots can come
-    replies.flush()
+
+    def send(reply: Any) -> None:
+        pickle.dump(reply, replies)
+        replies.flush()
+
+    def commit() -> bool:
+        send("written")
+        try:
+            return pickle.load(jobs) is True
+        except (EOFError, OSError):
+            return False  # the training process is gone: the snapshot stays unfinished
+
+    send("ready")  # torch is imported: snapshots can come
     while True:
         try:
             job = pickle.load(jobs)
         except (EOFError, OSError):
-            return  # the training process is gone
+            job = None  # the training process is gone
         if job is None:
-            return
+            # Every reply is sent and every snapshot renamed: nothing is left to tear
+            # down, and the interpreter's own teardown (torch's) would hold the
+            # training process's close() for a third of a second.
+            sys.stderr.flush()
+            os._exit(0)
+        *where, hold = job
         try:
-            write_snapshot(*job, parent=parent)
-            reply: Any = None
+            renamed = write_snapshot(*where, parent=parent, commit=commit if hold else None)
+            reply: Any = None if renamed else "dropped"
         except BaseException as exc:  # noqa: BLE001 - sent back, raised in the trainer
             reply = (_errno(exc), f"{type(exc).__name__}: {exc}")
-        pickle.dump(reply, replies)
-        replies.flush()
+        send(reply)
 
 
 def _errno(exc: Optional[BaseException]) -> Optional[int]:
@@ -222,6 +152,24 @@ def _errno(exc: Optional[BaseException]) -> Optional[int]:
     return None
 
 
+class Verdict:
+    """Whether a snapshot copied while training went on holds its step's state: the
+    training thread gives it (:meth:`MemoryStore.settle`), the writer thread waits for it
+    once the files are written, and renames them only if it is True."""
+
+    def __init__(self) -> None:
+        self._given: Future = Future()
+        self.written = threading.Event()  # the files are written, the rename waits
+        self.renamed = threading.Event()  # the writer is done with it (renamed or not)
+
+    def give(self, unchanged: bool) -> None:
+        self._given.set_result(unchanged)
+
+    def wait(self) -> bool:
+        self.written.set()
+        return self._given.result()
+
+
 class WriterProcess:
     """A process that writes this rank's snapshots (started at the first one)."""
 
@@ -230,22 +178,30 @@ class WriterProcess:
         self._ready = False
 
     def write(self, directory: str, name: str, staged: dict[str, Any], facts: dict[str, Any],
-              staging_dir: str) -> None:
+              staging_dir: str, verdict: Optional[Callable[[], bool]] = None) -> bool:
         """Have the writer write the snapshot; block until it is renamed (the calling
-        thread waits on a pipe, holding nothing). Raises OSError (errno kept: a full
-        file system) or RuntimeError with the writer's reason."""
+        thread waits on a pipe, holding nothing). With ``verdict``, it is asked once the
+        files are written, and only True renames them. True when renamed. Raises OSError
+        (errno kept: a full file system) or RuntimeError with the writer's reason."""
         self.ready()
         try:
-            pickle.dump((directory, name, staged, facts, staging_dir), self._proc.stdin)
-            self._proc.stdin.flush()
+            self._send((directory, name, staged, facts, staging_dir, verdict is not None))
             reply = pickle.load(self._proc.stdout)
+            if reply == "written" and verdict is not None:
+                self._send(verdict())
+                reply = pickle.load(self._proc.stdout)
         except (EOFError, OSError):
             raise RuntimeError("the memory snapshot writer process died") from None
-        if reply is not None:
-            code, reason = reply
-            if code is not None:
-                raise OSError(code, f"memory snapshot writer: {reason}")
-            raise RuntimeError(f"memory snapshot writer: {reason}")
+        if reply is None or reply == "dropped":
+            return reply is None
+        code, reason = reply
+        if code is not None:
+            raise OSError(code, f"memory snapshot writer: {reason}")
+        raise RuntimeError(f"memory snapshot writer: {reason}")
+
+    def _send(self, message: Any) -> None:
+        pickle.dump(message, self._proc.stdin)
+        self._proc.stdin.flush()
 
     def ready(self) -> None:
         """Start the writer if it is not running, and wait until it can write (its
@@ -300,4 +256,4 @@ class WriterProcess:
         proc.stdout.close()
 
 
-__all__ = ["SharedStaging", "WriterProcess", "write_snapshot"]
+__all__ = ["Verdict", "WriterProcess", "write_snapshot"]

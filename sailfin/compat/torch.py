@@ -22,6 +22,7 @@ PRIVATE = (
     "torch.amp.GradScaler._found_inf_per_device",
     "torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter",
     "torch.distributed.checkpoint._fsspec_filesystem.FsspecReader",
+    "torch.Tensor._version",
 )
 """The dotted names sailfin reads; :func:`missing` checks each."""
 
@@ -37,6 +38,19 @@ def found_inf_per_device(scaler: "torch.amp.GradScaler", optimizer: torch.optim.
     Upstream: pytorch/pytorch#67590 asks for the scaler to say whether it stepped.
     """
     return scaler._found_inf_per_device(optimizer)
+
+
+def version(tensor: torch.Tensor) -> int:
+    """How many in-place changes ``tensor``'s data has had: autograd's version counter,
+    shared by its views and ``detach()`` (not by ``.data``). A memory snapshot copies
+    the parameters while the next forward runs and compares this before and after, so a
+    forward that changes them in place (``nn.Embedding(max_norm=...)``) is noticed.
+
+    Private: ``Tensor._version``, the counter autograd's in-place checks read (the
+    "modified by an inplace operation" error quotes it). Public alternative: none that
+    sees an in-place change without comparing the data itself.
+    """
+    return tensor._version
 
 
 def fsspec_writer() -> type:

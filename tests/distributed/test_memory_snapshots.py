@@ -97,8 +97,13 @@ def test_workers_killed_at_random_steps_lose_at_most_one_step(tmp_path, ddp_refe
         stop(proc)
         memory_dirs.clean(str(tmp_path / "kill" / "run"))
     text = log.read_text()
-    resumed = [int(s) for s in re.findall(r"resuming from memory, step (\d+)", text)]
+    resumed = [int(s) for s in re.findall(r"\(torchrun\): resuming from \S+: step (\d+)", text)]
     assert len(resumed) == 2, (seed, tail([log]))
+    # From memory, or from a disk checkpoint newer than every complete snapshot (a kill
+    # right after a disk checkpoint's step, before that step's snapshot was complete).
+    from_memory = len(re.findall(r"resuming from memory, step (\d+)", text))
+    from_newer_disk = len(re.findall(r"is older than the disk checkpoint of step", text))
+    assert from_memory + from_newer_disk == 2, (seed, tail([log]))
     for step, finished in zip(resumed, at_kill):
         assert finished - 1 <= step <= finished + 1, (resumed, at_kill, seed)  # last or the one before
     weights_ref, one = ddp_reference

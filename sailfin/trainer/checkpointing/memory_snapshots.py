@@ -31,9 +31,14 @@ if TYPE_CHECKING:
     from ..core.view import RunView
 
 class MemorySnapshots(Callback):
-    """Snapshots every ``every_n_steps`` optimizer steps; the step waits for the copy only.
+    """Snapshots every ``every_n_steps`` optimizer steps; training waits for the copy only.
 
-    ``stall_seconds`` records how long each snapshot held the step.
+    The step copies what the next forward may change (buffers, random streams, the
+    trainer's state); a thread copies the parameters and the optimizer's state while the
+    next forward and backward run, and the optimizer step waits for it. A version check
+    proves nothing changed them meanwhile; if something did, that snapshot is dropped
+    and later ones are copied at once. ``stall_seconds`` records how long each snapshot
+    held training (at the step's end and before the next optimizer step).
 
     Example::
 
@@ -53,6 +58,9 @@ class MemorySnapshots(Callback):
         self.stall_seconds: list[float] = []
         self.snapshot_bytes = 0  # one rank's whole snapshot state, as counted before step 1
         self._warned = False  # the file system filled: said once
+        # Parameters and optimizer state are copied while the next step's forward and
+        # backward run (off once a snapshot finds them changed meanwhile).
+        self.overlap = True
 
     def on_train_start(self, trainer: "RunView") -> None:
         # What a run before this one left (newer steps above all) must never be resumed.
@@ -70,21 +78,48 @@ class MemorySnapshots(Callback):
     def snapshot(self, trainer: "RunView") -> None:
         started = time.perf_counter()
         trainer.nonfinite.check()  # never snapshot weights a non-finite loss spoiled
-        trainer.writers.flush()  # metrics.jsonl holds every event up to the snapshot
-        state = trainer.state_dict()
-        facts = manifest_facts(trainer, self.saver, state)
-        local = local_shards(state)  # fsdp: this rank's rows, as plain tensors
-        replicated = local is state  # no shards: every rank holds the same (ddp)
-        shared = {"model": local.pop("module"), "trainer": local}
-        taken = self.store.save(trainer.global_step, facts, shared, rng_state(), replicated)
-        if not taken and self.store.stopped and not self._warned:
+        if self.store.ready(trainer.global_step):
+            trainer.writers.flush()  # metrics.jsonl holds every event up to the snapshot
+            state = trainer.state_dict()
+            facts = manifest_facts(trainer, self.saver, state)
+            local = local_shards(state)  # fsdp: this rank's rows, as plain tensors
+            replicated = local is state  # no shards: every rank holds the same (ddp)
+            shared = {"model": local.pop("module"), "trainer": local}
+            later = stepped_state(trainer) if self.overlap else frozenset()
+            self.store.stage(trainer.global_step, facts, shared, rng_state(), replicated,
+                             later)
+        elif self.store.stopped and not self._warned:
             self._warned = True
             if trainer.dist.is_main:
                 say(self.store.stopped)
         self.stall_seconds.append(time.perf_counter() - started)
+        if not self.store.copying:  # else said when the copy is settled, with its wait
+            notify_save_end(trainer, "snapshot", self.stall_seconds[-1])  # the time account
+
+    def on_backward_end(self, trainer: "RunView", samples: int) -> bool:
+        """Before the optimizer step changes them: wait until the parameters and optimizer
+        state of the last snapshot are copied (a thread copied them during this step's
+        forward and backward)."""
+        self.settle(trainer)
+        return False
+
+    def settle(self, trainer: "RunView") -> None:
+        started = time.perf_counter()
+        settled = self.store.settle()
+        if settled is None:
+            return
+        self.stall_seconds[-1] += time.perf_counter() - started
         notify_save_end(trainer, "snapshot", self.stall_seconds[-1])  # the time account
+        if settled is False and self.overlap:
+            self.overlap = False
+            say(f"memory snapshots: rank {trainer.dist.rank}'s parameters or optimizer "
+                f"state changed between step {trainer.global_step}'s end and the next "
+                "optimizer step (a forward that changes its weights in place, such as "
+                "nn.Embedding(max_norm=...), or a callback): that snapshot is dropped, and "
+                "from now on each snapshot is copied before training goes on")
 
     def on_train_end(self, trainer: "RunView") -> None:
+        self.settle(trainer)
         if self.store.skipped and trainer.dist.is_main:
             say(f"memory snapshots: {self.store.skipped} of {len(self.stall_seconds)} skipped: "
                 "the previous one was still being written (a write took longer than the "
@@ -132,6 +167,20 @@ class MemorySnapshots(Callback):
                 "--shm-size), point trainer.checkpoint.memory.dir at a larger tmpfs"
                 + (", set trainer.checkpoint.memory.replicas: 0" if self.replicas else "")
                 + ", or turn snapshots off (trainer.checkpoint.memory.every_n_steps: null)")
+
+
+def stepped_state(trainer: "RunView") -> frozenset:
+    """``(data_ptr, device)`` of the storages only an optimizer step changes: the
+    parameters and the optimizers' state (fsdp: this rank's rows)."""
+    def key(tensor: torch.Tensor) -> tuple[int, str]:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        return (local.untyped_storage().data_ptr(), str(local.device))
+
+    keys = {key(p) for p in trainer.module.parameters()}
+    for optimizer in trainer.optimizers:
+        for state in optimizer.state.values():
+            keys.update(key(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return frozenset(keys)
 
 
 def memory_snapshot_callback(checkpointer: Checkpointer, args: TrainerArguments,

@@ -1,0 +1,238 @@
+"""Staging buffers for memory snapshots: the state copied into files mapped shared.
+
+The step copies the state into staging buffers that are files in the node's
+snapshot directory, mapped shared (``staging-rank<r>/``, one file per storage,
+reused from snapshot to snapshot); the writer process (:mod:`.memory_writer`)
+maps the same files and writes the snapshot from them. Only a description of the
+state (each tensor's place in the buffers, and the state's other values) crosses
+to it. The parameters and the optimizer's state can be copied by a thread while
+training goes on (:class:`PendingCopy`).
+
+Example::
+
+    staging = SharedStaging("/dev/shm/sailfin-run-node0/staging-rank00000")
+    described, copying = staging.stage({"model": model.state_dict()}, later=keys)
+    ...                                   # the next forward and backward run
+    assert copying.finish()               # before the optimizer step
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional
+
+import torch
+
+from ..compat.torch import version
+
+
+class _Slot:
+    """Where a tensor's storage is in the staging files (what crosses the pipe)."""
+
+    def __init__(self, name: str, nbytes: int, dtype: torch.dtype, size: tuple,
+                 stride: tuple, offset: int) -> None:
+        self.name, self.nbytes, self.dtype = name, nbytes, dtype
+        self.size, self.stride, self.offset = size, stride, offset
+
+
+class SharedStaging:
+    """Staging buffers as files mapped shared in ``directory``, reused while a storage
+    keeps its address, device and size (parameters and optimizer state updated in
+    place): a snapshot costs one memory copy and no allocation.
+
+    The storages named ``later`` (the parameters and the optimizer's state, which only
+    the next optimizer step changes) are copied by a thread while training goes on:
+    :meth:`stage` returns at once, and :class:`PendingCopy` says when they are copied
+    and whether they stayed unchanged meanwhile."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._buffers: dict[tuple[int, str, int], tuple[str, torch.UntypedStorage]] = {}
+        self._count = 0
+        self._copier: Optional[ThreadPoolExecutor] = None
+
+    def nbytes(self) -> int:
+        return sum(buf.nbytes() for _, buf in self._buffers.values())
+
+    def copy(self, obj: Any) -> Any:
+        """``obj`` with every tensor copied into a staging file and replaced by its slot."""
+        return self.stage(obj)[0]
+
+    def stage(self, obj: Any, later: frozenset = frozenset()
+              ) -> tuple[Any, Optional["PendingCopy"]]:
+        """``obj`` with every tensor replaced by its slot in the staging files: copied now,
+        but for the storages whose ``(data_ptr, device)`` is in ``later``, which a thread
+        copies (the :class:`PendingCopy`; None when there are none)."""
+        sources: dict[tuple[int, str, int], torch.Tensor] = {}
+        slots: dict[tuple[int, str, int], list[_Slot]] = {}
+
+        def stage(value: torch.Tensor) -> Any:
+            value = value.detach()  # shares the version counter: a change is seen
+            if value.layout is not torch.strided or value.is_quantized:
+                return value.to("cpu", copy=True)  # rare: pickled as it is
+            storage = value.untyped_storage()
+            slot = _Slot("", storage.nbytes(), value.dtype, tuple(value.size()),
+                         tuple(value.stride()), value.storage_offset())
+            if slot.nbytes:  # else an empty tensor (an fsdp rank's share of a small one)
+                key = (storage.data_ptr(), str(value.device), slot.nbytes)
+                sources.setdefault(key, value)
+                slots.setdefault(key, []).append(slot)
+            return slot
+
+        staged = _walk(obj, stage)
+        # A storage not seen before takes the buffer of one gone since the last snapshot,
+        # if of its size (the random streams are new tensors each time): no allocation.
+        spare: dict[int, list[tuple[str, torch.UntypedStorage]]] = {}
+        for key, buffer in self._buffers.items():
+            if key not in sources:
+                spare.setdefault(key[2], []).append(buffer)
+        used: dict[tuple[int, str, int], tuple[str, torch.UntypedStorage]] = {}
+        deferred: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+        for key, value in sources.items():
+            found = self._buffers.get(key)
+            if found is None:
+                same_size = spare.get(key[2])
+                found = same_size.pop() if same_size else self._allocate(key[2])
+            used[key] = found
+            for slot in slots[key]:
+                slot.name = found[0]
+            if key[:2] in later:
+                deferred.append((found[1], value))
+            else:
+                found[1].copy_(value.untyped_storage())
+        for buffers in spare.values():
+            for name, _ in buffers:  # storages gone since the last snapshot
+                remove_file(os.path.join(self.directory, name))
+        self._buffers = used
+        if not deferred:
+            return staged, None
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="sailfin-snapshot-copy")
+        return staged, PendingCopy(self._copier, deferred)
+
+    def _allocate(self, nbytes: int) -> tuple[str, torch.UntypedStorage]:
+        os.makedirs(self.directory, exist_ok=True)
+        self._count += 1
+        name = f"{self._count:08d}.bin"
+        path = os.path.join(self.directory, name)
+        # Reserve the pages now: a write into a mapped page of a full tmpfs is a SIGBUS;
+        # a reservation that does not fit is an OSError (ENOSPC) here instead.
+        try:
+            reserve(path, nbytes)
+        except OSError:
+            remove_file(path)
+            raise
+        return name, torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
+
+    def release(self) -> None:
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
+        self._buffers = {}
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class PendingCopy:
+    """Storages being copied into their staging buffers by a thread, while the next
+    forward and backward run (a tensor's ``copy_`` leaves the interpreter to them).
+
+    :meth:`finish` waits for the copy and says whether every source kept its version
+    meanwhile, that is, whether the staging buffers hold the state as it was when the
+    snapshot was taken. It must be called before anything may change those sources in
+    the ordinary course (the next optimizer step): then only a change nobody expects
+    (a forward that renormalises its weights in place) can make it False."""
+
+    def __init__(self, executor: ThreadPoolExecutor,
+                 copies: list[tuple[torch.UntypedStorage, torch.Tensor]]) -> None:
+        self._versions = [(source, version(source)) for _, source in copies]
+        pairs = [(_bytes_of(buffer, torch.device("cpu")),
+                  _bytes_of(source.untyped_storage(), source.device))
+                 for buffer, source in copies]
+        self._future = executor.submit(_copy_all, pairs)
+
+    def wait(self) -> None:
+        """Block until the copy is done (raising what it raised): the buffers may be read."""
+        self._future.result()
+
+    def finish(self) -> bool:
+        """Wait for the copy; True when no source changed since the snapshot was taken.
+        Called by the training thread, where nothing can be changing them."""
+        self.wait()
+        return all(version(source) == seen for source, seen in self._versions)
+
+
+def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """The storage's bytes as a flat uint8 tensor: its ``copy_`` releases the GIL."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for destination, source in pairs:
+        destination.copy_(source)
+
+
+def reserve(path: str, nbytes: int) -> None:
+    """Create ``path`` with ``nbytes`` bytes whose pages are reserved (where the platform
+    can: Linux, where /dev/shm is), so that writing them through a mapping cannot fail."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        if nbytes and hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, nbytes)
+        else:
+            os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+def remove_file(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
+
+
+def _walk(obj: Any, fn: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        out = {k: _walk(v, fn) for k, v in obj.items()}
+        return OrderedDict(out) if isinstance(obj, OrderedDict) else out
+    if type(obj) in (list, tuple):
+        if all(type(v) in _SCALARS for v in obj):
+            return obj if type(obj) is tuple else list(obj)  # e.g. Python's random state
+        return type(obj)(_walk(v, fn) for v in obj)
+    return obj
+
+
+def rebuild(obj: Any, directory: str, mapped: dict[str, torch.UntypedStorage]) -> Any:
+    """The writer's side: each slot back as a tensor on the mapped staging file."""
+    def tensor(slot: Any) -> Any:
+        if not isinstance(slot, _Slot):
+            return slot
+        if slot.nbytes == 0:
+            return torch.empty_strided(slot.size, slot.stride, dtype=slot.dtype)
+        storage = mapped.get(slot.name)
+        if storage is None:
+            storage = mapped[slot.name] = torch.UntypedStorage.from_file(
+                os.path.join(directory, slot.name), shared=True, nbytes=slot.nbytes)
+        out = torch.empty(0, dtype=slot.dtype)
+        out.set_(storage, slot.offset, slot.size, slot.stride)
+        return out
+
+    if isinstance(obj, _Slot):
+        return tensor(obj)
+    if isinstance(obj, dict):
+        out = {k: rebuild(v, directory, mapped) for k, v in obj.items()}
+        return OrderedDict(out) if isinstance(obj, OrderedDict) else out
+    if type(obj) in (list, tuple):
+        return type(obj)(rebuild(v, directory, mapped) for v in obj)
+    return obj
+
+
+__all__ = ["PendingCopy", "SharedStaging", "rebuild", "remove_file", "reserve"]

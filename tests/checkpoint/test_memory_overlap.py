@@ -1,0 +1,173 @@
+"""A memory snapshot copies the parameters and the optimizer's state while the next
+forward and backward run; the optimizer step waits for that copy, and a snapshot whose
+sources changed meanwhile (a forward that renormalises its weights in place) is dropped,
+never written, and the rest of the run copies at once."""
+
+import os
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from sailfin import Callback, Trainer
+from sailfin.checkpoint import memory_staging
+from sailfin.checkpoint.memory_staging import SharedStaging
+from tests.recipes import IdData, LinearRecipe, args as make_args
+
+
+def key(tensor):
+    return (tensor.untyped_storage().data_ptr(), str(tensor.device))
+
+
+def test_staging_copies_the_named_storages_in_a_thread_and_sees_a_change(tmp_path):
+    staging = SharedStaging(str(tmp_path / "staging"))
+    weight, buffer = torch.arange(1000.0), torch.zeros(3)
+    staged, copying = staging.stage({"w": weight, "b": buffer}, frozenset({key(weight)}))
+    assert copying is not None
+    assert copying.finish()  # unchanged meanwhile
+    for name, tensor in (("w", weight), ("b", buffer)):
+        slot = staged[name]
+        held = torch.from_file(str(tmp_path / "staging" / slot.name), shared=False,
+                               size=tensor.numel(), dtype=tensor.dtype)
+        assert torch.equal(held, tensor)
+    # A change between the snapshot and the wait is seen, whatever the copy caught.
+    staged, copying = staging.stage({"w": weight, "b": buffer}, frozenset({key(weight)}))
+    with torch.no_grad():
+        weight.add_(1)
+    assert copying.finish() is False
+    # Nothing named: everything is copied at once, no thread.
+    assert staging.stage({"w": weight}, frozenset())[1] is None
+    staging.release()
+    assert not os.path.exists(tmp_path / "staging")
+
+
+class WaitForForward(Callback):
+    """Holds the thread's copy of the parameters until the next step's forward has run
+    (the test's 10 s are never reached when the forward does run meanwhile)."""
+
+    def __init__(self, monkeypatch):
+        self.forward_ran = threading.Event()
+        self.overlapped: list[bool] = []
+        copy_all = memory_staging._copy_all
+
+        def held(pairs):
+            self.overlapped.append(self.forward_ran.wait(10))
+            self.forward_ran.clear()
+            copy_all(pairs)
+
+        monkeypatch.setattr(memory_staging, "_copy_all", held)
+
+    def on_step_end(self, trainer):
+        trainer.checkpointer.store.wait()  # each step's snapshot is taken, none skipped
+
+
+class MarksForward(LinearRecipe):
+    def __init__(self, data, marker=None, **kw):
+        super().__init__(data, **kw)
+        self.marker = marker
+
+    def train_step(self, global_step, batch, device):
+        if self.marker is not None:
+            self.marker.forward_ran.set()
+        return super().train_step(global_step, batch, device)
+
+
+def checkpoint_args(out, shm, **kw):
+    return make_args(out, epochs=2, train_batch_size=10, micro_batch_size=5,
+                     checkpoint={"at_epoch_end": False,
+                                 "memory": {"every_n_steps": 1, "dir": str(shm)}}, **kw)
+
+
+def weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_the_next_forward_runs_while_the_parameters_are_copied(tmp_path, monkeypatch, capfd):
+    plain = MarksForward(IdData(40, 0), momentum=0.9)
+    Trainer(plain, make_args(tmp_path / "ref", epochs=2, train_batch_size=10,
+                             micro_batch_size=5)).train()
+    want = weights(plain)
+
+    class Crash(Exception):
+        pass
+
+    class CrashAt(Callback):
+        def on_step_end(self, trainer):
+            if trainer.global_step == 6:
+                raise Crash()
+
+    waiter = WaitForForward(monkeypatch)
+    model = MarksForward(IdData(40, 0), marker=waiter, momentum=0.9)
+    shm = tmp_path / "shm"
+    with pytest.raises(Crash):
+        Trainer(model, checkpoint_args(tmp_path / "run", shm),
+                callbacks=[waiter, CrashAt()]).train()
+    # Each snapshot's copy went on while the next step's forward ran (the wait in
+    # on_step_end settles the last one, after its step's own forward).
+    assert waiter.overlapped[:-1] and all(waiter.overlapped[:-1])
+    monkeypatch.undo()
+    resumed = MarksForward(IdData(40, 0), momentum=0.9)
+    Trainer(resumed, checkpoint_args(tmp_path / "run", shm)).train()
+    assert "resuming from memory, step 5" in capfd.readouterr().err
+    for name, value in want.items():
+        assert torch.equal(weights(resumed)[name], value), name
+
+
+class MaxNormRecipe(LinearRecipe):
+    """An embedding with ``max_norm``: its forward rescales rows of its weight in place."""
+
+    def __init__(self, data, **kw):
+        super().__init__(data, **kw)
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(50, 4, max_norm=0.5)
+
+    def forward(self, x):
+        return self.linear(x)
+
+    def train_step(self, global_step, batch, device):
+        ids, x, y = batch
+        hidden = x.to(device) + self.embed(ids.to(device))
+        return nn.functional.mse_loss(self.linear(hidden).squeeze(-1), y.to(device))
+
+
+def test_a_forward_that_changes_its_weights_in_place_drops_that_snapshot(tmp_path, capfd):
+    plain = MaxNormRecipe(IdData(40, 0))
+    Trainer(plain, make_args(tmp_path / "ref", epochs=2, train_batch_size=10,
+                             micro_batch_size=5)).train()
+    model = MaxNormRecipe(IdData(40, 0))
+    with Trainer(model, checkpoint_args(tmp_path / "run", tmp_path / "shm")) as trainer:
+        trainer.train()
+        snapshots = [c for c in trainer.callbacks if hasattr(c, "overlap")][0]
+        assert snapshots.overlap is False  # copied at once after the first one
+    err = capfd.readouterr().err
+    assert err.count("changed between step") == 1
+    assert "nn.Embedding(max_norm=...)" in err and "that snapshot is dropped" in err
+    # Observing never changes the run.
+    for name, value in weights(plain).items():
+        assert torch.equal(weights(model)[name], value), name
+
+
+def test_a_run_resumed_after_a_dropped_snapshot_is_bit_identical(tmp_path, capfd):
+    plain = MaxNormRecipe(IdData(40, 0))
+    Trainer(plain, make_args(tmp_path / "ref", epochs=2, train_batch_size=10,
+                             micro_batch_size=5)).train()
+
+    class Crash(Exception):
+        pass
+
+    class SettleThenCrash(Callback):
+        def on_step_end(self, trainer):
+            trainer.checkpointer.store.wait()
+            if trainer.global_step == 6:
+                raise Crash()
+
+    shm = tmp_path / "shm"
+    with pytest.raises(Crash):
+        Trainer(MaxNormRecipe(IdData(40, 0)), checkpoint_args(tmp_path / "run", shm),
+                callbacks=[SettleThenCrash()]).train()
+    resumed = MaxNormRecipe(IdData(40, 0))
+    Trainer(resumed, checkpoint_args(tmp_path / "run", shm)).train()
+    assert "resuming from memory, step 5" in capfd.readouterr().err
+    for name, value in weights(plain).items():
+        assert torch.equal(weights(resumed)[name], value), name
