@@ -18,7 +18,6 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from ..config.errors import ConfigError, suggest
 
@@ -122,6 +121,8 @@ def select_units(module: nn.Module, names: Optional[list[str]]
             for path, sub in matches.items():
                 check_unit(path, sub, owners, f"trainer.fsdp.units[{i}] ('{name}')")
             chosen.update(matches)
+    from torch.distributed.fsdp import FSDPModule  # half a second: only when sharding
+
     return sorted(((n, m) for n, m in chosen.items() if not isinstance(m, FSDPModule)),
                   key=lambda item: -item[0].count("."))
 

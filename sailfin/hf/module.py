@@ -123,9 +123,12 @@ class HFModule(ModuleInterface):
         for p in self.model.parameters():
             if p.requires_grad:
                 (decay if p.dim() >= 2 else no_decay).append(p)  # biases, norm weights: 1-D
+        # The fused kernel (one pass over all parameters) where torch has it for plain
+        # tensors: several times faster than the per-parameter loop torch uses on CPU.
+        fused = {"fused": True} if fusable(decay + no_decay) else {}
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.weight_decay},
                                  {"params": no_decay, "weight_decay": 0.0}],
-                                lr=self.lr, betas=self.adam_betas, eps=self.adam_eps)
+                                lr=self.lr, betas=self.adam_betas, eps=self.adam_eps, **fused)
         total = estimated_global_steps_per_epoch * epochs
         sched = transformers.get_linear_schedule_with_warmup(opt, self.warmup_steps, total)
         sched.total_steps = total  # the trainer checks a run fits in it
@@ -198,3 +201,12 @@ def per_sample_loss(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> 
                                             ignore_index=-100, reduction="none")
     tokens = (labels != -100).sum(1)
     return (nll.sum(1) / tokens.clamp(min=1)).mean()
+
+
+def fusable(params: list[torch.Tensor]) -> bool:
+    """Whether torch's fused AdamW takes ``params``: plain floating-point tensors (not
+    fsdp's DTensors) on the CPU or a CUDA device."""
+    return bool(params) and all(
+        type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda")
+        and p.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+        for p in params)

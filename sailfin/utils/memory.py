@@ -1,9 +1,12 @@
-"""This process's resident memory: its peak, and freed memory handed back to the system."""
+"""This process's memory: its peak, freed memory handed back to the system, and the
+garbage collector spared while a run is built."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import sys
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 
 def peak_rss_bytes() -> Optional[int]:
@@ -90,3 +93,30 @@ def _malloc_trim() -> Optional[Callable[[int], int]]:
         except (OSError, TypeError, AttributeError):  # no C library handle (Windows)
             _TRIM.append(None)
     return _TRIM[0]
+
+
+@contextlib.contextmanager
+def gc_spares_existing_objects() -> Iterator[None]:
+    """While inside, Python's cyclic garbage collector leaves alone the objects that
+    already exist (``gc.freeze``); they are its again on leaving, whatever happened.
+
+    Building a run creates many objects (the first optimizer imports ``torch._dynamo``),
+    and each full collection that this sets off walks every object alive: torch's,
+    transformers', the recipe's. On a short run measured here, those walks took a third
+    of the run's time. Objects are freed by reference counting as ever; only garbage in
+    reference cycles made before entering waits for the first collection after leaving.
+    A program that froze objects itself (``gc.get_freeze_count()``) is left as it is.
+
+    Example::
+
+        with gc_spares_existing_objects():
+            build_run(trainer)
+    """
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

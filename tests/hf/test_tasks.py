@@ -63,3 +63,12 @@ def test_per_token_losses_do_not_depend_on_the_micro_batch(task, data_dir, tmp_p
         torch.testing.assert_close(runs["small"][k], value, rtol=1e-5, atol=1e-6)
     key = next(k for k in runs["big"] if k.endswith("weight") and "emb" not in k)
     assert not torch.allclose(runs["token"][key], runs["big"][key], rtol=1e-5, atol=1e-6)
+
+
+def test_adamw_is_the_fused_kernel_on_plain_cpu_parameters(data_dir, tmp_path):
+    from sailfin.hf.module import fusable
+
+    m, trainer, summary = train("classification", data_dir, tmp_path)
+    (opt,) = trainer.optimizers
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["fused"] is True
+    assert not fusable([torch.zeros(2, dtype=torch.int64)]) and not fusable([])

@@ -8,6 +8,7 @@ import sys
 from typing import Any, Mapping, Optional
 
 from ...utils.log import configure_logging
+from ...utils.memory import gc_spares_existing_objects
 from ..checkpointing.state import load_trainer_state, trainer_state
 from ..core.trainer import Loop
 from .watchdog import start_watchdog
@@ -103,7 +104,8 @@ class Trainer(Loop):
         configure_logging(self.dist.rank)
         if self._run_lock is None:  # before anything is written there: one run per directory
             self._run_lock = take_run_lock(self.args.output_dir, self.dist.is_main)
-        build_run(self)
+        with gc_spares_existing_objects():
+            build_run(self)
         self._is_setup = True
 
     def _save_and_stop(self) -> None:
