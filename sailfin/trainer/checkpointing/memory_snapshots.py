@@ -9,6 +9,7 @@ removes the snapshots when the run ends normally.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import time
@@ -61,6 +62,7 @@ class MemorySnapshots(Callback):
         # Parameters and optimizer state are copied while the next step's forward and
         # backward run (off once a snapshot finds them changed meanwhile).
         self.overlap = True
+        self._config_dict: Optional[dict] = None
 
     def on_train_start(self, trainer: "RunView") -> None:
         # What a run before this one left (newer steps above all) must never be resumed.
@@ -81,7 +83,7 @@ class MemorySnapshots(Callback):
         if self.store.ready(trainer.global_step):
             trainer.writers.flush()  # metrics.jsonl holds every event up to the snapshot
             state = trainer.state_dict()
-            facts = manifest_facts(trainer, self.saver, state)
+            facts = manifest_facts(trainer, self.saver, state, self._config(trainer))
             local = local_shards(state)  # fsdp: this rank's rows, as plain tensors
             replicated = local is state  # no shards: every rank holds the same (ddp)
             shared = {"model": local.pop("module"), "trainer": local}
@@ -95,6 +97,13 @@ class MemorySnapshots(Callback):
         self.stall_seconds.append(time.perf_counter() - started)
         if not self.store.copying:  # else said when the copy is settled, with its wait
             notify_save_end(trainer, "snapshot", self.stall_seconds[-1])  # the time account
+
+    def _config(self, trainer: "RunView") -> dict:
+        """``trainer.args`` as the manifests hold it: made once (the run's arguments do not
+        change), a deep copy each snapshot's facts share (the writer only reads them)."""
+        if self._config_dict is None:
+            self._config_dict = dataclasses.asdict(trainer.args)
+        return self._config_dict
 
     def on_backward_end(self, trainer: "RunView", samples: int) -> bool:
         """Before the optimizer step changes them: wait until the parameters and optimizer

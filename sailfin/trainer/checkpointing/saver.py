@@ -230,8 +230,10 @@ def pick_metric(metrics: Mapping[str, Mapping[str, float]], name: str) -> Option
 
 
 def manifest_facts(trainer: "RunView", callback: CheckpointCallback,
-                   state: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON facts of a checkpoint: where training stands, and what produced it."""
+                   state: Mapping[str, Any], config: Optional[dict[str, Any]] = None
+                   ) -> dict[str, Any]:
+    """The JSON facts of a checkpoint: where training stands, and what produced it
+    (``config``: ``trainer.args`` as a dict, when the caller keeps one)."""
     args = trainer.args
     return {
         "step": trainer.global_step,
@@ -252,7 +254,7 @@ def manifest_facts(trainer: "RunView", callback: CheckpointCallback,
         "sailfin_version": __version__,
         "torch_version": torch.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "config": dataclasses.asdict(args),
+        "config": config if config is not None else dataclasses.asdict(args),
         # The module: and data: sections, when known: a resume compares them.
         "recipe": recipe_spec(trainer),
     }
