@@ -57,10 +57,6 @@ class SharedStaging:
     def nbytes(self) -> int:
         return sum(buf.nbytes() for _, buf in self._buffers.values())
 
-    def copy(self, obj: Any) -> Any:
-        """``obj`` with every tensor copied into a staging file and replaced by its slot."""
-        return self.stage(obj)[0]
-
     def stage(self, obj: Any, later: frozenset = frozenset()
               ) -> tuple[Any, Optional["PendingCopy"]]:
         """``obj`` with every tensor replaced by its slot in the staging files: copied now,

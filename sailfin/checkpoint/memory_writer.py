@@ -18,10 +18,9 @@ leaves the snapshot unfinished, never complete.
 Example::
 
     staging = SharedStaging("/dev/shm/sailfin-run-node0/staging-rank00000")
-    described = staging.copy({"model": model.state_dict()})   # on the step's path
+    described, _ = staging.stage({"model": model.state_dict()})   # copied at once
     writer = WriterProcess()
-    writer.write(directory, "step-00000012", {"model": described}, facts,
-                 staging.directory)
+    writer.write(directory, "step-00000012", described, facts, staging.directory)
     writer.close(); staging.release()
 """
 

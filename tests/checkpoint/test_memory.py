@@ -13,22 +13,8 @@ from sailfin import Callback, Trainer
 from sailfin.checkpoint import CheckpointError, memory_dirs
 from sailfin.checkpoint.memory import MemoryStore
 from sailfin.cli import main
+from tests.checkpoint.helpers import Crash, CrashAt
 from tests.recipes import IdData, LinearRecipe, args as make_args
-
-
-class Crash(Exception):
-    pass
-
-
-class CrashAt(Callback):
-    """Dies at the end of a step, before that step's snapshot (a worker killed mid-run)."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, trainer):
-        if trainer.global_step == self.step:
-            raise Crash(self.step)
 
 
 class Settle(Callback):

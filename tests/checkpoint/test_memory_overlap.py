@@ -13,6 +13,8 @@ from torch import nn
 from sailfin import Callback, Trainer
 from sailfin.checkpoint import memory_staging
 from sailfin.checkpoint.memory_staging import SharedStaging
+from tests.checkpoint.helpers import Crash, CrashAt
+from tests.checkpoint.test_memory import Settle
 from tests.recipes import IdData, LinearRecipe, args as make_args
 
 
@@ -89,20 +91,12 @@ def test_the_next_forward_runs_while_the_parameters_are_copied(tmp_path, monkeyp
                              micro_batch_size=5)).train()
     want = weights(plain)
 
-    class Crash(Exception):
-        pass
-
-    class CrashAt(Callback):
-        def on_step_end(self, trainer):
-            if trainer.global_step == 6:
-                raise Crash()
-
     waiter = WaitForForward(monkeypatch)
     model = MarksForward(IdData(40, 0), marker=waiter, momentum=0.9)
     shm = tmp_path / "shm"
     with pytest.raises(Crash):
         Trainer(model, checkpoint_args(tmp_path / "run", shm),
-                callbacks=[waiter, CrashAt()]).train()
+                callbacks=[waiter, CrashAt(6)]).train()
     # Each snapshot's copy went on while the next step's forward ran (the wait in
     # on_step_end settles the last one, after its step's own forward).
     assert waiter.overlapped[:-1] and all(waiter.overlapped[:-1])
@@ -153,19 +147,10 @@ def test_a_run_resumed_after_a_dropped_snapshot_is_bit_identical(tmp_path, capfd
     Trainer(plain, make_args(tmp_path / "ref", epochs=2, train_batch_size=10,
                              micro_batch_size=5)).train()
 
-    class Crash(Exception):
-        pass
-
-    class SettleThenCrash(Callback):
-        def on_step_end(self, trainer):
-            trainer.checkpointer.store.wait()
-            if trainer.global_step == 6:
-                raise Crash()
-
     shm = tmp_path / "shm"
     with pytest.raises(Crash):
         Trainer(MaxNormRecipe(IdData(40, 0)), checkpoint_args(tmp_path / "run", shm),
-                callbacks=[SettleThenCrash()]).train()
+                callbacks=[Settle(), CrashAt(6)]).train()
     resumed = MaxNormRecipe(IdData(40, 0))
     Trainer(resumed, checkpoint_args(tmp_path / "run", shm)).train()
     assert "resuming from memory, step 5" in capfd.readouterr().err

@@ -7,8 +7,10 @@ import math
 
 import pytest
 
-from sailfin import Callback, Trainer
+from sailfin import Trainer
 from sailfin.config.errors import ConfigError
+from tests.checkpoint.helpers import Crash, CrashAt
+from tests.checkpoint.test_memory import Settle
 from tests.dp.recipes import dp_args
 from tests.recipes import IdData, LinearRecipe
 
@@ -76,19 +78,6 @@ def test_a_resume_the_target_cannot_cover_stops_before_its_first_step(tmp_path):
     assert f"would bring it to {would:.6g}" in line
     assert module.seen == []
     assert digest(tmp_path / "checkpoints") == before
-
-
-class Crash(Exception):
-    pass
-
-
-class CrashAt(Callback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, trainer):
-        if trainer.global_step == self.step:
-            raise Crash(self.step)
 
 
 def test_a_resume_that_changes_nothing_keeps_the_noise_and_the_bits(tmp_path):
@@ -160,13 +149,6 @@ def test_max_epsilon_is_found_once_not_asked_every_step(tmp_path, monkeypatch):
     assert summary["stopped_early"]["next_step_epsilon"] > limit >= summary["privacy"]["epsilon"]
     assert len(calls) < 10, len(calls)  # 40 steps, each logged: the table answers
     assert not math.isnan(summary["privacy"]["epsilon"])
-
-
-class Settle(Callback):
-    """Waits for the previous memory snapshot before each one (the steps take no time)."""
-
-    def on_step_end(self, trainer):
-        trainer.checkpointer.store.wait()
 
 
 def test_memory_snapshots_change_nothing_and_resume_the_same_noise_and_epsilon(tmp_path):
