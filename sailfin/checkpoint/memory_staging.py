@@ -51,6 +51,10 @@ class SharedStaging:
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self._buffers: dict[tuple[int, str, int], tuple[str, torch.UntypedStorage]] = {}
+        # (buffer, source) as flat uint8 tensors, per storage copied by the thread: made
+        # once, not at every snapshot. The source's view holds its storage, so no other
+        # storage can take that address while the entry lives.
+        self._views: dict[tuple[int, str, int], tuple[str, torch.Tensor, torch.Tensor]] = {}
         self._count = 0
         self._copier: Optional[ThreadPoolExecutor] = None
 
@@ -86,7 +90,8 @@ class SharedStaging:
             if key not in sources:
                 spare.setdefault(key[2], []).append(buffer)
         used: dict[tuple[int, str, int], tuple[str, torch.UntypedStorage]] = {}
-        deferred: list[tuple[torch.UntypedStorage, torch.Tensor]] = []
+        views: dict[tuple[int, str, int], tuple[str, torch.Tensor, torch.Tensor]] = {}
+        deferred: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for key, value in sources.items():
             found = self._buffers.get(key)
             if found is None:
@@ -96,13 +101,18 @@ class SharedStaging:
             for slot in slots[key]:
                 slot.name = found[0]
             if key[:2] in later:
-                deferred.append((found[1], value))
+                view = self._views.get(key)
+                if view is None or view[0] != found[0]:
+                    view = (found[0], _bytes_of(found[1], torch.device("cpu")),
+                            _bytes_of(value.untyped_storage(), value.device))
+                views[key] = view
+                deferred.append((view[1], view[2], value))
             else:
                 found[1].copy_(value.untyped_storage())
         for buffers in spare.values():
             for name, _ in buffers:  # storages gone since the last snapshot
                 remove_file(os.path.join(self.directory, name))
-        self._buffers = used
+        self._buffers, self._views = used, views
         if not deferred:
             return staged, None
         if self._copier is None:
@@ -127,7 +137,7 @@ class SharedStaging:
         if self._copier is not None:
             self._copier.shutdown(wait=True)
             self._copier = None
-        self._buffers = {}
+        self._buffers, self._views = {}, {}
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
@@ -142,11 +152,11 @@ class PendingCopy:
     (a forward that renormalises its weights in place) can make it False."""
 
     def __init__(self, executor: ThreadPoolExecutor,
-                 copies: list[tuple[torch.UntypedStorage, torch.Tensor]]) -> None:
-        self._versions = [(source, version(source)) for _, source in copies]
-        pairs = [(_bytes_of(buffer, torch.device("cpu")),
-                  _bytes_of(source.untyped_storage(), source.device))
-                 for buffer, source in copies]
+                 copies: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """``copies``: (buffer's bytes, source storage's bytes, source tensor) triples; the
+        source tensor's version counter is what :meth:`finish` checks."""
+        self._versions = [(source, version(source)) for _, _, source in copies]
+        pairs = [(buffer, source) for buffer, source, _ in copies]
         self._future = executor.submit(_copy_all, pairs)
 
     def wait(self) -> None:

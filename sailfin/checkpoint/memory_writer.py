@@ -101,6 +101,11 @@ def _serve(parent: int) -> None:
     and renamed only if the next message says True. It ends the process (``os._exit``)
     rather than return."""
     torch.set_num_threads(1)
+    # Each file's CRC-32 is computed as it is written and kept in the manifest, which is
+    # what a restart checks; torch.save's own CRC-32 of every zip record (torch.load never
+    # checks it) would double the work: half of a snapshot's write time. This process only
+    # writes snapshots, so the setting (process-wide) touches nothing else.
+    torch.serialization.set_crc32_options(False)
     # Background work: where it and training want the same core, training goes first.
     os.nice(19)
     # A signal to the job (torchrun's SIGTERM to the process group, Ctrl-C) is the

@@ -5,7 +5,7 @@ manifest, and reading checks both before unpickling anything. CRC-32 finds
 truncation and damage at several GB/s, where a cryptographic hash would add
 to every save's stall and protect nothing more: whoever can rewrite a file
 can rewrite the manifest too. Large buffers are checksummed on a helper
-thread while the calling thread writes them (``zlib.crc32`` and file writes
+thread while the calling thread writes them (``sailfin.utils.crc.crc32`` and file writes
 both release the GIL), so the checksum adds to a save's CPU time but hardly to
 its duration. Loading never runs arbitrary unpickling: a file that would need
 it is refused.
@@ -21,7 +21,7 @@ import collections
 import copy as copy_module
 import errno
 import os
-import zlib
+from ..utils.crc import crc32
 import io
 import pickle
 import re
@@ -51,7 +51,7 @@ class FileEntry:
 
     @classmethod
     def of(cls, data: bytes) -> "FileEntry":
-        return cls(len(data), zlib.crc32(data))
+        return cls(len(data), crc32(data))
 
 
 # Buffers at least this large are checksummed on the helper thread while they are written.
@@ -78,11 +78,11 @@ class _ChecksumWriter:
         view = memoryview(data).cast("B")
         try:
             if self.helper is not None and len(view) >= THREADED_CHECKSUM_BYTES:
-                crc = self.helper.submit(zlib.crc32, view, self.crc32)
+                crc = self.helper.submit(crc32, view, self.crc32)
                 self.fh.write(view)
                 self.crc32 = crc.result()
             else:
-                self.crc32 = zlib.crc32(view, self.crc32)  # releases the GIL on large buffers
+                self.crc32 = crc32(view, self.crc32)  # releases the GIL on large buffers
                 self.fh.write(view)
         except OSError as exc:
             self.error = exc
@@ -137,7 +137,7 @@ def load_object(storage: Storage, path: str, entry: FileEntry, mmap: bool = Fals
                 source: Any = local
             else:
                 data = fh.read()
-                size, crc, source = len(data), zlib.crc32(data), io.BytesIO(data)
+                size, crc, source = len(data), crc32(data), io.BytesIO(data)
     except FileNotFoundError:
         raise CheckpointCorrupt(f"checkpoint file {shown} is missing (the manifest lists it)",
                                 shown) from None
@@ -175,7 +175,7 @@ def _checksum_stream(fh: Any) -> tuple[int, int]:
     size, crc = 0, 0
     while chunk := fh.read(16 << 20):
         size += len(chunk)
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
     return size, crc
 
 

@@ -209,3 +209,30 @@ def test_a_real_tiny_tmpfs_stops_the_run_before_its_first_step(tmp_path):
     assert "free; enlarge /dev/shm" in line and f"{mount}/shm has 0.1 MiB free" in line
     events = (tmp_path / "run" / "metrics.jsonl")
     assert not events.exists() or '"train"' not in events.read_text()  # no step trained
+
+
+def test_the_writer_leaves_file_checksums_to_the_manifest_and_damage_is_still_found(tmp_path):
+    """The writer process skips torch.save's CRC-32 of each zip record (half of a
+    snapshot's write time; torch.load never checks it): the manifest's CRC-32 of each
+    whole file is what finds damage."""
+    import zipfile
+
+    from sailfin.checkpoint import CheckpointCorrupt
+
+    store = MemoryStore(str(tmp_path / "shm"), rank=0, world_size=1)
+    facts = {"step": 1, "epoch": 0, "step_in_epoch": 1, "samples_seen": 0, "world_size": 1}
+    weight = torch.randn(300_000)
+    store.save(1, facts, {"model": {"w": weight}, "trainer": {}},
+               {"torch": torch.get_rng_state()})
+    store.wait()
+    path = store.inventory()[0][1]
+    model = os.path.join(path, "model.pt")
+    with zipfile.ZipFile(model) as archive:
+        assert {i.CRC for i in archive.infolist()} == {0}
+    assert torch.equal(store.load(path)[1]["model"]["w"], weight)  # read back whole
+    raw = bytearray(open(model, "rb").read())
+    raw[len(raw) // 2] ^= 0x01  # a bit of the tensor's data
+    open(model, "wb").write(bytes(raw))
+    with pytest.raises(CheckpointCorrupt, match="CRC-32"):
+        store.load(path)
+    store.close()

@@ -44,6 +44,27 @@ def test_staging_copies_the_named_storages_in_a_thread_and_sees_a_change(tmp_pat
     assert not os.path.exists(tmp_path / "staging")
 
 
+def test_staging_copies_the_current_values_and_a_replaced_storage(tmp_path):
+    """The thread's byte views are made once per storage: later snapshots copy that
+    storage's current values, and a tensor given a new storage is copied from the new one."""
+    staging = SharedStaging(str(tmp_path / "staging"))
+
+    def held(staged, tensor):
+        return torch.from_file(str(tmp_path / "staging" / staged["w"].name), shared=False,
+                               size=tensor.numel(), dtype=tensor.dtype)
+
+    weight = torch.arange(1000.0)
+    for change in range(3):  # the same storage, changed in place between snapshots
+        with torch.no_grad():
+            weight.mul_(2)
+        staged, copying = staging.stage({"w": weight}, frozenset({key(weight)}))
+        assert copying.finish() and torch.equal(held(staged, weight), weight)
+    replaced = torch.full((1000,), -1.0)  # a new storage of the same size
+    staged, copying = staging.stage({"w": replaced}, frozenset({key(replaced)}))
+    assert copying.finish() and torch.equal(held(staged, replaced), replaced)
+    staging.release()
+
+
 class WaitForForward(Callback):
     """Holds the thread's copy of the parameters until the next step's forward has run
     (the test's 10 s are never reached when the forward does run meanwhile)."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
+from ...utils.crc import crc32
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Optional
 
@@ -111,7 +111,7 @@ class ShardIndex:
         scanning a tar's headers has none): from now on a changed byte is found."""
         crcs = np.empty(len(self.offsets), dtype=np.uint32)
         for m, (offset, size) in enumerate(zip(self.offsets.tolist(), self.sizes.tolist())):
-            crcs[m] = zlib.crc32(os.pread(fd, size, offset))
+            crcs[m] = crc32(os.pread(fd, size, offset))
         self.crc32 = crcs
 
     # -- the file beside the shard ------------------------------------------------------
@@ -205,7 +205,7 @@ class Table(NamedTuple):
         offsets, sizes = self.offsets, self.sizes
         for m in range(self.starts[j], self.starts[j + 1]):
             a = offsets[m] - lo
-            if zlib.crc32(view[a:a + sizes[m]]) != crcs[m]:
+            if crc32(view[a:a + sizes[m]]) != crcs[m]:
                 return self.exts[m], offsets[m]
         return None
 

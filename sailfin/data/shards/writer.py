@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import zlib
+from ...utils.crc import crc32
 from typing import Any, Mapping, Optional
 
 from .codecs import encode
@@ -82,7 +82,7 @@ class ShardWriter:
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"sample '{key}', field '{ext}': {exc}") from None
             head = header(f"{key}.{ext}", len(data))
-            offsets.append((ext, len(blob) + len(head), len(data), zlib.crc32(data)))
+            offsets.append((ext, len(blob) + len(head), len(data), crc32(data)))
             blob += head
             blob += data
             blob += padding(len(data))
