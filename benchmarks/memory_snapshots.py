@@ -194,10 +194,15 @@ def measure(rounds: int, steps: int, threads: int, load) -> None:
                 return step
             return go
 
-        figures = {}
+        figures, per_snapshot = {}, {}
         for name, ddp in (("sp", False), ("2-process ddp", True)):
             results = interleave(rounds, {"with": arm(True, ddp), "without": arm(False, ddp)})
             figures[name] = [r["with"] / r["without"] for r in results]
+            # What one snapshot taken costs the steps: the extra step time of a round's run
+            # spread over the snapshots it took (a busy writer's skipped ones cost nothing).
+            nodes = found.get("ddp" if ddp else "sp", [])[-len(results):]
+            per_snapshot[name] = [(r["with"] - r["without"]) * (steps - 1)
+                                  / max(1, steps - n["skipped"]) for r, n in zip(results, nodes)]
     params = sum(a * b + b for a, b in zip(DIMS, DIMS[1:]))
     print(f"memory snapshots every step, AdamW, {params / 1e6:.1f} M parameters, {steps} steps "
           f"per run, {rounds} rounds, {threads} thread(s) per process:")
@@ -206,6 +211,10 @@ def measure(rounds: int, steps: int, threads: int, load) -> None:
         print(f"  step time with a snapshot every step / without, {name:>13}: "
               f"{spread(values)}; snapshots skipped (the previous one still being written) "
               f"per run of {steps}: median {statistics.median(skipped) if skipped else 0}")
+        if per_snapshot.get(name):
+            cost = statistics.median(per_snapshot[name])
+            print(f"    each snapshot taken costs the steps {cost * 1e3:+.2f} ms (median of the "
+                  f"rounds: their extra step time over the snapshots they took)")
         extra = [statistics.median(x[i] for x in once[(key, True)])
                  - statistics.median(x[i] for x in once[(key, False)]) for i in (0, 1)]
         print(f"    once per run, with snapshots: first step {extra[0] * 1e3:+.1f} ms, "
