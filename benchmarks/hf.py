@@ -59,12 +59,10 @@ trainer:
   output_dir: {out}
 """
 
-HF_SCRIPT = r'''
+# Both scripts start alike: the arguments, the tokenizer, the rows and their labels.
+READ_ROWS = r'''
 import json, sys, time
-import numpy as np
-import transformers
-from transformers import (AutoModelForSequenceClassification, AutoTokenizer,
-                          DataCollatorWithPadding, Trainer, TrainingArguments)
+from transformers import AutoTokenizer
 
 init, train_file, val_file, out, batch, epochs, lr = sys.argv[1:8]
 tok = AutoTokenizer.from_pretrained(init)
@@ -72,6 +70,13 @@ rows = {name: [json.loads(line) for line in open(path)]
         for name, path in (("train", train_file), ("val", val_file))}
 labels = sorted({r["label"] for r in rows["train"]})
 label2id = {x: i for i, x in enumerate(labels)}
+'''
+
+HF_SCRIPT = READ_ROWS + r'''
+import numpy as np
+import transformers
+from transformers import (AutoModelForSequenceClassification, DataCollatorWithPadding,
+                          Trainer, TrainingArguments)
 
 def encode(part):
     enc = tok([r["text"] for r in part], truncation=True, max_length=128)
@@ -98,19 +103,12 @@ print(json.dumps({"loop_s": result.metrics["train_runtime"] - evals,
                   "accuracy": accuracy[-1]}))
 '''
 
-FLOOR_SCRIPT = r'''
-import json, sys, time
+FLOOR_SCRIPT = READ_ROWS + r'''
 import torch
 import transformers
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForSequenceClassification
 
-init, train_file, val_file, out, batch, epochs, lr = sys.argv[1:8]
 batch, epochs, lr = int(batch), int(epochs), float(lr)
-tok = AutoTokenizer.from_pretrained(init)
-rows = {name: [json.loads(line) for line in open(path)]
-        for name, path in (("train", train_file), ("val", val_file))}
-labels = sorted({r["label"] for r in rows["train"]})
-label2id = {x: i for i, x in enumerate(labels)}
 
 def encode(part):
     ids = tok([r["text"] for r in part], truncation=True, max_length=128)["input_ids"]
