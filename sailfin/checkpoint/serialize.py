@@ -21,7 +21,6 @@ import collections
 import copy as copy_module
 import errno
 import os
-from ..utils.crc import crc32
 import io
 import pickle
 import re
@@ -31,6 +30,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..utils.crc import crc32
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError
 from .reading import open_checked
 from .storage import Storage

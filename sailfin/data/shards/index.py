@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import json
 import os
-from ...utils.crc import crc32
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Optional
 
 import numpy as np
 
+from ...utils.crc import crc32
 from .tarformat import Member, scan
 
 FORMAT = "sailfin-shard-index"

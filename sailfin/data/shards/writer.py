@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-from ...utils.crc import crc32
 from typing import Any, Mapping, Optional
 
+from ...utils.crc import crc32
 from .codecs import encode
 from .index import INDEX_SUFFIX, ShardIndex
 from .tarformat import END_OF_ARCHIVE, Member, header, padding
