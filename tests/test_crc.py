@@ -7,6 +7,7 @@ import zlib
 import pytest
 import torch
 
+from sailfin.checkpoint import CheckpointCorrupt
 from sailfin.checkpoint.serialize import load_object, save_object
 from sailfin.checkpoint.storage import LocalStorage
 from sailfin.utils import crc
@@ -34,5 +35,5 @@ def test_a_file_saved_with_it_checks_with_zlib_and_damage_is_found(tmp_path):
     assert (len(raw), zlib.crc32(raw)) == (entry.size, entry.crc32)
     raw[len(raw) // 2] ^= 0x01  # one bit inside the tensor's data
     open(path, "wb").write(bytes(raw))
-    with pytest.raises(Exception, match="does not match its CRC-32"):
+    with pytest.raises(CheckpointCorrupt, match="does not match its CRC-32"):
         load_object(LocalStorage(), path, entry)

@@ -7,8 +7,8 @@ once its files are written, reads them back (from the page cache, just
 written) and computes their size and checksum; the figures travel to rank 0
 with DCP's own write results, and rank 0 adds the index's. The manifest then
 lists every file with ``{"size": ..., "crc32c": "..."}`` (CRC-32C with the
-``crc32c`` or ``google-crc32c`` package installed, ``crc32`` from zlib
-otherwise; the manifest names which).
+``crc32c`` or ``google-crc32c`` package installed, zlib's ``crc32`` otherwise,
+computed by :mod:`sailfin.utils.crc`; the manifest names which).
 
 On load, :func:`verify` splits the files among the ranks (file ``i`` is read by
 rank ``i % world``), so every byte is read once per job; any rank that finds
@@ -25,9 +25,9 @@ Example::
 
 from __future__ import annotations
 
-import zlib
 from typing import Any, Callable, Optional
 
+from ..utils.crc import crc32
 from .errors import CheckpointCorrupt
 from .reading import open_checked, plain_shard_name
 from .storage import Storage
@@ -49,7 +49,7 @@ def _pick_algorithm() -> tuple[str, Callable[[bytes, int], int]]:
 
         return "crc32c", lambda data, crc: crc32c.crc32c(data, crc)
     except ImportError:
-        return "crc32", zlib.crc32
+        return "crc32", crc32  # zlib's values, from ISA-L where installed
 
 
 ALGORITHM, _update = _pick_algorithm()
