@@ -39,8 +39,8 @@ from ..config.fsdp import FSDPArguments
 from ..distributed import DistEnv
 from ..utils.memory import fix_mmap_threshold
 from .ddp import DDPStrategy
-from .fsdp_build import (RankZeroStart, check_same_model, init_on_shards, receive_from_rank0,
-                         require_init_weights)
+from .fsdp_build import (RankZeroStart, buffers_to, check_same_model, init_on_shards,
+                         receive_from_rank0, require_init_weights)
 from .fsdp_units import select_units, unit_checker
 from .precision import Precision
 from .state import named_optimizer_state, optimizer_state_is_named
@@ -165,8 +165,10 @@ class FSDPStrategy(DDPStrategy):
         else:
             comm = self.device if self.comm_backend == "nccl" else torch.device("cpu")
             receive_from_rank0(recipe, self._start or RankZeroStart(), self.dist.rank,
-                               self.device, comm, every_rank_empty=self.fsdp.cpu_offload)
+                               home, comm, every_rank_empty=self.fsdp.cpu_offload)
             self._start = None
+        if home != self.device:
+            buffers_to(recipe, self.device)
         # FSDP2 names its root at the first forward through it. Validation (the start-up
         # sanity batch runs before any training step) calls the units directly, so each
         # would make itself a root: settle the roles now.

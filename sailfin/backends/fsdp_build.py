@@ -114,10 +114,11 @@ def receive_from_rank0(module: nn.Module, start: RankZeroStart, rank: int,
                        every_rank_empty: bool = False) -> None:
     """Fill ``module``'s shards (already ``fully_shard``-ed) from rank 0's model.
 
-    ``every_rank_empty`` (cpu_offload): rank 0's shards sit in CPU memory, the others'
-    would be allocated on ``device``; allocating every rank's on ``device`` keeps the
-    broadcast on the collective's device, and FSDP2 moves them to CPU memory at its
-    lazy init (the offload policy's pinned copy)."""
+    ``every_rank_empty`` (cpu_offload): every rank's shards are allocated anew in CPU
+    memory, where FSDP2's offload policy requires them (``device`` is then the CPU);
+    ``set_model_state_dict`` broadcasts on the collective's own device and copies each
+    rank's rows into them. Buffers go to the compute device afterwards
+    (:func:`buffers_to`)."""
     if every_rank_empty or is_meta(module):
         module.to_empty(device=device)  # this rank's rows only: the parameters are shards
     set_model_state_dict(module, start.state if rank == 0 else {},
@@ -130,6 +131,16 @@ def receive_from_rank0(module: nn.Module, start: RankZeroStart, rank: int,
     _broadcast_plain_tensors(module, rank)
     start.state.clear()  # rank 0's whole model goes with these references
     start.buffers.clear()
+
+
+@torch.no_grad()
+def buffers_to(module: nn.Module, device: torch.device) -> None:
+    """Move every buffer to ``device``, parameters staying where they are: under
+    cpu_offload the shards live in CPU memory, buffers (masks, position ids, running
+    statistics) where the forward runs."""
+    for buf in module.buffers():
+        if buf.device != device:
+            buf.data = buf.to(device)
 
 
 @torch.no_grad()

@@ -32,7 +32,10 @@ def train(tmp_path, name, crash_at=None, **kw):
                 trainer.train()
             return None
         trainer.train()
-        assert next(module.parameters()).device.type == "cuda"
+        # where the weights live: cpu_offload keeps fsdp's shards in host memory
+        offload = kw.get("fsdp", {}).get("cpu_offload", False)
+        home = "cpu" if offload else kw.get("device", "cuda")
+        assert next(module.parameters()).device.type == home
     return load_file(str(tmp_path / name / "final" / "model.safetensors"))
 
 
@@ -91,3 +94,33 @@ def test_checkpoint_round_trip_on_cuda(tmp_path, first, then):
     close(train(tmp_path, "run", backend=then), ref, tol=1e-4)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["global_step"] == 10
+
+
+def test_memory_snapshots_on_cuda_change_nothing_and_resume_bit_identical(tmp_path, capfd):
+    """Snapshots copy CUDA tensors (weights, optimizer state, the CUDA generator) to host
+    shared memory: the run with them ends as the run without, and one killed at step 7
+    resumes from memory (dropout draws on the CUDA generator) to the same weights."""
+    from tests.checkpoint.test_memory import Settle, recipe, trainer_args
+
+    def run(name, crash_at=None, snapshots=True):
+        model = recipe()
+        kw = dict(device="cuda")
+        a = (trainer_args(tmp_path / name, tmp_path / "shm", **kw) if snapshots else
+             args(tmp_path / name, epochs=3, train_batch_size=10, micro_batch_size=5,
+                  checkpoint={"at_epoch_end": False}, **kw))
+        with Trainer(model, a, callbacks=[Settle()] + ([CrashAt(crash_at)] if crash_at else [])
+                     if snapshots else []) as trainer:
+            if crash_at:
+                with pytest.raises(Crash):
+                    trainer.train()
+                return None
+            trainer.train()
+        return [p.detach().cpu() for p in model.parameters()]
+
+    off = run("off", snapshots=False)
+    on = run("on")
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
+    run("run", crash_at=7)
+    resumed = run("run")
+    assert "resuming from memory, step 6" in capfd.readouterr().err
+    assert all(torch.equal(a, b) for a, b in zip(resumed, off))
