@@ -1,0 +1,65 @@
+"""Hugging Face models (BERT, GPT-2, BART, each built from a config) on one CUDA device:
+fp32 matches the CPU run, bf16 autocast and ``fsdp`` train from the same start to
+nearby weights, and the final ``save_pretrained`` directory loads without sailfin.
+
+Marked ``cuda``: they skip (saying why) where there is no CUDA device; ``make test-gpu``
+runs them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sailfin import Trainer, seed_everything
+from tests.hf.helpers import NO_DROPOUT, args, module
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.cuda
+
+TASKS = ["classification", "causal_lm", "seq2seq"]
+
+
+# dropout off: the CPU and CUDA generators draw different masks
+DROPOUT_OFF = {**NO_DROPOUT, "seq2seq": {"dropout": 0.0}}
+
+
+def weights(task, data_dir, out, **kw):
+    seed_everything(0)
+    with Trainer(module(task, data_dir, config_kw=DROPOUT_OFF[task]), args(out, **kw)) as trainer:
+        summary = trainer.train()  # (the context closes fsdp's process group of one)
+    assert summary["global_step"] == 4
+    # the final save_pretrained file: whole tensors on the CPU whatever the backend held
+    return {k: v.float() for k, v in load_file(str(out / "final" / "hf" / "model.safetensors")).items()}
+
+
+def close(got, ref, tol):
+    assert got.keys() == ref.keys()
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], rtol=tol, atol=tol, msg=key)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_fp32_on_cuda_matches_the_cpu_run(task, data_dir, tmp_path):
+    gpu = weights(task, data_dir, tmp_path / "gpu", device="cuda")
+    cpu = weights(task, data_dir, tmp_path / "cpu", device="cpu")
+    close(gpu, cpu, tol=1e-3)
+    loaded = transformers.AutoConfig.from_pretrained(tmp_path / "gpu" / "final" / "hf")
+    assert loaded.model_type == {"classification": "bert", "causal_lm": "gpt2",
+                                 "seq2seq": "bart"}[task]
+
+
+@pytest.mark.parametrize("backend", ["sp-amp", "fsdp", "fsdp-amp"])
+@pytest.mark.parametrize("task", ["classification", "causal_lm"])
+def test_bf16_and_fsdp_on_cuda_stay_near_fp32(task, backend, data_dir, tmp_path):
+    if "amp" in backend and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bfloat16")
+    extra = {"amp_dtype": "bfloat16"} if "amp" in backend else {}
+    ref = weights(task, data_dir, tmp_path / "sp", device="cuda", backend="sp")
+    got = weights(task, data_dir, tmp_path / backend, device="cuda", backend=backend, **extra)
+    close(got, ref, tol=5e-2 if "amp" in backend else 1e-4)
+    changed = [k for k in ref if k.endswith("weight") and not torch.equal(got[k], ref[k])]
+    if backend == "fsdp":  # fp32 sharded: the same arithmetic, up to reduction order
+        return
+    assert changed, "bf16 autocast left every weight bit-identical to fp32: was it on?"
