@@ -43,8 +43,8 @@ test-all: test test-slow
 test-gpu: $(STAMP)
 	$(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: no CUDA device here')"
 	$(PY) -m pytest -q -m cuda $(PYTEST_ARGS)
-	$(PY) benchmarks/overhead.py
-	$(PY) benchmarks/backends.py
+	$(PY) benchmarks/overhead.py --device cuda --rounds 3 --steps 1000
+	$(PY) benchmarks/backends.py --device cuda --workloads char_lm_gpt2,char_lm --rounds 3
 
 bench: $(STAMP)
 	$(PY) benchmarks/overhead.py

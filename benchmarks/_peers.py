@@ -1,7 +1,9 @@
 """Other trainers around the same model and the same batched loader, for overhead.py.
 
-Each takes ``(make_model, loader, out_dir, log_every)`` and returns seconds per
-step ``(steady, end to end)``; the loader is the one the hand loop uses (whole
+Each takes ``(make_model, loader, out_dir, log_every, device)`` and returns seconds
+per step ``(steady, end to end)``; ``device`` is ``"cpu"`` or ``"cuda"``, where each
+moves the batches itself (as its users do) and the clock stops after the device's
+queued work; the loader is the one the hand loop uses (whole
 batches fetched by index, as sailfin's), so only the trainer differs.
 Lightning's Trainer does its set-up inside ``fit``: end to end only.
 """
@@ -15,8 +17,17 @@ import torch
 from torch import nn
 
 
+def _lightning(device: str) -> str:
+    return "gpu" if device.startswith("cuda") else "cpu"
+
+
+def _synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def run_lightning(make_model: Callable[[], nn.Module], loader: Any, out_dir: str,
-                  log_every: int) -> tuple[float, float]:
+                  log_every: int, device: str = "cpu") -> tuple[float, float]:
     import lightning as L
 
     class LitModel(L.LightningModule):
@@ -34,21 +45,22 @@ def run_lightning(make_model: Callable[[], nn.Module], loader: Any, out_dir: str
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
     begin = time.perf_counter()
-    trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
+    trainer = L.Trainer(max_epochs=1, accelerator=_lightning(device), devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, log_every_n_steps=log_every,
                         default_root_dir=out_dir)
     trainer.fit(LitModel(), loader)
+    _synchronize(device)
     per_step = (time.perf_counter() - begin) / len(loader)
     return per_step, per_step
 
 
 def run_fabric(make_model: Callable[[], nn.Module], loader: Any, out_dir: str,
-               log_every: int) -> tuple[float, float]:
+               log_every: int, device: str = "cpu") -> tuple[float, float]:
     from lightning.fabric import Fabric
 
     begin = time.perf_counter()
-    fabric = Fabric(accelerator="cpu", devices=1)
+    fabric = Fabric(accelerator=_lightning(device), devices=1)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     model, opt = fabric.setup(model, opt)
@@ -62,16 +74,17 @@ def run_fabric(make_model: Callable[[], nn.Module], loader: Any, out_dir: str,
         opt.zero_grad(set_to_none=True)
         if steps % log_every == 0:
             print(f"step {steps} loss {loss.item():.4f}")
+    _synchronize(device)
     end = time.perf_counter()
     return (end - start) / steps, (end - begin) / steps
 
 
 def run_accelerate(make_model: Callable[[], nn.Module], loader: Any, out_dir: str,
-                   log_every: int) -> tuple[float, float]:
+                   log_every: int, device: str = "cpu") -> tuple[float, float]:
     from accelerate import Accelerator
 
     begin = time.perf_counter()
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=device == "cpu")
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     model, opt, loader = accelerator.prepare(model, opt, loader)
@@ -84,6 +97,7 @@ def run_accelerate(make_model: Callable[[], nn.Module], loader: Any, out_dir: st
         opt.zero_grad(set_to_none=True)
         if steps % log_every == 0:
             print(f"step {steps} loss {loss.item():.4f}")
+    _synchronize(device)
     end = time.perf_counter()
     return (end - start) / steps, (end - begin) / steps
 

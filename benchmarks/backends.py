@@ -19,6 +19,7 @@ activations saved for backward are counted (and peak CUDA memory on a GPU),
 with the step-time cost of recomputation.
 
     python benchmarks/backends.py [--rounds 5] [--threads 1] [--workloads char_lm,digits]
+    python benchmarks/backends.py --device cuda --workloads char_lm_gpt2,char_lm
 """
 
 from __future__ import annotations
@@ -62,6 +63,15 @@ def char_lm(context: int = 128):
     return (lambda: CharLM(data, context=context, layers=4, dim=128, heads=4)), 16
 
 
+def char_lm_gpt2():
+    """The char_lm recipe at GPT-2 small's shape (12 layers, width 768, context 512): a
+    workload a GPU is busy with, where ``char_lm`` is launch-bound."""
+    from examples.char_lm.recipe import CharLM, StdlibText
+
+    data = StdlibText(context=512, max_bytes=2_000_000, stride=64)
+    return (lambda: CharLM(data, context=512, layers=12, dim=768, heads=12)), 16
+
+
 def digits():
     from examples.digits.recipe import DigitsClassifier, DigitsData
 
@@ -72,18 +82,21 @@ def digits():
 WORKLOADS: dict[str, tuple[Callable[[], Any], int, int]] = {
     # name -> (workload, steps per round, warm-up steps)
     "char_lm": (char_lm, 8, 3),
+    "char_lm_gpt2": (char_lm_gpt2, 20, 3),
     "digits": (digits, 500, 20),
 }
 
 
 # -- one trainer per config, run a few steps at a time ---------------------------------
 class Runner:
-    def __init__(self, make_module: Callable[[], Any], batch: int, keys: dict, out: str):
+    def __init__(self, make_module: Callable[[], Any], batch: int, keys: dict, out: str,
+                 device: str):
         torch.manual_seed(0)
         self.module = make_module()
+        self.device = torch.device(device)
         args = TrainerArguments(epochs=10**6, max_steps=1, train_batch_size=batch,
                                 drop_last=True, val_every_n_epochs=0, log_every_n_steps=50,
-                                output_dir=out, device="cpu", seed=0, **keys)
+                                output_dir=out, device=device, seed=0, **keys)
         self.trainer = Trainer(self.module, args, writers=[])
 
     def run(self, steps: int) -> float:
@@ -93,24 +106,24 @@ class Runner:
         t.args.max_steps = t.global_step + steps
         with contextlib.redirect_stdout(io.StringIO()):
             t.train()
-        return t.train_seconds - before
+        return t.train_seconds - before  # the trainer's clock waits for the device
 
     def val_loss(self, batch: Any) -> float:
         self.module.eval()
         with torch.no_grad():
-            out = self.module.val_step(0, batch, torch.device("cpu"))
+            out = self.module.val_step(0, batch, self.device)
         self.module.train()
         return out["loss"].float().mean().item()
 
 
-def bench_workload(name: str, rounds: int, out_dir: str, compile_: bool
+def bench_workload(name: str, rounds: int, out_dir: str, compile_: bool, device: str
                    ) -> dict[str, list[float]]:
     """Print the workload's table; return config -> per-round ratios to fp32 eager."""
     make, steps, warmup = WORKLOADS[name]
     make_module, batch = make()
     configs = {k: v for k, v in CONFIGS.items() if compile_ or not v.get("compile")}
-    runners = {k: Runner(make_module, batch, v, os.path.join(out_dir, name, k.replace(" ", "_")))
-               for k, v in configs.items()}
+    runners = {k: Runner(make_module, batch, v, os.path.join(out_dir, name, k.replace(" ", "_")),
+                         device) for k, v in configs.items()}
     first = {k: r.run(warmup) for k, r in runners.items()}  # compilation happens here
     rates: dict[str, list[float]] = {k: [] for k in runners}
     order = list(runners)
@@ -126,7 +139,7 @@ def bench_workload(name: str, rounds: int, out_dir: str, compile_: bool
     val_batch = next(iter(runners["fp32 eager"].trainer.train_loader))
     total = warmup + rounds * steps
     print(f"\n## {name}: batch {batch}, {rounds} rounds x {steps} steps after {warmup} warm-up "
-          f"steps, {torch.get_num_threads()} thread(s)\n")
+          f"steps, on {device}, {torch.get_num_threads()} thread(s)\n")
     print("| config | steps/s (median) | vs fp32 eager (median [min, max]) | "
           f"first {warmup} steps | loss after {total} steps |")
     print("| --- | --- | --- | --- | --- |")
@@ -157,7 +170,7 @@ def bench_workload(name: str, rounds: int, out_dir: str, compile_: bool
 
 
 # -- activation checkpointing: memory and time at a long context ---------------------------
-def saved_activation_bytes(module, batch) -> int:
+def saved_activation_bytes(module, batch, device: torch.device) -> int:
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -165,14 +178,14 @@ def saved_activation_bytes(module, batch) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = module.train_step(0, batch, torch.device("cpu"))
+        loss = module.train_step(0, batch, device)
     loss.backward()
     module.zero_grad(set_to_none=True)
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
     return sum(n for ptr, n in storages.items() if ptr not in params)  # weights are not activations
 
 
-def bench_checkpointing(context: int, rounds: int) -> None:
+def bench_checkpointing(context: int, rounds: int, device: torch.device) -> None:
     from examples.char_lm.recipe import CharLM
 
     batch_size = 8
@@ -182,26 +195,37 @@ def bench_checkpointing(context: int, rounds: int) -> None:
     modules = {}
     for ckpt in (False, True):
         torch.manual_seed(0)
-        modules[ckpt] = CharLM(None, context=context, layers=4, dim=128, heads=4)
+        modules[ckpt] = CharLM(None, context=context, layers=4, dim=128, heads=4).to(device)
         if ckpt:
             apply_activation_checkpointing(modules[ckpt], ["Block"])
-    saved = {k: saved_activation_bytes(m, batch) for k, m in modules.items()}
+    saved = {k: saved_activation_bytes(m, batch, device) for k, m in modules.items()}
     times: dict[bool, list[float]] = {False: [], True: []}
+    peak: dict[bool, int] = {False: 0, True: 0}
+    on_cuda = device.type == "cuda"
     for i in range(rounds):
         for ckpt in ((False, True) if i % 2 == 0 else (True, False)):
             m = modules[ckpt]
+            if on_cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
             start = time.perf_counter()
-            m.train_step(0, batch, torch.device("cpu")).backward()
+            m.train_step(0, batch, device).backward()
+            if on_cuda:
+                torch.cuda.synchronize()
+                peak[ckpt] = torch.cuda.max_memory_allocated() - base
             times[ckpt].append(time.perf_counter() - start)
             m.zero_grad(set_to_none=True)
     ratio = statistics.median(t1 / t0 for t0, t1 in zip(times[False], times[True]))
     print(f"\n## activation checkpointing: char_lm, context {context}, batch {batch_size}, "
-          f"{rounds} interleaved steps each\n")
-    print("| config | activations saved for backward | step time (median) |")
-    print("| --- | --- | --- |")
+          f"{rounds} interleaved steps each, on {device}\n")
+    print("| config | activations saved for backward | step time (median) |"
+          + (" peak CUDA memory above the weights |" if on_cuda else ""))
+    print("| --- | --- | --- |" + (" --- |" if on_cuda else ""))
     for ckpt, label in ((False, "plain"), (True, "activation_checkpointing: [Block]")):
         print(f"| {label} | {saved[ckpt] / 2**20:.1f} MiB | "
-              f"{statistics.median(times[ckpt]) * 1000:.0f} ms |")
+              f"{statistics.median(times[ckpt]) * 1000:.1f} ms |"
+              + (f" {peak[ckpt] / 2**20:.1f} MiB |" if on_cuda else ""))
     print(f"\ncheckpointing keeps {saved[True] / saved[False]:.2f}x the activations for "
           f"{ratio:.2f}x the step time")
 
@@ -211,7 +235,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (1 keeps the timing steadier)")
-    parser.add_argument("--workloads", default="char_lm,digits")
+    parser.add_argument("--workloads", default="char_lm,digits",
+                        help=f"from {', '.join(WORKLOADS)}")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda")
     parser.add_argument("--no-compile", action="store_true", help="skip the compiled configs")
     parser.add_argument("--long-context", type=int, default=512)
     parser.add_argument("--warm-cache", action="store_true",
@@ -225,19 +251,22 @@ def main() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache.name
     torch.set_num_threads(opts.threads)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
+    device = torch.device(opts.device)
+    if device.type == "cuda":
+        print(f"device: {torch.cuda.get_device_name(device)}")
     print(f"torch {torch.__version__}; {os.cpu_count()} CPUs; inductor cache: "
           f"{'warm (kept)' if opts.warm_cache else 'cold (fresh directory)'}")
     with tempfile.TemporaryDirectory() as out:
         for name in opts.workloads.split(","):
             if name not in WORKLOADS:
                 parser.error(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
-            found = bench_workload(name, opts.rounds, out, not opts.no_compile)
+            found = bench_workload(name, opts.rounds, out, not opts.no_compile, opts.device)
             rest = "; ".join(f"{k} {statistics.median(v):.3f}" for k, v in found.items()
                              if k not in ("fp32 eager", "bf16 eager"))
             summary("backends.py", f"{name} bf16 eager / fp32 eager steps/s (per-round)",
                     found["bf16 eager"], load, opts.threads, extra=rest)
     if opts.long_context:
-        bench_checkpointing(opts.long_context, max(3, opts.rounds))
+        bench_checkpointing(opts.long_context, max(3, opts.rounds), device)
     if cache is not None:
         cache.cleanup()
 

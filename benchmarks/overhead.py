@@ -76,21 +76,22 @@ LOADERS: dict[str, Callable[[Any], Any]] = {
 
 
 # -- the hand-written loop -----------------------------------------------------------------
-def run_hand(ds, fetch: str = "hand") -> tuple[float, float, float]:
+def run_hand(ds, fetch: str = "hand", device: str = "cpu") -> tuple[float, float, float]:
     """Seconds per step (steady, end to end) and the final weights' fingerprint."""
     begin = time.perf_counter()
-    model = make_model()
+    model = make_model().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     batches = LOADERS[fetch](ds)
     start = time.perf_counter()
     step = 0
     for step, (x, y) in enumerate(batches, 1):
-        loss = nn.functional.cross_entropy(model(x), y)
+        loss = nn.functional.cross_entropy(model(x.to(device)), y.to(device))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step % LOG_EVERY == 0:
             print(f"step {step} loss {loss.item():.4f}")
+    synchronize(device)
     end = time.perf_counter()
     return (end - start) / step, (end - begin) / step, fingerprint(model)
 
@@ -115,7 +116,13 @@ class Recipe(ModuleInterface):
 
     def train_step(self, global_step, batch, device):
         x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
+        return nn.functional.cross_entropy(self.net(x.to(device)), y.to(device))
+
+
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work, so a clock read after it counts that work."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 class LastStep(Callback):
@@ -123,12 +130,17 @@ class LastStep(Callback):
 
     at = 0.0
 
+    def __init__(self, last_step: int, device: str = "cpu") -> None:
+        self.last_step, self.device = last_step, device
+
     def on_step_end(self, trainer):
+        if trainer.global_step == self.last_step:  # as the hand loop: wait for the device once
+            synchronize(self.device)
         self.at = time.perf_counter()
 
 
-def run_sailfin(ds, out_dir, ema: Optional[float] = None,
-                hang_seconds: Optional[float] = None) -> tuple[float, float, float]:
+def run_sailfin(ds, out_dir, ema: Optional[float] = None, hang_seconds: Optional[float] = None,
+                device: str = "cpu") -> tuple[float, float, float]:
     """Seconds per step (steady, end to end) and the final weights' fingerprint."""
     begin = time.perf_counter()
     module = Recipe(Data(ds))
@@ -137,8 +149,8 @@ def run_sailfin(ds, out_dir, ema: Optional[float] = None,
                             ema=EmaArguments(decay=ema),  # decay None: off
                             # no checkpoints, as Lightning's enable_checkpointing=False
                             checkpoint=CheckpointArguments(at_epoch_end=False),
-                            distributed=DistArguments(hang_seconds=hang_seconds))
-    last = LastStep()
+                            distributed=DistArguments(hang_seconds=hang_seconds), device=device)
+    last = LastStep(len(ds) // BATCH, device)
     trainer = Trainer(module, args, callbacks=[last])
     trainer.setup()
     start = time.perf_counter()
@@ -148,15 +160,16 @@ def run_sailfin(ds, out_dir, ema: Optional[float] = None,
 
 
 def run_variant(name: str, ds, out_dir: str, opts: argparse.Namespace) -> tuple[float, ...]:
+    device = opts.device
     if name in LOADERS:
-        return run_hand(ds, name)
+        return run_hand(ds, name, device)
     if name == "sailfin":
-        return run_sailfin(ds, out_dir)
+        return run_sailfin(ds, out_dir, device=device)
     if name == "sailfin+ema":
-        return run_sailfin(ds, out_dir, ema=opts.ema)
+        return run_sailfin(ds, out_dir, ema=opts.ema, device=device)
     if name == "sailfin+watchdog":  # the same trainer with the watchdog's thread running
-        return run_sailfin(ds, out_dir, hang_seconds=opts.watchdog)
-    steady, whole = PEERS[name][1](make_model, batched_loader(ds), out_dir, LOG_EVERY)
+        return run_sailfin(ds, out_dir, hang_seconds=opts.watchdog, device=device)
+    steady, whole = PEERS[name][1](make_model, batched_loader(ds), out_dir, LOG_EVERY, device)
     return steady, whole, float("nan")
 
 
@@ -270,6 +283,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (1 keeps the timing steadier)")
+    parser.add_argument("--device", default="cpu",
+                        help="where every variant trains: cpu, or cuda (each moves its batches "
+                             "there and waits for the device before its clock stops)")
     parser.add_argument("--no-others", action="store_true",
                         help="skip Lightning/Fabric/Accelerate even when installed")
     parser.add_argument("--instructions", action="store_true",
@@ -338,7 +354,7 @@ def main() -> None:
                             on_round=on_round)
     hand_rates = [1 / r["hand"] for r in rounds]
     print(f"\nhand loop (batched fetch): median {statistics.median(hand_rates):.1f} steps/s "
-          f"({opts.steps} steps of batch {BATCH}, {opts.threads} thread(s))")
+          f"({opts.steps} steps of batch {BATCH}, {opts.threads} thread(s), on {opts.device})")
     same = {name: weights[name] == weights["hand"] for name in names
             if name in LOADERS or name == "sailfin"}
     print("same final weights as the hand loop (same work per step): " +
