@@ -216,29 +216,37 @@ def _walk(obj: Any, fn: Any) -> Any:
     return obj
 
 
-def rebuild(obj: Any, directory: str, mapped: dict[str, torch.UntypedStorage]) -> Any:
-    """The writer's side: each slot back as a tensor on the mapped staging file."""
+def rebuild(obj: Any, directory: str, mapped: dict[str, torch.UntypedStorage],
+            used: Optional[dict[str, torch.UntypedStorage]] = None) -> Any:
+    """The writer's side: each slot back as a tensor on the mapped staging file
+    (``mapped``: file name -> mapping, added to; ``used``: the ones this object names)."""
+    used = {} if used is None else used
+
     def tensor(slot: Any) -> Any:
         if not isinstance(slot, _Slot):
             return slot
         if slot.nbytes == 0:
             return torch.empty_strided(slot.size, slot.stride, dtype=slot.dtype)
         storage = mapped.get(slot.name)
-        if storage is None:
+        if storage is None or storage.nbytes() != slot.nbytes:
             storage = mapped[slot.name] = torch.UntypedStorage.from_file(
                 os.path.join(directory, slot.name), shared=True, nbytes=slot.nbytes)
+        used[slot.name] = storage
         out = torch.empty(0, dtype=slot.dtype)
         out.set_(storage, slot.offset, slot.size, slot.stride)
         return out
 
-    if isinstance(obj, _Slot):
-        return tensor(obj)
-    if isinstance(obj, dict):
-        out = {k: rebuild(v, directory, mapped) for k, v in obj.items()}
-        return OrderedDict(out) if isinstance(obj, OrderedDict) else out
-    if type(obj) in (list, tuple):
-        return type(obj)(rebuild(v, directory, mapped) for v in obj)
-    return obj
+    def walk(obj: Any) -> Any:
+        if isinstance(obj, _Slot):
+            return tensor(obj)
+        if isinstance(obj, dict):
+            out = {k: walk(v) for k, v in obj.items()}
+            return OrderedDict(out) if isinstance(obj, OrderedDict) else out
+        if type(obj) in (list, tuple):
+            return type(obj)(walk(v) for v in obj)
+        return obj
+
+    return walk(obj)
 
 
 __all__ = ["PendingCopy", "SharedStaging", "rebuild", "remove_file", "reserve"]

@@ -63,22 +63,34 @@ class _InPlace(LocalStorage):
 
 def write_snapshot(directory: str, name: str, staged: dict[str, Any], facts: dict[str, Any],
                    staging_dir: str, parent: Optional[int] = None,
-                   commit: Optional[Callable[[], bool]] = None) -> bool:
+                   commit: Optional[Callable[[], bool]] = None,
+                   mapped: Optional[dict[str, torch.UntypedStorage]] = None) -> bool:
     """Write ``staged`` (stem -> state described by :class:`SharedStaging`) as the snapshot
     ``directory/name``: the files under ``.tmp-<name>``, the manifest last, then the
     rename, unless the training process ``parent`` is gone meanwhile or ``commit()``
-    (asked once the files are written) says no. True when renamed."""
+    (asked once the files are written) says no. True when renamed.
+
+    ``mapped`` (staging file name -> its mapping) keeps the staging files mapped from one
+    snapshot to the next: mapping 24 MB anew faults in every page again. Names are never
+    reused within a run; a file this snapshot does not name is unmapped (its pages go
+    back once the training process removed it)."""
     storage = _InPlace()
     temporary = os.path.join(directory, f".tmp-{name}")
     # An older snapshot's files may be here (MemoryStore recycles its directory): they are
     # rewritten in place, the manifest last; one without a manifest is never chosen.
     os.makedirs(temporary, exist_ok=True)
     remove_file(os.path.join(temporary, manifests.MANIFEST))
-    mapped: dict[str, torch.UntypedStorage] = {}
+    mapped = {} if mapped is None else mapped
+    before = set(mapped)
+    used: dict[str, torch.UntypedStorage] = {}
     files: dict[str, FileEntry] = {}
     for stem, described in staged.items():
-        obj = rebuild(described, staging_dir, mapped)
-        files[f"{stem}.pt"] = save_object(storage, os.path.join(temporary, f"{stem}.pt"), obj)
+        obj = rebuild(described, staging_dir, mapped, used)
+        # One core: the writer checksums on its own thread, not on training's core too.
+        files[f"{stem}.pt"] = save_object(storage, os.path.join(temporary, f"{stem}.pt"), obj,
+                                          overlap=False)
+    for gone in before - set(used):
+        del mapped[gone]
     for leftover in set(os.listdir(temporary)) - set(files):
         remove_file(os.path.join(temporary, leftover))
     with open(os.path.join(temporary, manifests.MANIFEST), "wb") as fh:
@@ -115,6 +127,7 @@ def _serve(parent: int) -> None:
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # a stray print must not land among the replies
     jobs = sys.stdin.buffer
+    mapped: dict[str, torch.UntypedStorage] = {}  # the staging files, kept mapped
 
     def send(reply: Any) -> None:
         pickle.dump(reply, replies)
@@ -141,7 +154,8 @@ def _serve(parent: int) -> None:
             os._exit(0)
         *where, hold = job
         try:
-            renamed = write_snapshot(*where, parent=parent, commit=commit if hold else None)
+            renamed = write_snapshot(*where, parent=parent, commit=commit if hold else None,
+                                     mapped=mapped)
             reply: Any = None if renamed else "dropped"
         except BaseException as exc:  # noqa: BLE001 - sent back, raised in the trainer
             reply = (_errno(exc), f"{type(exc).__name__}: {exc}")

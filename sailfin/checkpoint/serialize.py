@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import copy as copy_module
+import contextlib
 import errno
 import os
 import io
@@ -94,16 +95,20 @@ class _ChecksumWriter:
         self.fh.flush()
 
 
-def save_object(storage: Storage, path: str, obj: Any) -> FileEntry:
+def save_object(storage: Storage, path: str, obj: Any, overlap: bool = True) -> FileEntry:
     """``torch.save`` ``obj`` to ``path``; return its size and checksum.
+
+    ``overlap``: a thread checksums each large buffer while it is written (the file
+    is done sooner); False checksums it first on the calling thread (one core: a
+    background writer that must not take a second one from training).
 
     A failed write (a full disk...) raises :class:`CheckpointWriteError` naming the
     file and the OS's reason, not torch's ``unexpected pos`` RuntimeError.
     """
     writer: _ChecksumWriter | None = None
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix="sailfin-checksum") as helper, \
-                storage.open_write(path) as fh:
+        with ThreadPoolExecutor(1, thread_name_prefix="sailfin-checksum") if overlap \
+                else contextlib.nullcontext() as helper, storage.open_write(path) as fh:
             writer = _ChecksumWriter(fh, helper)
             torch.save(obj, writer)
     except OSError as exc:  # opening, fsync or close (NFS reports a full disk at close)

@@ -65,6 +65,45 @@ def test_staging_copies_the_current_values_and_a_replaced_storage(tmp_path):
     staging.release()
 
 
+def test_the_writer_keeps_staging_files_mapped_and_checksums_on_its_own_thread(tmp_path,
+                                                                               monkeypatch):
+    """From one snapshot to the next the writer reuses its mappings of the staging files
+    (mapping anew faults every page in again), drops those of files no longer named, and
+    computes the checksums on its own thread (no second core taken from training)."""
+    from sailfin.checkpoint import memory_files, memory_writer, serialize
+
+    staging = SharedStaging(str(tmp_path / "staging"))
+    helpers: list = []
+    write = serialize._ChecksumWriter.write
+
+    def recorded(self, data):
+        helpers.append(self.helper)
+        return write(self, data)
+
+    monkeypatch.setattr(serialize._ChecksumWriter, "write", recorded)
+    mapped: dict = {}
+    out = tmp_path / "snapshots"
+    weight, other = torch.arange(4096.0), torch.ones(2048)
+    seen = []
+    for step, state in ((1, {"w": weight, "o": other}), (2, {"w": weight * 3}),
+                        (3, {"w": weight * 3})):
+        staged, _ = staging.stage({"model": state})
+        facts = {"step": step, "epoch": 0, "step_in_epoch": step, "samples_seen": 0,
+                 "world_size": 1}
+        assert memory_writer.write_snapshot(str(out), f"step-{step}", staged, facts,
+                                            staging.directory, mapped=mapped)
+        seen.append(dict(mapped))
+        assert memory_files.intact(str(out / f"step-{step}"))  # every file's CRC-32 matches
+        loaded = torch.load(out / f"step-{step}" / "model.pt")
+        assert loaded.keys() == state.keys()
+        assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    assert len(seen[0]) == 2 and len(seen[1]) == 1  # the file step 2 no longer names: unmapped
+    name = staged["model"]["w"].name
+    assert seen[2][name] is seen[1][name]  # the same mapping, not made again
+    assert helpers and all(h is None for h in helpers)  # no checksum thread beside the write
+    staging.release()
+
+
 class WaitForForward(Callback):
     """Holds the thread's copy of the parameters until the next step's forward has run
     (the test's 10 s are never reached when the forward does run meanwhile)."""
