@@ -204,15 +204,18 @@ _SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
 
 
 def _walk(obj: Any, fn: Any) -> Any:
+    """``obj`` with ``fn(tensor)`` for each tensor; containers copied, scalars kept. It runs
+    on the step's path at every snapshot: leaves are not visited by a call each, and a
+    sequence of scalars (Python's random state: 625 ints) is recognised in C."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, dict):
-        out = {k: _walk(v, fn) for k, v in obj.items()}
+        out = {k: v if type(v) in _SCALARS else _walk(v, fn) for k, v in obj.items()}
         return OrderedDict(out) if isinstance(obj, OrderedDict) else out
     if type(obj) in (list, tuple):
-        if all(type(v) in _SCALARS for v in obj):
-            return obj if type(obj) is tuple else list(obj)  # e.g. Python's random state
-        return type(obj)(_walk(v, fn) for v in obj)
+        if _SCALARS.issuperset(map(type, obj)):
+            return obj if type(obj) is tuple else list(obj)
+        return type(obj)(v if type(v) in _SCALARS else _walk(v, fn) for v in obj)
     return obj
 
 

@@ -104,6 +104,29 @@ def test_the_writer_keeps_staging_files_mapped_and_checksums_on_its_own_thread(t
     staging.release()
 
 
+def test_staging_keeps_the_shape_of_the_state_and_its_plain_values(tmp_path):
+    """What the writer rebuilds is the state as given: containers of their own types,
+    scalars and sequences of scalars as they were, each tensor's values."""
+    import collections
+    import random
+
+    staging = SharedStaging(str(tmp_path / "staging"))
+    state = {"python": random.getstate(), "ints": [1, 2, 3], "none": None,
+             "mixed": (1.5, torch.arange(3.0), [torch.ones(2), "x"]),
+             "ordered": collections.OrderedDict(a=torch.zeros(4), b=7)}
+    staged, copying = staging.stage(state)
+    assert copying is None  # nothing named for later: copied at once
+    back = memory_staging.rebuild(staged, staging.directory, {})
+    assert back["python"] == state["python"] and type(back["python"]) is tuple
+    assert back["ints"] == [1, 2, 3] and back["none"] is None
+    assert type(back["mixed"]) is tuple and back["mixed"][0] == 1.5
+    assert torch.equal(back["mixed"][1], torch.arange(3.0))
+    assert torch.equal(back["mixed"][2][0], torch.ones(2)) and back["mixed"][2][1] == "x"
+    assert type(back["ordered"]) is collections.OrderedDict and back["ordered"]["b"] == 7
+    assert torch.equal(back["ordered"]["a"], torch.zeros(4))
+    staging.release()
+
+
 class WaitForForward(Callback):
     """Holds the thread's copy of the parameters until the next step's forward has run
     (the test's 10 s are never reached when the forward does run meanwhile)."""
