@@ -182,8 +182,11 @@ class MemoryStore:
                 raise
             self._full = exc  # the next snapshot's agreement stops them on every rank
             return False
-        # Frozen now: the state's other values (not tensors) may change before the write.
-        job = (step, dict(facts), pickle.dumps(staged), replicated)
+        # The state's other values may change before the write: the staged copy's
+        # containers are its own and its scalars immutable, so only a value of another
+        # type (a set, an array) makes it worth freezing whole, pickled now.
+        frozen = pickle.dumps(staged) if self._staging.kept else staged
+        job = (step, dict(facts), frozen, replicated)
         verdict: Optional[Verdict] = None
         if copying is not None:
             verdict = Verdict()  # settle() says whether the copy holds this step's state
@@ -258,7 +261,7 @@ class MemoryStore:
                                   f"failed: {error}") from error
 
     def _write(self, keep_from: Optional[int], step: int, facts: dict[str, Any],
-               frozen: bytes, replicated: bool, copying: Optional[PendingCopy] = None,
+               frozen: Any, replicated: bool, copying: Optional[PendingCopy] = None,
                verdict: Optional["Verdict"] = None) -> None:
         """The writer thread: snapshots older than ``keep_from`` go, the writer process
         writes the files once ``copying`` is done (this thread waits on its pipe), renames
@@ -266,7 +269,7 @@ class MemoryStore:
         the next node."""
         if keep_from is not None:
             self._recycle(keep_from, step)
-        staged = pickle.loads(frozen)
+        staged = pickle.loads(frozen) if isinstance(frozen, bytes) else frozen
         shared, rank_state = staged["shared"], staged["rank"]
         facts = {**facts, "memory_snapshot": {
             "rank": self.rank, "run": self.run, "replicated": replicated,

@@ -57,6 +57,7 @@ class SharedStaging:
         self._views: dict[tuple[int, str, int], tuple[str, torch.Tensor, torch.Tensor]] = {}
         self._count = 0
         self._copier: Optional[ThreadPoolExecutor] = None
+        self.kept = False  # the last stage() kept a value of another type as it was
 
     def nbytes(self) -> int:
         return sum(buf.nbytes() for _, buf in self._buffers.values())
@@ -65,7 +66,11 @@ class SharedStaging:
               ) -> tuple[Any, Optional["PendingCopy"]]:
         """``obj`` with every tensor replaced by its slot in the staging files: copied now,
         but for the storages whose ``(data_ptr, device)`` is in ``later``, which a thread
-        copies (the :class:`PendingCopy`; None when there are none)."""
+        copies (the :class:`PendingCopy`; None when there are none).
+
+        The result's dicts, lists and tuples are new, so later changes to ``obj``'s
+        containers do not reach it; :attr:`kept` says whether it also holds values of
+        other types as they are (a set, a NumPy array: possibly changed later)."""
         sources: dict[tuple[int, str, int], torch.Tensor] = {}
         slots: dict[tuple[int, str, int], list[_Slot]] = {}
 
@@ -82,7 +87,9 @@ class SharedStaging:
                 slots.setdefault(key, []).append(slot)
             return slot
 
-        staged = _walk(obj, stage)
+        kept: list = []
+        staged = _walk(obj, stage, kept)
+        self.kept = bool(kept)
         # A storage not seen before takes the buffer of one gone since the last snapshot,
         # if of its size (the random streams are new tensors each time): no allocation.
         spare: dict[int, list[tuple[str, torch.UntypedStorage]]] = {}
@@ -203,19 +210,23 @@ def remove_file(path: str) -> None:
 _SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
 
 
-def _walk(obj: Any, fn: Any) -> Any:
-    """``obj`` with ``fn(tensor)`` for each tensor; containers copied, scalars kept. It runs
-    on the step's path at every snapshot: leaves are not visited by a call each, and a
-    sequence of scalars (Python's random state: 625 ints) is recognised in C."""
+def _walk(obj: Any, fn: Any, kept: Optional[list] = None) -> Any:
+    """``obj`` with ``fn(tensor)`` for each tensor; dicts, lists and tuples copied, scalars
+    kept; any other value is kept as it is and also appended to ``kept`` (it may be
+    mutable). It runs on the step's path at every snapshot: leaves are not visited by a
+    call each, and a sequence of scalars (Python's random state: 625 ints) is recognised
+    in C."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, dict):
-        out = {k: v if type(v) in _SCALARS else _walk(v, fn) for k, v in obj.items()}
+        out = {k: v if type(v) in _SCALARS else _walk(v, fn, kept) for k, v in obj.items()}
         return OrderedDict(out) if isinstance(obj, OrderedDict) else out
     if type(obj) in (list, tuple):
         if _SCALARS.issuperset(map(type, obj)):
             return obj if type(obj) is tuple else list(obj)
-        return type(obj)(v if type(v) in _SCALARS else _walk(v, fn) for v in obj)
+        return type(obj)(v if type(v) in _SCALARS else _walk(v, fn, kept) for v in obj)
+    if kept is not None:
+        kept.append(obj)
     return obj
 
 

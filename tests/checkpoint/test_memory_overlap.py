@@ -127,6 +127,45 @@ def test_staging_keeps_the_shape_of_the_state_and_its_plain_values(tmp_path):
     staging.release()
 
 
+def test_a_snapshot_holds_its_steps_values_when_they_change_before_the_write(tmp_path,
+                                                                           monkeypatch):
+    """The staged state's containers are its own and its scalars immutable, so it is
+    written as it is (no pickled copy on the step's path); a value of another type (a
+    set a recipe keeps in its state) is frozen when the snapshot is taken. Both are
+    checked against changes made while the write waits for the thread's copy."""
+    from sailfin.checkpoint.memory import MemoryStore
+
+    store = MemoryStore(str(tmp_path / "shm"), rank=0, world_size=1)
+    store.start_writer(wait=True)
+    copy_all, go = memory_staging._copy_all, threading.Event()
+    monkeypatch.setattr(memory_staging, "_copy_all",
+                        lambda pairs: (go.wait(10), copy_all(pairs)))
+    weight = torch.arange(8.0)
+    for step, odd in ((1, None), (2, {1, 2, 3})):
+        go.clear()
+        user = {"counts": [1, 2], "seen": {"a": 1}, **({"odd": odd} if odd is not None else {})}
+        facts = {"step": step, "epoch": 0, "step_in_epoch": step, "samples_seen": 0,
+                 "world_size": 1}
+        assert store.ready(step)
+        store.stage(step, facts, {"model": {"w": weight}, "trainer": {"user": user}},
+                    {"torch": torch.get_rng_state()}, later=frozenset({key(weight)}))
+        assert store._staging.kept is (odd is not None)
+        user["counts"].append(3)  # the next step changes the recipe's state in place
+        user["seen"]["a"] = 2
+        if odd is not None:
+            odd.add(99)
+        go.set()
+        assert store.settle() is True
+        store.wait()
+        _, shared, _ = store.load(store.inventory()[0][step])
+        held = shared["trainer"]["user"]
+        assert held["counts"] == [1, 2] and held["seen"] == {"a": 1}
+        if odd is not None:
+            assert held["odd"] == {1, 2, 3}
+    store.remove_mine()
+    store.close()
+
+
 class WaitForForward(Callback):
     """Holds the thread's copy of the parameters until the next step's forward has run
     (the test's 10 s are never reached when the forward does run meanwhile)."""

@@ -84,7 +84,8 @@ class MemorySnapshots(Callback):
             trainer.writers.flush()  # metrics.jsonl holds every event up to the snapshot
             state = trainer.state_dict()
             facts = manifest_facts(trainer, self.saver, state, self._config(trainer))
-            local = local_shards(state)  # fsdp: this rank's rows, as plain tensors
+            # fsdp: this rank's rows, as plain tensors (no model mesh: nothing is sharded)
+            local = local_shards(state) if self.checkpointer.mesh is not None else state
             replicated = local is state  # no shards: every rank holds the same (ddp)
             shared = {"model": local.pop("module"), "trainer": local}
             later = stepped_state(trainer) if self.overlap else frozenset()
