@@ -90,6 +90,12 @@ def direct_batches(ds: TensorDataset, seed: int = SEED, epoch: int = 0,
         yield [t.index_select(0, index) for t in ds.tensors]
 
 
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work, so a clock read after it counts that work."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def fingerprint(model: nn.Module) -> float:
     """A number that changes with any trained weight: the same work gives the same value."""
     with torch.no_grad():

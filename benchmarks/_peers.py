@@ -16,14 +16,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from _hand import synchronize
+
 
 def _lightning(device: str) -> str:
     return "gpu" if device.startswith("cuda") else "cpu"
-
-
-def _synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def run_lightning(make_model: Callable[[], nn.Module], loader: Any, out_dir: str,
@@ -50,7 +47,7 @@ def run_lightning(make_model: Callable[[], nn.Module], loader: Any, out_dir: str
                         enable_model_summary=False, log_every_n_steps=log_every,
                         default_root_dir=out_dir)
     trainer.fit(LitModel(), loader)
-    _synchronize(device)
+    synchronize(device)
     per_step = (time.perf_counter() - begin) / len(loader)
     return per_step, per_step
 
@@ -74,7 +71,7 @@ def run_fabric(make_model: Callable[[], nn.Module], loader: Any, out_dir: str,
         opt.zero_grad(set_to_none=True)
         if steps % log_every == 0:
             print(f"step {steps} loss {loss.item():.4f}")
-    _synchronize(device)
+    synchronize(device)
     end = time.perf_counter()
     return (end - start) / steps, (end - begin) / steps
 
@@ -97,7 +94,7 @@ def run_accelerate(make_model: Callable[[], nn.Module], loader: Any, out_dir: st
         opt.zero_grad(set_to_none=True)
         if steps % log_every == 0:
             print(f"step {steps} loss {loss.item():.4f}")
-    _synchronize(device)
+    synchronize(device)
     end = time.perf_counter()
     return (end - start) / steps, (end - begin) / steps
 

@@ -63,7 +63,7 @@ sys.path.insert(0, HERE)
 from _bytecodes import Counts, per_step  # noqa: E402
 from _callgrind import instructions_per_step  # noqa: E402
 from _hand import (BATCH, batched_loader, direct_batches, fingerprint, make_data,  # noqa: E402
-                   make_model, per_sample_loader)
+                   make_model, per_sample_loader, synchronize)
 from _measure import add_load_options, interleave, machine, spread, start, summary  # noqa
 from _peers import PEERS  # noqa: E402
 from sailfin import Callback, DataInterface, ModuleInterface, Trainer, TrainerArguments  # noqa
@@ -117,12 +117,6 @@ class Recipe(ModuleInterface):
     def train_step(self, global_step, batch, device):
         x, y = batch
         return nn.functional.cross_entropy(self.net(x.to(device)), y.to(device))
-
-
-def synchronize(device: str) -> None:
-    """Wait for the device's queued work, so a clock read after it counts that work."""
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 class LastStep(Callback):

@@ -210,21 +210,22 @@ def remove_file(path: str) -> None:
 _SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
 
 
-def _walk(obj: Any, fn: Any, kept: Optional[list] = None) -> Any:
-    """``obj`` with ``fn(tensor)`` for each tensor; dicts, lists and tuples copied, scalars
-    kept; any other value is kept as it is and also appended to ``kept`` (it may be
-    mutable). It runs on the step's path at every snapshot: leaves are not visited by a
-    call each, and a sequence of scalars (Python's random state: 625 ints) is recognised
-    in C."""
-    if isinstance(obj, torch.Tensor):
+def _walk(obj: Any, fn: Any, kept: Optional[list] = None, leaf: type = torch.Tensor) -> Any:
+    """``obj`` with ``fn(x)`` for each ``leaf`` ``x`` (a tensor; the writer's side: a
+    slot); dicts, lists and tuples copied, scalars kept; any other value is kept as it is
+    and also appended to ``kept`` (it may be mutable). It runs on the step's path at
+    every snapshot: scalars are not visited by a call each, and a sequence of scalars
+    (Python's random state: 625 ints) is recognised in C."""
+    if isinstance(obj, leaf):
         return fn(obj)
     if isinstance(obj, dict):
-        out = {k: v if type(v) in _SCALARS else _walk(v, fn, kept) for k, v in obj.items()}
+        out = {k: v if type(v) in _SCALARS else _walk(v, fn, kept, leaf)
+               for k, v in obj.items()}
         return OrderedDict(out) if isinstance(obj, OrderedDict) else out
     if type(obj) in (list, tuple):
         if _SCALARS.issuperset(map(type, obj)):
             return obj if type(obj) is tuple else list(obj)
-        return type(obj)(v if type(v) in _SCALARS else _walk(v, fn, kept) for v in obj)
+        return type(obj)(v if type(v) in _SCALARS else _walk(v, fn, kept, leaf) for v in obj)
     if kept is not None:
         kept.append(obj)
     return obj
@@ -236,9 +237,7 @@ def rebuild(obj: Any, directory: str, mapped: dict[str, torch.UntypedStorage],
     (``mapped``: file name -> mapping, added to; ``used``: the ones this object names)."""
     used = {} if used is None else used
 
-    def tensor(slot: Any) -> Any:
-        if not isinstance(slot, _Slot):
-            return slot
+    def tensor(slot: _Slot) -> torch.Tensor:
         if slot.nbytes == 0:
             return torch.empty_strided(slot.size, slot.stride, dtype=slot.dtype)
         storage = mapped.get(slot.name)
@@ -250,17 +249,7 @@ def rebuild(obj: Any, directory: str, mapped: dict[str, torch.UntypedStorage],
         out.set_(storage, slot.offset, slot.size, slot.stride)
         return out
 
-    def walk(obj: Any) -> Any:
-        if isinstance(obj, _Slot):
-            return tensor(obj)
-        if isinstance(obj, dict):
-            out = {k: walk(v) for k, v in obj.items()}
-            return OrderedDict(out) if isinstance(obj, OrderedDict) else out
-        if type(obj) in (list, tuple):
-            return type(obj)(walk(v) for v in obj)
-        return obj
-
-    return walk(obj)
+    return _walk(obj, tensor, leaf=_Slot)
 
 
 __all__ = ["PendingCopy", "SharedStaging", "rebuild", "remove_file", "reserve"]

@@ -81,7 +81,6 @@ def write_snapshot(directory: str, name: str, staged: dict[str, Any], facts: dic
     os.makedirs(temporary, exist_ok=True)
     remove_file(os.path.join(temporary, manifests.MANIFEST))
     mapped = {} if mapped is None else mapped
-    before = set(mapped)
     used: dict[str, torch.UntypedStorage] = {}
     files: dict[str, FileEntry] = {}
     for stem, described in staged.items():
@@ -89,7 +88,7 @@ def write_snapshot(directory: str, name: str, staged: dict[str, Any], facts: dic
         # One core: the writer checksums on its own thread, not on training's core too.
         files[f"{stem}.pt"] = save_object(storage, os.path.join(temporary, f"{stem}.pt"), obj,
                                           overlap=False)
-    for gone in before - set(used):
+    for gone in set(mapped) - set(used):
         del mapped[gone]
     for leftover in set(os.listdir(temporary)) - set(files):
         remove_file(os.path.join(temporary, leftover))
