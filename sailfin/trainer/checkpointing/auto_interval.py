@@ -99,8 +99,10 @@ class IntervalChooser:
         self._next = trainer.global_step + every
         changed = self.every is None or abs(every - self.every) > _CHANGED * self.every
         self.every = every
+        # The measurements as they were used (unrounded): the choice can be recomputed
+        # from what summary.json reports.
         self.choice = {"every_n_steps": every, "seconds": round(tau, 3),
-                       "save_seconds": round(save, 4), "step_seconds": round(step, 6),
+                       "save_seconds": save, "step_seconds": step,
                        "mtbf_hours": round(mtbf / 3600, 6), "mtbf_from": source,
                        "at_step": trainer.global_step}
         if changed and trainer.dist.is_main:
