@@ -14,9 +14,8 @@ import types
 import typing
 from typing import Any, Literal, Union
 
-import yaml
-
-from .errors import ConfigError, suggest, unknown_key
+from .errors import ConfigError, short_repr, suggest, unknown_key
+from .strict_yaml import load_yaml_text
 
 
 def type_name(tp: Any) -> str:
@@ -42,10 +41,7 @@ def parse_cli_value(text: str, tp: Any) -> Any:
     """
     if tp is str:
         return text
-    try:
-        return yaml.safe_load(text) if text != "" else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"could not parse {text!r}: {exc}") from None
+    return load_yaml_text(text, f"override value {short_repr(text)}") if text != "" else ""
 
 
 def coerce(value: Any, tp: Any, key: str, finite: bool = False) -> Any:
@@ -76,7 +72,7 @@ def coerce(value: Any, tp: Any, key: str, finite: bool = False) -> Any:
         if value in allowed:
             return value
         raise ConfigError(
-            f"config key '{key}' got {value!r}{suggest(str(value), map(str, allowed))}; "
+            f"config key '{key}' got {short_repr(value)}{suggest(value, map(str, allowed))}; "
             f"expected one of: {', '.join(map(str, allowed))}"
         )
     if origin is list:
@@ -123,14 +119,16 @@ def coerce(value: Any, tp: Any, key: str, finite: bool = False) -> Any:
         if number is None:
             raise _wrong(key, value, tp)
         if finite and not math.isfinite(number):
-            raise OutOfRange(f"config key '{key}' got {value!r}; expected a finite number "
+            raise OutOfRange(f"config key '{key}' got {short_repr(value)}; "
+                              "expected a finite number "
                               "(NaN and infinity mean nothing for this option; an option that "
                               "can be off takes null)")
         return number
     if tp is str:
         if isinstance(value, str):
             if finite and "\0" in value:  # a path with it ends in "embedded null byte"
-                raise OutOfRange(f"config key '{key}' got {value!r}, which holds a NUL byte "
+                raise OutOfRange(f"config key '{key}' got {short_repr(value)}, "
+                                  "which holds a NUL byte "
                                   "(\\0): no path or name can hold one; remove it")
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -152,7 +150,8 @@ def _in_word(value: int, key: str) -> int:
 
 def _wrong(key: str, value: Any, tp: Any) -> ConfigError:
     return ConfigError(
-        f"config key '{key}' got {value!r} ({type(value).__name__}); expected {type_name(tp)}"
+        f"config key '{key}' got {short_repr(value)} ({type(value).__name__}); "
+        f"expected {type_name(tp)}"
     )
 
 

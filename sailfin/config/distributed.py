@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
-from .errors import ConfigError
+from .errors import ConfigError, short_repr
 
 Launcher = Literal["auto", "torchrun", "slurm", "mpi", "manual", "none"]
 
@@ -91,11 +91,11 @@ class DistArguments:
         hang = self.hang_seconds
         if hang is not None and hang != "auto" and (isinstance(hang, str) or not 0 < hang < math.inf):
             raise ConfigError(f"trainer.distributed.hang_seconds must be > 0 seconds, auto "
-                              f"or null (off), got {hang!r}")
+                              f"or null (off), got {short_repr(hang)}")
         slow = self.hang_seconds_slow_phases
         if slow is not None and slow != "auto" and (isinstance(slow, str) or not 0 < slow):
             raise ConfigError(f"trainer.distributed.hang_seconds_slow_phases must be > 0 "
-                              f"seconds, auto or null (= hang_seconds), got {slow!r}")
+                              f"seconds, auto or null (= hang_seconds), got {short_repr(slow)}")
         if not 0 < self.timeout_seconds < math.inf:
             raise ConfigError(f"trainer.distributed.timeout_seconds must be > 0, got "
                               f"{self.timeout_seconds}")

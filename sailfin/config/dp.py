@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional, get_args, get_type_hints
 
-from .errors import ConfigError, suggest
+from .errors import ConfigError, short_repr, suggest
 
 # Backend names that train with DP-SGD: a strategy composed with ``dp``.
 DP_SUFFIX = "-dp"
@@ -70,7 +70,8 @@ class DPArguments:
             allowed = get_args(hints[name])
             value = getattr(self, name)
             if value not in allowed:
-                raise ConfigError(f"trainer.dp.{name} is {value!r}{suggest(str(value), allowed)};"
+                raise ConfigError(f"trainer.dp.{name} is {short_repr(value)}"
+                                  f"{suggest(value, allowed)};"
                                   f" expected one of: {', '.join(allowed)}")
         if not _positive(self.max_grad_norm):
             raise ConfigError(f"trainer.dp.max_grad_norm must be > 0 (the per-sample clipping "

@@ -14,10 +14,11 @@ in the order listed, then the file itself, then the command-line overrides:
 from __future__ import annotations
 
 import os
+import stat
 from typing import Any, Callable, Optional
 
-from .errors import ConfigError
-from .strict_yaml import load_yaml_file
+from .errors import ConfigError, short_repr
+from .strict_yaml import file_kind, load_yaml_file
 
 KEY = "extends"
 
@@ -54,9 +55,14 @@ def _resolve(raw: dict, here: str, chain: list[str], read: Callable[[str], dict]
             loop = " -> ".join(chain[chain.index(base):] + [base])
             raise ConfigError(f"config files extend each other in a cycle: {loop}; "
                               f"remove one 'extends:'")
-        if not os.path.isfile(base):
+        if not os.path.exists(base):
             raise ConfigError(f"config file {base} (in 'extends:' of {here}) not found; "
                               f"paths are relative to the file that names them")
+        mode = os.stat(base).st_mode
+        if not stat.S_ISREG(mode):  # a FIFO would wait for a writer, /dev/zero never ends
+            what = "a directory" if stat.S_ISDIR(mode) else file_kind(mode)
+            raise ConfigError(f"config file {base} (in 'extends:' of {here}) is {what}, not "
+                              "a regular file; name a YAML file")
         content = read(base)
         if KEY in content:
             content = _resolve(content, base, chain + [base], read)
@@ -70,7 +76,7 @@ def _base_paths(value: Any, here: str) -> list[str]:
     if not isinstance(items, list) or not items or not all(
             isinstance(v, str) and v.strip() for v in items):
         raise ConfigError(f"'extends:' in {here} must be a file path or a list of them, "
-                          f"got {value!r}")
+                          f"got {short_repr(value)}")
     folder = os.path.dirname(here)
     return [os.path.realpath(os.path.join(folder, os.path.expanduser(v))) for v in items]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .errors import ConfigError
+from .errors import ConfigError, short_repr
 
 
 @dataclass
@@ -52,17 +52,19 @@ class FSDPArguments:
     def __post_init__(self) -> None:
         if self.accumulate not in ("full", "sharded"):
             raise ConfigError(f"trainer.fsdp.accumulate must be full or sharded, got "
-                              f"{self.accumulate!r}")
+                              f"{short_repr(self.accumulate)}")
         if self.build not in ("rank0", "meta"):
-            raise ConfigError(f"trainer.fsdp.build must be rank0 or meta, got {self.build!r}")
+            raise ConfigError("trainer.fsdp.build must be rank0 or meta, got "
+                              f"{short_repr(self.build)}")
         if self.units is None:
             return
         if isinstance(self.units, str):
             raise ConfigError(f"trainer.fsdp.units must be a list of class names or module "
-                              f"paths, got the string {self.units!r}; write [{self.units}]")
+                              f"paths, got the string {short_repr(self.units)}; "
+                              f"write [{self.units}]")
         for i, name in enumerate(self.units):
             if not isinstance(name, str) or not name or name != name.strip():
                 raise ConfigError(f"trainer.fsdp.units[{i}] must be a class name or a dotted "
-                                  f"module path, got {name!r}")
+                                  f"module path, got {short_repr(name)}")
         if len(set(self.units)) != len(self.units):
             raise ConfigError(f"trainer.fsdp.units lists a name twice: {self.units}")

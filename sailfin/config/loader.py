@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 import yaml
 
 from .coerce import build_dataclass, coerce, field_types, parse_cli_value
-from .errors import ConfigError, suggest, unknown_key
+from .errors import ConfigError, short_repr, suggest, unknown_key
 from .extends import resolve_extends
 from .strict_yaml import load_yaml_file
 from .trainer import TrainerArguments
@@ -43,7 +43,8 @@ class ComponentSpec:
         module_name, _, attr = self.class_path.rpartition(".")
         if not module_name:
             raise ConfigError(
-                f"{section}.class_path must be 'package.module.ClassName', got {self.class_path!r}")
+                f"{section}.class_path must be 'package.module.ClassName', "
+                f"got {short_repr(self.class_path)}")
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
@@ -201,7 +202,7 @@ def from_dict(raw: dict) -> RunConfig:
         kwargs["module"] = ComponentSpec()
     trainer = raw.get("trainer") or {}
     if not isinstance(trainer, dict):
-        raise ConfigError(f"config section 'trainer' must be a mapping, got {trainer!r}")
+        raise ConfigError(f"config section 'trainer' must be a mapping, got {short_repr(trainer)}")
     kwargs["trainer"] = build_dataclass(TrainerArguments, trainer, prefix="trainer.")
     return RunConfig(**kwargs)
 
@@ -209,7 +210,7 @@ def from_dict(raw: dict) -> RunConfig:
 def _component(value: Any, name: str) -> ComponentSpec:
     if not isinstance(value, dict):
         raise ConfigError(f"config section '{name}' must be a mapping with class_path and "
-                          f"init_args, got {value!r}")
+                          f"init_args, got {short_repr(value)}")
     spec = build_dataclass(ComponentSpec, value, prefix=name + ".")
     if not spec.class_path:
         raise ConfigError(f"config section '{name}' needs class_path: package.module.ClassName")
@@ -224,7 +225,8 @@ def parse_overrides(argv: Sequence[str]) -> list[tuple[str, str]]:
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--") or len(arg) == 2:
-            raise ConfigError(f"expected an override like --trainer.epochs 3, got {arg!r}")
+            raise ConfigError("expected an override like --trainer.epochs 3, "
+                              f"got {short_repr(arg)}")
         body = arg[2:]
         if "=" in body:
             key, text = body.split("=", 1)
@@ -250,7 +252,8 @@ def apply_override(raw: dict, dotted: str, text: str) -> None:
         if nxt is None:
             nxt = node[part] = {}
         if not isinstance(nxt, dict):
-            raise ConfigError(f"cannot set --{dotted}: '{part}' is {nxt!r}, not a section")
+            raise ConfigError(f"cannot set --{dotted}: '{part}' is {short_repr(nxt)}, "
+                              "not a section")
         node = nxt
     node[parts[-1]] = parse_cli_value(text, tp)
 

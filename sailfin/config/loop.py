@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from .errors import ConfigError
+from .errors import ConfigError, short_repr
 
 
 @dataclass
@@ -38,7 +38,7 @@ class EarlyStoppingArguments:
                               "such as 'loss' or 'val/accuracy', or use null (off)")
         if self.mode not in ("min", "max"):
             raise ConfigError(f"trainer.early_stopping.mode must be 'min' or 'max', "
-                              f"got {self.mode!r}")
+                              f"got {short_repr(self.mode)}")
         if isinstance(self.patience, bool) or self.patience < 1:
             raise ConfigError(f"trainer.early_stopping.patience must be >= 1 validations, "
                               f"got {self.patience}")

@@ -9,6 +9,7 @@ error naming the file, line and byte offset, not a ``UnicodeDecodeError``.
 from __future__ import annotations
 
 import os
+import stat
 from typing import Any
 
 import yaml
@@ -24,7 +25,13 @@ class StrictLoader(yaml.SafeLoader):
         yaml.load("a: 1\\na: 2\\n", Loader=StrictLoader)   # ConfigError: key 'a' ... twice
     """
 
-    source = "<string>"
+    source = "config text"
+    aliases = 0  # how many *alias uses the document holds (bounded: a billion laughs)
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            self.aliases += 1
+        return super().compose_node(parent, index)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
@@ -40,7 +47,7 @@ class StrictLoader(yaml.SafeLoader):
             if first is None:
                 seen[key] = line
             else:
-                raise ConfigError(f"config file {self.source}: key '{key}' is given twice in "
+                raise ConfigError(f"{self.source}: key '{key}' is given twice in "
                                   f"one mapping (lines {first} and {line}); YAML would keep "
                                   "only the last: remove one")
         return super().construct_mapping(node, deep=deep)
@@ -48,49 +55,139 @@ class StrictLoader(yaml.SafeLoader):
 
 def load_yaml_file(path: str | os.PathLike) -> Any:
     """The YAML document in ``path``; ConfigError naming the file for every way it can be bad."""
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {path} is a directory; give a YAML file") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data[:exc.start].count(b"\n") + 1
-        raise ConfigError(f"config file {path} is not UTF-8 text: byte 0x{data[exc.start]:02x} "
-                          f"at offset {exc.start} (line {line}); save the file as UTF-8"
-                          ) from None
+    return load_yaml_text(_read_config_bytes(path), f"config file {path}")
+
+
+def load_yaml_text(data: bytes | str, source: str) -> Any:
+    """The YAML document in ``data`` with the checks of :func:`load_yaml_file`: UTF-8, safe
+    tags, no key given twice, bounded nesting and alias expansion. Every error is one line
+    that begins with ``source`` (``"config file a.yaml"``, ``"override --trainer.x"``)."""
+    if isinstance(data, bytes):
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = data[:exc.start].count(b"\n") + 1
+            raise ConfigError(f"{source} is not UTF-8 text: byte "
+                              f"0x{data[exc.start]:02x} at offset {exc.start} (line {line}); "
+                              "save the file as UTF-8") from None
+    else:
+        text = data
     loader = StrictLoader(text)
-    loader.source = str(path)
-    too_deep = ConfigError(f"config file {path} nests values more than {MAX_DEPTH} levels "
+    loader.source = source
+    too_deep = ConfigError(f"{source} nests values more than {MAX_DEPTH} levels "
                            "deep; a config is a few levels of mappings: flatten it")
     try:
         document = loader.get_single_data()
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        raise ConfigError(f"{source} is not valid YAML: {_one_line(exc)}") from None
     except RecursionError:  # PyYAML composes and constructs recursively
         raise too_deep from None
     finally:
         loader.dispose()
-    if _depth(document) > MAX_DEPTH:  # what loads may still be too deep to copy or print
+    if loader.aliases > MAX_ALIASES:
+        raise ConfigError(f"{source} uses YAML aliases (*name) {loader.aliases} "
+                          f"times, more than {MAX_ALIASES}; a config needs a few: write the "
+                          "values out")
+    depth, size = _measure(document)
+    if depth > MAX_DEPTH:  # what loads may still be too deep to copy or print
         raise too_deep
+    if size > MAX_EXPANDED:
+        raise ConfigError(f"{source} expands through its YAML aliases (*name) to "
+                          f"more than {MAX_EXPANDED:,} values and characters; a config is "
+                          "small: write the values out once, or load big data from a file")
     return document
 
 
-# Deeper than this is no config: the schema's deepest key is a few levels down.
+# What a config file may be: text of this many bytes at most (a config is a few KB; a
+# device such as /dev/zero or a pipe never ends and is refused before reading).
+MAX_FILE_BYTES = 16 * 1024 * 1024
+
+
+def _read_config_bytes(path: str | os.PathLike) -> bytes:
+    # O_NONBLOCK: opening a FIFO for reading returns at once instead of waiting for a writer,
+    # so its kind can be named; a regular file reads as usual.
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory; give a YAML file") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path} cannot be opened: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as fh:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise ConfigError(f"config file {path} is a directory; give a YAML file")
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"config file {path} is {file_kind(info.st_mode)}, not a regular "
+                              "file; give a YAML file")
+        data = fh.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError(f"config file {path} is larger than {MAX_FILE_BYTES // 2**20} MiB; "
+                          "a config is a few KB: load big data from a file the recipe reads")
+    return data
+
+
+def file_kind(mode: int) -> str:
+    """What a path that is no regular file is, in words (from its ``st_mode``)."""
+    for test, name in ((stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _one_line(exc: yaml.YAMLError) -> str:
+    """PyYAML's error without its multi-line source excerpt: what and where."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        what = "; ".join(p for p in (exc.context, exc.problem) if p)
+        if isinstance(exc, yaml.constructor.ConstructorError) and "tag" in (exc.problem or ""):
+            what += (" (a config holds plain mappings, lists, strings and numbers: remove "
+                     "the tag)")
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        return f"{what}{where}"
+    return " ".join(str(exc).split())
+
+
+# Bounds on a document: deeper than this is no config (the schema's deepest key is a few
+# levels down); more aliases or a bigger expansion is a YAML "billion laughs", which would
+# hang whatever walks or prints the value.
 MAX_DEPTH = 100
+MAX_ALIASES = 1000
+MAX_EXPANDED = 10_000_000
 
 
-def _depth(document: Any) -> int:
-    """How many mappings and lists deep ``document`` goes (without recursion)."""
-    deepest, stack, seen = 0, [(document, 1)], set()
+def _measure(document: Any) -> tuple[int, int]:
+    """How deep ``document`` nests and its size with every alias written out (values plus
+    characters of strings), computed once per shared node (no recursion, no expansion)."""
+    deepest, size_of = 0, {}
+    stack: list[tuple[Any, int, bool]] = [(document, 1, False)]
+    depth_seen: dict[int, int] = {}
     while stack:
-        value, depth = stack.pop()
-        if not isinstance(value, (dict, list)) or id(value) in seen:
+        value, depth, done = stack.pop()
+        if not isinstance(value, (dict, list)):
             continue
-        seen.add(id(value))  # YAML aliases can share a node: visit it once
+        children = list(value.keys()) + list(value.values()) if isinstance(value, dict) \
+            else value
+        if done:
+            size_of[id(value)] = min(MAX_EXPANDED + 1, 1 + sum(_size(c, size_of) for c in children))
+            continue
+        if depth_seen.get(id(value), 0) >= depth:
+            continue  # a shared node seen at this depth or deeper: its depth is counted
+        first = id(value) not in depth_seen
+        depth_seen[id(value)] = depth
         deepest = max(deepest, depth)
-        stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
-    return deepest
+        if deepest > MAX_DEPTH:
+            return deepest, 0
+        if first:
+            stack.append((value, depth, True))
+        stack.extend((c, depth + 1, False) for c in children)
+    return deepest, _size(document, size_of)
+
+
+def _size(value: Any, size_of: dict[int, int]) -> int:
+    if isinstance(value, (dict, list)):
+        return size_of.get(id(value), 1)
+    return 1 + len(value) if isinstance(value, str) else 1

@@ -10,7 +10,7 @@ from .checkpoint import CheckpointArguments, check_resume
 from .distributed import DistArguments
 from .dp import DPArguments, is_private
 from .loop import EarlyStoppingArguments, EmaArguments
-from .errors import ConfigError
+from .errors import ConfigError, short_repr
 from .fsdp import FSDPArguments
 
 WRITERS = ("stdout", "jsonl", "csv", "tensorboard", "mlflow")
@@ -160,7 +160,7 @@ class TrainerArguments:
             if isinstance(value, str):
                 raise ConfigError(f"trainer.{name} must be an integer"
                                   + (" or auto" if name == "micro_batch_size" else "")
-                                  + f" or null, got {value!r}")
+                                  + f" or null, got {short_repr(value)}")
             if value is not None and value < 1:
                 raise ConfigError(f"trainer.{name} must be >= 1 or null, got {value}")
         if self.val_every_n_epochs < 0:
@@ -208,7 +208,8 @@ class TrainerArguments:
             if getattr(self, name) not in allowed:
                 from .errors import suggest
                 value = str(getattr(self, name))
-                raise ConfigError(f"trainer.{name} is {value!r}{suggest(value, allowed)}; "
+                raise ConfigError(f"trainer.{name} is {short_repr(value)}"
+                                  f"{suggest(value, allowed)}; "
                                   f"expected one of: {', '.join(allowed)}")
         for i, name in enumerate(self.writers):
             if name not in WRITERS:
