@@ -3,8 +3,8 @@
 Write a recipe once (a ModuleInterface, a DataInterface, a YAML config) and
 run it on a CPU, a GPU, with mixed precision, or over many processes.
 
-``import sailfin`` stays light: torch is imported when a torch-using name is
-first touched (``sailfin.Trainer``), not before.
+``import sailfin`` stays light: torch (and the config schema) is imported when a
+name that needs it is first touched (``sailfin.Trainer``), not before.
 """
 
 from __future__ import annotations
@@ -12,10 +12,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .config import ConfigError, RunConfig, TrainerArguments, load_config
 from .version import __version__
 
+# Imported when first touched, so that ``python -m sailfin`` reaches its first instruction
+# (SIGTERM and Ctrl-C handled: sailfin.signals.stop_at_start) in milliseconds.
 _LAZY = {
+    "ConfigError": "sailfin.config",
+    "RunConfig": "sailfin.config",
+    "TrainerArguments": "sailfin.config",
+    "load_config": "sailfin.config",
     "Trainer": "sailfin.trainer",
     "Callback": "sailfin.trainer",
     "Checkpointer": "sailfin.checkpoint",

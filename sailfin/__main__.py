@@ -1,5 +1,35 @@
+"""``python -m sailfin``: the sailfin command, a process of its own.
+
+Its first instruction makes SIGTERM and Ctrl-C a stop: while the command still imports
+(sailfin, then torch) a stop ends it with one line and exit code 75, not a
+``KeyboardInterrupt`` traceback or a bare -15; then :func:`sailfin.cli.command` hands
+the signals to the command's own handlers. Only Python's own start-up, before this file
+runs, is outside it.
+"""
+
+import signal
 import sys
 
-from .cli import main
 
-sys.exit(main())
+class _Stopped(BaseException):
+    pass
+
+
+def _stop(signum, frame):
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)  # copies of the same stop, while it unwinds
+    raise _Stopped(signal.Signals(signum).name)
+
+
+for _sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(_sig, _stop)
+
+try:
+    from .cli import command
+    from .distributed.exit_codes import PREEMPTED_EXIT_CODE
+except _Stopped as stop:
+    who = "sailfin launch" if sys.argv[1:2] == ["launch"] else "sailfin"
+    print(f"{who}: stopped by {stop.args[0]} while starting, before any work began: nothing "
+          "was lost; run the same command again (exit code 75)", file=sys.stderr, flush=True)
+    sys.exit(75)
+sys.exit(command())

@@ -13,8 +13,8 @@ from . import shard_cli
 from .config import ConfigError, load_config
 from .distributed.launch_notes import FINISHED, USER_ERROR, leave_note, noted_by_others
 from .logging.writers import WriterError
-from .signals import (PREEMPTED_EXIT_CODE, StoppedDuringSetup, note_preempted, setup_over,
-                      stop_during_setup)
+from .signals import (PREEMPTED_EXIT_CODE, StoppedDuringSetup, default_signals,
+                      note_preempted, setup_over, stop_at_start, stop_during_setup)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,7 +64,8 @@ def _with_epilog(parser: argparse.ArgumentParser, epilog) -> str:
     return argparse.ArgumentParser.format_help(parser)
 
 
-def train_command(config: str, overrides: Sequence[str], print_config: bool) -> int:
+def train_command(config: str, overrides: Sequence[str], print_config: bool,
+                  own_process: bool = False) -> int:
     # class_path names resolve from the working directory, as with `python -m`.
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -85,6 +86,7 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         # The context manager leaves the process group on every path.
         with Trainer(module, cfg.trainer, hparams=cfg.to_dict(),
                      callbacks=[_setup_over_callback()]) as trainer:
+            trainer.end_process_on_hang = own_process  # in-process: HangDetected instead
             try:
                 summary = trainer.train()
                 leave_note(FINISHED)  # sailfin launch: a stop from now on loses nothing
@@ -288,9 +290,26 @@ def _user_errors(fn):
     return run
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def command() -> int:
+    """The ``sailfin`` command (also ``python -m sailfin``): :func:`main` in a process of
+    its own, which alone may end the process on a stuck set-up or a hang (75). A stop
+    before a command takes the signals over is one line and 75."""
+    stop_at_start()
+    try:
+        return main(own_process=True)
+    except StoppedDuringSetup as exc:
+        print(f"sailfin: {exc} (exit code {PREEMPTED_EXIT_CODE})", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
+
+
+def main(argv: Optional[Sequence[str]] = None, own_process: bool = False) -> int:
+    """Run one sailfin command; return its exit code. In-process (``own_process`` False:
+    a test, a notebook) it never ends the process and leaves its signal handlers as it
+    found them."""
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
+    if own_process and args.command not in ("train", "launch"):
+        default_signals()  # these handle no stop of their own: Ctrl-C is Python's
     if args.command == "report":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -307,9 +326,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "train":
             # User errors end inside the recorded call: torchrun reports no traceback.
-            with stop_during_setup():  # until the trainer takes SIGTERM over
+            # Until the trainer takes SIGTERM over.
+            with stop_during_setup(end_stuck=own_process):
                 code = _recorded(_user_errors(train_command))(args.config, rest,
-                                                              args.print_config)
+                                                              args.print_config, own_process)
                 if code == 2:  # sailfin launch: this rank's error, not torchrun's stop
                     leave_note(USER_ERROR)
                 return code

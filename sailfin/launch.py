@@ -39,13 +39,29 @@ from typing import Optional, Sequence
 from .distributed.exit_codes import HANG_EXIT_CODE, PREEMPTED_EXIT_CODE
 from .distributed.launch_notes import (FINISHED, HANG, LAUNCH_DIR_ENV, PREEMPTED, TRAINING,
                                       USER_ERROR, read_notes)
+from .signals import StoppedDuringSetup
 
 # Exit codes of a worker the agent stopped after another worker had exited.
 _STOPPED_BY_AGENT = (-signal.SIGTERM, -signal.SIGKILL)
 
 
 def launch_command(argv: Sequence[str]) -> int:
-    """Run torchrun with ``argv``; return the exit code described above."""
+    """Run torchrun with ``argv``; return the exit code described above.
+
+    A SIGTERM or Ctrl-C before torchrun's agent takes the signals over (while torch
+    imports, during the rendezvous) is one closing line and 75: no worker had started.
+    The sailfin command's first instruction made such a stop raise
+    :class:`~sailfin.signals.StoppedDuringSetup` (:func:`sailfin.signals.stop_at_start`)."""
+    try:
+        return _launch(argv)
+    except StoppedDuringSetup as exc:
+        print(f"sailfin launch: stopped by {exc.signal_name} while starting, before any "
+              "worker began: nothing was lost; run the same command again (exit code "
+              f"{PREEMPTED_EXIT_CODE})", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
+
+
+def _launch(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import determine_local_world_size, parse_args, run

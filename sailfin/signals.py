@@ -36,8 +36,8 @@ from typing import Any, Iterator, Optional
 from .distributed.exit_codes import PREEMPTED_EXIT_CODE
 from .distributed.launch_notes import LAUNCH_DIR_ENV, PREEMPTED, clear_notes, leave_note
 
-__all__ = ["LAUNCH_DIR_ENV", "PREEMPTED_EXIT_CODE", "StoppedDuringSetup", "note_preempted",
-           "setup_over", "stop_during_setup"]
+__all__ = ["LAUNCH_DIR_ENV", "PREEMPTED_EXIT_CODE", "StoppedDuringSetup", "default_signals",
+           "note_preempted", "setup_over", "stop_at_start", "stop_during_setup"]
 
 STUCK_SECONDS = 5.0
 """How long set-up may take to unwind after a stop signal before the process ends anyway."""
@@ -61,9 +61,12 @@ class StoppedDuringSetup(BaseException):
 
 
 class _SetupStop:
-    """The set-up handler of SIGTERM and SIGINT, and the thread that ends a stuck set-up."""
+    """The set-up handler of SIGTERM and SIGINT, and the thread that ends a stuck set-up
+    (``end_stuck``: only in a process of its own, the sailfin command; in-process a stuck
+    set-up is left to its host, and every handler is put back when the block ends)."""
 
-    def __init__(self) -> None:
+    def __init__(self, end_stuck: bool = False) -> None:
+        self.end_stuck = end_stuck
         self.first: Optional[tuple[str, float]] = None  # the first stop: signal, when
         self.over = False  # training began: no longer set-up (the loop's handler returns
         #                    this one when it leaves)
@@ -92,6 +95,8 @@ class _SetupStop:
     def install(self) -> None:
         for sig in _SIGNALS:
             self.previous[sig] = signal.signal(sig, self.on_signal)
+        if not self.end_stuck:
+            return  # in-process: no thread that could end the host
         read, write = os.pipe()
         os.set_blocking(write, False)
         try:
@@ -124,7 +129,7 @@ class _SetupStop:
             os.close(read)
             os.close(write)
             self._pipe = None
-        if self.first is None:
+        if self.first is None or not self.end_stuck:  # in-process: the host's handlers back
             for sig, handler in self.previous.items():
                 if signal.getsignal(sig) == self.on_signal:
                     signal.signal(sig, handler)
@@ -162,15 +167,16 @@ def _end_stuck_setup(name: str) -> None:
 
 
 @contextlib.contextmanager
-def stop_during_setup() -> Iterator[None]:
+def stop_during_setup(end_stuck: bool = False) -> Iterator[None]:
     """Until the block ends (or the trainer installs its own handler), SIGTERM or a first
-    Ctrl-C raises :class:`StoppedDuringSetup`, and a set-up blocked in C ends with 75
-    after :data:`STUCK_SECONDS`; the previous handlers are restored afterwards."""
+    Ctrl-C raises :class:`StoppedDuringSetup`; with ``end_stuck`` (the sailfin command, a
+    process of its own) a set-up blocked in C ends the process with 75 after
+    :data:`STUCK_SECONDS`. The previous handlers are restored afterwards."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     clear_notes()  # a worker torchrun restarted: its notes are this attempt's
-    stop = _SetupStop()
+    stop = _SetupStop(end_stuck)
     stop.install()
     _installed.append(stop)
     try:
@@ -181,6 +187,29 @@ def stop_during_setup() -> Iterator[None]:
 
 
 _installed: list[_SetupStop] = []
+
+
+def stop_at_start() -> None:
+    """The sailfin command's first instruction: from here on SIGTERM or Ctrl-C raises
+    :class:`StoppedDuringSetup` (one line and exit 75 where the command catches it),
+    never a ``KeyboardInterrupt`` traceback or a bare -15 while it imports torch. Copies
+    of the same stop that arrive while it unwinds are ignored. Each command then installs
+    its own handlers (:func:`stop_during_setup`, torchrun's) or :func:`default_signals`."""
+    first: list[str] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if not first:
+            first.append(signal.Signals(signum).name)
+            raise StoppedDuringSetup(first[0])
+
+    for sig in _SIGNALS:
+        signal.signal(sig, on_signal)
+
+
+def default_signals() -> None:
+    """SIGTERM and SIGINT back to Python's own actions (a command that handles no stop)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def setup_over() -> None:

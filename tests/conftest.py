@@ -1,4 +1,5 @@
 import os
+import time
 
 import pytest
 import torch  # noqa: F401  (torch sets a few variables of its own at import)
@@ -36,3 +37,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_signal_handlers_or_threads():
+    """Fail a test that leaves a signal handler, the wakeup fd or a sailfin thread (the hang
+    watchdog, the set-up stop watcher) behind: sailfin used in-process must leave its host
+    as it found it, and a thread left running could end the test run (exit 75)."""
+    import signal
+    import threading
+
+    watched = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+    before = {sig: signal.getsignal(sig) for sig in watched}
+    yield
+    changed = [signal.Signals(sig).name for sig in watched if signal.getsignal(sig) != before[sig]]
+    for sig in watched:  # put them back so that one leak fails one test, not the rest
+        signal.signal(sig, before[sig])
+    wakeup = signal.set_wakeup_fd(-1)
+    deadline = time.monotonic() + 5  # a thread told to stop may take a moment to leave
+    while True:
+        alive = [t.name for t in threading.enumerate()
+                 if t.name.startswith("sailfin-") and t.is_alive()]
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not changed, f"test left signal handler(s) changed: {changed}"
+    assert wakeup == -1, "test left a signal wakeup fd set"
+    assert not alive, f"test left sailfin thread(s) running: {alive}"

@@ -30,6 +30,7 @@ report that rank's records as stopped.
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import json
 import logging
@@ -86,8 +87,11 @@ class Watchdog:
     """A thread that ends the job with a report when a rank stops making progress.
 
     ``store`` is the process group's key-value store (shared by all ranks); one
-    process may use a private ``torch.distributed.HashStore``. ``on_hang`` ends
-    the process (default: flush and ``os._exit(75)``); tests replace it.
+    process may use a private ``torch.distributed.HashStore``. ``on_hang`` acts on a
+    hang once the report is out (default: raise :class:`HangDetected` in the main
+    thread, so that a notebook or test that trains in-process is never ended by it;
+    the ``sailfin`` command passes :func:`end_process`, which flushes and ends the
+    process with 75: its main thread may be stuck in C for good).
 
     Example::
 
@@ -109,7 +113,7 @@ class Watchdog:
         # The limit in SLOW_PHASES (saves, validation, callbacks); hang_seconds when unset.
         self.slow_seconds = max(float(slow_seconds or hang_seconds), self.hang_seconds)
         self.report_dir = report_dir
-        self.on_hang = on_hang or _exit
+        self.on_hang = on_hang or raise_in_main
         self.judge = rank < 2  # rank 0 and, should rank 0 itself stop, rank 1
         self.report: Optional[list[str]] = None  # the judge that reported: its lines
         self._stop = threading.Event()
@@ -314,7 +318,30 @@ def _wait_for(condition: Callable[[], bool], seconds: float) -> None:
         time.sleep(0.05)
 
 
-def _exit(code: int) -> None:
+class HangDetected(RuntimeError):
+    """The hang watchdog found a rank that stopped making progress (raised in the main
+    thread of a process that trains in-process, once the report is out)."""
+
+    def __init__(self, message: str = (
+            "the hang watchdog stopped this run: a rank made no progress (its report is "
+            f"above); the sailfin command would exit {HANG_EXIT_CODE} here")) -> None:
+        super().__init__(message)
+
+
+def raise_in_main(code: int) -> None:
+    """Raise :class:`HangDetected` in the main thread when it next runs Python code: an
+    in-process run ends with an error its host can catch, never with the host's end.
+    (A main thread blocked in C for good stays there: the host may interrupt it.)"""
+    main = threading.main_thread().ident
+    if main is not None and main != threading.get_ident():
+        # CPython's documented C API for this; it takes the class, instantiated on raise.
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main),
+                                                   ctypes.py_object(HangDetected))
+
+
+def end_process(code: int) -> None:
+    """Flush the logs and streams and end the process with ``code`` (the sailfin command's
+    action on a hang: its main thread may be stuck in C, where nothing else reaches it)."""
     for handler in log.handlers:
         handler.flush()
     sys.stdout.flush()
@@ -344,10 +371,12 @@ def resolve_slow_seconds(value: Any, hang_seconds: float) -> float:
 
 def build_watchdog(hang_setting: Any, rank: int, world_size: int, store: Any,
                    heartbeat: Heartbeat, report_dir: Optional[str],
-                   slow_setting: Any = "auto") -> Optional[Watchdog]:
+                   slow_setting: Any = "auto", end: bool = False) -> Optional[Watchdog]:
     """A started :class:`Watchdog` as ``trainer.distributed.hang_seconds`` asks, or None.
 
-    ``store`` is the process group's (None on one process: a private store serves)."""
+    ``store`` is the process group's (None on one process: a private store serves).
+    ``end``: a hang ends the process (the sailfin command); else it raises
+    :class:`HangDetected` in the main thread (a run in a notebook or test)."""
     seconds = resolve_hang_seconds(hang_setting, world_size)
     if seconds is None:
         return None
@@ -356,6 +385,7 @@ def build_watchdog(hang_setting: Any, rank: int, world_size: int, store: Any,
         store = dist.HashStore()
     dog = Watchdog(heartbeat, store, rank, world_size, seconds,
                    interval=min(1.0, seconds / 4), report_dir=report_dir,
-                   slow_seconds=resolve_slow_seconds(slow_setting, seconds))
+                   slow_seconds=resolve_slow_seconds(slow_setting, seconds),
+                   on_hang=end_process if end else raise_in_main)
     dog.start()
     return dog

@@ -191,6 +191,7 @@ def train(rank: int, world: int, dist_args, out: Path, data: dict, trainer: dict
                                         hang_seconds=trainer.pop("distributed_hang_seconds"))
     a = args(out / "run", distributed=dist_args, **trainer)
     with Trainer(module, a, callbacks=[trace, counter, scatters]) as t:
+        t.end_process_on_hang = True  # a process of its own, as the sailfin command is
         summary = t.train()
         val = t.validate()
         held = {"params": sum(local_bytes(p) for p in module.parameters()),

@@ -91,6 +91,7 @@ def build_run(trainer: "Trainer") -> None:
         trainer.autobatch.start(trainer)  # the checkpoint's size, or a search after a resize
     # After the savers (their final save is counted), before the progress (its end line).
     trainer.callbacks.append(account)
+    trainer.time_account = account  # train() stops its sampler thread on every path
     # Writers and progress (rank 0), profiler: destination errors surface here.
     observers = build_observers(args, dist, trainer._writers, trainer._hparams,
                                 trainer.callbacks)

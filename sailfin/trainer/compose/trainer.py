@@ -31,6 +31,10 @@ class Trainer(Loop):
     _is_setup = False
     _run_lock: Optional[RunLock] = None  # rank 0's hold on output_dir, from setup() on
     watchdog: Any = None                 # the hang watchdog, from set-up to train()'s end
+    # A hang: True ends the process with 75, False raises HangDetected in the main thread,
+    # None (default) ends it only in a worker torchrun started. The sailfin command: True.
+    end_process_on_hang: Optional[bool] = None
+    time_account: Any = None             # the run's TimeAccount, from set-up on
 
     # -- the run ---------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -66,6 +70,8 @@ class Trainer(Loop):
                 self.checkpointer.close()  # a background save finishes, or reports its error
             finally:
                 self._stop_watchdog()
+                if self.time_account is not None:  # preempted or failed: no on_train_end
+                    self.time_account.stop_sampling()
                 self.writers.flush()  # close() closes them; validate() may still log
                 self._release_run_lock()
 

@@ -21,6 +21,15 @@ from typing import Any
 from ...distributed.watchdog import DATA, build_watchdog
 
 
+def ends_process_on_hang(trainer: Any) -> bool:
+    """Whether a hang ends this process (exit 75) or raises ``HangDetected`` in it:
+    ``trainer.end_process_on_hang`` when set (the sailfin command sets True), else True
+    only in a worker torchrun started (it restarts the job); a notebook or test that
+    trains in-process is never ended by the library."""
+    chosen = getattr(trainer, "end_process_on_hang", None)
+    return bool(chosen) if chosen is not None else "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def start_watchdog(trainer: Any, in_setup: bool = False) -> None:
     """Start ``trainer.watchdog`` as ``trainer.distributed.hang_seconds`` asks (once).
 
@@ -33,7 +42,8 @@ def start_watchdog(trainer: Any, in_setup: bool = False) -> None:
         trainer.watchdog = build_watchdog(
             args.distributed.hang_seconds, trainer.dist.rank, trainer.dist.world_size,
             trainer.backend.group_store(), trainer.heartbeat,
-            os.path.join(args.output_dir, "hang"), args.distributed.hang_seconds_slow_phases)
+            os.path.join(args.output_dir, "hang"), args.distributed.hang_seconds_slow_phases,
+            end=ends_process_on_hang(trainer))
     if not in_setup and trainer.watchdog is not None:
         # Training begins: said now, not at the thread's next tick, so that a rank stopped
         # in its first second is reported in its first step.

@@ -122,9 +122,13 @@ class TimeAccount(Callback):
         if self._segment is None:
             return {}
         self._loop_end = time.perf_counter()
+        self.stop_sampling()
+        return {"time_account": self.totals()}
+
+    def stop_sampling(self) -> None:
+        """Stop the data-wait sampler's thread (the run ended, however it ended)."""
         if self.sampler is not None:
             self.sampler.stop()
-        return {"time_account": self.totals()}
 
     def on_train_end(self, trainer: "RunView") -> None:
         """After the final save: the segment ends, the totals go to summary.json, the end

@@ -1,0 +1,75 @@
+"""A stop while ``sailfin launch`` (or ``sailfin train``) is still starting: importing
+torch, joining the rendezvous. From the command's first instruction SIGTERM and Ctrl-C
+end it with one line and exit 75 (what a Slurm script waiting for 75 requeues), never a
+``KeyboardInterrupt`` traceback, an ``ImportError`` or a bare -15."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = """data: {class_path: tests.recipes.IdData, init_args: {n_train: 200, n_val: 4}}
+module: {class_path: tests.recipes.LinearRecipe}
+trainer: {epochs: 1, train_batch_size: 10, writers: [jsonl], output_dir: OUT, progress: none}
+"""
+
+
+def _handles_sigterm(pid: int) -> bool:
+    """Whether the process caught SIGTERM yet (/proc's SigCgt mask): Python catches SIGINT
+    at start-up by itself, SIGTERM only once the command's first instruction ran."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next(int(line.split()[1], 16) for line in status.splitlines()
+                if line.startswith("SigCgt:"))
+    return bool(mask >> (signal.SIGTERM - 1) & 1)
+
+
+def _start(tmp_path: Path, command: list[str]) -> subprocess.Popen:
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(CONFIG.replace("OUT", str(tmp_path / "out")))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-m", "sailfin", *command, str(cfg)]
+    return subprocess.Popen(args, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+LAUNCH = ["launch", "--nnodes=1", "--nproc-per-node=1", "--rdzv-backend=c10d",
+          "--rdzv-endpoint=127.0.0.1:0", "-m", "sailfin", "train"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc (Linux)")
+@pytest.mark.parametrize("command", ["launch", "train"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("after", [0.0, 0.3])  # at the first instruction; in torch's import
+def test_a_stop_while_starting_is_one_line_and_75(tmp_path, command, sig, after):
+    proc = _start(tmp_path, LAUNCH if command == "launch" else ["train"])
+    try:
+        deadline = time.monotonic() + 30
+        while not _handles_sigterm(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.001)
+        # Handled before torch loads (its library would be mapped into the process).
+        assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text()
+        time.sleep(after)
+        proc.send_signal(sig)  # to the command itself (no worker has started yet)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    lines = err.strip().splitlines()
+    assert proc.returncode == 75 and len(lines) == 1, (proc.returncode, err)
+    name = signal.Signals(sig).name
+    who = "sailfin launch" if command == "launch" else "sailfin"
+    assert lines[0].startswith(f"{who}: stopped by {name}") and lines[0].endswith(
+        "(exit code 75)"), lines[0]
+    assert "nothing was lost" in lines[0]
