@@ -63,6 +63,9 @@ def test_observing_the_time_never_changes_the_weights(tmp_path, monkeypatch):
         def __init__(self, *a, **k):
             pass
 
+        def stop_sampling(self):  # what train() calls on the account as it ends
+            pass
+
     monkeypatch.setattr(setup, "TimeAccount", Off)
     summary, without = train(tmp_path / "without")
     assert "time_account" not in summary
@@ -116,3 +119,18 @@ def test_a_process_start_is_read_from_the_system(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+def test_max_steps_inside_an_epoch_counts_every_trained_step(tmp_path):
+    """max_steps 30 ends the run 30 steps into a 100-step epoch, after the account's last
+    write (at the start): each of those steps is productive time, not 'other'."""
+    module = SlowLinear(IdData(1000, 0), step_seconds=0.02)
+    trainer = Trainer(module, args(tmp_path / "run", epochs=1, max_steps=30,
+                                   checkpoint={"every_n_steps": 1000}))
+    summary = trainer.train()
+    trainer.close()
+    seconds = summary["time_account"]["seconds"]
+    assert summary["global_step"] == 30
+    # 30 steps of >= 20 ms each: at least 0.6 s trained, all of it productive.
+    assert seconds["productive"] >= 0.6, seconds
+    assert seconds["productive"] > seconds["other"], seconds

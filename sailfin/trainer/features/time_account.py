@@ -100,6 +100,7 @@ class TimeAccount(Callback):
             _after_restart(segments, seg, step, self.reached, self.started, self.last_sign)
         segments.append(seg)
         self._segment = seg
+        self._view = trainer  # summary_fields() brings the account up to the loop's end
         self._validation0 = getattr(trainer, "validation_seconds", 0.0)
         self._oom0 = _retry_seconds(trainer)
         if self.sampler is not None:
@@ -121,8 +122,11 @@ class TimeAccount(Callback):
         """Called once the loop is done (summary.json): training time stops here."""
         if self._segment is None:
             return {}
-        self._loop_end = time.perf_counter()
         self.stop_sampling()
+        # The loop ends here (max_steps may end it inside an epoch, after the last write):
+        # every step it trained is counted now, then the account stops counting the loop.
+        self.write(self._view)
+        self._loop_end = time.perf_counter()
         return {"time_account": self.totals()}
 
     def stop_sampling(self) -> None:
@@ -165,17 +169,7 @@ class TimeAccount(Callback):
                                 - self._validation0)
         sec["oom_retries"] = max(0.0, _retry_seconds(trainer) - self._oom0)
         if self._loop_end is None:  # still training: the loop's time not spent otherwise
-            loop = now - self._train_start
-            sec["data_wait"] = self.sampler.data_share() * loop if self.sampler else 0.0
-            sec["productive"] = max(0.0, loop - sec["data_wait"] - sec["checkpoint"]
-                                    - sec["snapshot"] - sec["validation"] - sec["oom_retries"])
-            marks = seg["marks"]
-            if marks[-1][0] == seg["step"]:
-                marks[-1][1] = sec["productive"]
-            else:
-                marks.append([seg["step"], sec["productive"]])
-            if len(marks) > _MARKS:
-                del marks[1]  # the first (the segment's start) stays: it anchors rollbacks
+            self._account_loop(seg, now)
         if "unaccounted_steps" in seg:  # (a restart: the previous segment is before it)
             _settle_gap(self.account["segments"][-2], seg)
         # The segment so far: its gap, then process start to now; what is not measured.
@@ -183,6 +177,21 @@ class TimeAccount(Callback):
         sec["other"] = max(0.0, total - sum(v for k, v in sec.items() if k != "other"))
         self._last_write = now
         write_account(self.path, self.account, durable)
+
+    def _account_loop(self, seg: dict[str, Any], now: float) -> None:
+        """The loop's time up to ``now`` that no other component took is productive."""
+        sec = seg["seconds"]
+        loop = now - self._train_start
+        sec["data_wait"] = self.sampler.data_share() * loop if self.sampler else 0.0
+        sec["productive"] = max(0.0, loop - sec["data_wait"] - sec["checkpoint"]
+                                - sec["snapshot"] - sec["validation"] - sec["oom_retries"])
+        marks = seg["marks"]
+        if marks[-1][0] == seg["step"]:
+            marks[-1][1] = sec["productive"]
+        else:
+            marks.append([seg["step"], sec["productive"]])
+        if len(marks) > _MARKS:
+            del marks[1]  # the first (the segment's start) stays: it anchors rollbacks
 
     def totals(self) -> dict[str, Any]:
         return account_totals(self.account)
