@@ -8,6 +8,10 @@ from typing import Literal, Optional, get_args, get_type_hints
 
 from .errors import ConfigError, short_repr, suggest
 
+# Above this target_epsilon, a run's guarantee is no privacy worth the name: e**100 bounds
+# no likelihood ratio a reader could notice. Refused unless allow_weak_privacy (docs/dp.md).
+WEAK_EPSILON = 100.0
+
 # Backend names that train with DP-SGD: a strategy composed with ``dp``.
 DP_SUFFIX = "-dp"
 
@@ -61,6 +65,9 @@ class DPArguments:
     """Stop training (or refuse to start) before a step would take epsilon past this."""
     allow_large_delta: bool = False
     """Accept delta >= 1/N (a guarantee that allows leaking a whole record)."""
+    allow_weak_privacy: bool = False
+    """Accept a target_epsilon above 100 (WEAK_EPSILON): a bound that bounds nothing in
+    practice, whose solved noise is next to none."""
     accountant: Literal["rdp", "prv", "gdp"] = "rdp"
     """Opacus accountant that turns the step history into epsilon."""
 
@@ -82,6 +89,13 @@ class DPArguments:
                 raise ConfigError(f"trainer.dp.{name} must be > 0 or null, got {value}"
                                   + (" (no noise is no privacy: use trainer.backend sp)"
                                      if name == "noise_multiplier" else ""))
+        if (self.target_epsilon is not None and _positive(self.target_epsilon)
+                and self.target_epsilon > WEAK_EPSILON and not self.allow_weak_privacy):
+            raise ConfigError(
+                f"trainer.dp.target_epsilon {self.target_epsilon:g} promises no meaningful "
+                f"privacy (above {WEAK_EPSILON:g}, e**epsilon bounds nothing: the solved noise "
+                f"is next to none); set a target of at most {WEAK_EPSILON:g} (1 to 10 is "
+                "usual), or set trainer.dp.allow_weak_privacy: true to train anyway")
         if self.delta is not None and not (0 < self.delta < 1):
             raise ConfigError(f"trainer.dp.delta must be in (0, 1) or null (1/N), "
                               f"got {self.delta}")

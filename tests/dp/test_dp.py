@@ -191,3 +191,25 @@ def test_resume_continues_the_same_noise_batches_and_epsilon(tmp_path):
     assert summary["privacy"]["epsilon"] == ref_summary["privacy"]["epsilon"]
     assert summary["samples_seen"] == ref_summary["samples_seen"]
     assert not math.isnan(summary["privacy"]["epsilon"])
+
+
+def test_a_target_that_promises_no_privacy_is_refused_and_the_advice_works(tmp_path, capsys):
+    """target_epsilon 1e9 would train at noise ~1e-59 and report epsilon 1e9: one line,
+    exit 2, before step 1; the key it names lets the run train."""
+    from sailfin.cli import main
+
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "data: {class_path: tests.recipes.IdData, init_args: {n_train: 47, n_val: 0}}\n"
+        "module: {class_path: tests.recipes.LinearRecipe}\n"
+        f"trainer: {{backend: sp-dp, epochs: 1, train_batch_size: 10, writers: [jsonl],\n"
+        f"          output_dir: {tmp_path / 'out'}, dp: {{target_epsilon: 1e9}}}}\n")
+    assert main(["train", str(path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert ("trainer.dp.target_epsilon 1e+09 promises no meaningful privacy (above 100"
+            in lines[0] and "set trainer.dp.allow_weak_privacy: true" in lines[0])
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+    assert main(["train", str(path), "--trainer.dp.allow_weak_privacy", "true"]) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["global_step"] > 0 and summary["privacy"]["epsilon"] <= 1e9
