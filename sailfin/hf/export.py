@@ -55,7 +55,8 @@ def save_pretrained_from(module: "HFModule", weights: str, out_dir: str) -> str:
     if missing:
         raise RuntimeError(f"final/hf: {weights} lacks {', '.join(missing[:3])}: the "
                            "trainer's final weights do not match the model")
-    tmp = f"{out_dir}.tmp-{os.getpid()}"
+    remove_stale(out_dir)  # what an export killed part-way left
+    tmp = f"{out_dir}{TMP}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     bars = transformers.utils.logging
     quiet = bars.is_progress_bar_enabled()
@@ -66,6 +67,55 @@ def save_pretrained_from(module: "HFModule", weights: str, out_dir: str) -> str:
         if quiet:
             bars.enable_progress_bar()
     module.tokenizer.save_pretrained(tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    replace_dir(tmp, out_dir)
     return out_dir
+
+
+# Siblings of out_dir: the export being written, and the previous one set aside.
+TMP, ASIDE = ".tmp-", ".old-"
+
+
+def replace_dir(new: str, out_dir: str) -> None:
+    """Put the complete directory ``new`` at ``out_dir``: the old one is renamed aside,
+    the new one renamed in, then the old one deleted. A kill at any point leaves at
+    ``out_dir`` the previous export whole, the new one whole, or (between the renames)
+    none: never a half-deleted directory that still loads. What it leaves aside is
+    removed by the next export (:func:`remove_stale`)."""
+    aside = f"{out_dir}{ASIDE}{os.getpid()}"
+    shutil.rmtree(aside, ignore_errors=True)
+    had_one = os.path.lexists(out_dir)
+    if had_one:
+        os.rename(out_dir, aside)
+    os.rename(new, out_dir)
+    if had_one:
+        shutil.rmtree(aside)
+
+
+def remove_stale(out_dir: str) -> list[str]:
+    """Remove ``out_dir.tmp-<pid>`` and ``out_dir.old-<pid>`` siblings whose process is
+    gone (an export killed part-way); return what was removed."""
+    folder, base = os.path.split(os.path.abspath(out_dir))
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        for mark in (TMP, ASIDE):
+            pid = name[len(base) + len(mark):] if name.startswith(base + mark) else ""
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+                removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # this process's own leftovers are stale too (it is not writing them)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
