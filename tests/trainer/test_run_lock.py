@@ -73,3 +73,34 @@ def test_the_lock_is_held_for_the_run_and_released_by_close(tmp_path):
         RunLock(str(tmp_path)).acquire()
     trainer.close()
     RunLock(str(tmp_path)).acquire().release()
+
+
+def test_a_stop_while_the_lock_is_taken_leaves_no_takeover_note(tmp_path, monkeypatch, capsys):
+    """SIGTERM lands while set-up takes the lock (its owner line written, not yet fsynced):
+    the stop is clean (75), so the next start takes the lock without 'took over ...
+    (killed?)'."""
+    import signal
+
+    from sailfin.cli import main
+    from sailfin.trainer.safety import run_lock
+
+    path = tmp_path / "run.yaml"
+    path.write_text("data: {class_path: tests.recipes.IdData, init_args: {n_train: 20}}\n"
+                    "module: {class_path: tests.recipes.LinearRecipe}\n"
+                    f"trainer: {{output_dir: {tmp_path / 'out'}, writers: [jsonl], "
+                    "train_batch_size: 10}\n")
+    fsync = run_lock.os.fsync
+    stops = []
+
+    def stop_once(fd):
+        fsync(fd)
+        if not stops and os.readlink(f"/proc/self/fd/{fd}").endswith(LOCK_NAME):
+            stops.append(fd)
+            signal.raise_signal(signal.SIGTERM)  # the set-up handler raises here
+
+    monkeypatch.setattr(run_lock.os, "fsync", stop_once)
+    assert main(["train", str(path)]) == 75 and stops
+    assert "stopped by SIGTERM during set-up" in capsys.readouterr().err
+    assert (tmp_path / "out" / run_lock.LOCK_NAME).read_text() == ""
+    assert main(["train", str(path)]) == 0
+    assert "took over the lock" not in capsys.readouterr().err

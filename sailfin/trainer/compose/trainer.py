@@ -85,6 +85,9 @@ class Trainer(Loop):
         finally:
             self._release_run_lock()
 
+    def _hold_run_lock(self, lock: RunLock) -> None:
+        self._run_lock = lock  # before it is taken: a stop while taking it releases it
+
     def _release_run_lock(self) -> None:
         lock, self._run_lock = self._run_lock, None
         if lock is not None:
@@ -109,7 +112,7 @@ class Trainer(Loop):
             return
         configure_logging(self.dist.rank)
         if self._run_lock is None:  # before anything is written there: one run per directory
-            self._run_lock = take_run_lock(self.args.output_dir, self.dist.is_main)
+            take_run_lock(self.args.output_dir, self.dist.is_main, keep=self._hold_run_lock)
         with gc_spares_existing_objects():
             build_run(self)
         self._is_setup = True

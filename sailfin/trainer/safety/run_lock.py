@@ -26,7 +26,7 @@ import json
 import os
 import socket
 import time
-from typing import IO, Any, Optional
+from typing import IO, Any, Callable, Optional
 
 LOCK_NAME = ".sailfin.lock"
 
@@ -94,6 +94,9 @@ class RunLock:
                 f"cannot lock trainer.output_dir {self.output_dir} ({exc.strerror}): its "
                 "file system does not support file locks; put the output directory on one "
                 "that does (see docs/robustness.md)") from None
+        # Held from here: a stop (SIGTERM during set-up raises) from now on is released
+        # by release(), which empties the owner line; no "took over" at the next start.
+        self._file = fh
         previous = _read_owner(fh)
         self.took_over = previous or None
         fh.seek(0)
@@ -102,7 +105,6 @@ class RunLock:
                              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
-        self._file = fh
         return self
 
     def release(self) -> None:
@@ -118,16 +120,22 @@ class RunLock:
             fh.close()  # closing the descriptor releases the flock
 
 
-def take_run_lock(output_dir: str, is_main: bool) -> Optional[RunLock]:
+def take_run_lock(output_dir: str, is_main: bool,
+                  keep: Optional[Callable[[RunLock], None]] = None) -> Optional[RunLock]:
     """Rank 0 locks ``output_dir`` (other ranks get None); say so when a dead run's lock
-    is taken over."""
+    is taken over. ``keep(lock)`` is called before the lock is taken: the caller holds
+    the object to release even when a stop (an exception raised by a signal handler)
+    lands while it is being taken."""
     if not is_main:
         return None
     from ...logging.destination import check_directory
 
     # A path through a file, a read-only directory...: the writer's clear message first.
     check_directory(output_dir, "output", who="sailfin (summary.json, final weights, checkpoints)")
-    lock = RunLock(output_dir).acquire()
+    lock = RunLock(output_dir)
+    if keep is not None:
+        keep(lock)
+    lock.acquire()
     if lock.took_over:
         from ...checkpoint.checkpointer import say
 
