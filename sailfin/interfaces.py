@@ -200,11 +200,17 @@ class ModuleInterface(nn.Module):
     #: partners' runs one sample with loss weight 0, so that every rank runs the same
     #: forwards. Leave such a batch out of counts the recipe keeps itself.
     padding_batch: bool = False
-    #: True while the check before the first step runs ``val_step`` and
-    #: ``on_end_val_epoch`` on ``trainer.sanity_val_batches`` batches (its metrics are not
-    #: logged, ``get_state()`` is put back after it). A recipe that counts its own
-    #: validations, or writes them somewhere, skips this call.
+    #: True while the check before the first step runs ``val_step`` on
+    #: ``trainer.sanity_val_batches`` batches (and, when the recipe asks with
+    #: ``sanity_check_on_end_val_epoch``, ``on_end_val_epoch`` on their outputs: its
+    #: metrics are not logged, ``get_state()`` is put back after it).
     sanity_checking: bool = False
+    #: False (default): the check before the first step only checks that
+    #: ``on_end_val_epoch``'s signature takes what validation will pass it, and never
+    #: calls it (a callback that counts, saves or steps something would do it once too
+    #: often). True: it is called on the check batches' outputs too, with
+    #: ``sanity_checking`` True, so that an error in it shows before step 1.
+    sanity_check_on_end_val_epoch: bool = False
 
     # -- required -------------------------------------------------------
     def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: int, epochs: int

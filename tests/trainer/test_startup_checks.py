@@ -110,17 +110,45 @@ def test_the_sanity_check_leaves_the_run_bit_identical(tmp_path):
     assert runs[0].events == runs[2].events  # the check's on_end_val_epoch is not counted
 
 
-def test_the_check_runs_on_end_val_epoch_and_puts_the_recipe_state_back(tmp_path):
+def test_the_check_never_calls_on_end_val_epoch_unless_the_recipe_asks(tmp_path):
+    """A callback that counts (PyMarlin's test_train_callbacks counts 3 calls for 3
+    epochs), saves or steps something must not run once more before step 1."""
     module = CountsValidations(IdData(47, 9))
+    train(module, tmp_path / "on", epochs=3, sanity_val_batches=2, val_batch_size=4)
+    calls = [e for e in module.events if e[0] == "callback"]
+    assert calls == [("callback", 5, False, 9), ("callback", 10, False, 9),
+                     ("callback", 15, False, 9)]
+    assert module.validations == 3
+
+
+class AsksForTheCallback(CountsValidations):
+    sanity_check_on_end_val_epoch = True
+
+
+def test_a_recipe_that_asks_gets_the_call_before_step_1_and_its_state_put_back(tmp_path):
+    module = AsksForTheCallback(IdData(47, 9))
     train(module, tmp_path / "on", epochs=2, sanity_val_batches=2, val_batch_size=4)
     calls = [e for e in module.events if e[0] == "callback"]
     # Before step 1, flagged, on the two check batches' 8 samples; then each epoch's end.
     assert calls == [("callback", 0, True, 8), ("callback", 5, False, 9),
                      ("callback", 10, False, 9)]
     assert module.validations == 2 and not module.sanity_checking
-    off = CountsValidations(IdData(47, 9))
+    off = AsksForTheCallback(IdData(47, 9))
     train(off, tmp_path / "off", epochs=2, sanity_val_batches=0, val_batch_size=4)
     assert metric_lines(tmp_path / "on") == metric_lines(tmp_path / "off")  # 1.0, 2.0
+
+
+class WrongSignature(LinearRecipe):
+    def on_end_val_epoch(self, global_step):  # cannot take the outputs
+        raise AssertionError("the check must not call it")
+
+
+def test_a_callback_signature_that_cannot_take_the_outputs_fails_before_step_1(tmp_path):
+    module = WrongSignature(IdData(40, 10))
+    with pytest.raises(StartupCheckError, match=r"on_end_val_epoch\(global_step\) cannot "
+                                                r"take \(global_step, outputs, key\)"):
+        train(module, tmp_path)
+    assert module.seen == []
 
 
 def test_train_step_returning_loss_and_logits_is_pymarlins_form(tmp_path):

@@ -67,11 +67,16 @@ class CallbackSignatureError(TypeError):
     """A recipe callback's signature cannot take what the trainer passes it."""
 
 
-def val_epoch_end_caller(module: ModuleInterface) -> Callable[[int, dict, str], Any]:
+def val_epoch_end_caller(module: ModuleInterface, check_only: bool = False
+                         ) -> Callable[[int, dict, str], Any]:
     """``module.on_end_val_epoch``: tuple outputs (PyMarlin) are passed by position, as
     PyMarlin passed them, ``(global_step, *columns, key=name)`` (into ``*inputs`` or into
     named parameters such as ``(global_step, losses, logits, labels, key="default")``);
-    dict outputs are passed as ``(global_step, outputs, name)``."""
+    dict outputs are passed as ``(global_step, outputs, name)``.
+
+    ``check_only``: the returned function checks that the signature takes those
+    arguments (:class:`CallbackSignatureError` if not) without calling the callback,
+    whose side effects (a count, a file, a scheduler step) could not be put back."""
     hook = module.on_end_val_epoch
     takes = _positional_count(hook)
     try:
@@ -83,18 +88,30 @@ def val_epoch_end_caller(module: ModuleInterface) -> Callable[[int, dict, str], 
     # PyMarlin's on_end_val_epoch(self, global_step, *inputs, key="default")
     spread = takes is None and "key" in params
 
-    def call(global_step: int, outputs: dict, name: str) -> Any:
+    def arguments(global_step: int, outputs: dict, name: str) -> tuple[tuple, dict]:
         if outputs and list(outputs) == [str(i) for i in range(len(outputs))]:
             # val_step returned a tuple: PyMarlin's on_end_val_epoch(global_step, *inputs)
             columns = tuple(outputs.values())
             kwargs = {"key": name} if keyed or signature is None else {}
             if signature is not None:
                 _check_binds(signature, (global_step, *columns), kwargs)
-            return hook(global_step, *columns, **kwargs)
+            return (global_step, *columns), kwargs
         if spread:
-            return hook(global_step, outputs, key=name)
+            return (global_step, outputs), {"key": name}
         args = (global_step, outputs, name)
-        return hook(*(args if takes is None else args[:max(takes, 2)]))
+        args = args if takes is None else args[:max(takes, 2)]
+        if signature is not None:
+            try:
+                signature.bind(*args)
+            except TypeError as err:
+                raise CallbackSignatureError(
+                    f"on_end_val_epoch{signature} cannot take (global_step, outputs, key): "
+                    f"{err}; take (global_step, outputs, key=\"default\")") from None
+        return args, {}
+
+    def call(global_step: int, outputs: dict, name: str) -> Any:
+        args, kwargs = arguments(global_step, outputs, name)
+        return None if check_only else hook(*args, **kwargs)
 
     return call
 

@@ -86,8 +86,10 @@ def check_schedulers_fit(trainer: "RunView") -> None:
 # -- validation sanity check -----------------------------------------------------------
 def sanity_validate(trainer: "RunView") -> None:
     """Run ``sanity_val_batches`` batches of each validation set through ``val_step``,
-    then the recipe's ``on_end_val_epoch`` on their gathered outputs (what it returns is
-    not logged): a callback whose signature cannot take them fails here, in one line."""
+    and check that the recipe's ``on_end_val_epoch`` takes their gathered outputs: a
+    callback whose signature cannot take them fails here, in one line. The callback is
+    called only when the recipe sets ``sanity_check_on_end_val_epoch`` (what it returns
+    is not logged)."""
     count = trainer.args.sanity_val_batches
     if not count or not trainer.val_loaders:
         return
@@ -116,14 +118,18 @@ def sanity_validate(trainer: "RunView") -> None:
                 trainer.heartbeat.phase = STARTUP_CHECKS_GATHER  # a slower rank is behind
                 gathered = trainer.backend.gather_outputs(merged)
                 trainer.heartbeat.phase = STARTUP_CHECKS
-                # The recipe's checkpointed state (a count of validations, a best score)
-                # is put back: the check leaves the run as it found it.
-                state = copy.deepcopy(module.get_state())
+                # The callback's signature is checked; it is called only when the recipe
+                # asks (its side effects could not be put back), and then the recipe's
+                # checkpointed state (a count, a best score) is put back after it.
+                calls = bool(getattr(module, "sanity_check_on_end_val_epoch", False))
+                state = copy.deepcopy(module.get_state()) if calls else None
                 try:
-                    val_epoch_end_caller(module)(trainer.global_step, gathered, name)
+                    val_epoch_end_caller(module, check_only=not calls)(
+                        trainer.global_step, gathered, name)
                 except CallbackSignatureError as err:
                     raise StartupCheckError(f"{err} ({where})") from None
-                module.update_state(state)
+                if calls:
+                    module.update_state(state)
         finally:
             module.sanity_checking = False
             module.train(was_training)
