@@ -112,7 +112,14 @@ def build_backend(args: TrainerArguments, dist: DistEnv) -> SingleDevice:
     if args.backend in NOTICES and dist.is_main:
         print(NOTICES[args.backend], file=sys.stderr)
     device = resolve_device(args.device, dist)
-    execution = Execution(args.compile, args.compile_mode, tuple(args.activation_checkpointing))
+    execution = Execution(args.compile, args.compile_mode, tuple(args.activation_checkpointing),
+                          args.sync_batchnorm)
+    if args.sync_batchnorm and strategy != "single" and device.type == "cpu":
+        raise ConfigError(
+            f"trainer.sync_batchnorm: true needs a CUDA device: PyTorch's SyncBatchNorm does "
+            f"not train on CPU (trainer.backend {args.backend} here). Remove it: on CPU each "
+            "rank's BatchNorm statistics are made rank 0's before every validation, the "
+            "statistics that are saved")
     chosen = _PRECISIONS[precision](args, device)
     if not private:
         return _STRATEGIES[strategy](chosen, device, dist, args, execution, _same)

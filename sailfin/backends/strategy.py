@@ -6,6 +6,7 @@ The trainer owns the loop and calls these methods; a strategy never loops.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any, ContextManager, Iterable, Optional
 
@@ -18,6 +19,7 @@ from .precision import Precision
 from .state import optimizer_state_is_named
 
 _NULL = contextlib.nullcontext()
+log = logging.getLogger("sailfin")
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class Execution:
     compile: bool = False
     compile_mode: str = "default"
     activation_checkpointing: tuple[str, ...] = ()
+    sync_batchnorm: bool = False
 
 
 class StepRunner(torch.nn.Module):
@@ -86,10 +89,12 @@ class SingleDevice:
         forwards), then compilation of the runner, then :meth:`wrap` (PyTorch
         compiles the module inside DDP, not DDP itself).
         """
+        ex = self.execution
+        if ex.sync_batchnorm:
+            self.convert_batchnorm(module)
         self.place(module)
         self.module = module
         self._val_step = module.val_step
-        ex = self.execution
         if ex.activation_checkpointing:
             self.checkpointed = apply_activation_checkpointing(module, ex.activation_checkpointing)
         runner = StepRunner(module)
@@ -108,6 +113,17 @@ class SingleDevice:
     def place(self, module: torch.nn.Module) -> None:
         """Put ``module`` on this device."""
         module.to(self.device)
+
+    def convert_batchnorm(self, module: torch.nn.Module) -> None:
+        """``trainer.sync_batchnorm``: one process's BatchNorm already sees the whole batch."""
+        if self.dist.is_main:
+            log.warning("trainer.sync_batchnorm: true changes nothing under trainer.backend "
+                        "%s (one process: BatchNorm's statistics are the whole batch's)",
+                        self.strategy)
+
+    def sync_buffers(self, module: torch.nn.Module) -> None:
+        """Make every rank's buffers (BatchNorm statistics) rank 0's, before validation:
+        one process has nothing to do."""
 
     def compile_runner(self, runner: "StepRunner") -> None:
         """Compile the step runner in place (before :meth:`wrap`)."""

@@ -25,6 +25,8 @@ def run_validation(trainer: "Loop") -> dict[str, dict[str, float]]:
     module, args = trainer.module, trainer.args
     was_training = module.training
     trainer.heartbeat.phase = VALIDATION
+    # Every rank validates with the buffers (BatchNorm statistics) that are saved: rank 0's.
+    trainer.backend.sync_buffers(module)
     module.eval()
     with torch.no_grad(), validation_weights(trainer):
         for name, loader in trainer.val_loaders.items():
