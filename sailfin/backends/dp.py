@@ -46,8 +46,8 @@ from ..data.poisson import PoissonPlan, PrivatePlan
 from ..compat.opacus import drop_pending_step
 from .precision import Precision
 from .privacy_budget import Segment, epsilon_of, plan_segment
-from .privacy_model import attach_hooks, check_model, import_opacus
-from .strategy import SingleDevice, StepRunner
+from .privacy_model import attach_hooks, check_model, import_opacus, naming_inplace_outputs
+from .strategy import _NULL, SingleDevice, StepRunner
 
 
 def check_private(strategy: str, precision: Precision, args: TrainerArguments) -> None:
@@ -104,6 +104,7 @@ class PrivateStrategy(SingleDevice):
         self._seed = args.seed          # the Poisson draws' and the noise's seed
         self._open_step = -1            # the global step whose micro-batches run now
         self._last_micro = True
+        self._forwarded = False         # the run's first forward is checked (in-place ops)
         self._ghost_loss: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
@@ -226,10 +227,13 @@ class PrivateStrategy(SingleDevice):
         if global_step != self._open_step:
             self._begin_step(global_step)
         self._last_micro = sync
-        if self.runner is None:
-            out = self._train_step(global_step, batch, self.device)
-        else:  # fsdp: through the root; every micro-batch's gradient is reduce-scattered
-            out = super().train_step(module, global_step, batch, True)  # (Opacus sums shards)
+        # The first forward with the hooks names an in-place change they cannot follow.
+        first, self._forwarded = not self._forwarded, True
+        with (naming_inplace_outputs(module, self.train_args.backend) if first else _NULL):
+            if self.runner is None:
+                out = self._train_step(global_step, batch, self.device)
+            else:  # fsdp: through the root; every micro-batch's gradient is reduce-scattered
+                out = super().train_step(module, global_step, batch, True)  # (Opacus sums)
         loss, rest = (out[0], out[1:]) if type(out) is tuple else (out, None)
         if isinstance(loss, torch.Tensor) and loss.dim() == 1:
             # Per-sample losses (what ghost clipping needs): the loop sees their mean.

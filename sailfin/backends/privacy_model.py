@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -104,3 +105,45 @@ def attach_hooks(module: torch.nn.Module, clipping: str, max_grad_norm: float,
             module, batch_first=True, loss_reduction="mean", strict=False,
             max_grad_norm=max_grad_norm, use_ghost_clipping=True)
     return GradSampleHooks(module, batch_first=True, loss_reduction="mean", strict=False)
+
+
+@contextlib.contextmanager
+def naming_inplace_outputs(module: torch.nn.Module, backend: str) -> Iterator[None]:
+    """Around the run's first forward with Opacus's hooks: an in-place change of a hooked
+    layer's output (torchvision's ``out += identity``, ``ReLU(inplace=True)``), which
+    autograd refuses deep in the forward, becomes one line naming the module whose
+    forward did it. Nothing has been stepped yet: the run stops before step 1 is taken."""
+    running: list[str] = []  # the modules whose forward is running, outermost first
+
+    def enter(name: str) -> Any:
+        def hook(_module: Any, _args: Any) -> None:  # None: the input is left as it is
+            running.append(name)
+        return hook
+
+    def leave(name: str) -> Any:
+        def hook(_module: Any, _args: Any, _out: Any) -> None:  # None: output untouched
+            if running[-1:] == [name]:
+                running.pop()
+        return hook
+
+    handles = []
+    for name, sub in module.named_modules():
+        handles.append(sub.register_forward_pre_hook(enter(name)))
+        handles.append(sub.register_forward_hook(leave(name)))
+    try:
+        yield
+    except RuntimeError as err:
+        text = str(err)
+        if "BackwardHookFunction" not in text or "inplace" not in text:
+            raise
+        where = running[-1] if running else ""
+        kind = type(module.get_submodule(where)).__name__
+        raise ConfigError(
+            f"trainer.backend {backend}: {where or '<root>'} ({kind}) changes a layer's output "
+            "in place (such as out += identity or ReLU(inplace=True)), which Opacus's "
+            "per-sample gradient hooks cannot follow (trainer.dp.fix_model replaces layers, "
+            "not code); write it out of place (out = out + identity, inplace=False)"
+        ) from None
+    finally:
+        for handle in handles:
+            handle.remove()

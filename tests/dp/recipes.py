@@ -84,3 +84,32 @@ def train_dp_rank(rank, world, dist_args, out, backend="ddp-dp", n=47, per_sampl
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in weights.items()}, out / "weights.pt")
         Path(out, "privacy.json").write_text(json.dumps(summary["privacy"]))
+
+
+class Residual(nn.Module):
+    """torchvision's BasicBlock in small: conv-bn-relu-conv-bn, then ``out += identity``."""
+
+    def __init__(self, channels: int = 4) -> None:
+        super().__init__()
+        self.conv1 = nn.Linear(channels, channels)
+        self.bn1 = nn.BatchNorm1d(channels)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Linear(channels, channels)
+        self.bn2 = nn.BatchNorm1d(channels)
+
+    def forward(self, x):
+        identity = x
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        out += identity  # in place, on a hooked layer's output
+        return self.relu(out)
+
+
+class ResidualRecipe(LinearRecipe):
+    """A linear head on a residual block that adds its shortcut in place."""
+
+    def __init__(self, data) -> None:
+        super().__init__(data)
+        self.block = Residual(4)
+
+    def forward(self, x):
+        return self.linear(self.block(x)).squeeze(-1)

@@ -213,3 +213,34 @@ def test_a_target_that_promises_no_privacy_is_refused_and_the_advice_works(tmp_p
     assert main(["train", str(path), "--trainer.dp.allow_weak_privacy", "true"]) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["global_step"] > 0 and summary["privacy"]["epsilon"] <= 1e9
+
+
+def test_fix_model_with_an_in_place_residual_is_refused_naming_the_module(tmp_path, capsys):
+    """torchvision's resnet18 under sp-dp with fix_model: its BatchNorms become GroupNorm,
+    then ``out += identity`` on a hooked output crashed deep in step 1. Now: one line
+    naming the block, before any step is taken."""
+    from sailfin.cli import main
+    from tests.dp.recipes import ResidualRecipe
+
+    module = ResidualRecipe(IdData(47, 0))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(ConfigError) as info:
+        Trainer(module, dp_args(tmp_path / "a", dp={"fix_model": True})).train()
+    text = str(info.value)
+    assert text.startswith("trainer.backend sp-dp: block (Residual) changes a layer's output "
+                           "in place (such as out += identity")
+    assert "\n" not in text and "out = out + identity" in text
+    assert isinstance(module.block.bn1, nn.GroupNorm)  # fix_model did its part
+    assert not (tmp_path / "a" / "checkpoints").exists() or not any(
+        (tmp_path / "a" / "checkpoints").glob("step-*"))
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items()
+               if k in before and "bn" not in k)
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "data: {class_path: tests.recipes.IdData, init_args: {n_train: 47, n_val: 0}}\n"
+        "module: {class_path: tests.dp.recipes.ResidualRecipe}\n"
+        f"trainer: {{backend: sp-dp, train_batch_size: 10, writers: [jsonl],\n"
+        f"          output_dir: {tmp_path / 'b'}, dp: {{noise_multiplier: 1.0, fix_model: true}}}}\n")
+    assert main(["train", str(path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "block (Residual) changes a layer's output in place" in lines[0]
