@@ -155,7 +155,7 @@ import sys, datetime
 import torch.distributed as dist
 from sailfin import signals
 signals.STUCK_SECONDS = 1.0
-with signals.stop_during_setup():
+with signals.stop_during_setup(end_stuck=True):  # a process of its own, as the command
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True,
                           timeout=datetime.timedelta(seconds=120))
     open(sys.argv[1], "w").close()

@@ -64,16 +64,23 @@ class Trainer(Loop):
             self._notify("on_train_end")
             return summary
         finally:
-            self.preemption.uninstall()
-            self.flops.abort()  # an error inside the counted step leaves the counting mode
             try:
-                self.checkpointer.close()  # a background save finishes, or reports its error
+                # A signal may land as the handler leaves (torchrun stopping the job):
+                # what follows still runs, so that no thread or lock outlives the run.
+                self.preemption.uninstall()
             finally:
-                self._stop_watchdog()
-                if self.time_account is not None:  # preempted or failed: no on_train_end
-                    self.time_account.stop_sampling()
-                self.writers.flush()  # close() closes them; validate() may still log
-                self._release_run_lock()
+                self._end_run()
+
+    def _end_run(self) -> None:
+        self.flops.abort()  # an error inside the counted step leaves the counting mode
+        try:
+            self.checkpointer.close()  # a background save finishes, or reports its error
+        finally:
+            self._stop_watchdog()
+            if self.time_account is not None:  # preempted or failed: no on_train_end
+                self.time_account.stop_sampling()
+            self.writers.flush()  # close() closes them; validate() may still log
+            self._release_run_lock()
 
     def close(self) -> None:
         """Close the writers and leave the process group (DDP). Safe to call twice."""
