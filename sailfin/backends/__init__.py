@@ -113,10 +113,10 @@ def build_backend(args: TrainerArguments, dist: DistEnv) -> SingleDevice:
         print(NOTICES[args.backend], file=sys.stderr)
     device = resolve_device(args.device, dist)
     execution = Execution(args.compile, args.compile_mode, tuple(args.activation_checkpointing),
-                          args.sync_batchnorm)
-    if args.sync_batchnorm and strategy != "single" and device.type == "cpu":
+                          args.distributed.sync_batchnorm)
+    if args.distributed.sync_batchnorm and strategy != "single" and device.type == "cpu":
         raise ConfigError(
-            f"trainer.sync_batchnorm: true needs a CUDA device: PyTorch's SyncBatchNorm does "
+            f"trainer.distributed.sync_batchnorm: true needs a CUDA device: PyTorch's SyncBatchNorm does "
             f"not train on CPU (trainer.backend {args.backend} here). Remove it: on CPU each "
             "rank's BatchNorm statistics are made rank 0's before every validation, the "
             "statistics that are saved")

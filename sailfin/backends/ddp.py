@@ -73,11 +73,11 @@ class DDPStrategy(SingleDevice):
         super().setup(module)
 
     def convert_batchnorm(self, module: torch.nn.Module) -> None:
-        """``trainer.sync_batchnorm``: BatchNorm layers become SyncBatchNorm, in place (the
+        """``trainer.distributed.sync_batchnorm``: BatchNorm layers become SyncBatchNorm, in place (the
         same parameters and buffers), before the module is placed and wrapped."""
         converted = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
         if converted is not module:  # the recipe is a ModuleInterface, never a BatchNorm
-            raise ConfigError("trainer.sync_batchnorm: the recipe itself is a BatchNorm layer")
+            raise ConfigError("trainer.distributed.sync_batchnorm: the recipe itself is a BatchNorm layer")
 
     def sync_buffers(self, module: torch.nn.Module) -> None:
         # Each rank's forwards updated its own running statistics; validation and the

@@ -115,11 +115,11 @@ class SingleDevice:
         module.to(self.device)
 
     def convert_batchnorm(self, module: torch.nn.Module) -> None:
-        """``trainer.sync_batchnorm``: one process's BatchNorm already sees the whole batch."""
+        """``trainer.distributed.sync_batchnorm``: one process's BatchNorm sees the whole
+        batch already."""
         if self.dist.is_main:
-            log.warning("trainer.sync_batchnorm: true changes nothing under trainer.backend "
-                        "%s (one process: BatchNorm's statistics are the whole batch's)",
-                        self.strategy)
+            log.warning("trainer.distributed.sync_batchnorm: true changes nothing on a single "
+                        "process (sp): its BatchNorm statistics are the whole batch's already")
 
     def sync_buffers(self, module: torch.nn.Module) -> None:
         """Make every rank's buffers (BatchNorm statistics) rank 0's, before validation:

@@ -49,6 +49,10 @@ class DistArguments:
     """DDP: allow parameters that get no gradient in a step (costs a graph walk)."""
     sync_buffers: bool = True
     """Copy rank 0's buffers (BatchNorm statistics) to every rank before each step's forward."""
+    sync_batchnorm: bool = False
+    """ddp/fsdp: convert BatchNorm layers to torch.nn.SyncBatchNorm (statistics over the
+    whole global batch, every rank the same; needs a CUDA device). Without it, each rank's
+    BatchNorm buffers are made equal to rank 0's before every validation (what is saved)."""
     threads_per_process: Optional[int] = None
     """CPU intra-op threads per process (null: OMP_NUM_THREADS, else cores / local processes)."""
     # -- hang watchdog (sailfin.distributed.watchdog) --

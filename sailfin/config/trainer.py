@@ -77,10 +77,6 @@ class TrainerArguments:
     run eagerly (once, at fixed global steps) and warn when compiling does not pay."""
     activation_checkpointing: list[str] = field(default_factory=list)
     """Class names of submodules whose activations are recomputed in backward, not stored."""
-    sync_batchnorm: bool = False
-    """ddp/fsdp: convert BatchNorm layers to torch.nn.SyncBatchNorm (statistics over the
-    whole global batch, every rank the same; needs a CUDA device). Without it, each rank's
-    BatchNorm buffers are made equal to rank 0's before every validation (what is saved)."""
     on_nonfinite: Literal["stop", "skip", "warn"] = "stop"
     """What a NaN/inf loss does: stop the run, skip that optimizer step, or warn and go on."""
     device: str = "auto"

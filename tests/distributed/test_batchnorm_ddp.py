@@ -75,20 +75,26 @@ def test_sync_batchnorm_on_cpu_is_refused_in_one_line(tmp_path):
     from sailfin.backends import build_backend
     from sailfin.distributed import DistEnv
 
-    a = args(tmp_path, backend="ddp", sync_batchnorm=True, device="cpu")
-    with pytest.raises(ConfigError, match=r"^trainer.sync_batchnorm: true needs a CUDA device"):
+    from sailfin.config.distributed import DistArguments
+
+    a = args(tmp_path, backend="ddp", distributed=DistArguments(sync_batchnorm=True),
+             device="cpu")
+    with pytest.raises(ConfigError,
+                       match=r"^trainer.distributed.sync_batchnorm: true needs a CUDA device"):
         build_backend(a, DistEnv(rank=0, world_size=2, launcher="manual"))
 
 
 def test_sync_batchnorm_under_sp_changes_nothing_and_says_so(tmp_path, caplog):
+    from sailfin.config.distributed import DistArguments
+
     module = BatchNormMLP(IdData(**DATA))
     with caplog.at_level("WARNING", logger="sailfin"):
-        Trainer(module, args(tmp_path, sync_batchnorm=True, epochs=1,
-                             train_batch_size=20)).train()
+        Trainer(module, args(tmp_path, distributed=DistArguments(sync_batchnorm=True),
+                             epochs=1, train_batch_size=20)).train()
     assert isinstance(module.net[1], nn.BatchNorm1d)
     assert not isinstance(module.net[1], nn.SyncBatchNorm)
-    assert caplog.text.count("trainer.sync_batchnorm: true changes nothing under "
-                             "trainer.backend single") == 1
+    assert caplog.text.count("trainer.distributed.sync_batchnorm: true changes nothing on a "
+                             "single process (sp)") == 1
 
 
 def test_sync_batchnorm_converts_the_layers_in_place_under_ddp():
