@@ -60,3 +60,22 @@ def test_a_stop_during_set_up_in_process_returns_75_and_leaves_the_host_alone(
     assert main(["train", str(path)]) == 75
     assert "stopped by SIGTERM during set-up" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) == before  # the host's handler, back
+
+
+def test_a_trainer_set_up_and_left_leaves_no_watchdog_running(tmp_path):
+    """setup() by itself as rank 1 of 2 (what a resume test does): the watchdog that
+    watched set-up's collectives (300 s under hang_seconds auto) stops when setup()
+    returns. Left running, it ended the test process with 75 five minutes later."""
+    import threading
+
+    import torch
+
+    from sailfin.backends import Precision, SingleDevice
+    from sailfin.distributed import DistEnv
+
+    dist = DistEnv(rank=1, world_size=2)
+    backend = SingleDevice(Precision(), torch.device("cpu"), dist)
+    trainer = Trainer(LinearRecipe(IdData(20, 0)), args(tmp_path), dist=dist, backend=backend)
+    trainer.setup()
+    assert trainer.watchdog is None
+    assert not [t for t in threading.enumerate() if t.name == "sailfin-watchdog"]

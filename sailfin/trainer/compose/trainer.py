@@ -29,6 +29,7 @@ class Trainer(Loop):
     """
 
     _is_setup = False
+    _training = False  # inside train(): set-up's watchdog keeps watching the start-up checks
     _run_lock: Optional[RunLock] = None  # rank 0's hold on output_dir, from setup() on
     watchdog: Any = None                 # the hang watchdog, from set-up to train()'s end
     # A hang: True ends the process with 75, False raises HangDetected in the main thread,
@@ -39,12 +40,14 @@ class Trainer(Loop):
     # -- the run ---------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         """Train for ``args.epochs`` (or until ``args.max_steps``); return the summary."""
+        self._training = True  # set-up's watchdog carries on into the start-up checks
         try:
             self.setup()
             # Fail now, not after an epoch: schedule length, val_step, the first train_step.
             check_schedulers_fit(self)
             sanity_validate(self)
         except BaseException:
+            self._training = False
             self._stop_watchdog()  # its record says this rank failed (the others may wait)
             self._release_run_lock()
             raise
@@ -72,6 +75,7 @@ class Trainer(Loop):
                 self._end_run()
 
     def _end_run(self) -> None:
+        self._training = False
         self.flops.abort()  # an error inside the counted step leaves the counting mode
         try:
             self.checkpointer.close()  # a background save finishes, or reports its error
@@ -123,6 +127,11 @@ class Trainer(Loop):
         with gc_spares_existing_objects():
             build_run(self)
         self._is_setup = True
+        if not self._training:
+            # Called by itself (not by train()): the watchdog that watched set-up's
+            # collectives stops here, so that no thread outlives a trainer set up and left;
+            # train() starts it again.
+            self._stop_watchdog()
 
     def _save_and_stop(self) -> None:
         save_and_stop(self)  # raises TrainingPreempted
