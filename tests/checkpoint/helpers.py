@@ -139,6 +139,16 @@ def final_weights(output_dir) -> dict[str, torch.Tensor]:
     return load_file(str(Path(output_dir) / "final" / "model.safetensors"))
 
 
+def saved_model(step_dir, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model weights a checkpoint holds (its DCP shards), read back with torch alone
+    into tensors shaped as ``like``."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"module": {k: torch.empty_like(v) for k, v in like.items()}}
+    dcp.load(state, checkpoint_id=str(Path(step_dir) / "shards"), no_dist=True)
+    return state["module"]
+
+
 def metric_lines(output_dir) -> list[dict]:
     """metrics.jsonl without the timing field (the only one that differs between runs)."""
     lines = Path(output_dir, "metrics.jsonl").read_text().splitlines()

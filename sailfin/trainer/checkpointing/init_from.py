@@ -53,11 +53,11 @@ def load_initial_weights(trainer: "RunView", path: str) -> None:
             try:
                 state = load_sharded(ref, trainer.module, [])["module"]
                 trainer.backend.load_model_state_dict(trainer.module, state)
-            except (RuntimeError, ValueError, KeyError) as exc:
+            except (CheckpointError, RuntimeError, ValueError, KeyError) as exc:
+                reason = str(exc).splitlines()[0].split("do not fit this model: ")[-1]
                 raise CheckpointError(
-                    f"trainer.init_from: the shards in {shown} do not fit this model: "
-                    f"{str(exc).splitlines()[0]}. Point it at weights of the same "
-                    "architecture") from None
+                    f"trainer.init_from: the weights in {shown} do not fit this model: "
+                    f"{reason}. Point it at weights of the same architecture") from None
         elif "model" not in loaded.shared:
             raise CheckpointError(f"trainer.init_from: checkpoint {shown} holds no model "
                                   "weights (no model.pt, no shards)")
