@@ -69,7 +69,7 @@ class ScriptedMetric(LinearRecipe):
 
 
 class SlowCheckpointer(DirectoryCheckpointer):
-    """Pauses after writing model.pt when SAILFIN_TEST_SAVE_PAUSE is set (only for step
+    """Pauses after writing trainer.pt (the shards are written by then) when SAILFIN_TEST_SAVE_PAUSE is set (only for step
     SAILFIN_TEST_SAVE_PAUSE_STEP if set), and first leaves a marker ``saving-<step>`` in
     SAILFIN_TEST_SAVE_MARKER: a test can kill the process in the middle of a save. It also
     records its last save in ``<marker dir>/custom-checkpointer.json``, so a test can see
@@ -88,7 +88,7 @@ class SlowCheckpointer(DirectoryCheckpointer):
         marker_dir = os.environ.get("SAILFIN_TEST_SAVE_MARKER")
         only = os.environ.get("SAILFIN_TEST_SAVE_PAUSE_STEP")
         step = int(os.path.basename(os.path.dirname(path)).rsplit("-", 1)[1])
-        if (pause and marker_dir and os.path.basename(path) == "model.pt"
+        if (pause and marker_dir and os.path.basename(path) == "trainer.pt"
                 and (only is None or int(only) == step)):
             Path(marker_dir, f"saving-{step}").write_text(path)
             time.sleep(pause)
