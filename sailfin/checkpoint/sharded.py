@@ -39,7 +39,7 @@ import errno
 import os
 import warnings
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -246,12 +246,14 @@ def locate_shards(storage: Storage, where: str, manifest: dict[str, Any],
 
 def load_sharded(ref: ShardedRef, module: torch.nn.Module,
                  optimizers: list[torch.optim.Optimizer],
-                 callbacks: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                 callbacks: Optional[dict[str, Any]] = None,
+                 skip: Iterable[str] = ()) -> dict[str, Any]:
     """The saved ``module`` and ``optimizers`` state, cut for this run's backend and world
     size: DTensor shards under fsdp, full tensors under sp and ddp. ``callbacks``
     (name -> object with ``state_dict()``): the saved state of those with sharded state
     comes back as ``{"callbacks": {name: state}}``; shards of a callback this run lacks
-    are not read.
+    are not read. ``skip``: model entries the checkpoint does not hold (the frozen
+    parameters a parameter-efficient fine-tune leaves out).
 
     The targets come from PyTorch's distributed state dicts (parameter names as
     keys, also for optimizer state); DCP reads into them the rows each rank needs.
@@ -260,8 +262,10 @@ def load_sharded(ref: ShardedRef, module: torch.nn.Module,
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          get_optimizer_state_dict)
 
+    skipped = frozenset(skip)
     targets: dict[str, Callable[[], Any]] = {
-        "module": lambda: get_model_state_dict(module),
+        "module": lambda: {k: v for k, v in get_model_state_dict(module).items()
+                           if k not in skipped},
         "optimizers": lambda: {str(i): get_optimizer_state_dict(module, opt)
                                for i, opt in enumerate(optimizers)},
     }

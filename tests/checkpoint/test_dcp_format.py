@@ -11,6 +11,7 @@ import types
 import zlib
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -105,3 +106,56 @@ def test_a_checkpoint_saved_with_crc32c_importable_resumes_without_it(tmp_path, 
     trainer = Trainer(recipe(), args(tmp_path, epochs=2, checkpoint=CKPT))
     trainer.train()
     assert trainer.resumed_from.name == "step-00000006"  # the newest, not a fallback
+
+
+class FrozenBase(LinearRecipe):
+    """A frozen 'base' (a wide projection) under a small head that trains: the shape of a
+    parameter-efficient fine-tune. ``base_seed`` picks the base's weights."""
+
+    checkpoint_frozen_params = False
+
+    def __init__(self, data, base_seed: int = 1, **kw):
+        super().__init__(data, **kw)
+        self.base = torch.nn.Linear(4, 4)
+        with torch.no_grad():
+            self.base.weight.copy_(torch.randn(4, 4, generator=torch.Generator().manual_seed(
+                base_seed)))
+        self.base.requires_grad_(False)
+
+    def forward(self, x):
+        return super().forward(self.base(x))
+
+    def get_optimizers_schedulers(self, estimated_global_steps_per_epoch, epochs):
+        opt = torch.optim.SGD([p for p in self.parameters() if p.requires_grad],
+                              lr=self.lr, momentum=self.momentum)
+        return [opt], []
+
+
+def frozen_run(out, crash_at=None, **kw):
+    module = FrozenBase(IdData(47, 9), dropout=0.3, momentum=0.9, **kw)
+    trainer = Trainer(module, args(out, epochs=2, checkpoint=CKPT),
+                      callbacks=[CrashAt(crash_at)] if crash_at else [])
+    try:
+        trainer.train()
+    except Crash:
+        pass
+    return module, trainer
+
+
+def test_a_checkpoint_without_the_frozen_base_resumes_exactly_and_only_onto_it(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from sailfin.checkpoint import CheckpointError
+
+    ref, _ = frozen_run(tmp_path / "ref")
+    frozen_run(tmp_path / "run", crash_at=8)
+    shards = tmp_path / "run" / "checkpoints" / "step-00000006" / "shards"
+    names = set(dcp.FileSystemReader(str(shards)).read_metadata().state_dict_metadata)
+    assert {"module.linear.weight", "module.linear.bias"} <= names
+    assert not any(n.startswith("module.base.") for n in names)  # the base stays out
+    with pytest.raises(CheckpointError, match="another frozen base: frozen parameter "
+                                              "base.weight differs"):
+        frozen_run(tmp_path / "run", base_seed=2)
+    module, trainer = frozen_run(tmp_path / "run")
+    assert trainer.resumed_from.name == "step-00000006"
+    assert_same_params(params(ref), params(module))
