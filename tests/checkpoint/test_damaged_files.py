@@ -253,3 +253,20 @@ trainer: {{train_batch_size: 10, writers: [jsonl], output_dir: {out},
     assert err == (f"sailfin: checkpoint error: checkpoint shard {step / SHARD} is a named "
                    "pipe (FIFO), not a regular file: the checkpoint is damaged or was tampered "
                    "with\n")
+
+
+def test_a_step_entry_linked_to_a_directory_outside_is_not_resumed(run_dir, tmp_path, capfd):
+    """step-00000008 a link to a complete checkpoint of another run: never resumed."""
+    other = tmp_path / "other"
+    shutil.copytree(run_dir / "checkpoints" / "step-00000006", other)
+    body = manifest_of(other)
+    body["step"] = 8
+    write_manifest(other, body)
+    link = run_dir / "checkpoints" / "step-00000008"
+    link.symlink_to(other, target_is_directory=True)
+    capfd.readouterr()
+    _, trainer = train(run_dir, epochs=2, checkpoint=STEP)
+    assert trainer.resumed_from.name == "step-00000006"
+    err = capfd.readouterr().err
+    assert err.count(f"checkpoint {link} is a symbolic link (to {other})") == 1
+    assert other.is_dir()  # what it points at is left alone
