@@ -29,7 +29,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 
 import torch
 from torch import nn
@@ -120,6 +119,7 @@ class DCPSnapshots(Callback):
 
     def __init__(self, root: str) -> None:
         self.root, self.skipped = root, 0
+        self.issued = self.done = 0  # the newest step sent, and the one before (written)
         self.staging = self.upload = self.stager = None
         self.group_made = False
 
@@ -127,9 +127,16 @@ class DCPSnapshots(Callback):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-        warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+        # A directory per step (DCP warns when it overwrites one); the one before the
+        # newest complete goes once the next is issued.
+        for old in [d for d in os.listdir(self.root) if d.startswith("step-")] if os.path.isdir(
+                self.root) else []:
+            if int(old[5:]) < self.done:
+                shutil.rmtree(os.path.join(self.root, old), ignore_errors=True)
+        self.done = self.issued
+        self.issued = step
         return dcp.async_save(trainer.state_dict(),
-                              checkpoint_id=os.path.join(self.root, f"slot-{step % 2}"),
+                              checkpoint_id=os.path.join(self.root, f"step-{step}"),
                               async_checkpointer_type=AsyncCheckpointerType.PROCESS,
                               async_stager=self.stager)
 
@@ -151,7 +158,7 @@ class DCPSnapshots(Callback):
             use_non_blocking_copy=False))
         # The writer process starts with the first save: not a step's cost (as sailfin's
         # writer is started before the clock runs).
-        response = self._save(trainer, 1)
+        response = self._save(trainer, 0)
         response.upload_completion.result()
 
     def on_backward_end(self, trainer, *args, **kwargs):
