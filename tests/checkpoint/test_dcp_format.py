@@ -159,3 +159,14 @@ def test_a_checkpoint_without_the_frozen_base_resumes_exactly_and_only_onto_it(t
     module, trainer = frozen_run(tmp_path / "run")
     assert trainer.resumed_from.name == "step-00000006"
     assert_same_params(params(ref), params(module))
+
+
+def test_a_checkpoint_of_the_previous_format_serves_as_init_from(tmp_path):
+    saved = torch.load(FIXTURE / "step-00000006" / "model.pt", weights_only=True)
+    module = recipe()
+    trainer = Trainer(module, args(tmp_path, epochs=1, max_steps=1,
+                                   init_from=str(FIXTURE / "step-00000006")))
+    trainer.setup()
+    for name, value in saved.items():
+        assert torch.equal(module.state_dict()[name], value), name
+    trainer.close()
