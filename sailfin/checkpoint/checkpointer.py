@@ -272,6 +272,7 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
                 self._executor.shutdown(wait=True)
                 self._executor = None
             self._staging.release()
+            self.shards.close()
 
     # -- loading -------------------------------------------------------------------
     def load(self, name: str, mmap: bool = False) -> Loaded:

@@ -129,6 +129,7 @@ class ShardedWriter:
         self._keys: list[str] = []
         self._staging: Optional[str] = None  # the save whose shards are being written
         self._group: Any = None
+        self._stager: Any = None  # DCP's DefaultStager, kept for the run (async saves)
         self._writer_used: Any = None  # rank 0's holds every file's checksum after the save
 
     def save(self, staging: str, state: dict[str, Any], async_save: bool) -> None:
@@ -155,7 +156,17 @@ class ShardedWriter:
         if self._group is None and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")  # every rank saves: collective is fine
         # Returns once this rank's shards are copied to CPU memory; writes in a thread.
-        self._pending = dcp.async_save(state, storage_writer=writer, process_group=self._group)
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # One stager for the run: it keeps its CPU copies from one save to the next (no
+            # fresh allocation, no page faults on the step's path); pinned for CUDA tensors.
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                use_non_blocking_copy=False))
+        self._pending = dcp.async_save(state, storage_writer=writer, process_group=self._group,
+                                       async_stager=self._stager)
 
     def wait(self) -> None:
         """Block until this rank's last shards are on storage; raise if writing failed."""
@@ -172,6 +183,15 @@ class ShardedWriter:
         finally:
             if self._pending is pending:
                 self._pending = None
+
+    def close(self) -> None:
+        """Wait for the last shards, then free the staging copies."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
 
     def finish(self, staging: str) -> Optional[dict[str, Any]]:
         """Rank 0, before the manifest: wait for the shards (DCP's async save completes on
