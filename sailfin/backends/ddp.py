@@ -164,8 +164,8 @@ class DDPStrategy(SingleDevice):
             offset += n
 
     def group_store(self) -> Optional[Any]:
-        from torch.distributed.distributed_c10d import _get_default_store
-        return _get_default_store()
+        from ..compat.torch import default_store
+        return default_store()
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         box = [obj]

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..compat.transformers import no_split_modules
 from ..config.errors import ConfigError, suggest
 
 log = logging.getLogger("sailfin")
@@ -40,7 +41,7 @@ def default_unit_classes(model: nn.Module) -> list[str]:
     present = {type(m).__name__ for m in model.modules()}
     declared: list[str] = []
     for module in model.modules():
-        for name in getattr(module, "_no_split_modules", None) or []:
+        for name in no_split_modules(module):
             if name in present and name not in declared:
                 declared.append(name)
     if declared:
@@ -63,9 +64,8 @@ def parameter_owners(model: nn.Module) -> dict[int, list[str]]:
     """id(parameter) -> the dotted names of every module that registers it."""
     owners: dict[int, list[str]] = {}
     for path, module in model.named_modules(remove_duplicate=False):
-        for param in module._parameters.values():
-            if param is not None:
-                owners.setdefault(id(param), []).append(path)
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(path)
     return owners
 
 

@@ -2,7 +2,7 @@
 
 After every ``every_n_steps``-th optimizer step, ``ema = decay * ema + (1 - decay) * w``
 for each parameter, starting from the weights the run began with. The average
-is one ``torch._foreach_lerp_`` over the module's parameters, whatever they are:
+is one fused lerp (``sailfin.compat.torch.lerp_all_``) over the module's parameters, whatever they are:
 plain tensors, parameters DDP keeps equal on every rank (so every rank's
 average is equal too, with no communication), or sharded parameters (each rank
 averages its own shard; ``clone`` and the foreach ops keep the tensor type).
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
+from ...compat.torch import lerp_all_
 from ...config.loop import EmaArguments
 from ...utils.log import log
 from ..core.callbacks import Callback
@@ -78,7 +79,7 @@ class WeightAverage(Callback):
     def update(self) -> None:
         """ema += (1 - decay) * (w - ema): one fused op over every parameter."""
         if self._lerp_shadow:
-            torch._foreach_lerp_(self._lerp_shadow, self._lerp_params, 1.0 - self.current_decay())
+            lerp_all_(self._lerp_shadow, self._lerp_params, 1.0 - self.current_decay())
         self.updates += 1
 
     # -- using the averaged weights --------------------------------------------------
