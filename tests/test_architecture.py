@@ -315,3 +315,21 @@ def test_the_view_is_what_the_trainer_has_and_what_the_docs_list():
     section = section[:section.index("\n## ")]
     undocumented = sorted(n for n in members if f"`{n}" not in section)
     assert not undocumented, f"docs/architecture.md does not list RunView's {undocumented}"
+
+
+def lines_of(path: pathlib.Path) -> int:
+    return sum(len(p.read_text().splitlines()) for p in path.rglob("*.py"))
+
+
+@pytest.mark.parametrize("pattern, path", [
+    (r"sailfin is about ([\d,]+) lines", PACKAGE),
+    (r"`sailfin/config/` \(about ([\d,]+) lines", PACKAGE / "config"),
+])
+def test_the_sizes_docs_architecture_gives_are_measured(pattern, path):
+    docs = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    found = re.search(pattern, docs)
+    assert found, f"docs/architecture.md no longer says /{pattern}/: update this test"
+    said, measured = int(found.group(1).replace(",", "")), lines_of(path)
+    assert abs(said - measured) <= 0.15 * measured, (
+        f"docs/architecture.md says {said:,} lines for {path.relative_to(PACKAGE.parent)}/, "
+        f"which has {measured:,}: write about {round(measured, -2):,}")
