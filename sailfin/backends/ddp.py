@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import inspect
-import logging
 import os
 from typing import Any, ContextManager, Iterable, Optional
 
@@ -24,10 +23,10 @@ from ..distributed import DistEnv
 from ..distributed.collectives import all_reduce_mean, gather_outputs
 from ..distributed.process_group import (comm_backend_for, destroy_process_group,
                                          init_process_group, launch_hint)
+from ..utils.voice import say
 from .precision import Precision
 from .strategy import _NULL, Execution, SingleDevice, StepRunner
 
-log = logging.getLogger("sailfin")
 
 
 def _buffer_sync(sync: bool) -> dict[str, bool]:
@@ -94,17 +93,16 @@ class DDPStrategy(SingleDevice):
         source = "trainer.distributed.threads_per_process"
         if threads is None and "OMP_NUM_THREADS" in os.environ:
             if self.dist.is_main:
-                log.info("%s on CPU: %d intra-op thread(s) per process (OMP_NUM_THREADS=%s)",
-                         self.strategy.upper(),
-                         torch.get_num_threads(), os.environ["OMP_NUM_THREADS"])
+                say(f"{self.strategy.upper()} on CPU: {torch.get_num_threads()} intra-op "
+                    f"thread(s) per process (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})")
             return
         if threads is None:
             threads = max(1, (os.cpu_count() or 1) // self.dist.local_world_size)
             source = f"{os.cpu_count()} cores / {self.dist.local_world_size} local processes"
         torch.set_num_threads(threads)
         if self.dist.is_main:
-            log.info("%s on CPU: %d intra-op thread(s) per process (%s)", self.strategy.upper(),
-                     threads, source)
+            say(f"{self.strategy.upper()} on CPU: {threads} intra-op thread(s) per process "
+                f"({source})")
 
     def teardown(self) -> None:
         if self._owns_group:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import logging
 from typing import Any, ContextManager, Iterable, Iterator, Optional
 
 import torch
@@ -38,6 +37,7 @@ from ..config.errors import ConfigError
 from ..config.fsdp import FSDPArguments
 from ..distributed import DistEnv
 from ..utils.memory import fix_mmap_threshold
+from ..utils.voice import say
 from .ddp import DDPStrategy
 from .fsdp_build import (RankZeroStart, buffers_to, check_same_model, init_on_shards,
                          receive_from_rank0, require_init_weights)
@@ -47,7 +47,6 @@ from .state import named_optimizer_state, optimizer_state_is_named
 from .strategy import Execution, StepRunner
 from .streamed_weights import save_streamed
 
-log = logging.getLogger("sailfin")
 _END = object()
 
 
@@ -174,8 +173,8 @@ class FSDPStrategy(DDPStrategy):
         # would make itself a root: settle the roles now.
         settle_roots(self.root)
         if self.dist.is_main:
-            log.info("FSDP over %d rank(s), built by %s: units %s, then the root",
-                     self.dist.world_size, self.fsdp.build, ", ".join(self.units) or "(none)")
+            say(f"FSDP over {self.dist.world_size} rank(s), built by {self.fsdp.build}: units "
+                f"{', '.join(self.units) or '(none)'}, then the root")
         return runner
 
     def sync_context(self, sync: bool) -> ContextManager:

@@ -12,7 +12,6 @@ in one unit or in the root.
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from typing import Optional
 
@@ -21,8 +20,8 @@ from torch import nn
 
 from ..compat.transformers import no_split_modules
 from ..config.errors import ConfigError, suggest
+from ..utils.voice import say
 
-log = logging.getLogger("sailfin")
 
 
 def has_forward(module: nn.Module) -> bool:
@@ -102,7 +101,7 @@ def select_units(module: nn.Module, names: Optional[list[str]]
                 continue
             tie = tied_outside(path, sub, owners)
             if tie is not None:  # left to the root, with the other side of the tie
-                log.info("fsdp: %s stays in the root: its %s is tied to %s", path, *tie)
+                say(f"fsdp: {path} stays in the root: its {tie[0]} is tied to {tie[1]}")
                 continue
             chosen[path] = sub
     else:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ...checkpoint import build_checkpointer
-from ...checkpoint.checkpointer import say
+from ...utils.voice import say
 from ...data.plan import BatchPlan
 from ...interfaces import RecipeError
 from ...logging.destination import check_directory

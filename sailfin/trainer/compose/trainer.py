@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Mapping, Optional
 
-from ...utils.log import configure_logging
+from ...utils.voice import configure
 from ...utils.memory import gc_spares_existing_objects
 from ..checkpointing.state import load_trainer_state, trainer_state
 from ..core.trainer import Loop
@@ -101,7 +101,7 @@ class Trainer(Loop):
         writers, and resume from a checkpoint as ``trainer.resume`` says."""
         if self._is_setup:
             return
-        configure_logging(self.dist.rank)
+        configure(self.dist.rank)
         if self._run_lock is None:  # before anything is written there: one run per directory
             self._run_lock = take_run_lock(self.args.output_dir, self.dist.is_main)
         with gc_spares_existing_objects():

@@ -18,7 +18,7 @@ import torch
 
 from ...compat.torch import lerp_all_
 from ...config.loop import EmaArguments
-from ...utils.log import log
+from ...utils.voice import say
 from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
@@ -62,8 +62,8 @@ class WeightAverage(Callback):
             # loaded, or a checkpoint's saved without trainer.ema, not the fresh model's.
             _copy(self.shadow, self._params)
             if trainer.global_step and trainer.dist.is_main:
-                log.info("trainer.ema: the checkpoint holds no average; it starts from the "
-                         "resumed weights at step %d", trainer.global_step)
+                say("trainer.ema: the checkpoint holds no average; it starts from the "
+                    f"resumed weights at step {trainer.global_step}")
 
     # -- the average ---------------------------------------------------------------
     def on_step_end(self, trainer: "RunView") -> None:

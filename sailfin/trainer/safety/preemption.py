@@ -29,6 +29,7 @@ import torch
 
 from ...distributed.exit_codes import PREEMPTED_EXIT_CODE  # noqa: F401 (the CLI reads it here)
 from ...distributed.launch_notes import TRAINING, leave_note
+from ...utils.voice import say
 
 _NEVER = sys.maxsize
 # torchrun's agent passes a Ctrl-C it received on to its workers, which got the same
@@ -154,7 +155,6 @@ class Preemption:
         """The signal handler's message, printed from the loop (the handler does no I/O)."""
         where = (f" (step {global_step}: the ranks agree every {self.check_every} steps)"
                  if self.distributed else "")
-        print(f"sailfin: {self.signal_name} received: stopping after this step{where}, "
-              "with a checkpoint" + (" (Ctrl-C again to abort without saving)"
-                                     if self._sigint_at is not None else ""),
-              file=sys.stderr, flush=True)
+        say(f"{self.signal_name} received: stopping after this step{where}, "
+            "with a checkpoint" + (" (Ctrl-C again to abort without saving)"
+                                   if self._sigint_at is not None else ""))
