@@ -12,7 +12,7 @@ from ...utils.memory import gc_spares_existing_objects
 from ..checkpointing.state import load_trainer_state, trainer_state
 from ..core.trainer import Loop
 from .watchdog import start_watchdog
-from ..safety.preemption import Preemption, save_and_stop
+from ..safety.preemption import Preemption
 from ..safety.run_lock import RunLock, take_run_lock
 from ..safety.startup_checks import check_schedulers_fit, sanity_validate, train_output_checker
 from .outputs import finish_run
@@ -108,8 +108,11 @@ class Trainer(Loop):
             build_run(self)
         self._is_setup = True
 
-    def _save_and_stop(self) -> None:
-        save_and_stop(self)  # raises TrainingPreempted
+    def validate(self) -> dict[str, dict[str, float]]:
+        """Run every validation set (set up first, if :meth:`train` has not); name ->
+        metrics (also logged)."""
+        self.setup()
+        return super().validate()
 
     # -- checkpoint state ------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

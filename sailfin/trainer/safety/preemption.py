@@ -64,8 +64,9 @@ def save_and_stop(trainer: Any) -> None:
 class Preemption:
     """Notes SIGTERM/SIGINT and tells the loop when every rank should stop.
 
-    The loop tests ``global_step >= preemption.check_at`` after each step and
-    calls :meth:`poll` only when that holds.
+    The loop tests ``global_step >= preemption.check_at`` after each step,
+    calls :meth:`poll` only when that holds, and :meth:`save_and_stop` when it says
+    stop.
 
     Example::
 
@@ -134,6 +135,11 @@ class Preemption:
             self.check_at = 0  # the loop stops after the step in progress
 
     # -- the loop's question -------------------------------------------------------------
+    def save_and_stop(self, trainer: Any) -> None:
+        """Every rank: save this step, wait until it is on storage, and raise
+        :class:`TrainingPreempted` (the loop calls it once :meth:`poll` said stop)."""
+        save_and_stop(trainer)
+
     def poll(self, global_step: int) -> bool:
         """True when every rank stops after ``global_step``; with several ranks, one small
         all-reduce, so every rank calls it at the same steps."""
