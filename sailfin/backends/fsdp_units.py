@@ -23,7 +23,6 @@ from ..config.errors import ConfigError, suggest
 from ..utils.voice import say
 
 
-
 def has_forward(module: nn.Module) -> bool:
     """False for a container that only holds modules (``ModuleList``, ``ModuleDict``)."""
     return type(module).forward is not nn.Module.forward

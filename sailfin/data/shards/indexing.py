@@ -26,7 +26,6 @@ from .tarformat import TarFormatError, scan
 from .urls import kind, local_path
 
 
-
 def load_index(url: str, cache: ShardCache, skip_bad: bool) -> ShardIndex:
     """The index of shard ``url``; ShardError (naming the URL) if it cannot be had."""
     if kind(url) == "local":

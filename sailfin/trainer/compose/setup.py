@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ...checkpoint import build_checkpointer
-from ...utils.voice import say
 from ...data.plan import BatchPlan
 from ...interfaces import RecipeError
 from ...logging.destination import check_directory
 from ...utils.seed import seed_everything
+from ...utils.voice import say
 from ..checkpointing.accepted import FreshHyperparameters, apply_accepted
 from ..checkpointing.memory_snapshots import memory_snapshot_callback
 from ..checkpointing.resume import resume

@@ -7,8 +7,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Mapping, Optional
 
-from ...utils.voice import configure
 from ...utils.memory import gc_spares_existing_objects
+from ...utils.voice import configure
 from ..checkpointing.state import load_trainer_state, trainer_state
 from ..core.trainer import Loop
 from .watchdog import start_watchdog

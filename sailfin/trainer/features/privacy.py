@@ -14,7 +14,6 @@ if TYPE_CHECKING:
     from ..core.view import RunView
 
 
-
 class PrivacyCallback(Callback):
     """Before the first step: has the backend choose this run's noise for the steps it
     may still take (``target_epsilon`` is a bound across resumes) and finds the step
