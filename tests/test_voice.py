@@ -81,3 +81,35 @@ def test_only_a_shard_error_is_said_by_a_rank_other_than_0(capsys, monkeypatch):
     for exc, said in _errors():
         assert _user_error_code(exc) == 2
         assert capsys.readouterr().err == (said + "\n" if "shard" in said else "")
+
+
+# Modules that write lines of their own, and why; everything else speaks through voice.
+OWN_LINES = {
+    "cli.py", "shard_cli.py", "report.py", "launch.py",  # commands: their result (stdout)
+    #                                                      and the error they end on
+    "utils/voice.py",
+    # issue 43 (the state layer) moves these two to sailfin.utils.voice:
+    "checkpoint/layout.py", "checkpoint/memory_dirs.py",
+}
+# Python's warnings, for what they are for (sailfin/utils/voice.py says which).
+WARNS = {"trainer/core/loaders.py",     # the user's loader: persistent_workers with set_epoch
+         "trainer/safety/nonfinite.py"}  # NonFiniteLossWarning, which a user may filter
+
+
+def test_every_other_line_goes_through_the_voice():
+    import ast
+    import pathlib
+
+    package = pathlib.Path(voice.__file__).resolve().parents[1]
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        name = str(path.relative_to(package))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            call = ast.unparse(node.func)
+            if ((call == "print" and name not in OWN_LINES)
+                    or (call.endswith("getLogger") and name != "utils/voice.py")
+                    or (call == "warnings.warn" and name not in WARNS)):
+                found.append(f"sailfin/{name}:{node.lineno}: {call}")
+    assert not found, "say it with sailfin.utils.voice.say:\n" + "\n".join(found)
