@@ -19,11 +19,11 @@ from ...checkpoint import Checkpointer, Loaded
 from ...checkpoint.rng import seed_loader
 from ...config.trainer import TrainerArguments
 from ...data.plan import BatchPlan
+from ...data.sampler import ResumableSampler
 from ...distributed import DistEnv
 from ...distributed.watchdog import (BACKWARD, DATA, END_OF_EPOCH, END_OF_STEP, FORWARD,
                                     OPTIMIZER, Heartbeat)
 from ...interfaces import ModuleInterface
-from ...data.sampler import ResumableSampler
 from ...logging import Writer
 from ...logging.writers import Writers
 from .callbacks import Callback
