@@ -5,7 +5,6 @@ PyMarlin's backend names are aliases for compositions.
 
 from __future__ import annotations
 
-import sys
 from typing import Callable
 
 import torch
@@ -14,6 +13,7 @@ from ..config.dp import DP_SUFFIX, is_private
 from ..config.errors import ConfigError, suggest
 from ..config.trainer import BACKEND_ALIASES, BACKENDS, PRIVATE_BACKENDS, TrainerArguments
 from ..distributed import DistEnv
+from ..utils.voice import say
 from .amp import MixedPrecision
 from .precision import Precision
 from .strategy import Execution, PlainSingleDevice, SingleDevice
@@ -26,7 +26,7 @@ PRIVATE = PRIVATE_BACKENDS
 
 # Names kept for PyMarlin configs whose meaning changed: printed once when chosen.
 NOTICES: dict[str, str] = {
-    "sp-amp-apex": "sailfin: trainer.backend sp-amp-apex runs PyTorch's native AMP "
+    "sp-amp-apex": "trainer.backend sp-amp-apex runs PyTorch's native AMP "
                    "(Apex is not used); it is the same as sp-amp",
 }
 
@@ -110,7 +110,7 @@ def build_backend(args: TrainerArguments, dist: DistEnv) -> SingleDevice:
                           f"{args.backend} runs in float32; use a mixed-precision backend "
                           f"({', '.join(amp)}) or remove amp_dtype")
     if args.backend in NOTICES and dist.is_main:
-        print(NOTICES[args.backend], file=sys.stderr)
+        say(NOTICES[args.backend])
     device = resolve_device(args.device, dist)
     execution = Execution(args.compile, args.compile_mode, tuple(args.activation_checkpointing))
     chosen = _PRECISIONS[precision](args, device)

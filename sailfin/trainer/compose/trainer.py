@@ -7,12 +7,12 @@ from __future__ import annotations
 import sys
 from typing import Any, Mapping, Optional
 
-from ...utils.log import configure_logging
 from ...utils.memory import gc_spares_existing_objects
+from ...utils.voice import configure
 from ..checkpointing.state import load_trainer_state, trainer_state
 from ..core.trainer import Loop
 from .watchdog import start_watchdog
-from ..safety.preemption import Preemption, save_and_stop
+from ..safety.preemption import Preemption
 from ..safety.run_lock import RunLock, take_run_lock
 from ..safety.startup_checks import check_schedulers_fit, sanity_validate, train_output_checker
 from .outputs import finish_run
@@ -101,15 +101,18 @@ class Trainer(Loop):
         writers, and resume from a checkpoint as ``trainer.resume`` says."""
         if self._is_setup:
             return
-        configure_logging(self.dist.rank)
+        configure(self.dist.rank)
         if self._run_lock is None:  # before anything is written there: one run per directory
             self._run_lock = take_run_lock(self.args.output_dir, self.dist.is_main)
         with gc_spares_existing_objects():
             build_run(self)
         self._is_setup = True
 
-    def _save_and_stop(self) -> None:
-        save_and_stop(self)  # raises TrainingPreempted
+    def validate(self) -> dict[str, dict[str, float]]:
+        """Run every validation set (set up first, if :meth:`train` has not); name ->
+        metrics (also logged)."""
+        self.setup()
+        return super().validate()
 
     # -- checkpoint state ------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

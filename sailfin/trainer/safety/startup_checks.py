@@ -28,6 +28,7 @@ import torch
 from ...distributed.watchdog import STARTUP_CHECKS, STARTUP_CHECKS_GATHER
 from ...interfaces import RecipeError
 from ..core.pymarlin_forms import CallbackSignatureError, batch_size, val_epoch_end_caller
+from ...utils.voice import say
 from ..core.validation import merge_outputs
 
 if TYPE_CHECKING:
@@ -58,7 +59,6 @@ def check_schedulers_fit(trainer: "RunView") -> None:
     """Stop now if a scheduler with a fixed length would run out during this run."""
     left = steps_left(trainer)
     if not left and trainer.resumed_from is not None and trainer.dist.is_main:
-        from ...checkpoint.checkpointer import say
         say(f"resume: nothing left to train: the checkpoint is at step {trainer.global_step} "
             f"(epoch {trainer.epoch}), where this run (trainer.epochs {trainer.args.epochs}, "
             f"trainer.max_steps {trainer.args.max_steps}) ends; raise them to train on")
