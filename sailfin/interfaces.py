@@ -205,6 +205,9 @@ class ModuleInterface(nn.Module):
     #: logged, ``get_state()`` is put back after it). A recipe that counts its own
     #: validations, or writes them somewhere, skips this call.
     sanity_checking: bool = False
+    #: False: checkpoints and memory snapshots hold only the parameters that train (plus
+    #: buffers, optimizer state and a fingerprint of the frozen rest); sailfin.hf sets it with peft.
+    checkpoint_frozen_params: bool = True
 
     # -- required -------------------------------------------------------
     def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: int, epochs: int

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
+import math
 import os
+import typing
 from typing import Any, Callable, Optional
 
 import torch
@@ -38,8 +41,19 @@ class HFModule(ModuleInterface):
                  adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
                  activation_checkpointing: bool = False,
                  fsdp_units: Optional[list[str]] = None, save_hf: bool = True,
-                 loss_per: str = "sample") -> None:
+                 loss_per: str = "sample", warmup_ratio: float = 0.0,
+                 peft: Optional[dict[str, Any]] = None, peft_merge: bool = False,
+                 load_best_model_at_end: bool = False) -> None:
         super().__init__()
+        if not 0.0 <= warmup_ratio < 1.0:
+            raise HFConfigError(f"module.init_args.warmup_ratio is {warmup_ratio}; use a "
+                                "fraction of the run's steps in [0, 1)")
+        if warmup_ratio and warmup_steps:
+            raise HFConfigError(f"module.init_args.warmup_steps ({warmup_steps}) and "
+                                f"warmup_ratio ({warmup_ratio}) are both set; keep one")
+        if peft_merge and peft is None:
+            raise HFConfigError("module.init_args.peft_merge is true but peft is not set; "
+                                "give peft: {r: 8, ...} or remove peft_merge")
         if loss_per not in ("sample", "token"):
             raise HFConfigError(f"module.init_args.loss_per is '{loss_per}'; use 'sample' or "
                                 "'token'")
@@ -54,6 +68,8 @@ class HFModule(ModuleInterface):
         self.data = data.prepare(self.task)
         self.tokenizer = data.tokenizer
         self.lr, self.weight_decay, self.warmup_steps = lr, weight_decay, warmup_steps
+        self.warmup_ratio = warmup_ratio
+        self.peft_merge, self.load_best_model_at_end = peft_merge, load_best_model_at_end
         self.adam_betas, self.adam_eps = tuple(adam_betas), adam_eps
         self.fsdp_units = fsdp_units
         self.save_hf = save_hf
@@ -66,6 +82,18 @@ class HFModule(ModuleInterface):
                                     "false")
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.peft = None
+        if peft is not None:  # LoRA & co.: the base frozen, the adapters (and head) train
+            from .adapters import TASK_TYPES, apply_peft, peft_config
+
+            self.peft = peft_config(peft, TASK_TYPES[self.task])
+            self.model = apply_peft(self, self.model, self.peft)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A task's __init__ passes **kwargs on to HFModule's: its signature is the union,
+        # so the config loader refuses an unknown init_args key in one line.
+        super().__init_subclass__(**kwargs)
+        cls.__signature__ = _merged_signature(cls)
 
     # -- the model -------------------------------------------------------------------
     def model_kwargs(self) -> dict[str, Any]:
@@ -130,7 +158,10 @@ class HFModule(ModuleInterface):
                                  {"params": no_decay, "weight_decay": 0.0}],
                                 lr=self.lr, betas=self.adam_betas, eps=self.adam_eps, **fused)
         total = estimated_global_steps_per_epoch * epochs
-        sched = transformers.get_linear_schedule_with_warmup(opt, self.warmup_steps, total)
+        # warmup_ratio as HF Trainer counts it: rounded up, of the run's optimizer steps.
+        warmup = math.ceil(total * self.warmup_ratio) if self.warmup_ratio else self.warmup_steps
+        self.warmup_in_effect = warmup
+        sched = transformers.get_linear_schedule_with_warmup(opt, warmup, total)
         sched.total_steps = total  # the trainer checks a run fits in it
         return [opt], [sched]
 
@@ -181,6 +212,27 @@ class HFModule(ModuleInterface):
         from .export import SavePretrained
 
         return [SavePretrained(self)] if self.save_hf else []
+
+
+def _merged_signature(cls: type) -> inspect.Signature:
+    """The keyword parameters of ``cls.__init__`` and of each ``__init__`` up the MRO its
+    ``**kwargs`` reach (to HFModule's), with their evaluated annotations."""
+    params: dict[str, inspect.Parameter] = {}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        hints = typing.get_type_hints(init)
+        more = False
+        for p in list(inspect.signature(init).parameters.values())[1:]:
+            if p.kind is p.VAR_KEYWORD:
+                more = True
+            elif p.kind is not p.VAR_POSITIONAL and p.name not in params:
+                params[p.name] = p.replace(kind=p.KEYWORD_ONLY,
+                                           annotation=hints.get(p.name, p.annotation))
+        if not more or klass is HFModule:
+            break
+    return inspect.Signature(list(params.values()))
 
 
 def _saved_dtype(cfg: Any) -> Optional[torch.dtype]:
