@@ -23,6 +23,6 @@ def require(name: str) -> ModuleType:
     try:
         return importlib.import_module(name)
     except ImportError:
-        extra = EXTRAS.get(name)
+        extra = EXTRAS.get(name.split(".")[0])
         how = f"pip install 'sailfin[{extra}]'" if extra else f"pip install {name}"
         raise HFConfigError(f"sailfin.hf needs the '{name}' package: {how}") from None

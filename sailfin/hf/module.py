@@ -137,11 +137,23 @@ class HFModule(ModuleInterface):
             raise HFConfigError(f"the tokenizer ({self.data.tokenizer_path}) has "
                                 f"{len(self.tokenizer)} tokens, the model's vocab_size is "
                                 f"{vocab}; use the model's own tokenizer or a larger vocab_size")
+        offset = position_offset(self.model)
+        lengths = [("max_length", self.data.max_length)]
+        if self.task == "seq2seq":
+            lengths.append(("target_max_length", self.data.target_max_length))
         for key in ("max_position_embeddings", "n_positions"):
             limit = getattr(cfg, key, None)
-            if isinstance(limit, int) and limit < self.data.max_length:
-                raise HFConfigError(f"data.init_args.max_length is {self.data.max_length}, "
-                                    f"more than the model's {key} ({limit}); lower max_length")
+            if not isinstance(limit, int):
+                continue
+            for name, length in lengths:
+                if limit - offset >= length:
+                    continue
+                why = (f" less its position offset {offset} (its positions start after "
+                       f"padding_idx {offset - 1})" if offset else "")
+                raise HFConfigError(f"data.init_args.{name} is {length}, more than the "
+                                    f"{limit - offset} tokens {type(self.model).__name__} "
+                                    f"takes (its {key} {limit}{why}); lower {name} to "
+                                    f"{limit - offset}")
 
     # -- optimizer and schedule --------------------------------------------------------
     def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: int, epochs: int
@@ -212,6 +224,16 @@ class HFModule(ModuleInterface):
         from .export import SavePretrained
 
         return [SavePretrained(self)] if self.save_hf else []
+
+
+def position_offset(model: torch.nn.Module) -> int:
+    """Positions a model's embeddings skip: RoBERTa and XLM-R number positions from
+    ``padding_idx + 1``, so ``max_position_embeddings - padding_idx - 1`` tokens fit."""
+    for module in model.modules():
+        pad = getattr(module, "padding_idx", None)
+        if hasattr(module, "position_embeddings") and isinstance(pad, int):
+            return pad + 1
+    return 0
 
 
 def _merged_signature(cls: type) -> inspect.Signature:
