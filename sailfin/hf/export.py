@@ -129,3 +129,68 @@ def _model_from(module: "HFModule", state: dict[str, torch.Tensor], where: str) 
     if module.peft is not None and module.peft_merge:
         model = model.merge_and_unload()  # base + adapters: a plain transformers model
     return model
+
+
+def export_checkpoint(checkpoint: str, out_dir: str) -> str:
+    """``sailfin export CHECKPOINT OUT``: the recipe the checkpoint's manifest records is
+    built (its data and model settings), the checkpoint's weights loaded into it as
+    ``trainer.init_from`` loads them (any backend's checkpoint: sharded ones through DCP),
+    and ``OUT`` written as ``final/hf`` would be: a ``save_pretrained`` directory, or a
+    PEFT adapter directory (merged with ``peft_merge``).
+
+    Example::
+
+        export_checkpoint("outputs/run/checkpoints/step-00000120", "exported")
+        AutoModelForSequenceClassification.from_pretrained("exported")
+    """
+    import dataclasses
+    from types import SimpleNamespace
+
+    from ..backends.precision import Precision
+    from ..backends.strategy import SingleDevice
+    from ..checkpoint.checkpointer import DirectoryCheckpointer
+    from ..config import from_dict
+    from ..config.checkpoint import CheckpointArguments
+    from ..distributed import DistEnv
+    from ..trainer.checkpointing.config_diff import recorded_config
+    from ..trainer.checkpointing.init_from import load_initial_weights
+    from .module import HFModule
+
+    dist = DistEnv()
+    manifest = DirectoryCheckpointer(checkpoint, CheckpointArguments(), dist).load(
+        checkpoint, mmap=True).manifest
+    recorded = recorded_config(manifest) or {}
+    if not isinstance(recorded.get("module"), dict):
+        raise HFConfigError(f"sailfin export: {checkpoint} records no module: section (the "
+                            "run was built in Python, not by sailfin train); load it with "
+                            "trainer.init_from into your module and call "
+                            "sailfin.hf.export.save_pretrained_from")
+    cfg = from_dict({k: v for k, v in recorded.items() if k in ("module", "data", "trainer")})
+    module = cfg.build()
+    if not isinstance(module, HFModule):
+        raise HFConfigError(f"sailfin export: {checkpoint} was trained with "
+                            f"{type(module).__name__}, not a sailfin.hf module; only those "
+                            "export to a save_pretrained directory")
+    # One process on the CPU reads any checkpoint, whatever backend wrote it.
+    args = dataclasses.replace(cfg.trainer, backend="sp", device="cpu")
+    view = SimpleNamespace(module=module, args=args, dist=dist,
+                           backend=SingleDevice(Precision(), torch.device("cpu"), dist))
+    load_initial_weights(view, checkpoint)
+    return save_pretrained_from(module, module.state_dict(), out_dir)
+
+
+def export_command(checkpoint: str, out_dir: str) -> int:
+    """The ``sailfin export`` command: 0, or 2 after one line saying what was wrong."""
+    from ..checkpoint import CheckpointError
+    from ..config import ConfigError
+
+    if os.getcwd() not in sys.path:  # class_path names resolve as under sailfin train
+        sys.path.insert(0, os.getcwd())
+    try:
+        path = export_checkpoint(checkpoint, out_dir)
+    except (ConfigError, CheckpointError) as exc:
+        print(f"sailfin: export: {str(exc).replace('trainer.init_from: ', '')}",
+              file=sys.stderr)
+        return 2
+    print(f"exported {checkpoint} to {path}")
+    return 0

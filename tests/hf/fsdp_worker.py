@@ -19,3 +19,20 @@ def train_rank(rank, world, dist_args, out, task, data_dir, trainer):
                    for p in m.parameters())
         torch.save({"summary": summary, "units": list(t.backend.units), "held": held,
                     "total": total}, out / f"rank{rank}.pt")
+
+
+def export_rank(rank, world, dist_args, out, config_text):
+    """A run built from a YAML as `sailfin train` builds it (so its checkpoints record the
+    recipe), trained under fsdp with a checkpoint at the end."""
+    import dataclasses
+
+    import yaml
+
+    from sailfin import Trainer
+    from sailfin.config import from_dict
+
+    cfg = from_dict(yaml.safe_load(config_text))
+    m = cfg.build()
+    trainer = dataclasses.replace(cfg.trainer, distributed=dist_args)
+    with Trainer(m, trainer) as t:
+        t.train()
