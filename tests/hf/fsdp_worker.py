@@ -36,3 +36,14 @@ def export_rank(rank, world, dist_args, out, config_text):
     trainer = dataclasses.replace(cfg.trainer, distributed=dist_args)
     with Trainer(m, trainer) as t:
         t.train()
+
+
+def lora_rank(rank, world, dist_args, out, task, data_dir, backend, trainer):
+    """One rank of a LoRA run (dropout 0) under ``backend``; final weights in out/run."""
+    from sailfin import Trainer, seed_everything
+
+    seed_everything(0)
+    m = module(task, data_dir, config_kw=NO_DROPOUT[task],
+               peft={"r": 4, "lora_alpha": 8, "lora_dropout": 0.0})
+    with Trainer(m, args(out / "run", backend=backend, distributed=dist_args, **trainer)) as t:
+        t.train()
