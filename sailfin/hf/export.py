@@ -38,19 +38,6 @@ class SavePretrained(Callback):
     def __init__(self, module: "HFModule") -> None:
         self.module = module
 
-    def on_train_start(self, trainer: Any) -> None:
-        args = trainer.args
-        if self.module.load_best_model_at_end and not args.checkpoint.best_metric:
-            raise HFConfigError("module.init_args.load_best_model_at_end needs "
-                                "trainer.checkpoint.best_metric (the validation metric that "
-                                "picks the best checkpoint, e.g. loss)")
-        if args.max_grad_norm is None and not args.backend.endswith("-dp") \
-                and trainer.dist.is_main and trainer.global_step == 0:
-            # The one default that changes results when a Trainer script is ported.
-            print("sailfin.hf: trainer.max_grad_norm is null: gradients are not clipped "
-                  "(transformers.Trainer clips at 1.0 by default; set trainer.max_grad_norm: "
-                  "1.0 for the same)", file=sys.stderr, flush=True)
-
     def on_train_end(self, trainer: Any) -> None:
         final = os.path.join(trainer.args.output_dir, "final")
         weights = os.path.join(final, "model.safetensors")

@@ -34,6 +34,7 @@ class HFModule(ModuleInterface):
     task = ""
     auto_class = ""
     shift_labels: Optional[bool] = None  # per-token labels: shifted (causal) or not
+    per_sample_losses = False  # train_step returns each sample's loss (set by HFStart)
 
     def __init__(self, data: TextData, model_name_or_path: Optional[str] = None,
                  config: Optional[dict[str, Any]] = None, lr: float = 5e-5,
@@ -198,6 +199,12 @@ class HFModule(ModuleInterface):
     def train_step(self, global_step: int, batch: dict[str, torch.Tensor],
                    device: torch.device) -> torch.Tensor:
         out = self.forward_batch(batch, device)
+        if self.per_sample_losses:  # DP-SGD's ghost clipping: each sample's loss (HFStart)
+            labels = batch["labels"].to(device)
+            if self.shift_labels is None:
+                return torch.nn.functional.cross_entropy(out.logits.float(), labels,
+                                                         reduction="none")
+            return per_sample_loss(out.logits, labels, self.shift_labels, reduce=False)
         if self.shift_labels is None or self.loss_per == "token":
             return out.loss  # the model's own: a mean over this micro-batch's tokens
         return per_sample_loss(out.logits, batch["labels"].to(device), self.shift_labels)
@@ -222,8 +229,9 @@ class HFModule(ModuleInterface):
 
     def configure_callbacks(self) -> list:
         from .export import SavePretrained
+        from .start import HFStart
 
-        return [SavePretrained(self)] if self.save_hf else []
+        return [HFStart(self)] + ([SavePretrained(self)] if self.save_hf else [])
 
 
 def position_offset(model: torch.nn.Module) -> int:
@@ -265,16 +273,19 @@ def _saved_dtype(cfg: Any) -> Optional[torch.dtype]:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
-def per_sample_loss(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch.Tensor:
-    """The mean over samples of each sample's mean token loss. sailfin weights each
-    micro-batch by its samples, so this is the same whatever the micro-batch size and
-    world size (a mean over one micro-batch's tokens is not: ``loss_per: token``)."""
+def per_sample_loss(logits: torch.Tensor, labels: torch.Tensor, shift: bool,
+                    reduce: bool = True) -> torch.Tensor:
+    """The mean over samples of each sample's mean token loss (``reduce=False``: each
+    sample's). sailfin weights each micro-batch by its samples, so this is the same
+    whatever the micro-batch size and world size (a mean over one micro-batch's tokens
+    is not: ``loss_per: token``)."""
     if shift:
         logits, labels = logits[:, :-1], labels[:, 1:]
     nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels,
                                             ignore_index=-100, reduction="none")
     tokens = (labels != -100).sum(1)
-    return (nll.sum(1) / tokens.clamp(min=1)).mean()
+    per_sample = nll.sum(1) / tokens.clamp(min=1)
+    return per_sample.mean() if reduce else per_sample
 
 
 def fusable(params: list[torch.Tensor]) -> bool:
