@@ -196,3 +196,89 @@ def test_peft_by_yaml_and_an_unknown_init_arg_is_a_config_error(data_dir, tmp_pa
     good = text.replace("lr: 0.003", "lr: 0.003\n    peft: {r: 4, lora_alpha: 8}")
     assert main(["train", write(tmp_path / "good.yaml", good)]) == 0
     assert (tmp_path / "out" / "final" / "hf" / "adapter_config.json").exists()
+
+
+def test_memory_snapshots_on_and_off_give_bit_identical_adapters(data_dir, tmp_path, capfd):
+    """LoRA (dropout on) killed at step 4 and resumed from its memory snapshots ends with
+    the weights of the same run without snapshots."""
+    from tests.checkpoint.test_memory import Settle
+
+    kw = {"peft": {**LORA, "lora_dropout": 0.1}}
+    ref, _, _ = train("causal_lm", data_dir, tmp_path / "ref", module_kw=kw, max_steps=5,
+                      checkpoint={"at_epoch_end": False})
+    snapshots = dict(max_steps=5, checkpoint={
+        "at_epoch_end": False, "memory": {"every_n_steps": 1, "dir": str(tmp_path / "shm")}})
+    out = tmp_path / "run"
+    with pytest.raises(Crash):
+        train("causal_lm", data_dir, out, callbacks=[Settle(), CrashAt(4)], module_kw=kw,
+              **snapshots)
+    capfd.readouterr()
+    module, _, _ = train("causal_lm", data_dir, out, module_kw=kw, **snapshots)
+    assert "resuming from memory, step 3" in capfd.readouterr().err
+    assert_same_params(params(ref), params(module))
+
+
+def test_lora_composes_with_activation_checkpointing_and_sp_amp(data_dir, tmp_path):
+    """Recomputed blocks give the same adapters as stored activations; sp-amp trains them."""
+    kw = {"peft": LORA, "config_kw": NO_DROPOUT["causal_lm"]}
+    plain, _, _ = train("causal_lm", data_dir, tmp_path / "plain", max_steps=2, module_kw=kw)
+    ckpt, _, _ = train("causal_lm", data_dir, tmp_path / "ckpt", max_steps=2,
+                       module_kw={**kw, "activation_checkpointing": True})
+    assert ckpt.model.get_base_model().is_gradient_checkpointing
+    for key, value in params(plain).items():
+        torch.testing.assert_close(params(ckpt)[key], value, rtol=1e-5, atol=1e-6)
+    amp, _, summary = train("causal_lm", data_dir, tmp_path / "amp", max_steps=2,
+                            module_kw=kw, backend="sp-amp")
+    assert summary["global_step"] == 2
+    lora_b = [p for n, p in amp.named_parameters() if "lora_B" in n]
+    assert lora_b and all(p.abs().max() > 0 for p in lora_b)
+
+
+def test_warmup_ratio_is_trainers_count_of_warm_up_steps(data_dir, tmp_path):
+    """warmup_ratio 0.3 of 7 steps: ceil(2.1) = 3 warm-up steps, as transformers.Trainer."""
+    from sailfin.hf import CausalLM
+
+    m = CausalLM(data("causal_lm", data_dir), config=dict(CONFIGS["causal_lm"]), lr=1e-3,
+                 warmup_ratio=0.3)
+    from sailfin import Trainer
+    from tests.hf.helpers import args
+
+    Trainer(m, args(tmp_path, max_steps=7, epochs=7, max_train_steps_per_epoch=1)).train()
+    assert m.warmup_in_effect == 3
+    lrs = [json.loads(x)["lr"] for x in (tmp_path / "metrics.jsonl").open() if '"lr"' in x]
+    assert lrs[:3] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3])
+    with pytest.raises(HFConfigError, match="warmup_steps .2. and warmup_ratio .0.3. are "
+                                            "both set; keep one"):
+        CausalLM(m.data, config=dict(CONFIGS["causal_lm"]), warmup_steps=2, warmup_ratio=0.3)
+
+
+def test_no_clipping_is_said_once_at_start(data_dir, tmp_path, capfd):
+    train("classification", data_dir, tmp_path / "a", max_steps=1)
+    err = capfd.readouterr().err
+    assert err.count("trainer.max_grad_norm is null: gradients are not clipped "
+                     "(transformers.Trainer clips at 1.0") == 1
+    train("classification", data_dir, tmp_path / "b", max_steps=1, max_grad_norm=1.0)
+    assert "not clipped" not in capfd.readouterr().err
+
+
+def test_one_call_gives_a_recipe_of_ones_own_lora(data_dir, tmp_path):
+    """apply_peft(recipe, model, fields): the model wrapped, the recipe's checkpoints
+    marked to leave the frozen base out."""
+    from sailfin import ModuleInterface
+    from sailfin.hf.adapters import apply_peft
+
+    class Mine(ModuleInterface):
+        def __init__(self):
+            super().__init__()
+            cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)
+            self.model = apply_peft(self, transformers.GPT2LMHeadModel(cfg),
+                                    {"r": 2, "target_modules": ["c_attn"]}, "CAUSAL_LM")
+
+    mine = Mine()
+    assert mine.checkpoint_frozen_params is False and Mine.checkpoint_frozen_params
+    names = {n for n, p in mine.named_parameters() if p.requires_grad}
+    assert names and all("lora_" in n and "c_attn" in n for n in names)
+    with pytest.raises(HFConfigError, match="module.init_args.peft: Target modules .*nope"):
+        apply_peft(Mine.__new__(Mine), transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)),
+            {"target_modules": ["nope"]})
