@@ -282,3 +282,27 @@ def test_one_call_gives_a_recipe_of_ones_own_lora(data_dir, tmp_path):
         apply_peft(Mine.__new__(Mine), transformers.GPT2LMHeadModel(
             transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)),
             {"target_modules": ["nope"]})
+
+
+def test_fsdp_units_of_a_lora_model_are_its_blocks(data_dir):
+    """Under peft's wrapper the units are still the model's blocks, each holding frozen
+    base weights and adapters together (FSDP2 shards both; only adapters get grads)."""
+    from sailfin.backends.fsdp_units import select_units
+
+    m = build("causal_lm", data_dir, peft=LORA)
+    units = dict(select_units(m.model, None))
+    assert sorted(units) == ["base_model.model.transformer.h.0",
+                             "base_model.model.transformer.h.1"]
+    for unit in units.values():
+        flags = {p.requires_grad for p in unit.parameters()}
+        assert flags == {True, False}
+
+
+@pytest.mark.slow  # inductor compiles the model: minutes on 2 busy cores
+def test_lora_under_compile_trains_the_adapters_as_eager(data_dir, tmp_path):
+    kw = {"peft": LORA, "config_kw": NO_DROPOUT["causal_lm"]}
+    eager, _, _ = train("causal_lm", data_dir, tmp_path / "eager", max_steps=2, module_kw=kw)
+    compiled, _, _ = train("causal_lm", data_dir, tmp_path / "compiled", max_steps=2,
+                           module_kw=kw, compile=True, compile_check=False)
+    for key, value in params(eager).items():
+        torch.testing.assert_close(params(compiled)[key], value, rtol=1e-4, atol=1e-5)
