@@ -179,8 +179,13 @@ def test_an_unknown_peft_field_is_one_line_naming_it(data_dir, tmp_path):
     from sailfin.hf import SequenceClassification
 
     d = data("classification", data_dir)
-    with pytest.raises(HFConfigError, match=r"'module.init_args.peft.rank'.*did you mean 'r'"):
+    with pytest.raises(HFConfigError, match=r"unknown config key 'module.init_args.peft.rank'; "
+                                            r"valid keys here: .*lora_alpha, .* r, .*LoraConfig"):
         SequenceClassification(d, config=dict(CONFIGS["classification"]), peft={"rank": 8})
+    with pytest.raises(HFConfigError, match=r"'module.init_args.peft.lora_alfa' \(did you "
+                                            r"mean 'lora_alpha'\?\)"):
+        SequenceClassification(d, config=dict(CONFIGS["classification"]),
+                               peft={"lora_alfa": 8})
     with pytest.raises(HFConfigError, match=r"peft.peft_type is 'LORRA'.*LORA"):
         SequenceClassification(d, config=dict(CONFIGS["classification"]),
                                peft={"peft_type": "lorra"})
