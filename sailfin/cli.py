@@ -51,6 +51,14 @@ def _parser() -> argparse.ArgumentParser:
                                        "memory) a run left in shared memory on this machine; "
                                        "its checkpoints and outputs stay")
     clean.add_argument("output_dir", help="the run's trainer.output_dir")
+    export = sub.add_parser("export", help="a save_pretrained (or PEFT adapter) directory "
+                            "from a sailfin.hf run's checkpoint",
+                            description="Build the recipe a checkpoint records, load its "
+                                        "weights (any backend's) and write OUT as final/hf "
+                                        "would be: see docs/hf.md")
+    export.add_argument("checkpoint", help="a checkpoint directory, or a run's checkpoints/ "
+                                           "(its latest)")
+    export.add_argument("out", help="the directory to write")
     shard_cli.add_parser(sub)
     sub.add_parser("launch", add_help=False,
                    help="torchrun with the same arguments, exiting 75 when preempted",
@@ -305,6 +313,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "launch":
         from .launch import launch_command
         return launch_command(list(argv if argv is not None else sys.argv[1:])[1:])
+    if args.command == "export":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        from .hf.export import export_command
+        return export_command(args.checkpoint, args.out)
     if args.command == "clean":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
