@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Union
 import torch
 
 from ..trainer import Callback
+from ..utils.voice import line, say
 from .errors import HFConfigError, require
 
 if TYPE_CHECKING:
@@ -176,8 +177,7 @@ def export_command(checkpoint: str, out_dir: str) -> int:
     try:
         path = export_checkpoint(checkpoint, out_dir)
     except (ConfigError, CheckpointError) as exc:
-        print(f"sailfin: export: {str(exc).replace('trainer.init_from: ', '')}",
-              file=sys.stderr)
+        line(f"sailfin: export: {str(exc).replace('trainer.init_from: ', '')}")
         return 2
-    print(f"exported {checkpoint} to {path}")
+    say(f"exported {checkpoint} to {path}")
     return 0

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, Any
 
 from ..trainer import Callback
+from ..utils.voice import say
 from .errors import HFConfigError
 
 if TYPE_CHECKING:
@@ -40,6 +40,6 @@ class HFStart(Callback):
         if args.max_grad_norm is None and not private and trainer.dist.is_main \
                 and trainer.global_step == 0:
             # The one default that changes results when a Trainer script is ported.
-            print("sailfin.hf: trainer.max_grad_norm is null: gradients are not clipped "
-                  "(transformers.Trainer clips at 1.0 by default; set trainer.max_grad_norm: "
-                  "1.0 for the same)", file=sys.stderr, flush=True)
+            say("sailfin.hf: trainer.max_grad_norm is null: gradients are not clipped "
+                "(transformers.Trainer clips at 1.0 by default; set trainer.max_grad_norm: "
+                "1.0 for the same)")
