@@ -317,7 +317,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         from .hf.export import export_command
-        return export_command(args.checkpoint, args.out)
+        path = export_command(args.checkpoint, args.out)
+        if path is None:
+            return 2
+        print(f"exported {args.checkpoint} to {path}")  # the command's result
+        return 0
     if args.command == "clean":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -12,12 +12,12 @@ import copy
 import os
 import shutil
 import sys
-from typing import TYPE_CHECKING, Any, Mapping, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 import torch
 
 from ..trainer import Callback
-from ..utils.voice import line, say
+from ..utils.voice import line
 from .errors import HFConfigError, require
 
 if TYPE_CHECKING:
@@ -167,8 +167,9 @@ def export_checkpoint(checkpoint: str, out_dir: str) -> str:
     return save_pretrained_from(module, module.state_dict(), out_dir)
 
 
-def export_command(checkpoint: str, out_dir: str) -> int:
-    """The ``sailfin export`` command: 0, or 2 after one line saying what was wrong."""
+def export_command(checkpoint: str, out_dir: str) -> Optional[str]:
+    """The ``sailfin export`` command's work: the directory written, or None after one line
+    saying what was wrong."""
     from ..checkpoint import CheckpointError
     from ..config import ConfigError
 
@@ -178,6 +179,5 @@ def export_command(checkpoint: str, out_dir: str) -> int:
         path = export_checkpoint(checkpoint, out_dir)
     except (ConfigError, CheckpointError) as exc:
         line(f"sailfin: export: {str(exc).replace('trainer.init_from: ', '')}")
-        return 2
-    say(f"exported {checkpoint} to {path}")
-    return 0
+        return None
+    return path
