@@ -11,6 +11,7 @@ import yaml
 
 from . import shard_cli
 from .config import ConfigError, load_config
+from .distributed.exit_codes import NOTHING_TO_TRAIN_EXIT_CODE
 from .distributed.launch_notes import FINISHED, USER_ERROR, leave_note, noted_by_others
 from .logging.writers import WriterError
 from .signals import (PREEMPTED_EXIT_CODE, StoppedDuringSetup, note_preempted, setup_over,
@@ -79,6 +80,7 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
     from .trainer import Trainer
     from .trainer.safety.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
     from .trainer.safety.run_lock import RunLockError
+    from .trainer.safety.startup_checks import NothingToTrain
 
     try:
         module = cfg.build(_module_builder(cfg.trainer))
@@ -121,6 +123,9 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
     except RunLockError as exc:
         _user_error(f"sailfin: {exc}")
         return 2
+    except NothingToTrain as exc:  # every rank resumed the same finished run
+        _user_error(f"sailfin: {exc} (exit code {NOTHING_TO_TRAIN_EXIT_CODE})")
+        return NOTHING_TO_TRAIN_EXIT_CODE
     except ShardError as exc:
         # A damaged shard is this rank's own finding: every rank says what it read.
         print(f"sailfin: shard error: {_without_worker_traceback(exc)}", file=sys.stderr)
@@ -310,7 +315,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             with stop_during_setup():  # until the trainer takes SIGTERM over
                 code = _recorded(_user_errors(train_command))(args.config, rest,
                                                               args.print_config)
-                if code == 2:  # sailfin launch: this rank's error, not torchrun's stop
+                # sailfin launch: this rank's own end, not torchrun's stop
+                if code in (2, NOTHING_TO_TRAIN_EXIT_CODE):
                     leave_note(USER_ERROR)
                 return code
         if args.command == "shard":

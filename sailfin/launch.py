@@ -13,7 +13,8 @@ same launcher (``torch.distributed.run``'s parser and ``run``) and exits:
   ``podFailurePolicy`` or a Slurm requeue can tell a preemption from a failure;
 - 2 when a worker printed a user error (a config, a checkpoint, a full disk: it
   leaves a note), whichever worker failed first and however torchrun then stopped
-  the others; else the workers' code when they all failed with the same one;
+  the others (3 when every worker found the run already finished: nothing to train);
+  else the workers' code when they all failed with the same one;
 - 1 for any other failure, 128 + the signal when stopped by a signal while a worker
   that had begun training saved nothing; 0 when the run finished.
 
@@ -36,7 +37,8 @@ import sys
 import tempfile
 from typing import Optional, Sequence
 
-from .distributed.exit_codes import HANG_EXIT_CODE, PREEMPTED_EXIT_CODE
+from .distributed.exit_codes import (HANG_EXIT_CODE, NOTHING_TO_TRAIN_EXIT_CODE,
+                                     PREEMPTED_EXIT_CODE)
 from .distributed.launch_notes import (FINISHED, HANG, LAUNCH_DIR_ENV, PREEMPTED, TRAINING,
                                       USER_ERROR, read_notes)
 
@@ -97,7 +99,10 @@ def _closing_line(codes: dict[int, int], notes: dict[str, set[int]]
         ranks = sorted(notes[USER_ERROR])
         who = (f"rank {ranks[0]} stopped on the error it printed above" if len(ranks) == 1
                else f"ranks {', '.join(map(str, ranks))} stopped on the error printed above")
-        return f"{who}; torchrun stopped any other worker", 2
+        finished = NOTHING_TO_TRAIN_EXIT_CODE in codes.values() and all(
+            c == NOTHING_TO_TRAIN_EXIT_CODE or c in _STOPPED_BY_AGENT for c in codes.values())
+        return f"{who}; torchrun stopped any other worker", (
+            NOTHING_TO_TRAIN_EXIT_CODE if finished else 2)
     if notes[HANG] and all(c == HANG_EXIT_CODE or c in _STOPPED_BY_AGENT
                            for c in codes.values()):
         return ("the hang watchdog ended the job: a rank stopped making progress (its report "

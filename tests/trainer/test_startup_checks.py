@@ -2,12 +2,14 @@
 train_step's return, schedulers that cannot run as long as the run; and PyMarlin's
 gpu_batch_size_limit and max_val_steps_per_epoch through the trainer."""
 
+import json
+
 import pytest
 import torch
 from torch import nn
 
 from sailfin import Trainer
-from sailfin.trainer.safety.startup_checks import StartupCheckError
+from sailfin.trainer.safety.startup_checks import NothingToTrain, StartupCheckError
 from tests.checkpoint.helpers import assert_same_params, metric_lines, params
 from tests.recipes import IdData, LinearRecipe, args
 
@@ -188,17 +190,50 @@ def test_a_one_cycle_schedule_shorter_than_a_fresh_run_is_caught(tmp_path):
         train(Short(IdData(40, 10)), tmp_path, epochs=2)
 
 
-def test_a_finished_run_with_fewer_epochs_says_nothing_is_left(tmp_path, capfd):
+def test_a_finished_run_asked_to_train_again_stops_saying_nothing_was_trained(tmp_path):
+    """Re-running a finished run's command trained nothing and ended like a success; it now
+    stops before step 1, naming the directory, the step and both ways on, and leaves the
+    finished run's files as they were."""
     train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=2)
-    train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=1)
-    assert "nothing left to train: the checkpoint is at step 8 (epoch 2)" in \
+    before = (tmp_path / "summary.json").read_bytes()
+    for epochs in (2, 1):  # the same command again, or fewer epochs
+        module = LinearRecipe(IdData(40, 10))
+        with pytest.raises(NothingToTrain) as info:
+            train(module, tmp_path, epochs=epochs)
+        done = info.value
+        assert (done.step, done.epoch, done.output_dir) == (8, 2, str(tmp_path))
+        text = str(done)
+        assert f"the run in {tmp_path} finished at step 8" in text
+        assert "nothing was trained" in text
+        assert f"--trainer.output_dir {tmp_path}-2" in text and "raise trainer.epochs" in text
+        assert module.seen == []
+    assert (tmp_path / "summary.json").read_bytes() == before
+    # The advice works: more epochs continue the run.
+    train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=3)
+    assert json.loads((tmp_path / "summary.json").read_text())["global_step"] == 12
+
+
+def test_a_restart_of_a_finished_job_ends_without_error(tmp_path, monkeypatch, capfd):
+    """torchrun --max-restarts (or a Slurm requeue) restarting a job whose run had finished:
+    the job is done, not refused."""
+    train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=2)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    summary = train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=2)
+    assert summary["global_step"] == 8
+    assert f"resume: the run in {tmp_path} had finished at step 8 before this restart" in \
         capfd.readouterr().err
 
 
-def test_progress_never_passes_100_percent_after_fewer_epochs(tmp_path, capsys):
-    """The digits demo re-run with --trainer.epochs 3 printed 'step 345/69 (500%)'."""
+def test_progress_never_passes_100_percent_after_fewer_epochs(tmp_path, capsys, monkeypatch):
+    """The digits demo re-run with --trainer.epochs 3 printed 'step 345/69 (500%)' (a
+    restart of a finished job still resumes past its new end)."""
     train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=3, progress="lines")
     capsys.readouterr()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=1, progress="lines")
     out = capsys.readouterr().out
     assert "step 12/12 (100%)" in out and "12/4" not in out

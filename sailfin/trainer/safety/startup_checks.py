@@ -54,14 +54,47 @@ def steps_left(trainer: "RunView") -> int:
     return left
 
 
+class NothingToTrain(Exception):
+    """The run in ``output_dir`` already reached the end this config asks for: resuming it
+    would train nothing. Raised before step 1 (``sailfin train`` exits 3,
+    :data:`~sailfin.distributed.exit_codes.NOTHING_TO_TRAIN_EXIT_CODE`); nothing in the output directory is changed.
+
+    Example::
+
+        try:
+            Trainer(module, args).train()
+        except NothingToTrain as done:
+            print(done.step, done.output_dir)   # where the finished run stands
+    """
+
+    def __init__(self, output_dir: str, step: int, epoch: int, epochs: int,
+                 max_steps: "int | None") -> None:
+        self.output_dir, self.step, self.epoch = output_dir, step, epoch
+        ways = (f"use a new trainer.output_dir (e.g. --trainer.output_dir {output_dir}-2) "
+                f"to train from scratch, or raise trainer.epochs (now {epochs})"
+                + (f" or trainer.max_steps (now {max_steps})" if max_steps is not None else "")
+                + " to continue this run")
+        super().__init__(
+            f"the run in {output_dir} finished at step {step} (epoch {epoch} of "
+            f"trainer.epochs {epochs}"
+            + (f", trainer.max_steps {max_steps}" if max_steps is not None else "")
+            + f"); nothing was trained. To train: {ways}")
+
+
 def check_schedulers_fit(trainer: "RunView") -> None:
-    """Stop now if a scheduler with a fixed length would run out during this run."""
+    """Stop now if the run has nothing left to train (:class:`NothingToTrain`) or a
+    scheduler with a fixed length would run out during this run."""
     left = steps_left(trainer)
-    if not left and trainer.resumed_from is not None and trainer.dist.is_main:
-        from ...checkpoint.checkpointer import say
-        say(f"resume: nothing left to train: the checkpoint is at step {trainer.global_step} "
-            f"(epoch {trainer.epoch}), where this run (trainer.epochs {trainer.args.epochs}, "
-            f"trainer.max_steps {trainer.args.max_steps}) ends; raise them to train on")
+    if not left and trainer.resumed_from is not None:
+        args = trainer.args
+        if not trainer.dist.restart_count:
+            raise NothingToTrain(str(args.output_dir), trainer.global_step, trainer.epoch,
+                                 args.epochs, args.max_steps)
+        # torchrun (--max-restarts) or Slurm restarted a job that had finished: it is done.
+        if trainer.dist.is_main:
+            from ...checkpoint.checkpointer import say
+            say(f"resume: the run in {args.output_dir} had finished at step "
+                f"{trainer.global_step} before this restart; nothing left to train")
     for i, scheduler in enumerate(trainer.schedulers):
         total = getattr(scheduler, "total_steps", None)
         done = getattr(scheduler, "last_epoch", None)
