@@ -96,11 +96,17 @@ def resolve_device(spec: str, dist: DistEnv) -> torch.device:
 
 
 def build_backend(args: TrainerArguments, dist: DistEnv) -> SingleDevice:
-    """Resolve ``args.backend`` into a strategy holding a precision."""
+    """Resolve ``args.backend`` into a strategy holding a precision (``auto`` first into
+    ``ddp`` or ``sp``, written back to ``args``: the name in effect is the one saved)."""
+    if args.backend == "auto":  # what HF Trainer, Accelerate and Lightning do under torchrun
+        args.backend = "ddp" if dist.is_distributed else "sp"
+        if dist.is_distributed and dist.is_main:
+            print(f"sailfin: trainer.backend auto -> ddp ({dist.world_size} processes from "
+                  f"{dist.launcher})", file=sys.stderr)
     private = is_private(args.backend)  # "<name>-dp": DP-SGD composed on <name>
     name = args.backend[:-len(DP_SUFFIX)] if private else args.backend
     if name not in ALIASES:
-        known = list(BACKENDS)
+        known = ["auto", *BACKENDS]
         raise ConfigError(f"trainer.backend '{args.backend}'{suggest(args.backend, known)} "
                           f"is not known; valid backends: {', '.join(known)}")
     strategy, precision = ALIASES[name]
