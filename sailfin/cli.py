@@ -52,10 +52,9 @@ def _parser() -> argparse.ArgumentParser:
                                        "its checkpoints and outputs stay")
     clean.add_argument("output_dir", help="the run's trainer.output_dir")
     shard_cli.add_parser(sub)
-    sub.add_parser("launch", add_help=False,
-                   help="torchrun with the same arguments, exiting 75 when preempted",
-                   description="sailfin launch [torchrun arguments] -m sailfin train "
-                               "CONFIG.yaml: see docs/multinode.md")
+    sub.add_parser("launch", add_help=False,  # its own help: sailfin.launch.HELP
+                   help="torchrun with the same arguments, a closing line and exit codes "
+                        "a scheduler can read (75: preempted, requeue)")
     return parser
 
 

@@ -42,12 +42,49 @@ from .distributed.exit_codes import (HANG_EXIT_CODE, NOTHING_TO_TRAIN_EXIT_CODE,
 from .distributed.launch_notes import (FINISHED, HANG, LAUNCH_DIR_ENV, PREEMPTED, TRAINING,
                                       USER_ERROR, read_notes)
 
+HELP = f"""\
+usage: sailfin launch [torchrun options] -m sailfin train CONFIG.yaml [--section.key value ...]
+
+torchrun (torch.distributed.run) with the same options. What sailfin launch adds:
+
+  a closing line on stderr (sailfin launch: ...) that says how the job ended, read from
+  the workers' notes (saved a checkpoint on a signal, printed a user error, stopped by the
+  hang watchdog), not from exit codes alone;
+
+  an exit code a scheduler can act on (plain torchrun exits 1 whatever happened):
+    0    the run finished
+    {PREEMPTED_EXIT_CODE:<4} preempted (SIGTERM, a first Ctrl-C) after a checkpoint, or the hang watchdog
+         ended the job: requeue it, the same command resumes
+    2    a worker printed a user error (the config, a checkpoint, a full disk)
+    {NOTHING_TO_TRAIN_EXIT_CODE:<4} the output directory holds a finished run: nothing was trained
+    1    any other failure (torchrun's report follows); 128+N: stopped by signal N while
+         a worker that had begun training saved nothing
+
+torchrun's own options: torchrun --help (or python -m torch.distributed.run --help).
+Example: sailfin launch --nnodes=1 --nproc-per-node=2 -m sailfin train config.yaml
+More: docs/multinode.md (Slurm, Kubernetes), docs/robustness.md (signals, exit codes).
+"""
+
+
+def wants_help(argv: Sequence[str]) -> bool:
+    """``-h``/``--help`` among the launcher's own options (before ``-m`` or the script)."""
+    for arg in argv:
+        if arg in ("-m", "--module") or arg.endswith(".py"):
+            return False
+        if arg in ("-h", "--help"):
+            return True
+    return False
+
+
 # Exit codes of a worker the agent stopped after another worker had exited.
 _STOPPED_BY_AGENT = (-signal.SIGTERM, -signal.SIGKILL)
 
 
 def launch_command(argv: Sequence[str]) -> int:
     """Run torchrun with ``argv``; return the exit code described above."""
+    if wants_help(argv):
+        print(HELP, end="")
+        return 0
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import determine_local_world_size, parse_args, run
