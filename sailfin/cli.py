@@ -79,7 +79,6 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
     from .trainer import Trainer
     from .trainer.safety.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
     from .trainer.safety.run_lock import RunLockError
-    from .trainer.safety.startup_checks import NothingToTrain
 
     try:
         module = cfg.build(_module_builder(cfg.trainer))
@@ -122,9 +121,6 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
     except RunLockError as exc:
         _user_error(f"sailfin: {exc}")
         return 2
-    except NothingToTrain as exc:  # every rank resumed the same finished run
-        _user_error(f"sailfin: {exc} (exit code {NOTHING_TO_TRAIN_EXIT_CODE})")
-        return NOTHING_TO_TRAIN_EXIT_CODE
     except ShardError as exc:
         # A damaged shard is this rank's own finding: every rank says what it read.
         print(f"sailfin: shard error: {_without_worker_traceback(exc)}", file=sys.stderr)
@@ -133,6 +129,8 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         if trainer.dist.is_main:
             print(f"sailfin: {exc} (exit code {PREEMPTED_EXIT_CODE})", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
+    if summary.get("nothing_trained"):  # the trainer said so (rank 0); not a success
+        return NOTHING_TO_TRAIN_EXIT_CODE
     if not trainer.dist.is_main:
         return 0
     account = summary.get("time_account") or {}

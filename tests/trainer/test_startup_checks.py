@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from sailfin import Trainer
-from sailfin.trainer.safety.startup_checks import NothingToTrain, StartupCheckError
+from sailfin.trainer.safety.startup_checks import StartupCheckError
 from tests.checkpoint.helpers import assert_same_params, metric_lines, params
 from tests.recipes import IdData, LinearRecipe, args
 
@@ -190,26 +190,31 @@ def test_a_one_cycle_schedule_shorter_than_a_fresh_run_is_caught(tmp_path):
         train(Short(IdData(40, 10)), tmp_path, epochs=2)
 
 
-def test_a_finished_run_asked_to_train_again_stops_saying_nothing_was_trained(tmp_path):
-    """Re-running a finished run's command trained nothing and ended like a success; it now
-    stops before step 1, naming the directory, the step and both ways on, and leaves the
-    finished run's files as they were."""
+def test_a_finished_run_asked_to_train_again_says_nothing_was_trained(tmp_path, capfd):
+    """Re-running a finished run's command trained nothing and ended like a success: it now
+    says so once, naming the directory, the step and both ways on, returns the finished
+    run's summary marked nothing_trained, and leaves the finished run's files as they were."""
     train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=2)
-    before = (tmp_path / "summary.json").read_bytes()
+    before = {p.name: p.read_bytes() for p in (tmp_path / "summary.json",
+                                               tmp_path / "final" / "model.safetensors")}
+    capfd.readouterr()
     for epochs in (2, 1):  # the same command again, or fewer epochs
         module = LinearRecipe(IdData(40, 10))
-        with pytest.raises(NothingToTrain) as info:
-            train(module, tmp_path, epochs=epochs)
-        done = info.value
-        assert (done.step, done.epoch, done.output_dir) == (8, 2, str(tmp_path))
-        text = str(done)
-        assert f"the run in {tmp_path} finished at step 8" in text
-        assert "nothing was trained" in text
-        assert f"--trainer.output_dir {tmp_path}-2" in text and "raise trainer.epochs" in text
-        assert module.seen == []
-    assert (tmp_path / "summary.json").read_bytes() == before
+        summary = train(module, tmp_path, epochs=epochs)
+        done = summary["nothing_trained"]
+        assert (done["step"], done["epoch"], done["output_dir"]) == (8, 2, str(tmp_path))
+        assert summary["global_step"] == 8 and module.seen == []
+        said = [line for line in capfd.readouterr().err.splitlines() if "nothing" in line]
+        assert said == [f"sailfin: {done['message']}"]
+        assert done["message"].startswith(f"nothing trained: the run in {tmp_path} finished "
+                                          f"at step 8 (epoch 2; trainer.epochs {epochs})")
+        assert f"--trainer.output_dir {tmp_path}-2" in said[0]
+        assert "raise trainer.epochs" in said[0]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "summary.json",
+                                             tmp_path / "final" / "model.safetensors")} == before
     # The advice works: more epochs continue the run.
-    train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=3)
+    summary = train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=3)
+    assert summary["global_step"] == 12 and "nothing_trained" not in summary
     assert json.loads((tmp_path / "summary.json").read_text())["global_step"] == 12
 
 
@@ -221,7 +226,7 @@ def test_a_restart_of_a_finished_job_ends_without_error(tmp_path, monkeypatch, c
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     summary = train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=2)
-    assert summary["global_step"] == 8
+    assert summary["global_step"] == 8 and "nothing_trained" not in summary
     assert f"resume: the run in {tmp_path} had finished at step 8 before this restart" in \
         capfd.readouterr().err
 

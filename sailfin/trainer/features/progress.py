@@ -176,12 +176,15 @@ class Progress(Writer, Callback):
             self._bar.set_description_str(self._epoch_text(trainer), refresh=False)
 
     def on_train_end(self, trainer: "RunView") -> None:
+        summary = getattr(trainer, "summary", None)
+        if summary and summary.get("nothing_trained"):  # said once, by the trainer
+            self.close()
+            return
         if self._bar is not None:
             self._bar.close()
             self._bar = None
         else:
             self._print_line(trainer, time.perf_counter())
-        summary = getattr(trainer, "summary", None)
         if summary:
             out = self._lines()
             out.write(summary_text(summary) + "\n")

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import copy
 import random
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+import sys
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import numpy as np
 import torch
@@ -54,47 +55,40 @@ def steps_left(trainer: "RunView") -> int:
     return left
 
 
-class NothingToTrain(Exception):
-    """The run in ``output_dir`` already reached the end this config asks for: resuming it
-    would train nothing. Raised before step 1 (``sailfin train`` exits 3,
-    :data:`~sailfin.distributed.exit_codes.NOTHING_TO_TRAIN_EXIT_CODE`); nothing in the output directory is changed.
-
-    Example::
-
-        try:
-            Trainer(module, args).train()
-        except NothingToTrain as done:
-            print(done.step, done.output_dir)   # where the finished run stands
-    """
-
-    def __init__(self, output_dir: str, step: int, epoch: int, epochs: int,
-                 max_steps: "int | None") -> None:
-        self.output_dir, self.step, self.epoch = output_dir, step, epoch
-        ways = (f"use a new trainer.output_dir (e.g. --trainer.output_dir {output_dir}-2) "
-                f"to train from scratch, or raise trainer.epochs (now {epochs})"
-                + (f" or trainer.max_steps (now {max_steps})" if max_steps is not None else "")
-                + " to continue this run")
-        super().__init__(
-            f"the run in {output_dir} finished at step {step} (epoch {epoch} of "
-            f"trainer.epochs {epochs}"
-            + (f", trainer.max_steps {max_steps}" if max_steps is not None else "")
-            + f"); nothing was trained. To train: {ways}")
-
-
-def check_schedulers_fit(trainer: "RunView") -> None:
-    """Stop now if the run has nothing left to train (:class:`NothingToTrain`) or a
-    scheduler with a fixed length would run out during this run."""
-    left = steps_left(trainer)
-    if not left and trainer.resumed_from is not None:
-        args = trainer.args
-        if not trainer.dist.restart_count:
-            raise NothingToTrain(str(args.output_dir), trainer.global_step, trainer.epoch,
-                                 args.epochs, args.max_steps)
-        # torchrun (--max-restarts) or Slurm restarted a job that had finished: it is done.
+def nothing_to_train(trainer: "RunView") -> Optional[dict[str, Any]]:
+    """When the run resumed at the end its config asks for (the same command run again, or
+    fewer epochs): what it finished at and the message that says so (rank 0 prints it);
+    None otherwise. The run then trains nothing and writes nothing; ``Trainer.train``
+    returns the finished run's summary with this as ``nothing_trained``, and
+    ``sailfin train`` exits 3 (:data:`~sailfin.distributed.exit_codes.NOTHING_TO_TRAIN_EXIT_CODE`).
+    A restart of a finished job (torchrun ``--max-restarts``, a Slurm requeue) is no such
+    case: the job is done."""
+    if steps_left(trainer) or trainer.resumed_from is None:
+        return None
+    args = trainer.args
+    if trainer.dist.restart_count:
         if trainer.dist.is_main:
             from ...checkpoint.checkpointer import say
             say(f"resume: the run in {args.output_dir} had finished at step "
                 f"{trainer.global_step} before this restart; nothing left to train")
+        return None
+    limits = f"trainer.epochs {args.epochs}" + (
+        f", trainer.max_steps {args.max_steps}" if args.max_steps is not None else "")
+    message = (
+        f"nothing trained: the run in {args.output_dir} finished at step "
+        f"{trainer.global_step} (epoch {trainer.epoch}; {limits}). To train, use a new "
+        f"trainer.output_dir (e.g. --trainer.output_dir {args.output_dir}-2) for a new run, "
+        f"or raise trainer.epochs" + (" or trainer.max_steps" if args.max_steps is not None
+                                      else "") + " to continue this one")
+    if trainer.dist.is_main:
+        print(f"sailfin: {message}", file=sys.stderr, flush=True)
+    return {"output_dir": str(args.output_dir), "step": trainer.global_step,
+            "epoch": trainer.epoch, "message": message}
+
+
+def check_schedulers_fit(trainer: "RunView") -> None:
+    """Stop now if a scheduler with a fixed length would run out during this run."""
+    left = steps_left(trainer)
     for i, scheduler in enumerate(trainer.schedulers):
         total = getattr(scheduler, "total_steps", None)
         done = getattr(scheduler, "last_epoch", None)
