@@ -47,7 +47,8 @@ def _single(precision: Precision, device: torch.device, dist: DistEnv,
         raise ConfigError(
             f"trainer.backend '{args.backend}' trains in one process, but this is rank "
             f"{dist.rank} of {dist.world_size} ({dist.launcher}): every rank would train alone. "
-            "Use trainer.backend ddp (or ddp-amp) under a launcher")
+            "Use trainer.backend ddp (or ddp-amp) under a launcher, or leave trainer.backend "
+            "out: its default, auto, is ddp here")
     plain = type(precision) is Precision and not execution.compile  # fp32, called directly
     return compose(PlainSingleDevice if plain else SingleDevice)(
         precision, device, dist, execution)
