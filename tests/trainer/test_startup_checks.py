@@ -218,6 +218,18 @@ def test_a_finished_run_asked_to_train_again_says_nothing_was_trained(tmp_path, 
     assert json.loads((tmp_path / "summary.json").read_text())["global_step"] == 12
 
 
+def test_a_run_ended_by_max_steps_names_max_steps_as_the_way_on(tmp_path):
+    """More epochs would not continue a run that max_steps ended: the advice names the
+    limit the run reached."""
+    train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=5, max_steps=6)
+    done = train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=5, max_steps=6)
+    message = done["nothing_trained"]["message"]
+    assert "(epoch 1; trainer.epochs 5, trainer.max_steps 6)" in message
+    assert message.endswith("or raise trainer.max_steps to continue this one"), message
+    assert train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=5,
+                 max_steps=8)["global_step"] == 8
+
+
 def test_a_restart_of_a_finished_job_ends_without_error(tmp_path, monkeypatch, capfd):
     """torchrun --max-restarts (or a Slurm requeue) restarting a job whose run had finished:
     the job is done, not refused."""

@@ -74,12 +74,16 @@ def nothing_to_train(trainer: "RunView") -> Optional[dict[str, Any]]:
         return None
     limits = f"trainer.epochs {args.epochs}" + (
         f", trainer.max_steps {args.max_steps}" if args.max_steps is not None else "")
+    # The limits the run reached: raising only those continues it.
+    reached = [key for key, at_end in (
+        ("trainer.epochs", trainer.epoch >= args.epochs),
+        ("trainer.max_steps", args.max_steps is not None
+         and trainer.global_step >= args.max_steps)) if at_end] or ["trainer.epochs"]
     message = (
         f"nothing trained: the run in {args.output_dir} finished at step "
         f"{trainer.global_step} (epoch {trainer.epoch}; {limits}). To train, use a new "
         f"trainer.output_dir (e.g. --trainer.output_dir {args.output_dir}-2) for a new run, "
-        f"or raise trainer.epochs" + (" or trainer.max_steps" if args.max_steps is not None
-                                      else "") + " to continue this one")
+        f"or raise {' and '.join(reached)} to continue this one")
     if trainer.dist.is_main:
         print(f"sailfin: {message}", file=sys.stderr, flush=True)
     return {"output_dir": str(args.output_dir), "step": trainer.global_step,
