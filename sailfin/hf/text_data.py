@@ -140,7 +140,10 @@ class TextData(DataInterface):
         # Row ranges of a few per worker (uneven ones balance), at most ROWS_PER_JOB each:
         # a progress line as each range is done (each process reads the file once).
         per_job = max(1, min(math.ceil(n_rows / workers / 4), ROWS_PER_JOB))
-        line = ProgressLine(f"tokenizing {split} ({_label(source)})", "rows", total=n_rows)
+        # Every rank of a job tokenizes; rank 0 says how far it is.
+        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+        line = ProgressLine(f"tokenizing {split} ({_label(source)})", "rows", total=n_rows,
+                            enabled=rank == "0")
 
         def tokenized(part: dict[str, Any]) -> None:
             line.add(len(part["lengths"]))

@@ -20,11 +20,13 @@ REPORT_SECONDS = 10.0
 
 class ProgressLine:
     """Counts ``unit``s done; prints a line to ``stream`` (stderr) when ``interval``
-    seconds passed since the last one, and a closing line with the count and the rate."""
+    seconds passed since the last one, and a closing line with the count and the rate.
+    ``enabled=False`` counts without printing (the other ranks of a job)."""
 
     def __init__(self, what: str, unit: str, total: Optional[int] = None,
-                 interval: Optional[float] = None, stream: Optional[IO[str]] = None) -> None:
-        self.what, self.unit, self.total = what, unit, total
+                 interval: Optional[float] = None, stream: Optional[IO[str]] = None,
+                 enabled: bool = True) -> None:
+        self.what, self.unit, self.total, self.enabled = what, unit, total, enabled
         self.interval = REPORT_SECONDS if interval is None else interval
         self.stream = stream
         self.done = 0
@@ -36,7 +38,7 @@ class ProgressLine:
         """``count`` more done; ``extra`` (e.g. "3 shard(s)") is said with them."""
         self.done += count
         now = time.perf_counter()
-        if now >= self._next:
+        if self.enabled and now >= self._next:
             self._next = now + self.interval
             self._say(now, extra)
 
@@ -44,7 +46,7 @@ class ProgressLine:
         """The closing line (everything done, in how long), after a job long enough to
         have said a line before: a short one stays quiet."""
         now = time.perf_counter()
-        if self._said or now - self._start >= self.interval:
+        if self.enabled and (self._said or now - self._start >= self.interval):
             self._say(now, extra, closing=True)
 
     def _say(self, now: float, extra: str, closing: bool = False) -> None:

@@ -86,6 +86,9 @@ def test_tokenizing_says_how_many_rows_and_how_fast(data_dir, tmp_path, capsys, 
     assert counts == [f"{min(n, 12)} of 12" for n in range(step, 12 + step, step)] + ["12"]
     assert said[0].endswith(" rows/s") and f" ({100 * step / 12:.0f}%), " in said[0]
     assert said[-1].endswith(" s") and (", 3 shard(s) in " in said[-1]) == shards
+    monkeypatch.setenv("RANK", "1")  # another rank of a job: it tokenizes, rank 0 says so
+    TextData(tok(data_dir), jsonl(tmp_path / "u.jsonl", ROWS), task="classification")
+    assert "tokenizing" not in capsys.readouterr().err
 
 
 def test_token_labels_sit_on_each_words_first_sub_word(data_dir, tmp_path):
