@@ -11,6 +11,7 @@ import yaml
 
 from . import shard_cli
 from .config import ConfigError, load_config
+from .distributed.exit_codes import NOTHING_TO_TRAIN_EXIT_CODE
 from .distributed.launch_notes import FINISHED, USER_ERROR, leave_note, noted_by_others
 from .logging.writers import WriterError
 from .signals import (PREEMPTED_EXIT_CODE, StoppedDuringSetup, note_preempted, setup_over,
@@ -60,10 +61,9 @@ def _parser() -> argparse.ArgumentParser:
                                            "(its latest)")
     export.add_argument("out", help="the directory to write")
     shard_cli.add_parser(sub)
-    sub.add_parser("launch", add_help=False,
-                   help="torchrun with the same arguments, exiting 75 when preempted",
-                   description="sailfin launch [torchrun arguments] -m sailfin train "
-                               "CONFIG.yaml: see docs/multinode.md")
+    sub.add_parser("launch", add_help=False,  # its own help: sailfin.launch.HELP
+                   help="torchrun with the same arguments, a closing line and exit codes "
+                        "a scheduler can read (75: preempted, requeue)")
     return parser
 
 
@@ -125,6 +125,8 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool) -> 
         if trainer.dist.is_main:
             line(f"sailfin: {exc} (exit code {PREEMPTED_EXIT_CODE})")
         return PREEMPTED_EXIT_CODE
+    if summary.get("nothing_trained"):  # the trainer said so (rank 0); not a success
+        return NOTHING_TO_TRAIN_EXIT_CODE
     if not trainer.dist.is_main:
         return 0
     account = summary.get("time_account") or {}
@@ -333,7 +335,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             with stop_during_setup():  # until the trainer takes SIGTERM over
                 code = _recorded(_user_errors(train_command))(args.config, rest,
                                                               args.print_config)
-                if code == 2:  # sailfin launch: this rank's error, not torchrun's stop
+                # sailfin launch: this rank's own end, not torchrun's stop
+                if code in (2, NOTHING_TO_TRAIN_EXIT_CODE):
                     leave_note(USER_ERROR)
                 return code
         if args.command == "shard":

@@ -47,7 +47,8 @@ def _single(precision: Precision, device: torch.device, dist: DistEnv,
         raise ConfigError(
             f"trainer.backend '{args.backend}' trains in one process, but this is rank "
             f"{dist.rank} of {dist.world_size} ({dist.launcher}): every rank would train alone. "
-            "Use trainer.backend ddp (or ddp-amp) under a launcher")
+            "Use trainer.backend ddp (or ddp-amp) under a launcher, or leave trainer.backend "
+            "out: its default, auto, is ddp here")
     plain = type(precision) is Precision and not execution.compile  # fp32, called directly
     return compose(PlainSingleDevice if plain else SingleDevice)(
         precision, device, dist, execution)
@@ -96,11 +97,17 @@ def resolve_device(spec: str, dist: DistEnv) -> torch.device:
 
 
 def build_backend(args: TrainerArguments, dist: DistEnv) -> SingleDevice:
-    """Resolve ``args.backend`` into a strategy holding a precision."""
+    """Resolve ``args.backend`` into a strategy holding a precision (``auto`` first into
+    ``ddp`` or ``sp``, written back to ``args``: the name in effect is the one saved)."""
+    if args.backend == "auto":  # what HF Trainer, Accelerate and Lightning do under torchrun
+        args.backend = "ddp" if dist.is_distributed else "sp"
+        if dist.is_distributed and dist.is_main:
+            print(f"sailfin: trainer.backend auto -> ddp ({dist.world_size} processes from "
+                  f"{dist.launcher})", file=sys.stderr)
     private = is_private(args.backend)  # "<name>-dp": DP-SGD composed on <name>
     name = args.backend[:-len(DP_SUFFIX)] if private else args.backend
     if name not in ALIASES:
-        known = list(BACKENDS)
+        known = ["auto", *BACKENDS]
         raise ConfigError(f"trainer.backend '{args.backend}'{suggest(args.backend, known)} "
                           f"is not known; valid backends: {', '.join(known)}")
     strategy, precision = ALIASES[name]

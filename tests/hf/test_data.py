@@ -69,6 +69,28 @@ def test_shards_and_two_processes_give_the_same_samples(data_dir, tmp_path):
     assert (tmp_path / "shards" / "train" / "shard-000000.tar").stat().st_mtime_ns == stamp
 
 
+@pytest.mark.parametrize("shards", [False, True])
+def test_tokenizing_says_how_many_rows_and_how_fast(data_dir, tmp_path, capsys, monkeypatch,
+                                                    shards):
+    """A minute of silence while a large file was tokenized: a line per range of rows."""
+    from sailfin.utils import progress_line
+
+    monkeypatch.setattr(progress_line, "REPORT_SECONDS", 0.0)  # a line per range done
+    extra = {"shards_dir": str(tmp_path / "shards"), "samples_per_shard": 5} if shards else {}
+    TextData(tok(data_dir), jsonl(tmp_path / "t.jsonl", ROWS), task="classification", **extra)
+    said = [line for line in capsys.readouterr().err.splitlines()
+            if line.startswith(f"sailfin: tokenizing train ({tmp_path / 't.jsonl'}): ")]
+    counts = [line.split(": ", 2)[2].split(" rows")[0] for line in said]
+    # Ranges of rows (3 here; whole shards of 5 with shards), then the closing line.
+    step = 5 if shards else 3
+    assert counts == [f"{min(n, 12)} of 12" for n in range(step, 12 + step, step)] + ["12"]
+    assert said[0].endswith(" rows/s") and f" ({100 * step / 12:.0f}%), " in said[0]
+    assert said[-1].endswith(" s") and (", 3 shard(s) in " in said[-1]) == shards
+    monkeypatch.setenv("RANK", "1")  # another rank of a job: it tokenizes, rank 0 says so
+    TextData(tok(data_dir), jsonl(tmp_path / "u.jsonl", ROWS), task="classification")
+    assert "tokenizing" not in capsys.readouterr().err
+
+
 def test_token_labels_sit_on_each_words_first_sub_word(data_dir, tmp_path):
     rows = [{"words": ["def", "read_file_lines", "(", "path", ")"],
              "tags": ["B-KW", "B-REF", "O", "B-REF", "O"]}]

@@ -14,7 +14,8 @@ from ..core.trainer import Loop
 from .watchdog import start_watchdog
 from ..safety.preemption import Preemption
 from ..safety.run_lock import RunLock, take_run_lock
-from ..safety.startup_checks import check_schedulers_fit, sanity_validate, train_output_checker
+from ..safety.startup_checks import (check_schedulers_fit, nothing_to_train, sanity_validate,
+                                     train_output_checker)
 from .outputs import finish_run
 from .setup import build_run
 
@@ -34,12 +35,16 @@ class Trainer(Loop):
 
     # -- the run ---------------------------------------------------------------
     def train(self) -> dict[str, Any]:
-        """Train for ``args.epochs`` (or until ``args.max_steps``); return the summary."""
+        """Train for ``args.epochs`` (or until ``args.max_steps``); return the summary.
+        A run that resumed at its end trains nothing: its summary has ``nothing_trained``
+        (the step it finished at and what to change)."""
         try:
             self.setup()
+            finished = nothing_to_train(self)  # resumed at its end: said, nothing written
             # Fail now, not after an epoch: schedule length, val_step, the first train_step.
             check_schedulers_fit(self)
-            sanity_validate(self)
+            if finished is None:
+                sanity_validate(self)
         except BaseException:
             self._stop_watchdog()  # its record says this rank failed (the others may wait)
             self._release_run_lock()
@@ -56,7 +61,9 @@ class Trainer(Loop):
             self._notify("on_train_start")
             self._run_epochs()  # the loop (core/trainer.py)
             self.module.on_end_train(self.global_step)
-            summary = self.summary = finish_run(self)
+            summary = self.summary = finish_run(self, write=finished is None)
+            if finished is not None:
+                summary["nothing_trained"] = finished
             self._notify("on_train_end")
             return summary
         finally:

@@ -136,6 +136,9 @@ class TimeAccount(Callback):
         self.write(trainer, durable=True)
         totals = self.totals()
         summary = getattr(trainer, "summary", None)
+        if isinstance(summary, dict) and summary.get("nothing_trained"):
+            self._segment = None  # the account has the segment; the finished run's files stay
+            return
         path = os.path.join(trainer.args.output_dir, "summary.json")
         if isinstance(summary, dict) and os.path.exists(path):
             summary["time_account"] = totals
