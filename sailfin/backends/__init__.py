@@ -102,8 +102,8 @@ def build_backend(args: TrainerArguments, dist: DistEnv) -> SingleDevice:
     if args.backend == "auto":  # what HF Trainer, Accelerate and Lightning do under torchrun
         args.backend = "ddp" if dist.is_distributed else "sp"
         if dist.is_distributed and dist.is_main:
-            print(f"sailfin: trainer.backend auto -> ddp ({dist.world_size} processes from "
-                  f"{dist.launcher})", file=sys.stderr)
+            say(f"trainer.backend auto -> ddp ({dist.world_size} processes from "
+                f"{dist.launcher})")
     private = is_private(args.backend)  # "<name>-dp": DP-SGD composed on <name>
     name = args.backend[:-len(DP_SUFFIX)] if private else args.backend
     if name not in ALIASES:

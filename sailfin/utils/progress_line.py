@@ -11,11 +11,12 @@ Example::
 
 from __future__ import annotations
 
-import sys
 import time
 from typing import IO, Optional
 
 REPORT_SECONDS = 10.0
+
+from .voice import say
 
 
 class ProgressLine:
@@ -54,12 +55,15 @@ class ProgressLine:
         count = f"{self.done:,}"
         if self.total and not closing:
             count += f" of {self.total:,}"
-        text = f"sailfin: {self.what}: {count} {self.unit}"
+        text = f"{self.what}: {count} {self.unit}"
         if self.total and not closing:
             text += f" ({100 * self.done / self.total:.0f}%)"
         text += f"{', ' + extra if extra else ''}, {self.done / elapsed:,.0f} {self.unit}/s"
         if closing:
             text += f" in {elapsed:.1f} s"
         self._said = True
-        stream = self.stream if self.stream is not None else sys.stderr
-        print(text, file=stream, flush=True)
+        if self.stream is not None:
+            self.stream.write(f"sailfin: {text}\n")
+            self.stream.flush()
+        else:
+            say(text)

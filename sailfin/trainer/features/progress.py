@@ -236,7 +236,7 @@ class Progress(Writer, Callback):
         elapsed = done + (now - self._epoch_started)
         return (samples_seen - self._start_samples) / elapsed if elapsed > 0 else None
 
-    def _values(self, samples_seen: int, now: float) -> list[tuple[int, str]]:
+    def _value_parts(self, samples_seen: int, now: float) -> list[tuple[int, str]]:
         """(rank, text) in display order; the bar drops the highest ranks first. A text
         starting with a space belongs to the value before it."""
         parts = []
@@ -256,7 +256,7 @@ class Progress(Writer, Callback):
 
     def _values_text(self, samples_seen: int, now: float, keep: int = 99) -> str:
         text = ""
-        for rank, part in self._values(samples_seen, now):
+        for rank, part in self._value_parts(samples_seen, now):
             if rank <= keep:
                 text += part if part.startswith(" ") or not text else ", " + part
         return text
