@@ -4,6 +4,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+# Where pip finds torch: empty is PyPI (on Linux its CUDA build, several GB); the CPU wheel
+# (about 190 MB): make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sailfin-installed
 PYTEST_ARGS ?=
@@ -16,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	@echo "sailfin: [1/3] creating the virtual environment $(VENV) (once)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "sailfin: [2/3] installing $(TORCH) into $(VENV) (the long part of a first run)"
-	$(PY) -m pip install --progress-bar on "$(TORCH)"
+	$(PY) -m pip install --progress-bar on "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	@echo "sailfin: [3/3] installing sailfin (editable) with the dev and examples extras"
 	$(PY) -m pip install --progress-bar on -e ".[dev,examples]"
 	touch $(STAMP)

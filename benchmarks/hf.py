@@ -22,8 +22,19 @@ forward, backward and optimizer step in its timed loop (``--no-floor`` leaves it
 Each framework's loop time over the floor's is what that framework adds to the model's
 own work; sailfin / HF cannot go below floor / HF on this model.
 
+``--peft``: the same comparison with LoRA (the same ``peft`` config: r 8, alpha 16,
+dropout 0, the model's default target modules) on both sides, sailfin's
+``module.init_args.peft`` against ``get_peft_model`` handed to ``Trainer``; also run each
+round: sailfin's full fine-tune, for the peak memory of LoRA against it. Printed too:
+training tokens per second of each arm and its peak memory (CUDA: peak allocated; CPU:
+peak RSS). ``--model llama`` trains a Llama-shaped classifier from a config
+(``--hidden``, ``--layers``: a few hundred million parameters by default) instead of the
+tiny BERT; ``--amp`` runs both in bfloat16 autocast (sailfin ``sp-amp``, Trainer
+``bf16``).
+
     python benchmarks/hf.py                    # 3 rounds, each in both orders
     python benchmarks/hf.py --rounds 1 --allow-load    # a quick look
+    python benchmarks/hf.py --peft --model llama --amp --rounds 1   # on a GPU
 """
 
 from __future__ import annotations
@@ -44,6 +55,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BERT = {"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 2, "intermediate_size": 128, "max_position_embeddings": 128}
 TRAIN_ROWS, VAL_ROWS, BATCH, EPOCHS, LR = 3000, 300, 32, 3, 5e-4
+PEFT = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0}  # --peft: the same on both sides
+MODEL = dict(BERT)  # --model llama: llama(--hidden, --layers)
+EXTRA = {"peft": None, "amp": False}  # what --peft and --amp give every arm
+
+
+def llama(hidden: int, layers: int) -> dict:
+    """A Llama-shaped model from a config: ``hidden`` wide, ``layers`` deep."""
+    heads = max(1, hidden // 64)
+    return {"model_type": "llama", "hidden_size": hidden, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": heads,
+            "intermediate_size": hidden * 11 // 4, "max_position_embeddings": 128}
 
 SAILFIN_CONFIG = """
 data:
@@ -51,8 +73,9 @@ data:
   init_args: {{tokenizer: {init}, train_file: {train}, val_file: {val}, max_length: 128}}
 module:
   class_path: sailfin.hf.SequenceClassification
-  init_args: {{model_name_or_path: {init}, lr: {lr}}}
+  init_args: {{model_name_or_path: {init}, lr: {lr}{peft}}}
 trainer:
+  backend: {backend}
   epochs: {epochs}
   train_batch_size: {batch}
   seed: 0
@@ -65,15 +88,23 @@ import json, sys, time
 from transformers import AutoTokenizer
 
 init, train_file, val_file, out, batch, epochs, lr = sys.argv[1:8]
+extra = json.loads(sys.argv[8])  # {"peft": fields or null, "amp": bool}
 tok = AutoTokenizer.from_pretrained(init)
 rows = {name: [json.loads(line) for line in open(path)]
         for name, path in (("train", train_file), ("val", val_file))}
 labels = sorted({r["label"] for r in rows["train"]})
 label2id = {x: i for i, x in enumerate(labels)}
+
+def peak_bytes():
+    import resource, torch
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 '''
 
 HF_SCRIPT = READ_ROWS + r'''
 import numpy as np
+import torch
 import transformers
 from transformers import (AutoModelForSequenceClassification, DataCollatorWithPadding,
                           Trainer, TrainingArguments)
@@ -85,6 +116,9 @@ def encode(part):
 
 train, val = encode(rows["train"]), encode(rows["val"])
 model = AutoModelForSequenceClassification.from_pretrained(init)
+if extra["peft"]:
+    from peft import LoraConfig, get_peft_model
+    model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", **extra["peft"]))
 
 def accuracy(pred):
     return {"accuracy": float((np.argmax(pred.predictions, -1) == pred.label_ids).mean())}
@@ -92,7 +126,8 @@ def accuracy(pred):
 args = TrainingArguments(output_dir=out, per_device_train_batch_size=int(batch),
                          per_device_eval_batch_size=int(batch), num_train_epochs=int(epochs),
                          learning_rate=float(lr), eval_strategy="epoch", save_strategy="no",
-                         report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+                         report_to=[], seed=0, disable_tqdm=True, bf16=extra["amp"],
+                         use_cpu=not torch.cuda.is_available())
 trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=val,
                   data_collator=DataCollatorWithPadding(tok), compute_metrics=accuracy)
 result = trainer.train()
@@ -100,7 +135,7 @@ trainer.save_model(out + "/final")
 evals = sum(e["eval_runtime"] for e in trainer.state.log_history if "eval_runtime" in e)
 accuracy = [e["eval_accuracy"] for e in trainer.state.log_history if "eval_accuracy" in e]
 print(json.dumps({"loop_s": result.metrics["train_runtime"] - evals,
-                  "accuracy": accuracy[-1]}))
+                  "accuracy": accuracy[-1], "peak_bytes": peak_bytes()}))
 '''
 
 FLOOR_SCRIPT = READ_ROWS + r'''
@@ -123,7 +158,13 @@ def collate(samples):
 
 train, val = encode(rows["train"]), encode(rows["val"])
 torch.manual_seed(0)
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 model = AutoModelForSequenceClassification.from_pretrained(init)
+if extra["peft"]:
+    from peft import LoraConfig, get_peft_model
+    model = get_peft_model(model, LoraConfig(task_type="SEQ_CLS", **extra["peft"]))
+model.to(device)
+amp = torch.autocast(device.type, torch.bfloat16, enabled=extra["amp"])
 loader = torch.utils.data.DataLoader(train, batch_size=batch, shuffle=True, collate_fn=collate,
                                      generator=torch.Generator().manual_seed(0))
 params = [p for p in model.parameters() if p.requires_grad]
@@ -136,7 +177,10 @@ for epoch in range(epochs):
     model.train()
     began = time.perf_counter()
     for ids, mask, y in loader:
-        model(input_ids=ids, attention_mask=mask, labels=y).loss.backward()
+        with amp:
+            loss = model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                         labels=y.to(device)).loss
+        loss.backward()
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -146,11 +190,12 @@ for epoch in range(epochs):
     with torch.inference_mode():
         for ids, mask, y in torch.utils.data.DataLoader(val, batch_size=batch,
                                                         collate_fn=collate):
-            right += int((model(input_ids=ids, attention_mask=mask).logits.argmax(-1)
-                          == y).sum())
+            with amp:
+                logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+            right += int((logits.argmax(-1).cpu() == y).sum())
     accuracy = right / len(val)
 model.save_pretrained(out + "/final")
-print(json.dumps({"loop_s": loop, "accuracy": accuracy}))
+print(json.dumps({"loop_s": loop, "accuracy": accuracy, "peak_bytes": peak_bytes()}))
 '''
 
 
@@ -177,23 +222,30 @@ def prepare(work: str) -> dict[str, str]:
     train_tokenizer((r["text"] for r in parts["train"]), tok_dir, vocab_size=3000)
     data = TextData(tok_dir, paths["train"], task="classification", max_length=128)
     seed_everything(0)
-    module = SequenceClassification(data, config=dict(BERT), save_hf=False)
+    module = SequenceClassification(data, config=dict(MODEL), save_hf=False)
     module.model.save_pretrained(paths["init"])
     data.tokenizer.save_pretrained(paths["init"])
     params = sum(p.numel() for p in module.model.parameters())
-    print(f"model: BERT hidden 64, 2 layers, {params / 1e3:.0f} k parameters; "
+    # Tokens one epoch trains on (padding aside): the same for every arm.
+    paths["tokens"] = sum(len(x["input_ids"]) for x in data.datasets["train"])
+    print(f"model: {MODEL['model_type']} hidden {MODEL['hidden_size']}, "
+          f"{MODEL['num_hidden_layers']} layers, {params / 1e6:.2f} M parameters; "
           f"{len(parts['train'])} train rows, {len(parts['val'])} validation rows, batch "
           f"{BATCH}, {EPOCHS} epochs, lr {LR}", flush=True)
     return paths
 
 
-def run_sailfin(paths: dict[str, str], work: str, env: dict) -> dict:
+def run_sailfin(paths: dict[str, str], work: str, env: dict, full: bool = False) -> dict:
+    """``full``: without peft, whatever --peft says (LoRA's memory is measured against it)."""
     out = tempfile.mkdtemp(dir=work)
     config = os.path.join(out, "run.yaml")
+    peft = None if full else EXTRA["peft"]
     with open(config, "w") as fh:
         fh.write(SAILFIN_CONFIG.format(init=paths["init"], train=paths["train"],
                                        val=paths["val"], lr=LR, epochs=EPOCHS, batch=BATCH,
-                                       out=os.path.join(out, "run")))
+                                       out=os.path.join(out, "run"),
+                                       peft=f", peft: {json.dumps(peft)}" if peft else "",
+                                       backend="sp-amp" if EXTRA["amp"] else "sp"))
     began = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "sailfin", "train", config], env=env,
                           capture_output=True, text=True, cwd=out)
@@ -201,15 +253,22 @@ def run_sailfin(paths: dict[str, str], work: str, env: dict) -> dict:
     if proc.returncode:
         raise SystemExit(f"sailfin failed:\n{proc.stderr[-3000:]}")
     done = json.load(open(os.path.join(out, "run", "summary.json")))
+    peak = done["peak_memory"]
     return {"command_s": wall, "loop_s": done["train_seconds"],
-            "accuracy": done["val"]["accuracy"]}
+            "accuracy": done["val"]["accuracy"],
+            "peak_bytes": peak["cuda_max_allocated_bytes"] or peak["cpu_rss_bytes"]}
+
+
+def run_sailfin_full(paths: dict[str, str], work: str, env: dict) -> dict:
+    return run_sailfin(paths, work, env, full=True)
 
 
 def run_script(script: str, who: str, paths: dict[str, str], work: str, env: dict) -> dict:
     out = tempfile.mkdtemp(dir=work)
     began = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", script, paths["init"], paths["train"],
-                           paths["val"], out, str(BATCH), str(EPOCHS), str(LR)], env=env,
+                           paths["val"], out, str(BATCH), str(EPOCHS), str(LR),
+                           json.dumps(EXTRA)], env=env,
                           capture_output=True, text=True, cwd=out)
     wall = time.perf_counter() - began
     if proc.returncode:
@@ -233,18 +292,31 @@ def main() -> None:
                         help="OMP_NUM_THREADS for both (default: as set, else torch's choice)")
     parser.add_argument("--no-floor", action="store_true",
                         help="leave out the plain PyTorch loop (the floor)")
+    parser.add_argument("--peft", action="store_true",
+                        help="LoRA on every arm (the same peft config), and sailfin's full "
+                             "fine-tune for the peak memory")
+    parser.add_argument("--model", choices=("bert", "llama"), default="bert",
+                        help="the tiny BERT, or a Llama-shaped model of --hidden x --layers")
+    parser.add_argument("--hidden", type=int, default=1024, help="--model llama: width")
+    parser.add_argument("--layers", type=int, default=24, help="--model llama: depth")
+    parser.add_argument("--amp", action="store_true", help="bfloat16 autocast on every arm")
     add_load_options(parser)
     opts = parser.parse_args()
+    global MODEL
+    if opts.model == "llama":
+        MODEL = llama(opts.hidden, opts.layers)
+    EXTRA.update(peft=dict(PEFT) if opts.peft else None, amp=opts.amp)
     load = start(opts, "hf.py")
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     if opts.threads is not None:
         env["OMP_NUM_THREADS"] = str(opts.threads)
     threads = env.get("OMP_NUM_THREADS", "torch default")
-    runs = {"sailfin": run_sailfin, "hf": run_hf, **({} if opts.no_floor else
-                                                     {"floor": run_floor})}
+    runs = {"sailfin": run_sailfin, "hf": run_hf,
+            **({"sailfin-full": run_sailfin_full} if opts.peft else {}),
+            **({} if opts.no_floor else {"floor": run_floor})}
     with tempfile.TemporaryDirectory() as work:
         paths = prepare(work)
-        command, loop = [], []
+        command, loop, memory = [], [], []
         over_floor: dict[str, list[float]] = {"sailfin": [], "hf": []}
         for i in range(opts.rounds):
             for order in (tuple(runs), tuple(reversed(runs))):
@@ -254,13 +326,19 @@ def main() -> None:
                 if "floor" in got:
                     for name in over_floor:
                         over_floor[name].append(got[name]["loop_s"] / got["floor"]["loop_s"])
-                print(f"round {i + 1} ({' first, '.join(order)} second): " + " | ".join(
+                if opts.peft:
+                    memory.append(got["sailfin"]["peak_bytes"] / got["sailfin-full"]["peak_bytes"])
+                print(f"round {i + 1} (in order: {', '.join(order)}): " + " | ".join(
                     f"{k} command {v['command_s']:.2f} s, loop {v['loop_s']:.2f} s, "
-                    f"accuracy {v['accuracy']:.3f}" for k, v in got.items())
+                    f"{EPOCHS * paths['tokens'] / v['loop_s']:.0f} tokens/s, peak "
+                    f"{v['peak_bytes'] / 2**20:.0f} MiB, accuracy {v['accuracy']:.3f}"
+                    for k, v in got.items())
                     + f" | load1 {os.getloadavg()[0]:.2f}", flush=True)
         print(f"sailfin.hf / HF Trainer time (below 1: sailfin faster), threads {threads}:")
         print(f"  whole command  {spread(command)}")
         print(f"  training loop  {spread(loop)}")
+        if memory:
+            print(f"peak memory, sailfin LoRA / sailfin full fine-tune: {spread(memory)}")
         floor = ""
         if over_floor["hf"]:
             print("training loop over the plain PyTorch loop's (the model's own work; the "
@@ -271,7 +349,8 @@ def main() -> None:
                      f", HF {statistics.median(over_floor['hf']):.3f}")
         summary("hf.py", "sailfin.hf / HF Trainer whole-command time", command, load,
                 threads, extra=f"training loop {statistics.median(loop):.3f} "
-                               f"(min {min(loop):.3f}, max {max(loop):.3f}){floor}; goal <= 0.9")
+                               f"(min {min(loop):.3f}, max {max(loop):.3f}){floor}; goal <= "
+                               + ("0.95 (LoRA)" if opts.peft else "0.9"))
 
 
 if __name__ == "__main__":

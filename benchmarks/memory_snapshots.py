@@ -24,6 +24,7 @@ import contextlib
 import io
 import multiprocessing
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -106,6 +107,83 @@ class NodeBytes(Callback):
         trainer.backend.barrier()
 
 
+class DCPSnapshots(Callback):
+    """The alternative measured beside sailfin's own snapshots: PyTorch's DCP machinery
+    doing the same job, the way a recipe would wire it. Every step the same state
+    (``Trainer.state_dict()``) goes to ``dcp.async_save`` with a ``DefaultStager`` (shared
+    memory, staging on its thread, overlapping the next forward and backward) and the
+    process-based writer, into two directories in /dev/shm taken in turn; the step waits
+    for the staging just before the optimizer step, and a snapshot is skipped while the
+    previous one is still being written (as sailfin skips). DCP's process-based writer
+    needs a process group: under sp, a one-process gloo group on loopback."""
+
+    def __init__(self, root: str) -> None:
+        self.root, self.skipped = root, 0
+        self.issued = self.done = 0  # the newest step sent, and the one before (written)
+        self.staging = self.upload = self.stager = None
+        self.group_made = False
+
+    def _save(self, trainer, step: int):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        # A directory per step (DCP warns when it overwrites one); the one before the
+        # newest complete goes once the next is issued.
+        for old in [d for d in os.listdir(self.root) if d.startswith("step-")] if os.path.isdir(
+                self.root) else []:
+            if int(old[5:]) < self.done:
+                shutil.rmtree(os.path.join(self.root, old), ignore_errors=True)
+        self.done = self.issued
+        self.issued = step
+        return dcp.async_save(trainer.state_dict(),
+                              checkpoint_id=os.path.join(self.root, f"step-{step}"),
+                              async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                              async_stager=self.stager)
+
+    def on_train_start(self, trainer) -> None:
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if not dist.is_initialized():
+            from socket import socket
+
+            with socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dist.init_process_group("gloo", rank=0, world_size=1,
+                                    init_method=f"tcp://127.0.0.1:{port}")
+            self.group_made = True
+        self.stager = DefaultStager(StagingOptions(
+            use_pinned_memory=False, use_shared_memory=True, use_async_staging=True,
+            use_non_blocking_copy=False))
+        # The writer process starts with the first save: not a step's cost (as sailfin's
+        # writer is started before the clock runs).
+        response = self._save(trainer, 0)
+        response.upload_completion.result()
+
+    def on_backward_end(self, trainer, *args, **kwargs):
+        if self.staging is not None:
+            self.staging.result()  # the copy must hold this step's weights, not the next
+            self.staging = None
+        return False
+
+    def on_step_end(self, trainer) -> None:
+        if self.upload is not None and not self.upload.done():
+            self.skipped += 1
+            return
+        response = self._save(trainer, trainer.global_step)
+        self.staging, self.upload = response.staging_completion, response.upload_completion
+
+    def on_train_end(self, trainer) -> None:
+        if self.upload is not None:
+            self.upload.result()
+        self.stager.close()
+        if self.group_made:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
 class Clock(Callback):
     """The time at the start of training and at the end of each step."""
 
@@ -119,7 +197,7 @@ class Clock(Callback):
         self.marks.append(time.perf_counter())
 
 
-def run(out: str, memory: bool, steps: int, dist: DistArguments | None = None) -> tuple:
+def run(out: str, memory, steps: int, dist: DistArguments | None = None) -> tuple:
     """(seconds per step from the end of the first step to the end of the last, seconds
     of the first step, seconds from the last step's end until train() returned, the
     node's bytes)."""
@@ -130,17 +208,21 @@ def run(out: str, memory: bool, steps: int, dist: DistArguments | None = None) -
         val_every_n_epochs=0, log_every_n_steps=10_000, resume="never", progress="none",
         backend="ddp" if dist is not None else "sp", distributed=dist or DistArguments(),
         checkpoint={"at_epoch_end": False,
-                    "memory": {"every_n_steps": 1} if memory else {}})
+                    "memory": {"every_n_steps": 1} if memory is True else {}})
     node, clock = NodeBytes(steps), Clock()
-    trainer = Trainer(Recipe(Data(steps * BATCH * world)), args,
-                      callbacks=[clock] + ([node] if memory else []))
+    shm = os.path.join("/dev/shm", f"sailfin-bench-{os.getpid()}-{os.path.basename(out)}")
+    extra = [node] if memory is True else [DCPSnapshots(shm)] if memory == "dcp" else []
+    trainer = Trainer(Recipe(Data(steps * BATCH * world)), args, callbacks=[clock] + extra)
     trainer.setup()
-    if memory:
+    if memory is True:
         trainer.checkpointer.store.start_writer(wait=True)  # its start is not a step's cost
     trainer.train()
     ended = time.perf_counter()
     trainer.close()
     marks = clock.marks
+    if memory == "dcp":
+        node.found = {"skipped": extra[0].skipped}
+        shutil.rmtree(shm, ignore_errors=True)
     return ((marks[-1] - marks[1]) / (steps - 1), marks[1] - marks[0], ended - marks[-1],
             node.found)
 
@@ -180,24 +262,33 @@ def measure(rounds: int, steps: int, threads: int, load) -> None:
     found: dict = {}
     once: dict = {}  # (arm, memory) -> [(first step, end) seconds]
     with tempfile.TemporaryDirectory() as tmp:
-        def arm(memory: bool, ddp: bool):
+        def arm(memory, ddp: bool):
             def go(i: int) -> float:
-                out = os.path.join(tmp, f"{'ddp' if ddp else 'sp'}-{int(memory)}-{i}")
+                out = os.path.join(tmp, f"{'ddp' if ddp else 'sp'}-{memory}-{i}")
                 if ddp:
                     step, first, end, node = run_ddp(out, memory, steps, threads)
                 else:
                     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
                         step, first, end, node = run(out, memory, steps)
-                if node:
+                if node and memory is True:
                     found.setdefault("ddp" if ddp else "sp", []).append(node)
+                if memory == "dcp":
+                    found.setdefault("dcp", []).append(node)
+                    return step
                 once.setdefault(("ddp" if ddp else "sp", memory), []).append((first, end))
                 return step
             return go
 
         figures, per_snapshot = {}, {}
         for name, ddp in (("sp", False), ("2-process ddp", True)):
-            results = interleave(rounds, {"with": arm(True, ddp), "without": arm(False, ddp)})
+            arms = {"with": arm(True, ddp), "without": arm(False, ddp)}
+            if not ddp:  # the alternative: DCP's own async machinery, the same state
+                arms["dcp"] = arm("dcp", ddp)
+            results = interleave(rounds, arms)
             figures[name] = [r["with"] / r["without"] for r in results]
+            if not ddp:
+                figures["dcp"] = [r["dcp"] / r["without"] for r in results]
+                figures["sailfin/dcp"] = [r["with"] / r["dcp"] for r in results]
             # What one snapshot taken costs the steps: the extra step time of a round's run
             # spread over the snapshots it took (a busy writer's skipped ones cost nothing).
             nodes = found.get("ddp" if ddp else "sp", [])[-len(results):]
@@ -206,7 +297,14 @@ def measure(rounds: int, steps: int, threads: int, load) -> None:
     params = sum(a * b + b for a, b in zip(DIMS, DIMS[1:]))
     print(f"memory snapshots every step, AdamW, {params / 1e6:.1f} M parameters, {steps} steps "
           f"per run, {rounds} rounds, {threads} thread(s) per process:")
-    for (name, values), key in zip(figures.items(), ("sp", "ddp")):
+    dcp_skipped = [n["skipped"] for n in found.get("dcp", [])]
+    print(f"  the alternative, sp: DCP async_save (DefaultStager in shared memory, staging "
+          f"overlapped, process writer) every step / without: {spread(figures['dcp'])}; "
+          f"skipped per run: median {statistics.median(dcp_skipped) if dcp_skipped else 0}")
+    print(f"  sailfin's snapshots over DCP's, sp: {spread(figures['sailfin/dcp'])} "
+          "(below 1: sailfin's are cheaper)")
+    for (name, values), key in zip(((k, figures[k]) for k in ("sp", "2-process ddp")),
+                                   ("sp", "ddp")):
         skipped = [n["skipped"] for n in found.get(key, [])]
         print(f"  step time with a snapshot every step / without, {name:>13}: "
               f"{spread(values)}; snapshots skipped (the previous one still being written) "

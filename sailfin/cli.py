@@ -11,10 +11,12 @@ import yaml
 
 from . import shard_cli
 from .config import ConfigError, load_config
+from .distributed.exit_codes import NOTHING_TO_TRAIN_EXIT_CODE
 from .distributed.launch_notes import FINISHED, USER_ERROR, leave_note, noted_by_others
 from .logging.writers import WriterError
 from .signals import (PREEMPTED_EXIT_CODE, StoppedDuringSetup, default_signals,
                       note_preempted, setup_over, stop_at_start, stop_during_setup)
+from .utils.voice import line
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,11 +52,18 @@ def _parser() -> argparse.ArgumentParser:
                                        "memory) a run left in shared memory on this machine; "
                                        "its checkpoints and outputs stay")
     clean.add_argument("output_dir", help="the run's trainer.output_dir")
+    export = sub.add_parser("export", help="a save_pretrained (or PEFT adapter) directory "
+                            "from a sailfin.hf run's checkpoint",
+                            description="Build the recipe a checkpoint records, load its "
+                                        "weights (any backend's) and write OUT as final/hf "
+                                        "would be: see docs/hf.md")
+    export.add_argument("checkpoint", help="a checkpoint directory, or a run's checkpoints/ "
+                                           "(its latest)")
+    export.add_argument("out", help="the directory to write")
     shard_cli.add_parser(sub)
-    sub.add_parser("launch", add_help=False,
-                   help="torchrun with the same arguments, exiting 75 when preempted",
-                   description="sailfin launch [torchrun arguments] -m sailfin train "
-                               "CONFIG.yaml: see docs/multinode.md")
+    sub.add_parser("launch", add_help=False,  # its own help: sailfin.launch.HELP
+                   help="torchrun with the same arguments, a closing line and exit codes "
+                        "a scheduler can read (75: preempted, requeue)")
     return parser
 
 
@@ -75,11 +84,8 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool,
         return 0
     from .checkpoint import CheckpointError
     from .checkpoint.errors import CheckpointWriteError
-    from .data.shards.errors import ShardError
-    from .interfaces import RecipeError
     from .trainer import Trainer
     from .trainer.safety.preemption import PREEMPTED_EXIT_CODE, TrainingPreempted
-    from .trainer.safety.run_lock import RunLockError
 
     try:
         module = cfg.build(_module_builder(cfg.trainer))
@@ -109,28 +115,20 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool,
         if _staging_removed_under_us(cause):
             # Another rank's save failed and it removed the shared partial save while this
             # rank still wrote into it: that rank prints the error; this one is its echo.
-            print(f"sailfin: rank {os.environ.get('RANK', '?')} stopped: the partial save it "
-                  f"was writing ({cause.file}) was removed, as a rank whose save failed does; "
-                  "that rank printed why", file=sys.stderr, flush=True)
+            line(f"sailfin: rank {os.environ.get('RANK', '?')} stopped: the partial save it "
+                 f"was writing ({cause.file}) was removed, as a rank whose save failed does; "
+                 "that rank printed why")
             return 1
         alone = (isinstance(cause, (OSError, CheckpointWriteError))
                  and not getattr(cause, "every_rank", False))
         _user_error(f"sailfin: checkpoint error: {exc}", here=alone)
         return 2
-    except RecipeError as exc:  # the recipe gave something unusable, seen before step 1
-        _user_error(f"sailfin: recipe error: {exc}")
-        return 2
-    except RunLockError as exc:
-        _user_error(f"sailfin: {exc}")
-        return 2
-    except ShardError as exc:
-        # A damaged shard is this rank's own finding: every rank says what it read.
-        print(f"sailfin: shard error: {_without_worker_traceback(exc)}", file=sys.stderr)
-        return 2
     except TrainingPreempted as exc:  # SIGTERM / first Ctrl-C: saved, writers closed
         if trainer.dist.is_main:
-            print(f"sailfin: {exc} (exit code {PREEMPTED_EXIT_CODE})", file=sys.stderr)
+            line(f"sailfin: {exc} (exit code {PREEMPTED_EXIT_CODE})")
         return PREEMPTED_EXIT_CODE
+    if summary.get("nothing_trained"):  # the trainer said so (rank 0); not a success
+        return NOTHING_TO_TRAIN_EXIT_CODE
     if not trainer.dist.is_main:
         return 0
     account = summary.get("time_account") or {}
@@ -233,7 +231,28 @@ def _user_error(message: str, here: bool = False) -> None:
     except Exception:  # a launcher's variables that do not add up: say it here anyway
         rank = 0
     if rank == 0 or here:
-        print(message, file=sys.stderr, flush=True)
+        line(message)
+
+
+def _user_error_code(exc: BaseException) -> Optional[int]:
+    """The one table from an error the user can fix to its line and exit code (2), or
+    None for any other error. ``here``: the error is this rank's own finding (a damaged
+    shard it read), so every rank says it; otherwise every rank meets the same one and
+    rank 0 says it."""
+    from .data.shards.errors import ShardError
+    from .interfaces import RecipeError
+    from .trainer.safety.run_lock import RunLockError
+
+    table = ((ConfigError, "config error: ", False),
+             (RecipeError, "recipe error: ", False),  # unusable, seen before step 1
+             (WriterError, "", False),  # a writer cannot write where the config says
+             (RunLockError, "", False),
+             (ShardError, "shard error: ", True))
+    for kind, prefix, here in table:
+        if isinstance(exc, kind):
+            _user_error(f"sailfin: {prefix}{_without_worker_traceback(exc)}", here=here)
+            return 2
+    return None
 
 
 def _without_worker_traceback(exc: BaseException) -> str:
@@ -267,25 +286,22 @@ def _recorded(fn):
 
 
 def _user_errors(fn):
-    """``fn`` with config and writer errors turned into one line (rank 0) and exit 2."""
+    """``fn`` with the errors a user can fix turned into one line and exit 2."""
     def run(*args):
         try:
             return fn(*args)
-        except ConfigError as exc:
-            _user_error(f"sailfin: config error: {exc}")
-            return 2
-        except WriterError as exc:  # a writer cannot write where the config says
-            _user_error(f"sailfin: {exc}")
-            return 2
         except Exception as exc:
+            code = _user_error_code(exc)
+            if code is not None:
+                return code
             # Under sailfin launch: a collective broken because another rank stopped on a
             # user error it printed is no failure of this rank's (no traceback).
             others = noted_by_others(USER_ERROR)
             if not others:
                 raise
-            print(f"sailfin: rank {os.environ.get('RANK', '?')} stopped ({type(exc).__name__}) "
-                  f"because rank {', '.join(map(str, others))} stopped on the error it "
-                  "printed", file=sys.stderr, flush=True)
+            line(f"sailfin: rank {os.environ.get('RANK', '?')} stopped ({type(exc).__name__}) "
+                 f"because rank {', '.join(map(str, others))} stopped on the error it "
+                 "printed")
             return 1
     return run
 
@@ -318,6 +334,15 @@ def main(argv: Optional[Sequence[str]] = None, own_process: bool = False) -> int
     if args.command == "launch":
         from .launch import launch_command
         return launch_command(list(argv if argv is not None else sys.argv[1:])[1:])
+    if args.command == "export":
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        from .hf.export import export_command
+        path = export_command(args.checkpoint, args.out)
+        if path is None:
+            return 2
+        print(f"exported {args.checkpoint} to {path}")  # the command's result
+        return 0
     if args.command == "clean":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -330,7 +355,8 @@ def main(argv: Optional[Sequence[str]] = None, own_process: bool = False) -> int
             with stop_during_setup(end_stuck=own_process):
                 code = _recorded(_user_errors(train_command))(args.config, rest,
                                                               args.print_config, own_process)
-                if code == 2:  # sailfin launch: this rank's error, not torchrun's stop
+                # sailfin launch: this rank's own end, not torchrun's stop
+                if code in (2, NOTHING_TO_TRAIN_EXIT_CODE):
                     leave_note(USER_ERROR)
                 return code
         if args.command == "shard":
@@ -338,17 +364,16 @@ def main(argv: Optional[Sequence[str]] = None, own_process: bool = False) -> int
     except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops)
         if args.command != "train":
             raise
-        print("sailfin: aborted by a second Ctrl-C; steps since the last checkpoint are "
-              "lost, the checkpoints already saved are intact", file=sys.stderr)
+        line("sailfin: aborted by a second Ctrl-C; steps since the last checkpoint are "
+             "lost, the checkpoints already saved are intact")
         return 130
     except StoppedDuringSetup as exc:
         note_preempted()
-        print(f"sailfin: {exc} (exit code {PREEMPTED_EXIT_CODE})", file=sys.stderr)
+        line(f"sailfin: {exc} (exit code {PREEMPTED_EXIT_CODE})")
         return PREEMPTED_EXIT_CODE
-    except ConfigError as exc:
-        _user_error(f"sailfin: config error: {exc}")
-        return 2
-    except WriterError as exc:  # a writer cannot write where the config says
-        _user_error(f"sailfin: {exc}")
-        return 2
+    except Exception as exc:
+        code = _user_error_code(exc)
+        if code is None:
+            raise
+        return code
     return 1

@@ -75,7 +75,8 @@ class DataProcessor:
 
     def multi_process_data(self, inputs: Iterable[Any], *args: Any, process_count: int = 1,
                            node_rank: Optional[int] = None, num_nodes: Optional[int] = None,
-                           mp_context: Optional[str] = None) -> list:
+                           mp_context: Optional[str] = None,
+                           on_result: Optional[Callable[[Any], None]] = None) -> list:
         """Run :meth:`process` on each input (a tuple is spread as ``*args``).
 
         Extra positional ``args`` follow every input, as in PyMarlin:
@@ -93,6 +94,8 @@ class DataProcessor:
         Pass ``mp_context="spawn"`` if the parent runs threads that fork would
         copy in a bad state. The processor must be picklable for spawn, and
         state that :meth:`process` sets on ``self`` stays in the worker.
+        ``on_result`` is called in this process with each result, in input order, as
+        it arrives (a progress line: :class:`sailfin.utils.progress_line.ProgressLine`).
         """
         if not isinstance(process_count, int) or process_count < 1:
             raise ValueError(f"process_count must be an int >= 1, got {process_count!r} (pass "
@@ -100,15 +103,22 @@ class DataProcessor:
                              "process_count=N))")
         share = self.node_share(list(inputs), node_rank, num_nodes)
         calls = [(x if isinstance(x, tuple) else (x,)) + args for x in share]
+        results = []
         if process_count == 1 or len(calls) <= 1:
-            results = [self.process(*a) for a in calls]
+            for a in calls:
+                results.append(self.process(*a))
+                if on_result is not None:
+                    on_result(results[-1])
         else:
             ctx = multiprocessing.get_context(mp_context or _default_start_method())
             workers = min(process_count, len(calls))
             chunk = math.ceil(len(calls) / (workers * 8))
             with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_set_worker_processor,
                                      initargs=(self,)) as pool:
-                results = list(pool.map(_call_worker_processor, calls, chunksize=chunk))
+                for result in pool.map(_call_worker_processor, calls, chunksize=chunk):
+                    results.append(result)
+                    if on_result is not None:
+                        on_result(result)
         self.analyze()
         return results
 
@@ -211,6 +221,9 @@ class ModuleInterface(nn.Module):
     #: often). True: it is called on the check batches' outputs too, with
     #: ``sanity_checking`` True, so that an error in it shows before step 1.
     sanity_check_on_end_val_epoch: bool = False
+    #: False: checkpoints and memory snapshots hold only the parameters that train (plus
+    #: buffers, optimizer state and a fingerprint of the frozen rest); sailfin.hf sets it with peft.
+    checkpoint_frozen_params: bool = True
 
     # -- required -------------------------------------------------------
     def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: int, epochs: int

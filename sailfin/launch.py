@@ -13,7 +13,8 @@ same launcher (``torch.distributed.run``'s parser and ``run``) and exits:
   ``podFailurePolicy`` or a Slurm requeue can tell a preemption from a failure;
 - 2 when a worker printed a user error (a config, a checkpoint, a full disk: it
   leaves a note), whichever worker failed first and however torchrun then stopped
-  the others; else the workers' code when they all failed with the same one;
+  the others (3 when every worker found the run already finished: nothing to train);
+  else the workers' code when they all failed with the same one;
 - 1 for any other failure, 128 + the signal when stopped by a signal while a worker
   that had begun training saved nothing; 0 when the run finished.
 
@@ -36,22 +37,60 @@ import sys
 import tempfile
 from typing import Optional, Sequence
 
-from .distributed.exit_codes import HANG_EXIT_CODE, PREEMPTED_EXIT_CODE
+from .distributed.exit_codes import (HANG_EXIT_CODE, NOTHING_TO_TRAIN_EXIT_CODE,
+                                     PREEMPTED_EXIT_CODE)
 from .distributed.launch_notes import (FINISHED, HANG, LAUNCH_DIR_ENV, PREEMPTED, TRAINING,
                                       USER_ERROR, read_notes)
 from .signals import StoppedDuringSetup
+
+HELP = f"""\
+usage: sailfin launch [torchrun options] -m sailfin train CONFIG.yaml [--section.key value ...]
+
+torchrun (torch.distributed.run) with the same options. What sailfin launch adds:
+
+  a closing line on stderr (sailfin launch: ...) that says how the job ended, read from
+  the workers' notes (saved a checkpoint on a signal, printed a user error, stopped by the
+  hang watchdog), not from exit codes alone;
+
+  an exit code a scheduler can act on (plain torchrun exits 1 whatever happened):
+    0    the run finished
+    {PREEMPTED_EXIT_CODE:<4} preempted (SIGTERM, a first Ctrl-C) after a checkpoint, or the hang watchdog
+         ended the job: requeue it, the same command resumes
+    2    a worker printed a user error (the config, a checkpoint, a full disk)
+    {NOTHING_TO_TRAIN_EXIT_CODE:<4} the output directory holds a finished run: nothing was trained
+    1    any other failure (torchrun's report follows); 128+N: stopped by signal N while
+         a worker that had begun training saved nothing
+
+torchrun's own options: torchrun --help (or python -m torch.distributed.run --help).
+Example: sailfin launch --nnodes=1 --nproc-per-node=2 -m sailfin train config.yaml
+More: docs/multinode.md (Slurm, Kubernetes), docs/robustness.md (signals, exit codes).
+"""
+
+
+def wants_help(argv: Sequence[str]) -> bool:
+    """``-h``/``--help`` among the launcher's own options (before ``-m`` or the script)."""
+    for arg in argv:
+        if arg in ("-m", "--module") or arg.endswith(".py"):
+            return False
+        if arg in ("-h", "--help"):
+            return True
+    return False
+
 
 # Exit codes of a worker the agent stopped after another worker had exited.
 _STOPPED_BY_AGENT = (-signal.SIGTERM, -signal.SIGKILL)
 
 
 def launch_command(argv: Sequence[str]) -> int:
-    """Run torchrun with ``argv``; return the exit code described above.
+    """Run torchrun with ``argv`` (or print :data:`HELP`); return the exit code described above.
 
     A SIGTERM or Ctrl-C before torchrun's agent takes the signals over (while torch
     imports, during the rendezvous) is one closing line and 75: no worker had started.
     The sailfin command's first instruction made such a stop raise
     :class:`~sailfin.signals.StoppedDuringSetup` (:func:`sailfin.signals.stop_at_start`)."""
+    if wants_help(argv):
+        print(HELP, end="")
+        return 0
     try:
         return _launch(argv)
     except StoppedDuringSetup as exc:
@@ -113,7 +152,10 @@ def _closing_line(codes: dict[int, int], notes: dict[str, set[int]]
         ranks = sorted(notes[USER_ERROR])
         who = (f"rank {ranks[0]} stopped on the error it printed above" if len(ranks) == 1
                else f"ranks {', '.join(map(str, ranks))} stopped on the error printed above")
-        return f"{who}; torchrun stopped any other worker", 2
+        finished = NOTHING_TO_TRAIN_EXIT_CODE in codes.values() and all(
+            c == NOTHING_TO_TRAIN_EXIT_CODE or c in _STOPPED_BY_AGENT for c in codes.values())
+        return f"{who}; torchrun stopped any other worker", (
+            NOTHING_TO_TRAIN_EXIT_CODE if finished else 2)
     if notes[HANG] and all(c == HANG_EXIT_CODE or c in _STOPPED_BY_AGENT
                            for c in codes.values()):
         return ("the hang watchdog ended the job: a rank stopped making progress (its report "

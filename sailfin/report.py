@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from .checkpoint.time_account_file import COMPONENTS, account_path, account_totals, read_account
+from .logging.stdout import flop_rate
 
 # Training values that are not charted on their own.
 _TRAIN_SKIP = {"step", "epoch", "split", "dataset"}
@@ -104,35 +105,95 @@ def charts(runs: Sequence[Run]) -> list[tuple[str, str, str, list[tuple[str, str
         out.append(("throughput", "Throughput", "samples/s", [("train", "samples_per_second")]))
     if have("train", "epsilon"):
         out.append(("epsilon", "Privacy spent (ε at δ)", "ε", [("train", "epsilon")]))
-    if have("train", "tflops"):
-        out.append(("tflops", "Model TFLOP/s per device", "TFLOP/s", [("train", "tflops")]))
+    if have("train", "tflops"):  # in the unit its values read best in (_flop_unit)
+        out.append(("tflops", "Model FLOP/s per device", "FLOP/s", [("train", "tflops")]))
     if have("train", "mfu"):
         out.append(("mfu", "Model FLOPs utilisation", "MFU", [("train", "mfu")]))
     return out
 
 
+# Measured rates: one slow or fast logging window (a step after a pause, a clock read
+# across a save) must not flatten the chart: the axis stops above the rest and the
+# values past it are marked on its edge.
+_RATES = {"samples_per_second", "tflops", "mfu"}
+_FENCE = 3.0  # Tukey's far-out fence: past Q3 + 3 x IQR is a spike
+
+
+def spike_limit(values: Sequence[float]) -> Optional[float]:
+    """The top of the axis when some values are spikes (past Q3 + 3 x IQR of the rest),
+    a little above the highest value that is not; None when none is."""
+    import numpy as np
+
+    finite = np.asarray([v for v in values if math.isfinite(v)], dtype=float)
+    if len(finite) < 4:
+        return None
+    q1, q3 = np.percentile(finite, [25, 75])
+    fence = q3 + _FENCE * max(q3 - q1, 0.05 * abs(q3))
+    kept = finite[finite <= fence]
+    if len(kept) == len(finite) or not len(kept):
+        return None
+    return float(kept.max()) * 1.1 if kept.max() > 0 else fence
+
+
+def _flop_unit(runs: Sequence[Run]) -> tuple[str, float]:
+    """The FLOP/s unit the runs' median reads best in, and TFLOP/s per that unit."""
+    values = sorted(v for r in runs for v in r.train.get("tflops", ((), ()))[1]
+                    if math.isfinite(v))
+    median = values[len(values) // 2] if values else 1.0
+    for unit, scale in (("T", 1.0), ("G", 1e-3), ("M", 1e-6), ("k", 1e-9)):
+        if median >= scale:
+            return f"{unit}FLOP/s", scale
+    return "FLOP/s", 1e-12
+
+
 def _plot(ax: Any, runs: Sequence[Run], title: str, ylabel: str,
           series: list[tuple[str, str]]) -> None:
     colors = [f"C{i % 10}" for i in range(len(runs))]
+    scale = 1.0
+    if ("train", "tflops") in series:
+        ylabel, scale = _flop_unit(runs)
+    drawn: list[tuple[list[int], list[float], str]] = []
     for run, color in zip(runs, colors):
         for split, key in series:
             data = (run.train if split == "train" else run.val).get(key)
             if not data:
                 continue
             steps, values = data
+            values = [v / scale if math.isfinite(v) else float("nan") for v in values]
             label = run.name if len(series) == 1 else f"{run.name} {split}"
             if len(runs) == 1:
                 label = split if len(series) > 1 else None
             style = dict(linestyle="-", marker=None) if split == "train" else dict(
                 linestyle="--", marker="o", markersize=3)
-            ax.plot(steps, [v if math.isfinite(v) else float("nan") for v in values],
-                    color=color, label=label, **style)
+            ax.plot(steps, values, color=color, label=label, **style)
+            drawn.append((steps, values, color))
+    if any(key in _RATES for _, key in series):
+        _clip_spikes(ax, drawn)
     ax.set_title(title)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small")
+
+
+def _clip_spikes(ax: Any, drawn: list[tuple[list[int], list[float], str]]) -> None:
+    """Stop the axis above the values that are no spike; mark each spike on the top edge
+    with its value."""
+    every = [v for _, values, _ in drawn for v in values if math.isfinite(v)]
+    top = spike_limit(every)
+    if top is None:
+        return
+    ax.set_ylim(bottom=min(0.0, min(every)), top=top)  # rates: from 0
+    for steps, values, color in drawn:
+        for step, value in zip(steps, values):
+            if math.isfinite(value) and value > top:
+                ax.plot([step], [top], marker="^", color=color, markersize=7, clip_on=False)
+                text = f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+                ax.annotate(f"{text} (off the axis)", (step, top), xytext=(7, -4),
+                            textcoords="offset points", fontsize="small", color=color,
+                            va="top", bbox=dict(boxstyle="square,pad=0.1", fc="white",
+                                                ec="none", alpha=0.8))
 
 
 def _save(fig: Any, path: str, dpi: int) -> None:
@@ -243,18 +304,18 @@ def _fmt(value: Any) -> str:
 
 
 def _flops_text(summary: dict) -> str:
-    """Average model TFLOP/s per device over the run, and MFU when the peak is known."""
+    """Average model FLOP/s per device over the run, and MFU when the peak is known."""
     tflops, mfu = summary.get("tflops"), summary.get("mfu")
     if tflops is None:
         return "–"
-    return f"{tflops:.3g}" + (f" ({100 * mfu:.1f}%)" if mfu is not None else "")
+    return flop_rate(tflops) + (f" ({100 * mfu:.1f}%)" if mfu is not None else "")
 
 
 def markdown(runs: Sequence[Run], images: Sequence[str]) -> str:
     """The report's text: one table row per run, then the charts."""
     lines = [f"# Training report: {' vs '.join(r.name for r in runs)}", ""]
     lines += ["| run | steps | samples | train time (s) | samples/s | best | final validation "
-              "| peak RSS (MiB) | TFLOP/s (MFU) |",
+              "| peak RSS (MiB) | FLOP/s per device (MFU) |",
               "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: |"]
     for run in runs:
         s = run.summary

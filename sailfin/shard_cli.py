@@ -17,6 +17,7 @@ import os
 import sys
 from typing import Any, Sequence
 
+from .utils.progress_line import ProgressLine
 
 
 def add_parser(sub: Any) -> None:
@@ -51,9 +52,12 @@ def run(args: argparse.Namespace, extra: Sequence[str]) -> int:
         return 2
     existing = _existing(args.out, args.prefix)
     if existing and not args.overwrite:
-        print(f"sailfin shard: {args.out} already holds {len(existing)} '{args.prefix}' "
-              "shard(s); pass --overwrite to replace them, or choose another OUT_DIR or "
-              "--prefix", file=sys.stderr)
+        tars = sum(1 for name in existing if name.endswith(".tar"))
+        indexes = len(existing) - tars
+        print(f"sailfin shard: {args.out} already holds {tars} '{args.prefix}' shard(s)"
+              + (f" and {indexes} index(es)" if indexes else "")
+              + "; pass --overwrite to replace them, or choose another OUT_DIR or --prefix",
+              file=sys.stderr)
         return 2
     for name in existing:
         os.unlink(os.path.join(args.out, name))
@@ -69,14 +73,21 @@ def run(args: argparse.Namespace, extra: Sequence[str]) -> int:
         order = np.random.default_rng(args.shuffle).permutation(len(samples))
         samples = [samples[i] for i in order]
     per = args.samples_per_shard
-    # Chunks of whole shards: process p starts at shard number (first sample) / per.
-    total_shards = -(-len(samples) // per)
-    chunk = -(-total_shards // args.processes) * per
-    jobs = [(start // per, samples[start:start + chunk])
-            for start in range(0, len(samples), chunk)]
+    # One job per shard, numbered by its first sample: the same shards with any --processes,
+    # and a progress line as each one is written.
+    jobs = [(start // per, samples[start:start + per]) for start in range(0, len(samples), per)]
     writer = WriteShards(args.src, args.out, per, args.prefix)
-    written = writer.multi_process_data(jobs, process_count=args.processes)
+    line = ProgressLine(f"writing shards into {args.out}", "samples", total=len(samples))
+    done = [0]
+
+    def written_one(paths: list) -> None:
+        done[0] += len(paths)
+        line.add(min(per, len(samples) - line.done), f"{done[0]} shard(s)")
+
+    written = writer.multi_process_data(jobs, process_count=args.processes,
+                                        on_result=written_one)
     shards = [path for paths in written for path in paths]
+    line.close(f"{len(shards)} shard(s)")
     print(f"wrote {len(samples)} samples into {len(shards)} shard(s) in {args.out}: "
           f"{os.path.basename(shards[0])} .. {os.path.basename(shards[-1])}")
     if loose:

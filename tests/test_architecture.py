@@ -315,3 +315,123 @@ def test_the_view_is_what_the_trainer_has_and_what_the_docs_list():
     section = section[:section.index("\n## ")]
     undocumented = sorted(n for n in members if f"`{n}" not in section)
     assert not undocumented, f"docs/architecture.md does not list RunView's {undocumented}"
+
+
+def lines_of(path: pathlib.Path) -> int:
+    return sum(len(p.read_text().splitlines()) for p in path.rglob("*.py"))
+
+
+@pytest.mark.parametrize("pattern, path", [
+    (r"sailfin is about ([\d,]+) lines", PACKAGE),
+    (r"`sailfin/config/` \(about ([\d,]+) lines", PACKAGE / "config"),
+])
+def test_the_sizes_docs_architecture_gives_are_measured(pattern, path):
+    docs = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    found = re.search(pattern, docs)
+    assert found, f"docs/architecture.md no longer says /{pattern}/: update this test"
+    said, measured = int(found.group(1).replace(",", "")), lines_of(path)
+    assert abs(said - measured) <= 0.15 * measured, (
+        f"docs/architecture.md says {said:,} lines for {path.relative_to(PACKAGE.parent)}/, "
+        f"which has {measured:,}: write about {round(measured, -2):,}")
+
+
+def test_ddp_and_fsdp_are_siblings_under_the_process_group_base():
+    from sailfin.backends.ddp import DDPStrategy
+    from sailfin.backends.fsdp import FSDPStrategy
+    from sailfin.backends.parallel import ParallelStrategy
+
+    assert DDPStrategy.__bases__ == (ParallelStrategy,)
+    assert FSDPStrategy.__bases__ == (ParallelStrategy,)
+
+
+def test_no_method_skips_a_parent_with_two_argument_super():
+    """``super(Parent, self)`` jumps over ``Parent``'s own method: a class in the wrong
+    place in the tree."""
+    found = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+             for path in modules()
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+             and node.func.id == "super" and node.args]
+    assert not found, f"two-argument super() in {found}"
+
+
+# -- the run's state in plain sight ----------------------------------------------------------
+COMPOSE = PACKAGE / "trainer" / "compose"
+
+
+def assigned_on_the_run(path: pathlib.Path) -> set[str]:
+    """The names a composition-root module sets on the trainer from outside it
+    (``trainer.x = ...``, ``trainer.a, trainer.b = ...``)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                    if (isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                            and t.value.id == "trainer"):
+                        names.add(t.attr)
+    return names
+
+
+def test_every_piece_the_composition_root_sets_is_a_typed_field_of_the_loop():
+    from typing import get_type_hints
+
+    from sailfin.trainer import Trainer
+    from sailfin.trainer.core.trainer import Loop
+
+    declared = set(get_type_hints(Loop)) | set(get_type_hints(Trainer))
+    set_outside = set().union(*(assigned_on_the_run(p) for p in sorted(COMPOSE.glob("*.py"))))
+    assert "plan" in set_outside  # the scan sees build_run's assignments
+    undeclared = sorted(set_outside - declared)
+    assert not undeclared, (f"the composition root sets {undeclared} on the trainer: declare "
+                            "each with its type in Loop (sailfin/trainer/core/trainer.py)")
+
+
+def test_the_loop_has_no_stub_for_a_subclass_to_fill():
+    stubs = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+             for path in sorted((PACKAGE / "trainer").rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Raise) and node.exc is not None
+             and "NotImplementedError" in ast.unparse(node.exc)]
+    assert not stubs, f"NotImplementedError raised in {stubs}"
+
+
+def test_the_views_members_have_real_types():
+    from typing import Any, get_type_hints
+
+    from sailfin.trainer.core.view import RunView
+
+    untyped = sorted(n for n, hint in get_type_hints(RunView).items() if hint is Any)
+    assert not untyped, f"RunView's {untyped} are typed Any"
+
+
+def test_the_callbacks_are_ordered_by_the_list_the_composition_root_builds(tmp_path):
+    """Only build_run orders the callbacks (CALLBACK_ORDER); the order in effect is it."""
+    from tests.recipes import IdData, LinearRecipe, args
+
+    from sailfin.trainer import Trainer
+    from sailfin.trainer.checkpointing.saver import CheckpointCallback
+    from sailfin.trainer.compose.setup import CALLBACK_ORDER, in_order
+    from sailfin.trainer.features.ema import WeightAverage
+    from sailfin.trainer.features.run_stats import RunStats
+    from sailfin.trainer.features.time_account import TimeAccount
+
+    outside = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+               for path in modules() if path != COMPOSE / "setup.py"
+               for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Attribute) and node.attr == "callbacks"
+               and isinstance(node.ctx, ast.Store) and path.parent.name != "core"]
+    assert not outside, f"callbacks assigned outside build_run: {outside}"
+    with pytest.raises(ValueError, match="no place in CALLBACK_ORDER"):
+        in_order({"somewhere": []})
+    trainer = Trainer(LinearRecipe(IdData(20, 0)),
+                      args(tmp_path, ema={"decay": 0.9}, checkpoint={"every_n_steps": 1}))
+    try:
+        trainer.setup()
+        places = [next(i for i, c in enumerate(trainer.callbacks) if isinstance(c, kind))
+                  for kind in (WeightAverage, RunStats, CheckpointCallback, TimeAccount)]
+        assert places == sorted(places), [type(c).__name__ for c in trainer.callbacks]
+        assert CALLBACK_ORDER.index("features") < CALLBACK_ORDER.index("saver") \
+            < CALLBACK_ORDER.index("time_account") < CALLBACK_ORDER.index("observers")
+    finally:
+        trainer.close()

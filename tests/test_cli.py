@@ -33,6 +33,41 @@ def test_train_command(tmp_path, capsys):
     assert summary["global_step"] == 12
 
 
+def test_training_a_finished_run_again_exits_3_saying_nothing_was_trained(tmp_path, capsys):
+    assert main(["train", str(config(tmp_path))]) == 0
+    capsys.readouterr()
+    assert main(["train", str(config(tmp_path))]) == 3
+    captured = capsys.readouterr()
+    out_dir = tmp_path / "out"
+    assert (f"sailfin: nothing trained: the run in {out_dir} finished at step 8 (epoch 2; "
+            "trainer.epochs 2)") in captured.err
+    assert "done:" not in captured.out and "summary:" not in captured.out
+    # The first way on the message gives works.
+    assert main(["train", str(config(tmp_path)), "--trainer.output_dir", f"{out_dir}-2"]) == 0
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_launch_help_says_what_launch_adds_to_torchrun(flag, capsys):
+    """It printed torchrun's usage ("usage: sailfin [-h] [--nnodes NNODES]") and nothing of
+    the closing line or exit code 75."""
+    assert main(["launch", flag]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: sailfin launch [torchrun options] -m sailfin train CONFIG")
+    assert "closing line" in out and "Elastic Training Launcher" not in out
+    codes = {line.split()[0] for line in out.splitlines() if re.match(r"\s+\d+\s", line)}
+    assert {"0", "75", "2", "3", "1"} <= codes
+    assert "75   preempted" in out and "requeue" in out
+    assert "torchrun --help" in out
+
+
+def test_a_help_flag_after_the_module_is_the_workers(capsys):
+    from sailfin.launch import wants_help
+
+    assert wants_help(["--nproc-per-node=2", "--help"])
+    assert not wants_help(["--nproc-per-node=2", "-m", "sailfin", "train", "--help"])
+    assert not wants_help(["train.py", "-h"])
+
+
 def test_print_config(tmp_path, capsys):
     assert main(["train", str(config(tmp_path)), "--print-config",
                  "--trainer.backend=sp", "--trainer.gpu_batch_size_limit", "2"]) == 0
@@ -140,7 +175,7 @@ def test_train_help_lists_every_backend_the_registry_builds(capsys):
     line = next(x for x in capsys.readouterr().out.splitlines()
                 if x.startswith("  --trainer.backend "))
     listed = line.split("one of: ", 1)[1].split(", ")
-    assert listed == list(BACKENDS)
+    assert listed == ["auto", *BACKENDS]  # auto: ddp under a launcher of several, else sp
     assert {"sp", "sp-amp", "ddp", "ddp-amp", "fsdp", "fsdp-amp", "sp-dp", "ddp-dp"} <= \
         set(listed)
 

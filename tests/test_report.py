@@ -60,7 +60,9 @@ def test_charts_of_one_run(runs):
     summary = json.loads((a / "summary.json").read_text())
     assert f"| {a.name} | {summary['global_step']} | {summary['samples_seen']} |" in md
     assert "![loss](loss.png)" in md and "![overview](overview.png)" in md
-    assert "| TFLOP/s (MFU) |" in md and f"| {summary['tflops']:.3g} |" in md
+    from sailfin.logging.stdout import flop_rate
+
+    assert "| FLOP/s per device (MFU) |" in md and f"| {flop_rate(summary['tflops'])} |" in md
 
 
 def test_compare_overlays_runs(runs, tmp_path):
@@ -144,3 +146,39 @@ def test_goodput_chart_of_a_run_that_crashed_and_resumed(tmp_path):
     md = (tmp_path / "report" / "report.md").read_text()
     assert "goodput" in md and "1 restart(s) after a failure" in md
     assert "![goodput](goodput.png)" in md
+
+
+def spiky_run(path):
+    """The digits report's shape: ~1,000 samples/s, ~74 MFLOP/s, one 40,603 samples/s
+    window (and its FLOP/s with it)."""
+    rng = np.random.default_rng(0)
+    lines = []
+    for step in range(5, 305, 5):
+        rate = 40603.0 if step == 150 else 1000.0 + 80 * rng.standard_normal()
+        lines.append({"step": step, "epoch": 0, "split": "train", "loss": 1.0 / step,
+                      "samples_per_second": rate, "tflops": rate * 7.4e-8})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return load_run(str(path))
+
+
+def test_a_spike_does_not_flatten_a_rate_chart_and_is_marked(tmp_path):
+    from matplotlib.figure import Figure
+
+    from sailfin.report import _plot, charts, spike_limit
+
+    run = spiky_run(tmp_path)
+    specs = {stem: spec for stem, *spec in charts([run])}
+    ax = Figure().subplots()
+    _plot(ax, [run], *specs["throughput"])
+    normal = [v for v in run.train["samples_per_second"][1] if v < 10_000]
+    bottom, top = ax.get_ylim()
+    assert max(normal) < top < 1.2 * max(normal)  # the axis is the other windows'
+    assert [t.get_text() for t in ax.texts] == ["40,603 (off the axis)"]  # marked
+    assert spike_limit(normal) is None  # no spike: the axis as matplotlib draws it
+    # FLOP/s read in the unit that fits them: 74 MFLOP/s, not 0.00007 TFLOP/s.
+    ax = Figure().subplots()
+    _plot(ax, [run], *specs["tflops"])
+    assert ax.get_ylabel() == "MFLOP/s" and ax.get_title() == "Model FLOP/s per device"
+    assert 60 < ax.get_ylim()[1] < 120
+    written = render([str(tmp_path)], dpi=80)
+    assert str(tmp_path / "report" / "throughput.png") in written

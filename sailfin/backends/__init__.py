@@ -5,7 +5,6 @@ PyMarlin's backend names are aliases for compositions.
 
 from __future__ import annotations
 
-import sys
 from typing import Callable
 
 import torch
@@ -14,6 +13,7 @@ from ..config.dp import DP_SUFFIX, is_private
 from ..config.errors import ConfigError, suggest
 from ..config.trainer import BACKEND_ALIASES, BACKENDS, PRIVATE_BACKENDS, TrainerArguments
 from ..distributed import DistEnv
+from ..utils.voice import say
 from .amp import MixedPrecision
 from .precision import Precision
 from .strategy import Execution, PlainSingleDevice, SingleDevice
@@ -26,7 +26,7 @@ PRIVATE = PRIVATE_BACKENDS
 
 # Names kept for PyMarlin configs whose meaning changed: printed once when chosen.
 NOTICES: dict[str, str] = {
-    "sp-amp-apex": "sailfin: trainer.backend sp-amp-apex runs PyTorch's native AMP "
+    "sp-amp-apex": "trainer.backend sp-amp-apex runs PyTorch's native AMP "
                    "(Apex is not used); it is the same as sp-amp",
 }
 
@@ -47,7 +47,8 @@ def _single(precision: Precision, device: torch.device, dist: DistEnv,
         raise ConfigError(
             f"trainer.backend '{args.backend}' trains in one process, but this is rank "
             f"{dist.rank} of {dist.world_size} ({dist.launcher}): every rank would train alone. "
-            "Use trainer.backend ddp (or ddp-amp) under a launcher")
+            "Use trainer.backend ddp (or ddp-amp) under a launcher, or leave trainer.backend "
+            "out: its default, auto, is ddp here")
     plain = type(precision) is Precision and not execution.compile  # fp32, called directly
     return compose(PlainSingleDevice if plain else SingleDevice)(
         precision, device, dist, execution)
@@ -96,11 +97,17 @@ def resolve_device(spec: str, dist: DistEnv) -> torch.device:
 
 
 def build_backend(args: TrainerArguments, dist: DistEnv) -> SingleDevice:
-    """Resolve ``args.backend`` into a strategy holding a precision."""
+    """Resolve ``args.backend`` into a strategy holding a precision (``auto`` first into
+    ``ddp`` or ``sp``, written back to ``args``: the name in effect is the one saved)."""
+    if args.backend == "auto":  # what HF Trainer, Accelerate and Lightning do under torchrun
+        args.backend = "ddp" if dist.is_distributed else "sp"
+        if dist.is_distributed and dist.is_main:
+            say(f"trainer.backend auto -> ddp ({dist.world_size} processes from "
+                f"{dist.launcher})")
     private = is_private(args.backend)  # "<name>-dp": DP-SGD composed on <name>
     name = args.backend[:-len(DP_SUFFIX)] if private else args.backend
     if name not in ALIASES:
-        known = list(BACKENDS)
+        known = ["auto", *BACKENDS]
         raise ConfigError(f"trainer.backend '{args.backend}'{suggest(args.backend, known)} "
                           f"is not known; valid backends: {', '.join(known)}")
     strategy, precision = ALIASES[name]
@@ -110,7 +117,7 @@ def build_backend(args: TrainerArguments, dist: DistEnv) -> SingleDevice:
                           f"{args.backend} runs in float32; use a mixed-precision backend "
                           f"({', '.join(amp)}) or remove amp_dtype")
     if args.backend in NOTICES and dist.is_main:
-        print(NOTICES[args.backend], file=sys.stderr)
+        say(NOTICES[args.backend])
     device = resolve_device(args.device, dist)
     execution = Execution(args.compile, args.compile_mode, tuple(args.activation_checkpointing),
                           args.distributed.sync_batchnorm)

@@ -29,7 +29,9 @@ def compile_in_place(runner: torch.nn.Module, mode: str) -> None:
 
 def explain_failures(run: Callable[..., Any], recipe: str) -> Callable[..., Any]:
     """``run`` with compiler errors re-raised as :class:`CompileError` naming the way out."""
-    from torch._dynamo.exc import TorchDynamoException
+    from ..compat.torch import compiler_error
+
+    TorchDynamoException = compiler_error()
 
     def guarded(*args: Any) -> Any:
         try:

@@ -1,33 +1,22 @@
 """The DDP strategy: one process per device, gradients averaged by all-reduce.
 
-It is the single-device strategy plus four things: it joins the process group,
-wraps the step runner in ``DistributedDataParallel``, skips the gradient
-all-reduce on all but the last micro-batch of a step (``no_sync``), and makes
-the collectives real.
+It is the process-group strategy (:mod:`.parallel`: the group, the threads, the
+collectives) plus two things: it wraps the step runner in
+``DistributedDataParallel``, and skips the gradient all-reduce on all but the last
+micro-batch of a step (``no_sync``).
 """
 
 from __future__ import annotations
 
-import gc
 import inspect
-import logging
-import os
-from typing import Any, ContextManager, Iterable, Optional
+from typing import ContextManager, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ..config.distributed import DistArguments
-from ..config.errors import ConfigError
-from ..distributed import DistEnv
-from ..distributed.collectives import all_reduce_mean, gather_outputs
-from ..distributed.process_group import (comm_backend_for, destroy_process_group,
-                                         init_process_group, launch_hint)
-from .precision import Precision
-from .strategy import _NULL, Execution, SingleDevice, StepRunner
-
-log = logging.getLogger("sailfin")
+from .parallel import ParallelStrategy
+from .strategy import _NULL, StepRunner
 
 
 def _buffer_sync(sync: bool) -> dict[str, bool]:
@@ -37,7 +26,7 @@ def _buffer_sync(sync: bool) -> dict[str, bool]:
     return {"broadcast_buffers": sync}
 
 
-class DDPStrategy(SingleDevice):
+class DDPStrategy(ParallelStrategy):
     """Data parallel over ``dist.world_size`` processes, one device each.
 
     Example (every process runs this; torchrun starts them)::
@@ -47,30 +36,7 @@ class DDPStrategy(SingleDevice):
     """
 
     strategy = "ddp"
-    needs_launcher = True  # FSDP also runs alone, as a group of one
-
-    def __init__(self, precision: Precision, device: torch.device,
-                 dist_env: Optional[DistEnv] = None,
-                 options: Optional[DistArguments] = None,
-                 execution: Optional[Execution] = None) -> None:
-        super().__init__(precision, device, dist_env, execution)
-        self.options = options or DistArguments()
-        if not self.dist.launched and self.needs_launcher:
-            raise ConfigError(
-                f"trainer.backend '{self.strategy}' runs one process per device, started by a "
-                "launcher; "
-                f"this process was started alone. Run:\n    {launch_hint()}\n(or set "
-                "trainer.distributed for a launcher sailfin does not detect)")
-        self.comm_backend = comm_backend_for(device, self.options.comm_backend)
-        self._owns_group = False
-        self.ddp: Optional[DistributedDataParallel] = None
-
-    # -- set-up ----------------------------------------------------------------------
-    def setup(self, module: torch.nn.Module) -> None:
-        self._set_threads()
-        self._owns_group = init_process_group(self.dist, self.device, self.comm_backend,
-                                              self.options.timeout_seconds)
-        super().setup(module)
+    ddp: Optional[DistributedDataParallel] = None
 
     def convert_batchnorm(self, module: torch.nn.Module) -> None:
         """``trainer.distributed.sync_batchnorm``: BatchNorm layers become SyncBatchNorm, in place (the
@@ -99,64 +65,12 @@ class DDPStrategy(SingleDevice):
         # the last one's backward all-reduces the accumulated sum once.
         return _NULL if sync else self.ddp.no_sync()
 
-    def _set_threads(self) -> None:
-        """One process per core slice: oversubscribed CPU threads cost more than they give."""
-        if self.device.type != "cpu":
-            return
-        threads = self.options.threads_per_process
-        source = "trainer.distributed.threads_per_process"
-        if threads is None and "OMP_NUM_THREADS" in os.environ:
-            if self.dist.is_main:
-                log.info("%s on CPU: %d intra-op thread(s) per process (OMP_NUM_THREADS=%s)",
-                         self.strategy.upper(),
-                         torch.get_num_threads(), os.environ["OMP_NUM_THREADS"])
-            return
-        if threads is None:
-            threads = max(1, (os.cpu_count() or 1) // self.dist.local_world_size)
-            source = f"{os.cpu_count()} cores / {self.dist.local_world_size} local processes"
-        torch.set_num_threads(threads)
-        if self.dist.is_main:
-            log.info("%s on CPU: %d intra-op thread(s) per process (%s)", self.strategy.upper(),
-                     threads, source)
-
     def teardown(self) -> None:
         if self._owns_group:
-            # DDP holds the process group: drop it first, so that the group is
-            # destroyed now, while the interpreter is whole, not during exit.
-            self.ddp = self.runner = self._run = None
-            destroy_process_group()
-            gc.collect()
-            self._owns_group = False
+            self.ddp = None  # it holds the process group
+        super().teardown()
 
-    # -- collectives -------------------------------------------------------------------
-    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        return all_reduce_mean(tensor, self.dist.world_size)
-
-    def gather_outputs(self, outputs: dict[str, Any]) -> dict[str, Any]:
-        device = self.device if self.comm_backend == "nccl" else torch.device("cpu")
-        return gather_outputs(outputs, self.dist.rank, self.dist.world_size, device)
-
-    def barrier(self) -> None:
-        if self.comm_backend == "nccl":
-            dist.barrier(device_ids=[self.device.index])
-        else:
-            dist.barrier()
-
-    def gather_scalars(self, values: torch.Tensor) -> torch.Tensor:
-        device = self.device if self.comm_backend == "nccl" else torch.device("cpu")
-        local = values.detach().reshape(-1).to(device)
-        out = torch.empty(self.dist.world_size * local.numel(), dtype=local.dtype,
-                          device=device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(out, local)  # all_gather_single: the newer name (the old one warns)
-        return out.view(self.dist.world_size, -1)
-
-    def agree_min(self, value: int) -> int:
-        device = self.device if self.comm_backend == "nccl" else torch.device("cpu")
-        flag = torch.tensor([value], dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return int(flag.item())
-
+    # -- micro_batch_size auto's probing steps ------------------------------------------
     def local_gradients(self) -> ContextManager:
         return self.ddp.no_sync()
 
@@ -175,12 +89,3 @@ class DDPStrategy(SingleDevice):
             n = g.numel()
             p.grad = flat[offset:offset + n].view_as(p).clone()
             offset += n
-
-    def group_store(self) -> Optional[Any]:
-        from torch.distributed.distributed_c10d import _get_default_store
-        return _get_default_store()
-
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]

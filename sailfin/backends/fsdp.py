@@ -8,8 +8,9 @@ reduce-scattered after its backward, so each rank keeps only the gradient
 rows of its own shard, and the optimizer (built after sharding) keeps state
 for those rows only.
 
-The strategy is the DDP strategy with another wrapper: the same process group,
-threads and collectives; units instead of ``DistributedDataParallel``; and
+The strategy is the DDP strategy's sibling under the process-group base
+(:mod:`.parallel`): the same process group, threads and collectives; units instead
+of ``DistributedDataParallel``; a group of one when started alone; and
 state dicts that stay sharded (see :mod:`sailfin.checkpoint.sharded`). How the model
 gets its starting weights is :mod:`.fsdp_build`; which submodules are units,
 :mod:`.fsdp_units`.
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import logging
 from typing import Any, ContextManager, Iterable, Iterator, Optional
 
 import torch
@@ -38,20 +38,20 @@ from ..config.errors import ConfigError
 from ..config.fsdp import FSDPArguments
 from ..distributed import DistEnv
 from ..utils.memory import fix_mmap_threshold
-from .ddp import DDPStrategy
+from ..utils.voice import say
 from .fsdp_build import (RankZeroStart, buffers_to, check_same_model, init_on_shards,
                          receive_from_rank0, require_init_weights)
 from .fsdp_units import select_units, unit_checker
+from .parallel import ParallelStrategy
 from .precision import Precision
 from .state import named_optimizer_state, optimizer_state_is_named
 from .strategy import Execution, StepRunner
 from .streamed_weights import save_streamed
 
-log = logging.getLogger("sailfin")
 _END = object()
 
 
-class FSDPStrategy(DDPStrategy):
+class FSDPStrategy(ParallelStrategy):
     """Fully sharded data parallel over ``dist.world_size`` processes (FSDP2).
 
     Under a launcher it joins the job's group; started alone it trains as a
@@ -89,17 +89,16 @@ class FSDPStrategy(DDPStrategy):
             # Gathered units (host memory) go back to the system when freed, not into
             # heaps that count as resident: before the first unit is materialised.
             fix_mmap_threshold()
-        if not self.dist.launched and not dist.is_initialized():
-            # Started alone: a group of one, in memory, so fully_shard has a mesh.
-            self._set_threads()
-            dist.init_process_group(self.comm_backend, store=dist.HashStore(), rank=0,
-                                    world_size=1,
-                                    timeout=datetime.timedelta(
-                                        seconds=self.options.timeout_seconds))
-            self._owns_group = True
-            super(DDPStrategy, self).setup(module)  # SingleDevice.setup: no group to join
-            return
         super().setup(module)
+
+    def join_group(self) -> bool:
+        if self.dist.launched or dist.is_initialized():
+            return super().join_group()
+        # Started alone: a group of one, in memory, so fully_shard has a mesh.
+        dist.init_process_group(self.comm_backend, store=dist.HashStore(), rank=0,
+                                world_size=1,
+                                timeout=datetime.timedelta(seconds=self.options.timeout_seconds))
+        return True
 
     def shard_options(self) -> dict[str, Any]:
         """The keyword arguments every ``fully_shard`` call of this run gets."""
@@ -174,8 +173,8 @@ class FSDPStrategy(DDPStrategy):
         # would make itself a root: settle the roles now.
         settle_roots(self.root)
         if self.dist.is_main:
-            log.info("FSDP over %d rank(s), built by %s: units %s, then the root",
-                     self.dist.world_size, self.fsdp.build, ", ".join(self.units) or "(none)")
+            say(f"FSDP over {self.dist.world_size} rank(s), built by {self.fsdp.build}: units "
+                f"{', '.join(self.units) or '(none)'}, then the root")
         return runner
 
     def sync_context(self, sync: bool) -> ContextManager:

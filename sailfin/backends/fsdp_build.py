@@ -79,13 +79,8 @@ class RankZeroStart:
 
 def non_persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(dotted name, buffer) of every buffer a state dict leaves out, in module order."""
-    out = []
-    for path, sub in module.named_modules():
-        for name in sorted(sub._non_persistent_buffers_set):
-            buf = sub._buffers.get(name)
-            if buf is not None:
-                out.append((f"{path}.{name}" if path else name, buf))
-    return out
+    saved = module.state_dict(keep_vars=True).keys()
+    return [(name, buf) for name, buf in module.named_buffers() if name not in saved]
 
 
 def check_same_model(module: nn.Module, rank: int,

@@ -12,16 +12,15 @@ in one unit or in the root.
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from typing import Optional
 
 import torch
 from torch import nn
 
+from ..compat.transformers import no_split_modules
 from ..config.errors import ConfigError, suggest
-
-log = logging.getLogger("sailfin")
+from ..utils.voice import say
 
 
 def has_forward(module: nn.Module) -> bool:
@@ -40,7 +39,7 @@ def default_unit_classes(model: nn.Module) -> list[str]:
     present = {type(m).__name__ for m in model.modules()}
     declared: list[str] = []
     for module in model.modules():
-        for name in getattr(module, "_no_split_modules", None) or []:
+        for name in no_split_modules(module):
             if name in present and name not in declared:
                 declared.append(name)
     if declared:
@@ -63,9 +62,8 @@ def parameter_owners(model: nn.Module) -> dict[int, list[str]]:
     """id(parameter) -> the dotted names of every module that registers it."""
     owners: dict[int, list[str]] = {}
     for path, module in model.named_modules(remove_duplicate=False):
-        for param in module._parameters.values():
-            if param is not None:
-                owners.setdefault(id(param), []).append(path)
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(path)
     return owners
 
 
@@ -102,7 +100,7 @@ def select_units(module: nn.Module, names: Optional[list[str]]
                 continue
             tie = tied_outside(path, sub, owners)
             if tie is not None:  # left to the root, with the other side of the tie
-                log.info("fsdp: %s stays in the root: its %s is tied to %s", path, *tie)
+                say(f"fsdp: {path} stays in the root: its {tie[0]} is tied to {tie[1]}")
                 continue
             chosen[path] = sub
     else:

@@ -8,6 +8,7 @@ from typing import Any, Iterator
 import torch
 
 from ..config.errors import ConfigError
+from ..utils.voice import say
 
 
 def import_opacus() -> Any:
@@ -61,9 +62,8 @@ def check_model(module: torch.nn.Module, fix: bool, backend: str) -> None:
     """Refuse (or, with ``trainer.dp.fix_model``, fix) layers that mix samples."""
     bad = unsupported_layers(module)
     if bad and fix:
-        import logging
         for line in fix_in_place(module):
-            logging.getLogger("sailfin").info("trainer.dp.fix_model: replaced %s", line)
+            say(f"trainer.dp.fix_model: replaced {line}")
         bad = unsupported_layers(module)
     if bad:
         batchnorm = any("BatchNorm" in b for b in bad)

@@ -47,3 +47,21 @@ def named_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimi
     return {"state": {index_to_name[i]: per for i, per in state["state"].items()},
             "param_groups": [{**g, "params": [index_to_name[i] for i in g["params"]]}
                              for g in saved_groups]}
+
+
+def dcp_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (``optimizer``'s, in either layout) keyed as PyTorch's distributed state
+    dicts key it, the layout a checkpoint holds on every backend.
+
+    An optimizer that has not stepped is re-keyed as it is: reading it through
+    ``get_optimizer_state_dict`` would step it once with zero gradients (Adam's step count
+    becomes 1), and reading the state must never change the run.
+    """
+    if optimizer_state_is_named(state):
+        return state
+    if not optimizer.state:
+        return named_optimizer_state(module, optimizer, state)
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(module, optimizer)

@@ -4,7 +4,9 @@ Layout of the default checkpointer's directory (local or any fsspec URL)::
 
     step-00000120/
         manifest.json           written last: the checkpoint is complete when it exists
-        trainer.pt              model, optimizers, schedulers, counters... (rank 0 writes)
+        shards/                 model and optimizers, with DCP, on every backend
+                                (torch.distributed.checkpoint opens it alone): see .sharded
+        trainer.pt              schedulers, counters, data position... (rank 0 writes)
         rng-rank00000.pt        one per rank: that rank's random streams
     latest                      name of the newest complete checkpoint (moved last)
     best                        name of the best checkpoint (with trainer.checkpoint.best_metric)
@@ -49,7 +51,8 @@ class Snapshot:
     rank_state: Any
     is_best: bool = False
     sharded: dict[str, Any] = field(default_factory=dict)
-    """State every rank writes its own shards of (fsdp), with DCP; see :mod:`.sharded`."""
+    """The model and optimizers (and any DTensor state), written with DCP by every rank
+    (under fsdp each its own rows); see :mod:`.sharded`."""
 
 
 @dataclass
@@ -63,7 +66,8 @@ class Loaded:
     rank_state: Optional[Any] = None
     """None when the checkpoint has no state for this rank (it ran on fewer ranks)."""
     sharded: Optional[ShardedRef] = None
-    """The checkpoint's DCP shards (saved under fsdp), read by :func:`.sharded.load_sharded`."""
+    """The checkpoint's DCP shards, read by :func:`.sharded.load_sharded` (None only in a
+    checkpoint of the previous format, whose model is ``shared["model"]``)."""
 
 
 class Checkpointer(abc.ABC):
@@ -150,7 +154,7 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
         self._pending: Optional[tuple[int, Future]] = None
         self._staging = StagingBuffers()  # async saves: CPU copies, reused from save to save
         self.shards = ShardedWriter(self.storage, args.storage_options)
-        self.writes_shards = True  # Snapshot.sharded (fsdp) is written, with DCP
+        self.writes_shards = True  # Snapshot.sharded is written, with DCP
 
     # -- saving --------------------------------------------------------------
     def save(self, snapshot: Snapshot) -> None:
@@ -268,6 +272,7 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
                 self._executor.shutdown(wait=True)
                 self._executor = None
             self._staging.release()
+            self.shards.close()
 
     # -- loading -------------------------------------------------------------------
     def load(self, name: str, mmap: bool = False) -> Loaded:

@@ -64,9 +64,23 @@ class DirectoryLayout:
         out = []
         for entry in self.storage.listdir(self.root):
             match = _STEP.match(entry)
-            if match and self.storage.exists(self.path(entry, manifests.MANIFEST)):
+            if match and not self._a_link(entry) and self.storage.exists(
+                    self.path(entry, manifests.MANIFEST)):
                 out.append((int(match.group(1)), entry))
         return sorted(out)
+
+    def _a_link(self, entry: str) -> bool:
+        """A ``step-*`` entry that is a symbolic link: sailfin never makes one, and what it
+        points at (perhaps outside this directory) is not this run's checkpoint."""
+        local = self.storage.local_path(self.path(entry))
+        if local is None or not os.path.islink(local):
+            return False
+        said = self.__dict__.setdefault("_links_said", set())
+        if entry not in said:
+            said.add(entry)
+            say(f"checkpoint {local} is a symbolic link (to {os.readlink(local)}), not a "
+                "checkpoint sailfin saved here: it is not resumed; remove it")
+        return True
 
     def pointer(self, which: str) -> Optional[str]:
         """The checkpoint ``latest`` or ``best`` names, if it is complete."""
@@ -77,7 +91,8 @@ class DirectoryLayout:
                                 within=self.root).decode("utf-8").strip()
         except (FileNotFoundError, UnicodeDecodeError, CheckpointCorrupt):
             return None  # not a pointer sailfin wrote: recover() says so and replaces it
-        if _STEP.match(name) and self.storage.exists(self.path(name, manifests.MANIFEST)):
+        if (_STEP.match(name) and not self._a_link(name)
+                and self.storage.exists(self.path(name, manifests.MANIFEST))):
             return name
         return None
 

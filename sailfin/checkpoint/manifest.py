@@ -6,7 +6,7 @@ incomplete (a save that did not finish) and is never loaded.
 Example manifest::
 
     {"format": "sailfin-checkpoint/1", "step": 120, "epoch": 2, "step_in_epoch": 20,
-     "samples_seen": 3840, "world_size": 2, "seed": 42, "sailfin_version": "0.1.0",
+     "samples_seen": 3840, "world_size": 2, "seed": 42, "sailfin_version": "0.2.0",
      "files": {"model.pt": {"size": 4211, "crc32": "8a3f01c2"}, ...}, "config": {...}}
 """
 

@@ -129,8 +129,12 @@ def _serve(parent: int) -> None:
     mapped: dict[str, torch.UntypedStorage] = {}  # the staging files, kept mapped
 
     def send(reply: Any) -> None:
-        pickle.dump(reply, replies)
-        replies.flush()
+        try:
+            pickle.dump(reply, replies)
+            replies.flush()
+        except OSError:  # BrokenPipeError: the training process is gone, nobody to tell
+            sys.stderr.flush()
+            os._exit(0)
 
     def commit() -> bool:
         send("written")

@@ -35,6 +35,10 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
           (stat.S_ISSOCK, "a socket"))
 
+#: A file at least this large is announced before it is read to check it (a resume
+#: that reads many gigabytes says why it takes a while).
+SAY_ABOVE_BYTES = 1 << 30
+
 
 def plain_name(name: object) -> bool:
     """True for a file name a manifest may list: no directory part, no ``..``, no NUL."""
@@ -92,6 +96,11 @@ def open_checked(storage: Storage, path: str, shown: str, *, what: str = "checkp
                                         f"checkpoint directory {within}: sailfin reads "
                                         "checkpoint files only inside it", shown)
         _check_size(info.st_size, shown, what, expected_size, limit)
+        if info.st_size >= SAY_ABOVE_BYTES:  # checking it takes a while: say so first
+            from .layout import say
+
+            say(f"checking {what} {shown} ({info.st_size / 2 ** 20:,.0f} MiB) against its "
+                "checksum before loading it")
         if hasattr(os, "O_NONBLOCK"):
             os.set_blocking(fd, True)
         fh = os.fdopen(fd, "rb")

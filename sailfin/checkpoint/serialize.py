@@ -159,12 +159,11 @@ def load_object(storage: Storage, path: str, entry: FileEntry, mmap: bool = Fals
     except pickle.UnpicklingError as exc:
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))
         what = f" (it needs {found.group(1)})" if found else ""
-        raise CheckpointError(
+        # Saves refuse such objects (check_plain): the file was rewritten after the save.
+        raise CheckpointCorrupt(
             f"checkpoint file {shown} holds Python objects that only arbitrary unpickling could "
-            f"rebuild{what}. sailfin loads checkpoints with torch.load(weights_only=True) "
-            "because unpickling can run any code. A recipe's get_state() must return tensors "
-            "and plain Python types (dict, list, tuple, set, str, int, float, bool, None)"
-        ) from None
+            f"rebuild{what}: it was rewritten after the save (sailfin refuses to save them), and "
+            "is not loaded, since unpickling can run any code", shown) from None
     except (RuntimeError, ValueError, EOFError, OSError) as exc:  # a damaged zip archive
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointCorrupt(f"checkpoint file {shown} matches its checksum but torch.load "

@@ -6,9 +6,9 @@ DCP writes each rank's rows to ``__R_0.distcp`` and rank 0 writes the index
 once its files are written, reads them back (from the page cache, just
 written) and computes their size and checksum; the figures travel to rank 0
 with DCP's own write results, and rank 0 adds the index's. The manifest then
-lists every file with ``{"size": ..., "crc32c": "..."}`` (CRC-32C with the
-``crc32c`` or ``google-crc32c`` package installed, zlib's ``crc32`` otherwise,
-computed by :mod:`sailfin.utils.crc`; the manifest names which).
+lists every file with ``{"size": ..., "crc32": "..."}`` (zlib's CRC-32, computed by
+:mod:`sailfin.utils.crc` whatever else the machine has installed; the manifest names the
+algorithm).
 
 On load, :func:`verify` splits the files among the ranks (file ``i`` is read by
 rank ``i % world``), so every byte is read once per job; any rank that finds
@@ -28,7 +28,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from ..utils.crc import crc32
-from .errors import CheckpointCorrupt
+from .errors import CheckpointCorrupt, CheckpointError
 from .reading import open_checked, plain_shard_name
 from .storage import Storage
 
@@ -37,30 +37,18 @@ _CHUNK = 16 << 20
 _CARRIER = "__sailfin_checksums__"
 
 
-def _pick_algorithm() -> tuple[str, Callable[[bytes, int], int]]:
-    try:
-        import google_crc32c  # type: ignore[import-not-found]
-
-        return "crc32c", lambda data, crc: google_crc32c.extend(crc, bytes(data))
-    except ImportError:
-        pass
-    try:
-        import crc32c  # type: ignore[import-not-found]
-
-        return "crc32c", lambda data, crc: crc32c.crc32c(data, crc)
-    except ImportError:
-        return "crc32", crc32  # zlib's values, from ISA-L where installed
+#: The one checksum of every file sailfin writes (zlib's CRC-32, from ISA-L where installed).
+#: Nothing a machine happens to have installed changes it: a checkpoint saved on one
+#: machine is checked the same way on any other.
+ALGORITHM = "crc32"
 
 
-ALGORITHM, _update = _pick_algorithm()
-
-
-def checksum_stream(stream: Any) -> tuple[int, int]:
+def checksum_stream(stream: Any, update: Callable[..., int] = crc32) -> tuple[int, int]:
     """(size, checksum) of what ``stream`` holds from its current position."""
     size, crc = 0, 0
     while chunk := stream.read(_CHUNK):
         size += len(chunk)
-        crc = _update(chunk, crc)
+        crc = update(chunk, crc)
     return size, crc
 
 
@@ -140,16 +128,22 @@ def verify(storage: Storage, path: str, files: dict[str, Any], rank: int = 0,
         algorithm = _algorithm_of(entry)
         checksum = algorithm is not None and i % world_size == rank
         if checksum and algorithm != ALGORITHM:
-            raise CheckpointCorrupt(
-                f"checkpoint shard {shown} has a {algorithm} checksum, which this machine "
-                f"cannot compute (it has {ALGORITHM}): pip install google-crc32c", shown)
+            # Written by a sailfin that picked CRC-32C when a package for it was importable.
+            update = _crc32c()
+            if update is None:
+                raise CheckpointError(
+                    f"checkpoint shard {shown} carries a CRC-32C checksum (an older sailfin "
+                    "wrote it on a machine with a crc32c package); install one to check it: "
+                    "pip install google-crc32c")
+        else:
+            update = crc32
         try:
             # Every rank checks every size (a stat); a rank reads only its share.
             with open_checked(storage, file, shown, what="checkpoint shard",
                               expected_size=expected_size, within=path) as stream:
                 if not checksum:
                     continue
-                got_size, crc = checksum_stream(stream)
+                got_size, crc = checksum_stream(stream, update)
         except FileNotFoundError:
             raise CheckpointCorrupt(f"checkpoint shard {shown} is missing", shown) from None
         except OSError as exc:  # an I/O error
@@ -168,3 +162,19 @@ def _algorithm_of(entry: Any) -> Optional[str]:
         if name in entry:
             return name
     return None
+
+
+def _crc32c() -> Optional[Callable[..., int]]:
+    """CRC-32C, to check the shards of a checkpoint an older sailfin wrote with it."""
+    try:
+        import google_crc32c  # type: ignore[import-not-found]
+
+        return lambda data, crc: google_crc32c.extend(crc, bytes(data))
+    except ImportError:
+        pass
+    try:
+        import crc32c  # type: ignore[import-not-found]
+
+        return lambda data, crc: crc32c.crc32c(data, crc)
+    except ImportError:
+        return None

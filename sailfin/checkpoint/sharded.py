@@ -1,17 +1,20 @@
-"""Sharded checkpoint state: each rank writes and reads its own rows, with DCP.
+"""Model and optimizer state on every backend, with DCP: each rank writes and reads its own rows.
 
-Under the ``fsdp`` backends the model and optimizer state dicts hold DTensor
-shards. They are not gathered on rank 0: every rank writes its shards with
-``torch.distributed.checkpoint`` (DCP) into ``shards/`` inside the
-checkpoint's directory, while rank 0 writes the rest (``trainer.pt``) as
-before. The directory protocol does not change: the shards are written under
-the temporary name, the manifest (which lists them) is written last, the
+Every checkpoint holds the model and optimizer state as
+``torch.distributed.checkpoint`` (DCP) writes it, in ``shards/`` inside the
+checkpoint's directory, under the names PyTorch's distributed state dicts give
+(``get_model_state_dict`` / ``get_optimizer_state_dict``). Under ``fsdp`` the
+values are DTensor shards and every rank writes its own rows; under ``sp`` and
+``ddp`` they are plain tensors that DCP writes once (replicated state is
+de-duplicated over the ranks). Rank 0 writes the rest (``trainer.pt``). The
+directory protocol does not change: the shards are written under the temporary
+name, the manifest (which lists them with their CRC-32s) is written last, the
 directory is renamed, ``latest`` moves last.
 
 Layout::
 
     step-00000120/
-        manifest.json         "sharded": {"format": "torch-dcp/1", "keys": [...],
+        manifest.json         "sharded": {"format": "torch-dcp/1", "keys": ["module", "optimizers"],
                                           "files": {name: {"size": n, "crc32": hex}, ...}}
         trainer.pt            schedulers, counters, ... (no model, no optimizers)
         rng-rank00000.pt ...
@@ -19,19 +22,24 @@ Layout::
         shards/__0_0.distcp   rank 0's rows
         shards/__1_0.distcp   rank 1's rows
 
-DCP re-cuts the rows on load, so a sharded checkpoint resumes on any world
-size and under any backend: the state to load into comes from PyTorch's
-distributed state dict API, which gives DTensor shards under fsdp and full
-tensors under sp and ddp.
+DCP re-cuts the rows on load, so a checkpoint resumes on any world size and
+under any backend: the state to load into comes from PyTorch's distributed
+state dict API, which gives DTensor shards under fsdp and full tensors under
+sp and ddp. torch alone opens it::
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save("step-00000120/shards", "step-120.pt")   # {"module": ..., "optimizers": ...}
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
+import warnings
 from concurrent.futures import Future
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -41,9 +49,23 @@ from .reading import plain_name
 from .shard_checksums import checksummed_writer, describe, verify
 from .storage import LocalStorage, Storage
 
+# Saving and loading in one process (sp, or no process group) is what sailfin means to do;
+# DCP warns about it at every call. (Process-wide for the async saves' writer thread; a
+# context around the calls made on the training thread, where pytest resets the filters.)
+_SINGLE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
+warnings.filterwarnings("ignore", message=_SINGLE_PROCESS, category=UserWarning)
+
+
+@contextlib.contextmanager
+def _one_process_is_meant() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS, category=UserWarning)
+        yield
+
 FORMAT = "torch-dcp/1"
 SHARDS = "shards"
 CALLBACKS = "callbacks"
+DCP_KEYS = ("module", "optimizers")  # always in DCP, whatever the backend
 
 
 def _failures() -> tuple[type[BaseException], ...]:
@@ -56,9 +78,10 @@ def _failures() -> tuple[type[BaseException], ...]:
 
 
 def split_sharded(state: dict[str, Any]) -> dict[str, Any]:
-    """Move the entries of ``state`` that hold DTensors (fsdp's model and optimizers) into
-    a dict of their own, returned; ``state`` keeps the rest. Empty without sharding."""
-    sharded = {key: state[key] for key, value in state.items() if _holds_dtensor(value)}
+    """Move the model and optimizers (on every backend) and any other entry that holds
+    DTensors into a dict of their own, returned for DCP; ``state`` keeps the rest."""
+    sharded = {key: state[key] for key, value in state.items()
+               if key in DCP_KEYS or _holds_dtensor(value)}
     for key in sharded:
         del state[key]
     # A callback's sharded state (fsdp's EMA) goes to a key of its own, "callbacks/<name>".
@@ -106,6 +129,7 @@ class ShardedWriter:
         self._keys: list[str] = []
         self._staging: Optional[str] = None  # the save whose shards are being written
         self._group: Any = None
+        self._stager: Any = None  # DCP's DefaultStager, kept for the run (async saves)
         self._writer_used: Any = None  # rank 0's holds every file's checksum after the save
 
     def save(self, staging: str, state: dict[str, Any], async_save: bool) -> None:
@@ -124,14 +148,25 @@ class ShardedWriter:
         self._writer_used = writer = self._writer(path)
         if not async_save:
             try:
-                dcp.save(state, storage_writer=writer)
+                with _one_process_is_meant():
+                    dcp.save(state, storage_writer=writer)
             except _failures() as exc:  # every rank gets DCP's CheckpointException
                 raise _write_failure(self.storage, path, exc) from None
             return
         if self._group is None and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")  # every rank saves: collective is fine
         # Returns once this rank's shards are copied to CPU memory; writes in a thread.
-        self._pending = dcp.async_save(state, storage_writer=writer, process_group=self._group)
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            # One stager for the run: it keeps its CPU copies from one save to the next (no
+            # fresh allocation, no page faults on the step's path); pinned for CUDA tensors.
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                use_non_blocking_copy=False))
+        self._pending = dcp.async_save(state, storage_writer=writer, process_group=self._group,
+                                       async_stager=self._stager)
 
     def wait(self) -> None:
         """Block until this rank's last shards are on storage; raise if writing failed."""
@@ -148,6 +183,15 @@ class ShardedWriter:
         finally:
             if self._pending is pending:
                 self._pending = None
+
+    def close(self) -> None:
+        """Wait for the last shards, then free the staging copies."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
 
     def finish(self, staging: str) -> Optional[dict[str, Any]]:
         """Rank 0, before the manifest: wait for the shards (DCP's async save completes on
@@ -222,12 +266,14 @@ def locate_shards(storage: Storage, where: str, manifest: dict[str, Any],
 
 def load_sharded(ref: ShardedRef, module: torch.nn.Module,
                  optimizers: list[torch.optim.Optimizer],
-                 callbacks: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                 callbacks: Optional[dict[str, Any]] = None,
+                 skip: Iterable[str] = ()) -> dict[str, Any]:
     """The saved ``module`` and ``optimizers`` state, cut for this run's backend and world
     size: DTensor shards under fsdp, full tensors under sp and ddp. ``callbacks``
     (name -> object with ``state_dict()``): the saved state of those with sharded state
     comes back as ``{"callbacks": {name: state}}``; shards of a callback this run lacks
-    are not read.
+    are not read. ``skip``: model entries the checkpoint does not hold (the frozen
+    parameters a parameter-efficient fine-tune leaves out).
 
     The targets come from PyTorch's distributed state dicts (parameter names as
     keys, also for optimizer state); DCP reads into them the rows each rank needs.
@@ -236,8 +282,10 @@ def load_sharded(ref: ShardedRef, module: torch.nn.Module,
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          get_optimizer_state_dict)
 
+    skipped = frozenset(skip)
     targets: dict[str, Callable[[], Any]] = {
-        "module": lambda: get_model_state_dict(module),
+        "module": lambda: {k: v for k, v in get_model_state_dict(module).items()
+                           if k not in skipped},
         "optimizers": lambda: {str(i): get_optimizer_state_dict(module, opt)
                                for i, opt in enumerate(optimizers)},
     }
@@ -252,7 +300,8 @@ def load_sharded(ref: ShardedRef, module: torch.nn.Module,
     try:
         import torch.distributed as dist
 
-        dcp.load(state, storage_reader=ref.reader(), no_dist=not dist.is_initialized())
+        with _one_process_is_meant():
+            dcp.load(state, storage_reader=ref.reader(), no_dist=not dist.is_initialized())
     except _failures() as exc:  # DCP names the missing or mismatched key
         raise CheckpointError(f"the shards in {ref.storage.display(ref.path)} do not fit this "
                               f"model: {_reason(exc)}") from exc

@@ -23,6 +23,9 @@ PRIVATE = (
     "torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter",
     "torch.distributed.checkpoint._fsspec_filesystem.FsspecReader",
     "torch.Tensor._version",
+    "torch._foreach_lerp_",
+    "torch.distributed.distributed_c10d._get_default_store",
+    "torch._dynamo.exc.TorchDynamoException",
 )
 """The dotted names sailfin reads; :func:`missing` checks each."""
 
@@ -51,6 +54,39 @@ def version(tensor: torch.Tensor) -> int:
     sees an in-place change without comparing the data itself.
     """
     return tensor._version
+
+
+def lerp_all_(ends: list[torch.Tensor], targets: list[torch.Tensor], weight: float) -> None:
+    """``end += weight * (target - end)`` for each pair, in one fused op (the weight
+    average's update: one kernel for every parameter, not one per parameter).
+
+    Private: ``torch._foreach_lerp_``, which ``torch.optim``'s foreach paths and
+    ``torch.optim.swa_utils.get_ema_multi_avg_fn`` use. Public alternative:
+    ``torch.lerp`` in a loop, one launch per parameter.
+    """
+    torch._foreach_lerp_(ends, targets, weight)
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group (the rendezvous's store).
+
+    Private: ``torch.distributed.distributed_c10d._get_default_store``. Public
+    alternative: a ``TCPStore`` of one's own on another port, a second rendezvous.
+    """
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def compiler_error() -> type:
+    """The base class of the errors ``torch.compile`` raises while it traces or compiles.
+
+    Private module: ``torch._dynamo.exc`` (``TorchDynamoException``); ``torch.compiler``
+    names no error class. Imported when called: ``torch._dynamo`` is slow to import.
+    """
+    from torch._dynamo.exc import TorchDynamoException
+
+    return TorchDynamoException
 
 
 def fsspec_writer() -> type:

@@ -47,7 +47,7 @@ def first_sentence(text: str) -> str:
 
 
 # Keys whose values are names from a list in code: the help shows the list itself.
-CHOICES: dict[str, tuple[str, ...]] = {"trainer.backend": BACKENDS}
+CHOICES: dict[str, tuple[str, ...]] = {"trainer.backend": ("auto", *BACKENDS)}
 
 
 def trainer_keys_help(cls: type = TrainerArguments, prefix: str = "trainer.") -> str:

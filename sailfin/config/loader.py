@@ -153,6 +153,9 @@ def _check_init_args(cls: type, init_args: dict, section: str) -> dict:
             choices = [p for p in params if p not in ("self", "data")]
             raise unknown_key(key, choices, f"{section}.init_args.")
         tp = hints.get(key)
+        if tp is None and not isinstance(params[key].annotation, str) \
+                and params[key].annotation is not params[key].empty:
+            tp = params[key].annotation  # a class's __signature__ with evaluated types
         out[key] = coerce(value, tp, f"{section}.init_args.{key}") if tp is not None else value
     return out
 

@@ -61,8 +61,10 @@ class TrainerArguments:
     """Drop an epoch's last, smaller global batch instead of stepping on it."""
     shuffle: bool = True
     """Shuffle the training order each epoch (a function of seed and epoch)."""
-    backend: str = "sp"
-    """How a step runs (a strategy x a precision); one of BACKENDS (the help lists them)."""
+    backend: str = "auto"
+    """How a step runs (a strategy x a precision); one of BACKENDS (the help lists them).
+    auto: ddp when a launcher started several processes (torchrun, Slurm, MPI: world size
+    above 1), else sp; the backend in effect is printed and saved with the run."""
     amp_dtype: Literal["auto", "bfloat16", "float16"] = "auto"
     """Autocast type of the ``*-amp`` backends. auto: bfloat16 where the device supports it
     (CPU included), else float16 (with loss scaling)."""

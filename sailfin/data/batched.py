@@ -32,8 +32,7 @@ import inspect
 from typing import Any, Optional, Sequence
 
 import torch
-from torch.utils.data import DataLoader, Subset, TensorDataset
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data import DataLoader, Subset, TensorDataset, default_collate
 
 # Built again from the recipe's loader as they are; the rest is sailfin's choice.
 _REBUILT = {"dataset", "shuffle", "batch_sampler", "collate_fn"}

@@ -33,7 +33,6 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import json
-import logging
 import os
 import signal
 import socket
@@ -42,6 +41,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Optional
 
+from ..utils.voice import log, say
 from .exit_codes import HANG_EXIT_CODE
 from .hang_report import (ALL_REDUCE, BACKWARD, CHECKPOINT_SAVE, DATA, END_OF_EPOCH,  # noqa: F401
                           END_OF_STEP, FAILED, FINISHED, FORWARD, HANG_KEY, OPTIMIZER, SETUP,
@@ -51,7 +51,6 @@ from .hang_report import (ALL_REDUCE, BACKWARD, CHECKPOINT_SAVE, DATA, END_OF_EP
                           culprits, hang_report, limit_of, recipe_step)
 from .launch_notes import HANG, leave_note
 
-log = logging.getLogger("sailfin")
 
 AUTO_HANG_SECONDS = 300.0
 
@@ -176,7 +175,7 @@ class Watchdog:
                     return
             except Exception as exc:  # noqa: BLE001 - a store gone at exit is no hang
                 if not self._stop.is_set():
-                    log.warning("hang watchdog (rank %d) stopped: %s", self.rank, exc)
+                    say(f"hang watchdog (rank {self.rank}) stopped: {exc}", warning=True)
                 return
 
     def _publish(self, idle: float, seq: int) -> None:
@@ -260,7 +259,7 @@ class Watchdog:
                                    "--max-restarts restarts the job, which resumes from its "
                                    "last checkpoint)"]
             for line in lines:
-                log.error("%s", line)
+                say(line, warning=True)
             for handler in log.handlers:
                 handler.flush()
             self.store.set(_DONE, "1")

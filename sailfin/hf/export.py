@@ -1,15 +1,24 @@
-"""``final/hf/``: the trained model as a ``save_pretrained`` directory, loadable without sailfin."""
+"""``final/hf/``: the trained model as a ``save_pretrained`` directory, loadable without sailfin.
+
+With ``peft`` it is a PEFT adapter directory (``peft_merge: true``: the merged model as
+a plain ``save_pretrained`` directory); with ``load_best_model_at_end`` it holds the
+best checkpoint's weights; ``sailfin export CHECKPOINT OUT`` writes the same from any
+checkpoint without training.
+"""
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
-from typing import TYPE_CHECKING, Any
+import sys
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 import torch
 
 from ..trainer import Callback
-from .errors import require
+from ..utils.voice import line
+from .errors import HFConfigError, require
 
 if TYPE_CHECKING:
     from .module import HFModule
@@ -31,30 +40,48 @@ class SavePretrained(Callback):
         self.module = module
 
     def on_train_end(self, trainer: Any) -> None:
-        if not trainer.dist.is_main:
-            return
         final = os.path.join(trainer.args.output_dir, "final")
-        save_pretrained_from(self.module, os.path.join(final, "model.safetensors"),
-                             os.path.join(final, "hf"))
+        weights = os.path.join(final, "model.safetensors")
+        if self.module.load_best_model_at_end:
+            weights = load_best(trainer, final)  # every rank: fsdp gathers collectively
+        if trainer.dist.is_main:
+            save_pretrained_from(self.module, weights, os.path.join(final, "hf"))
+        if weights.endswith(BEST_TMP) and trainer.dist.is_main:
+            os.remove(weights)
 
 
-def save_pretrained_from(module: "HFModule", weights: str, out_dir: str) -> str:
-    """Write ``out_dir`` from the recipe's full state dict saved at ``weights``."""
+BEST_TMP = "best.tmp.safetensors"
+
+
+def load_best(trainer: Any, final: str) -> str:
+    """Load the best checkpoint's weights into the module (as ``trainer.init_from``
+    does) and write them to a file in ``final``; returns its path."""
+    from ..trainer.checkpointing.init_from import load_initial_weights
+
+    ckpt = trainer.checkpointer
+    ckpt.wait()  # the best may be the save still being written
+    best = ckpt.pointer("best")
+    if best is None:
+        raise HFConfigError("module.init_args.load_best_model_at_end: no best checkpoint was "
+                            "saved (no validation ran); validate at least once "
+                            "(trainer.val_every_n_epochs or val_every_n_steps)")
+    load_initial_weights(trainer, ckpt.path(best))
+    path = os.path.join(final, BEST_TMP)
+    trainer.backend.save_final_weights(trainer.module, path, trainer.dist.is_main)
+    return path
+
+
+def save_pretrained_from(module: "HFModule", weights: Union[str, Mapping[str, torch.Tensor]],
+                         out_dir: str) -> str:
+    """Write ``out_dir`` from the recipe's full state dict (saved at ``weights``, or a
+    state dict): a ``save_pretrained`` directory, or with ``peft`` an adapter directory
+    (the merged model with ``peft_merge``)."""
     from safetensors.torch import load_file
 
     transformers = require("transformers")
-    state = {k[len("model."):]: v for k, v in load_file(weights).items()
-             if k.startswith("model.")}
-    auto = getattr(transformers, module.auto_class)
-    config = module.model.config
-    with torch.device("meta"):
-        model = auto.from_config(config)
-    model.load_state_dict(state, strict=False, assign=True)
-    model.tie_weights()  # a tied weight is stored once, under its first name
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if missing:
-        raise RuntimeError(f"final/hf: {weights} lacks {', '.join(missing[:3])}: the "
-                           "trainer's final weights do not match the model")
+    source = load_file(weights) if isinstance(weights, str) else weights
+    state = {k[len("model."):]: v for k, v in source.items() if k.startswith("model.")}
+    model = _model_from(module, state, weights if isinstance(weights, str) else "the module")
     remove_stale(out_dir)  # what an export killed part-way left
     tmp = f"{out_dir}{TMP}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -119,3 +146,88 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True  # someone else's process
     return True
+
+
+def _model_from(module: "HFModule", state: dict[str, torch.Tensor], where: str) -> Any:
+    """The model class of ``module`` (wrapped by peft when it uses it) holding ``state``."""
+    transformers = require("transformers")
+    auto = getattr(transformers, module.auto_class)
+    config = module.model.config
+    with torch.device("meta"):
+        model = auto.from_config(config)
+        if module.peft is not None:
+            peft = require("peft")
+            model = peft.get_peft_model(model, copy.deepcopy(module.peft))
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()  # a tied weight is stored once, under its first name
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise RuntimeError(f"final/hf: {where} lacks {', '.join(missing[:3])}: the "
+                           "trainer's final weights do not match the model")
+    if module.peft is not None and module.peft_merge:
+        model = model.merge_and_unload()  # base + adapters: a plain transformers model
+    return model
+
+
+def export_checkpoint(checkpoint: str, out_dir: str) -> str:
+    """``sailfin export CHECKPOINT OUT``: the recipe the checkpoint's manifest records is
+    built (its data and model settings), the checkpoint's weights loaded into it as
+    ``trainer.init_from`` loads them (any backend's checkpoint: sharded ones through DCP),
+    and ``OUT`` written as ``final/hf`` would be: a ``save_pretrained`` directory, or a
+    PEFT adapter directory (merged with ``peft_merge``).
+
+    Example::
+
+        export_checkpoint("outputs/run/checkpoints/step-00000120", "exported")
+        AutoModelForSequenceClassification.from_pretrained("exported")
+    """
+    import dataclasses
+    from types import SimpleNamespace
+
+    from ..backends.precision import Precision
+    from ..backends.strategy import SingleDevice
+    from ..checkpoint.checkpointer import DirectoryCheckpointer
+    from ..config import from_dict
+    from ..config.checkpoint import CheckpointArguments
+    from ..distributed import DistEnv
+    from ..trainer.checkpointing.config_diff import recorded_config
+    from ..trainer.checkpointing.init_from import load_initial_weights
+    from .module import HFModule
+
+    dist = DistEnv()
+    manifest = DirectoryCheckpointer(checkpoint, CheckpointArguments(), dist).load(
+        checkpoint, mmap=True).manifest
+    recorded = recorded_config(manifest) or {}
+    if not isinstance(recorded.get("module"), dict):
+        raise HFConfigError(f"sailfin export: {checkpoint} records no module: section (the "
+                            "run was built in Python, not by sailfin train); load it with "
+                            "trainer.init_from into your module and call "
+                            "sailfin.hf.export.save_pretrained_from")
+    cfg = from_dict({k: v for k, v in recorded.items() if k in ("module", "data", "trainer")})
+    module = cfg.build()
+    if not isinstance(module, HFModule):
+        raise HFConfigError(f"sailfin export: {checkpoint} was trained with "
+                            f"{type(module).__name__}, not a sailfin.hf module; only those "
+                            "export to a save_pretrained directory")
+    # One process on the CPU reads any checkpoint, whatever backend wrote it.
+    args = dataclasses.replace(cfg.trainer, backend="sp", device="cpu")
+    view = SimpleNamespace(module=module, args=args, dist=dist,
+                           backend=SingleDevice(Precision(), torch.device("cpu"), dist))
+    load_initial_weights(view, checkpoint)
+    return save_pretrained_from(module, module.state_dict(), out_dir)
+
+
+def export_command(checkpoint: str, out_dir: str) -> Optional[str]:
+    """The ``sailfin export`` command's work: the directory written, or None after one line
+    saying what was wrong."""
+    from ..checkpoint import CheckpointError
+    from ..config import ConfigError
+
+    if os.getcwd() not in sys.path:  # class_path names resolve as under sailfin train
+        sys.path.insert(0, os.getcwd())
+    try:
+        path = export_checkpoint(checkpoint, out_dir)
+    except (ConfigError, CheckpointError) as exc:
+        line(f"sailfin: export: {str(exc).replace('trainer.init_from: ', '')}")
+        return None
+    return path

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
+import math
 import os
+import typing
 from typing import Any, Callable, Optional
 
 import torch
@@ -31,6 +34,7 @@ class HFModule(ModuleInterface):
     task = ""
     auto_class = ""
     shift_labels: Optional[bool] = None  # per-token labels: shifted (causal) or not
+    per_sample_losses = False  # train_step returns each sample's loss (set by HFStart)
 
     def __init__(self, data: TextData, model_name_or_path: Optional[str] = None,
                  config: Optional[dict[str, Any]] = None, lr: float = 5e-5,
@@ -38,8 +42,19 @@ class HFModule(ModuleInterface):
                  adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
                  activation_checkpointing: bool = False,
                  fsdp_units: Optional[list[str]] = None, save_hf: bool = True,
-                 loss_per: str = "sample") -> None:
+                 loss_per: str = "sample", warmup_ratio: float = 0.0,
+                 peft: Optional[dict[str, Any]] = None, peft_merge: bool = False,
+                 load_best_model_at_end: bool = False) -> None:
         super().__init__()
+        if not 0.0 <= warmup_ratio < 1.0:
+            raise HFConfigError(f"module.init_args.warmup_ratio is {warmup_ratio}; use a "
+                                "fraction of the run's steps in [0, 1)")
+        if warmup_ratio and warmup_steps:
+            raise HFConfigError(f"module.init_args.warmup_steps ({warmup_steps}) and "
+                                f"warmup_ratio ({warmup_ratio}) are both set; keep one")
+        if peft_merge and peft is None:
+            raise HFConfigError("module.init_args.peft_merge is true but peft is not set; "
+                                "give peft: {r: 8, ...} or remove peft_merge")
         if loss_per not in ("sample", "token"):
             raise HFConfigError(f"module.init_args.loss_per is '{loss_per}'; use 'sample' or "
                                 "'token'")
@@ -54,6 +69,8 @@ class HFModule(ModuleInterface):
         self.data = data.prepare(self.task)
         self.tokenizer = data.tokenizer
         self.lr, self.weight_decay, self.warmup_steps = lr, weight_decay, warmup_steps
+        self.warmup_ratio = warmup_ratio
+        self.peft_merge, self.load_best_model_at_end = peft_merge, load_best_model_at_end
         self.adam_betas, self.adam_eps = tuple(adam_betas), adam_eps
         self.fsdp_units = fsdp_units
         self.save_hf = save_hf
@@ -66,6 +83,18 @@ class HFModule(ModuleInterface):
                                     "false")
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.peft = None
+        if peft is not None:  # LoRA & co.: the base frozen, the adapters (and head) train
+            from .adapters import TASK_TYPES, apply_peft, peft_config
+
+            self.peft = peft_config(peft, TASK_TYPES[self.task])
+            self.model = apply_peft(self, self.model, self.peft)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A task's __init__ passes **kwargs on to HFModule's: its signature is the union,
+        # so the config loader refuses an unknown init_args key in one line.
+        super().__init_subclass__(**kwargs)
+        cls.__signature__ = _merged_signature(cls)
 
     # -- the model -------------------------------------------------------------------
     def model_kwargs(self) -> dict[str, Any]:
@@ -109,11 +138,23 @@ class HFModule(ModuleInterface):
             raise HFConfigError(f"the tokenizer ({self.data.tokenizer_path}) has "
                                 f"{len(self.tokenizer)} tokens, the model's vocab_size is "
                                 f"{vocab}; use the model's own tokenizer or a larger vocab_size")
+        offset = position_offset(self.model)
+        lengths = [("max_length", self.data.max_length)]
+        if self.task == "seq2seq":
+            lengths.append(("target_max_length", self.data.target_max_length))
         for key in ("max_position_embeddings", "n_positions"):
             limit = getattr(cfg, key, None)
-            if isinstance(limit, int) and limit < self.data.max_length:
-                raise HFConfigError(f"data.init_args.max_length is {self.data.max_length}, "
-                                    f"more than the model's {key} ({limit}); lower max_length")
+            if not isinstance(limit, int):
+                continue
+            for name, length in lengths:
+                if limit - offset >= length:
+                    continue
+                why = (f" less its position offset {offset} (its positions start after "
+                       f"padding_idx {offset - 1})" if offset else "")
+                raise HFConfigError(f"data.init_args.{name} is {length}, more than the "
+                                    f"{limit - offset} tokens {type(self.model).__name__} "
+                                    f"takes (its {key} {limit}{why}); lower {name} to "
+                                    f"{limit - offset}")
 
     # -- optimizer and schedule --------------------------------------------------------
     def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: int, epochs: int
@@ -130,7 +171,10 @@ class HFModule(ModuleInterface):
                                  {"params": no_decay, "weight_decay": 0.0}],
                                 lr=self.lr, betas=self.adam_betas, eps=self.adam_eps, **fused)
         total = estimated_global_steps_per_epoch * epochs
-        sched = transformers.get_linear_schedule_with_warmup(opt, self.warmup_steps, total)
+        # warmup_ratio as HF Trainer counts it: rounded up, of the run's optimizer steps.
+        warmup = math.ceil(total * self.warmup_ratio) if self.warmup_ratio else self.warmup_steps
+        self.warmup_in_effect = warmup
+        sched = transformers.get_linear_schedule_with_warmup(opt, warmup, total)
         sched.total_steps = total  # the trainer checks a run fits in it
         return [opt], [sched]
 
@@ -155,6 +199,12 @@ class HFModule(ModuleInterface):
     def train_step(self, global_step: int, batch: dict[str, torch.Tensor],
                    device: torch.device) -> torch.Tensor:
         out = self.forward_batch(batch, device)
+        if self.per_sample_losses:  # DP-SGD's ghost clipping: each sample's loss (HFStart)
+            labels = batch["labels"].to(device)
+            if self.shift_labels is None:
+                return torch.nn.functional.cross_entropy(out.logits.float(), labels,
+                                                         reduction="none")
+            return per_sample_loss(out.logits, labels, self.shift_labels, reduce=False)
         if self.shift_labels is None or self.loss_per == "token":
             return out.loss  # the model's own: a mean over this micro-batch's tokens
         return per_sample_loss(out.logits, batch["labels"].to(device), self.shift_labels)
@@ -179,8 +229,40 @@ class HFModule(ModuleInterface):
 
     def configure_callbacks(self) -> list:
         from .export import SavePretrained
+        from .start import HFStart
 
-        return [SavePretrained(self)] if self.save_hf else []
+        return [HFStart(self)] + ([SavePretrained(self)] if self.save_hf else [])
+
+
+def position_offset(model: torch.nn.Module) -> int:
+    """Positions a model's embeddings skip: RoBERTa and XLM-R number positions from
+    ``padding_idx + 1``, so ``max_position_embeddings - padding_idx - 1`` tokens fit."""
+    for module in model.modules():
+        pad = getattr(module, "padding_idx", None)
+        if hasattr(module, "position_embeddings") and isinstance(pad, int):
+            return pad + 1
+    return 0
+
+
+def _merged_signature(cls: type) -> inspect.Signature:
+    """The keyword parameters of ``cls.__init__`` and of each ``__init__`` up the MRO its
+    ``**kwargs`` reach (to HFModule's), with their evaluated annotations."""
+    params: dict[str, inspect.Parameter] = {}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        hints = typing.get_type_hints(init)
+        more = False
+        for p in list(inspect.signature(init).parameters.values())[1:]:
+            if p.kind is p.VAR_KEYWORD:
+                more = True
+            elif p.kind is not p.VAR_POSITIONAL and p.name not in params:
+                params[p.name] = p.replace(kind=p.KEYWORD_ONLY,
+                                           annotation=hints.get(p.name, p.annotation))
+        if not more or klass is HFModule:
+            break
+    return inspect.Signature(list(params.values()))
 
 
 def _saved_dtype(cfg: Any) -> Optional[torch.dtype]:
@@ -191,16 +273,19 @@ def _saved_dtype(cfg: Any) -> Optional[torch.dtype]:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
-def per_sample_loss(logits: torch.Tensor, labels: torch.Tensor, shift: bool) -> torch.Tensor:
-    """The mean over samples of each sample's mean token loss. sailfin weights each
-    micro-batch by its samples, so this is the same whatever the micro-batch size and
-    world size (a mean over one micro-batch's tokens is not: ``loss_per: token``)."""
+def per_sample_loss(logits: torch.Tensor, labels: torch.Tensor, shift: bool,
+                    reduce: bool = True) -> torch.Tensor:
+    """The mean over samples of each sample's mean token loss (``reduce=False``: each
+    sample's). sailfin weights each micro-batch by its samples, so this is the same
+    whatever the micro-batch size and world size (a mean over one micro-batch's tokens
+    is not: ``loss_per: token``)."""
     if shift:
         logits, labels = logits[:, :-1], labels[:, 1:]
     nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels,
                                             ignore_index=-100, reduction="none")
     tokens = (labels != -100).sum(1)
-    return (nll.sum(1) / tokens.clamp(min=1)).mean()
+    per_sample = nll.sum(1) / tokens.clamp(min=1)
+    return per_sample.mean() if reduce else per_sample
 
 
 def fusable(params: list[torch.Tensor]) -> bool:

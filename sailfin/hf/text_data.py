@@ -11,11 +11,14 @@ import torch
 
 from ..data.shards import ShardDataset
 from ..interfaces import DataInterface
+from ..utils.progress_line import ProgressLine
 from .collate import PadCollate
 from .errors import HFConfigError
 from .files import check_columns, read_rows
 from .tokenize import TASKS, TokenizeText, from_shard_sample
 from .tokenizers import load_tokenizer
+
+ROWS_PER_JOB = 10_000  # rows tokenized between two looks at the progress line
 
 
 class TextData(DataInterface):
@@ -134,10 +137,22 @@ class TextData(DataInterface):
     def _tokenize(self, processor: TokenizeText, split: str, source: Any, n_rows: int
                   ) -> tuple[torch.utils.data.Dataset, int, list[int]]:
         workers = max(1, min(self.process_count, n_rows))
-        per_job = math.ceil(n_rows / workers / 4) if workers > 1 else n_rows
+        # Row ranges of a few per worker (uneven ones balance), at most ROWS_PER_JOB each:
+        # a progress line as each range is done (each process reads the file once).
+        per_job = max(1, min(math.ceil(n_rows / workers / 4), ROWS_PER_JOB))
+        # Every rank of a job tokenizes; rank 0 says how far it is.
+        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+        line = ProgressLine(f"tokenizing {split} ({_label(source)})", "rows", total=n_rows,
+                            enabled=rank == "0")
+
+        def tokenized(part: dict[str, Any]) -> None:
+            line.add(len(part["lengths"]))
+
         if self.shards_dir is None or not isinstance(source, str):
             jobs = [(source, a, min(a + per_job, n_rows)) for a in range(0, n_rows, per_job)]
-            done = processor.multi_process_data(jobs, process_count=workers)
+            done = processor.multi_process_data(jobs, process_count=workers,
+                                                on_result=tokenized)
+            line.close()
             samples = [s for part in done for s in part["samples"]]
             return (ListDataset(samples), sum(p["truncated"] for p in done),
                     [n for p in done for n in p["lengths"]])
@@ -149,7 +164,9 @@ class TextData(DataInterface):
             step = max(1, math.ceil(per_job / self.samples_per_shard)) * self.samples_per_shard
             jobs = [(source, a, min(a + step, n_rows), out, a // self.samples_per_shard)
                     for a in range(0, n_rows, step)]
-            done = processor.multi_process_data(jobs, process_count=workers)
+            done = processor.multi_process_data(jobs, process_count=workers,
+                                                on_result=tokenized)
+            line.close(f"{sum(len(p['shards']) for p in done)} shard(s) in {out}")
             meta["truncated"] = sum(p["truncated"] for p in done)
             meta["lengths"] = [n for p in done for n in p["lengths"]]
             meta["shards"] = [os.path.basename(s) for p in done for s in p["shards"]]

@@ -57,11 +57,20 @@ class TokenizeText(DataProcessor):
         self.label2id = dict(label2id or {})
         self.samples_per_shard = samples_per_shard
         self._tokenizer: Any = None
+        self._rows: Optional[tuple[str, list]] = None  # the file last read, and its rows
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_tokenizer"] = None  # each worker loads its own
+        state["_rows"] = None       # ... and reads the file once, for all its row ranges
         return state
+
+    def _read(self, source: Union[str, Any]) -> list:
+        if not isinstance(source, str):
+            return read_rows(source)
+        if self._rows is None or self._rows[0] != source:
+            self._rows = (source, read_rows(source))
+        return self._rows[1]
 
     @property
     def tokenizer(self) -> Any:
@@ -72,7 +81,7 @@ class TokenizeText(DataProcessor):
     # -- DataProcessor ---------------------------------------------------------------
     def process(self, source: Union[str, Any], start: int, stop: int,
                 out_dir: Optional[str] = None, shard_index: int = 0) -> dict[str, Any]:
-        rows = read_rows(source)[start:stop]
+        rows = self._read(source)[start:stop]
         if self.task == "token_classification":
             samples, truncated = [], 0
             for i, row in enumerate(rows, start):

@@ -12,12 +12,12 @@ import os
 import queue
 import threading
 import time
-import warnings
 from typing import Any, Mapping, Optional
 
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 
+from ..utils.voice import say
 from .destination import check_directory
 from .writers import Writer, WriterError
 
@@ -136,9 +136,9 @@ class MlflowWriter(Writer):
             if self._sender is not None:
                 self._sender.join(CLOSE_TIMEOUT_SECONDS)
                 if self._sender.is_alive():
-                    warnings.warn(f"the mlflow writer is still sending to {self.tracking_uri}"
-                                  f" after {CLOSE_TIMEOUT_SECONDS:.0f} s; the run may miss "
-                                  "its last metrics", stacklevel=2)
+                    say(f"the mlflow writer is still sending to {self.tracking_uri} after "
+                        f"{CLOSE_TIMEOUT_SECONDS:.0f} s; the run may miss its last metrics",
+                        warning=True)
             status = "FINISHED" if self._error is None else "FAILED"
             try:
                 self._client.set_terminated(self.run_id, status)

@@ -18,8 +18,29 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
+def flop_rate(tflops: float) -> str:
+    """Model FLOP/s in a unit that reads: 0.5 -> '500 GFLOP/s'; 7.4e-05 -> '74 MFLOP/s'.
+    The one form the stdout lines, the progress display and the summary show."""
+    for unit, scale in (("T", 1.0), ("G", 1e-3), ("M", 1e-6), ("k", 1e-9)):
+        if tflops >= scale:
+            return f"{tflops / scale:.3g} {unit}FLOP/s"
+    return f"{tflops * 1e12:.3g} FLOP/s"
+
+
+def _shown(key: str, value: Any) -> str:
+    if key == "tflops" and isinstance(value, (int, float)):  # logged in TFLOP/s
+        return flop_rate(value)
+    if key == "mfu" and isinstance(value, (int, float)):
+        return f"MFU {100 * value:.1f}%"
+    return f"{key} {format_value(value)}"
+
+
 class StdoutWriter(Writer):
-    """One readable line per event: ``[train] epoch 0 step 20 | loss 0.4321 | ...``.
+    """One readable line per event: ``[train] epoch 1 step 20 | loss 0.4321 | ...``.
+
+    Epochs are counted from 1 here, as the progress bar counts them (``epoch 15`` is
+    the bar's ``epoch 15/15``); metrics.jsonl and the other writers keep the 0-based
+    epoch index. Model FLOP/s read as ``149 MFLOP/s``, as on the bar.
 
     Validation lines are flushed at once; training lines at most once a second
     (a flush is a system call, and a log file or pipe does not need every line
@@ -44,8 +65,8 @@ class StdoutWriter(Writer):
 
     def log_metrics(self, metrics, step, epoch, split):
         stream = self._stream()
-        body = " | ".join(f"{k} {format_value(v)}" for k, v in metrics.items())
-        stream.write(f"[{split}] epoch {epoch} step {step} | {body}\n")
+        body = " | ".join(_shown(k, v) for k, v in metrics.items())
+        stream.write(f"[{split}] epoch {epoch + 1} step {step} | {body}\n")
         now = time.monotonic()
         if split != "train" or now - self._last_flush >= self.flush_seconds:
             stream.flush()

@@ -215,12 +215,14 @@ class KeepsNothing(Checkpointer):
         raise AssertionError("not called")
 
 
-def test_a_checkpointer_without_shard_support_is_refused_under_fsdp(tmp_path):
+@pytest.mark.parametrize("backend", ["sp", "fsdp"])
+def test_a_checkpointer_without_shard_support_is_refused(tmp_path, backend):
     from sailfin.checkpoint import CheckpointError
 
     checkpoint = {"every_n_steps": 1, "class_path": f"{__name__}.KeepsNothing"}
-    with pytest.raises(CheckpointError, match="KeepsNothing cannot write sharded state"):
-        run(tmp_path, "run", "fsdp", checkpoint=checkpoint)
+    with pytest.raises(CheckpointError, match="KeepsNothing cannot write the model's state "
+                                              "with DCP"):
+        run(tmp_path, "run", backend, checkpoint=checkpoint)
 
 
 def test_nonfinite_skip_under_fsdp_matches_sp(tmp_path):

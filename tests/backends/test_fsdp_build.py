@@ -182,9 +182,8 @@ def saved_weights(source):
         return load_file(str(source))
     manifest = json.loads((source / "manifest.json").read_text()) if (
         source / "manifest.json").exists() else None
-    if manifest is None or not manifest.get("sharded"):
-        path = source / "model.pt" if manifest else sorted(source.glob("step-*"))[-1] / "model.pt"
-        return torch.load(path, weights_only=True)
+    if manifest is None:  # a directory of checkpoints: its newest
+        source = sorted(source.glob("step-*"))[-1]
     import torch.distributed.checkpoint as dcp
 
     state = {"module": {k: torch.empty_like(v) for k, v in
@@ -212,7 +211,7 @@ def test_init_from_errors_name_the_file_and_key(tmp_path, sources):
     from tests.recipes import LinearRecipe
 
     source = sources["fsdp checkpoint"]
-    with pytest.raises(CheckpointError, match=r"init_from: the shards in .*step-00000003 do "
+    with pytest.raises(CheckpointError, match=r"init_from: the weights in .*step-00000003 do "
                                               r"not fit this model: .*linear.weight"):
         with Trainer(LinearRecipe(IdData(20, 0)), args(tmp_path / "a", backend="fsdp",
                                                        init_from=str(source))) as trainer:

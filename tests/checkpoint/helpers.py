@@ -69,7 +69,7 @@ class ScriptedMetric(LinearRecipe):
 
 
 class SlowCheckpointer(DirectoryCheckpointer):
-    """Pauses after writing model.pt when SAILFIN_TEST_SAVE_PAUSE is set (only for step
+    """Pauses after writing trainer.pt (the shards are written by then) when SAILFIN_TEST_SAVE_PAUSE is set (only for step
     SAILFIN_TEST_SAVE_PAUSE_STEP if set), and first leaves a marker ``saving-<step>`` in
     SAILFIN_TEST_SAVE_MARKER: a test can kill the process in the middle of a save. It also
     records its last save in ``<marker dir>/custom-checkpointer.json``, so a test can see
@@ -88,7 +88,7 @@ class SlowCheckpointer(DirectoryCheckpointer):
         marker_dir = os.environ.get("SAILFIN_TEST_SAVE_MARKER")
         only = os.environ.get("SAILFIN_TEST_SAVE_PAUSE_STEP")
         step = int(os.path.basename(os.path.dirname(path)).rsplit("-", 1)[1])
-        if (pause and marker_dir and os.path.basename(path) == "model.pt"
+        if (pause and marker_dir and os.path.basename(path) == "trainer.pt"
                 and (only is None or int(only) == step)):
             Path(marker_dir, f"saving-{step}").write_text(path)
             time.sleep(pause)
@@ -137,6 +137,16 @@ def assert_same_params(a: dict, b: dict) -> None:
 
 def final_weights(output_dir) -> dict[str, torch.Tensor]:
     return load_file(str(Path(output_dir) / "final" / "model.safetensors"))
+
+
+def saved_model(step_dir, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model weights a checkpoint holds (its DCP shards), read back with torch alone
+    into tensors shaped as ``like``."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"module": {k: torch.empty_like(v) for k, v in like.items()}}
+    dcp.load(state, checkpoint_id=str(Path(step_dir) / "shards"), no_dist=True)
+    return state["module"]
 
 
 def metric_lines(output_dir) -> list[dict]:

@@ -141,3 +141,42 @@ def test_large_cpu_copies_are_split_over_threads_and_exact():
     assert torch.equal(again["w"], big)
     staging.release()
     assert not [t for t in threading.enumerate() if t.name.startswith("sailfin-stage")]
+
+
+def test_async_shards_are_staged_into_copies_kept_from_save_to_save(tmp_path):
+    """The model's async saves (DCP) stage into the same CPU buffers every time: no fresh
+    allocation on the step's path; the copy is the state at the save, not after it."""
+    ckpt = DirectoryCheckpointer(str(tmp_path), CheckpointArguments(async_save=True), DistEnv())
+    weight = torch.ones(256, 256)
+    staged = []
+
+    def save(step):
+        facts = {"step": step, "epoch": 0, "step_in_epoch": step, "samples_seen": step,
+                 "world_size": 1}
+        ckpt.save(Snapshot(step, facts, {"trainer": {"step": step}}, {"rng": torch.arange(2)},
+                           sharded={"module": {"w": weight}}))
+
+    save(1)
+    stager = ckpt.shards._stager
+    real_stage = stager.stage
+
+    def spy(state, **kw):
+        out = real_stage(state, **kw)
+        staged.append(out["module"]["w"].untyped_storage().data_ptr())
+        return out
+
+    stager.stage = spy
+    weight.add_(1.0)
+    save(2)
+    weight.add_(1.0)  # after the save: not in it
+    save(3)
+    ckpt.close()
+    assert len(staged) == 2 and staged[0] == staged[1] != weight.untyped_storage().data_ptr()
+    import torch.distributed.checkpoint as dcp
+
+    for step, value in ((2, 2.0), (3, 3.0)):
+        state = {"module": {"w": torch.zeros(256, 256)}}
+        dcp.load(state, checkpoint_id=str(tmp_path / f"step-{step:08d}" / "shards"),
+                 no_dist=True)
+        assert torch.equal(state["module"]["w"], torch.full((256, 256), value))
+    assert ckpt.shards._stager is None  # closed with the checkpointer

@@ -20,6 +20,7 @@ from tests.checkpoint.helpers import Crash, CrashAt
 from tests.recipes import IdData, LinearRecipe, args
 
 STEP = {"every_n_steps": 2, "at_epoch_end": False, "keep_last": None}
+SHARD = "shards/__0_0.distcp"  # the model and optimizers, written with DCP
 
 
 def train(tmp, callbacks=(), **kw):
@@ -81,22 +82,22 @@ def dev_zero(path):
 
 
 def escaping_entry(step):
-    """The manifest lists ../../outside.pt: a perfect copy of model.pt, outside the run."""
+    """The manifest lists ../../outside.pt: a perfect copy of trainer.pt, outside the run."""
     outside = step.parent.parent.parent / "outside.pt"
-    shutil.copy(step / "model.pt", outside)
+    shutil.copy(step / "trainer.pt", outside)
     body = manifest_of(step)
-    body["files"]["../../../outside.pt"] = body["files"].pop("model.pt")
+    body["files"]["../../../outside.pt"] = body["files"].pop("trainer.pt")
     write_manifest(step, body)
     return step / "manifest.json", "'../../../outside.pt', not a file name"
 
 
 def escaping_link(step):
-    """model.pt is a link to a perfect copy of itself outside the checkpoint."""
-    outside = step.parent.parent.parent / "outside.pt"
-    shutil.copy(step / "model.pt", outside)
-    (step / "model.pt").unlink()
-    (step / "model.pt").symlink_to(outside)
-    return step / "model.pt", "outside the checkpoint directory"
+    """The model's shard is a link to a perfect copy of itself outside the checkpoint."""
+    outside = step.parent.parent.parent / "outside.distcp"
+    shutil.copy(step / SHARD, outside)
+    (step / SHARD).unlink()
+    (step / SHARD).symlink_to(outside)
+    return step / SHARD, "outside the checkpoint directory"
 
 
 def no_files(step):
@@ -117,14 +118,22 @@ def huge_manifest(step):
     return step / "manifest.json", "more than the 16777216 such a file can hold"
 
 
-def list_in_model(step):
-    """model.pt rewritten as a list, its checksum fixed in the manifest."""
-    torch.save([1, 2, 3], step / "model.pt")
-    data = (step / "model.pt").read_bytes()
+def list_in_trainer(step):
+    """trainer.pt rewritten as a list, its checksum fixed in the manifest."""
+    torch.save([1, 2, 3], step / "trainer.pt")
+    data = (step / "trainer.pt").read_bytes()
     body = manifest_of(step)
-    body["files"]["model.pt"] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    body["files"]["trainer.pt"] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
     write_manifest(step, body)
-    return step / "model.pt", "holds a list, not a state dict"
+    return step / "trainer.pt", "holds a list, not the trainer's state"
+
+
+def flipped_shard_bit(step):
+    """One bit of the model's shard flipped: its CRC-32 in the manifest no longer fits."""
+    data = bytearray((step / SHARD).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (step / SHARD).write_bytes(bytes(data))
+    return step / SHARD, "does not match its crc32 in the manifest"
 
 
 def absurd_step(step):
@@ -141,18 +150,19 @@ def trainer_is_a_directory(step):
 
 
 DAMAGES = {
-    "model.pt a FIFO": lambda s: (fifo(s / "model.pt"), "is a named pipe (FIFO)"),
-    "model.pt a link to /dev/zero": lambda s: (dev_zero(s / "model.pt"),
-                                                "is a character device"),
+    "model shard a FIFO": lambda s: (fifo(s / SHARD), "is a named pipe (FIFO)"),
+    "model shard a link to /dev/zero": lambda s: (dev_zero(s / SHARD),
+                                                   "is a character device"),
+    "model shard a bit flipped": flipped_shard_bit,
     "manifest.json a FIFO": lambda s: (fifo(s / "manifest.json"), "is a named pipe (FIFO)"),
     "rng file a link to /dev/zero": lambda s: (dev_zero(s / "rng-rank00000.pt"),
                                                "is a character device"),
     "manifest entry ../../../outside.pt": escaping_entry,
-    "model.pt a link out of the checkpoint": escaping_link,
+    "model shard a link out of the checkpoint": escaping_link,
     "manifest files {}": no_files,
     "manifest 200,000 levels deep": deep_json,
     "manifest of 17 MB": huge_manifest,
-    "model.pt holds a list": list_in_model,
+    "trainer.pt holds a list": list_in_trainer,
     "manifest step 10**12": absurd_step,
     "trainer.pt a directory": trainer_is_a_directory,
 }
@@ -194,7 +204,7 @@ def test_nothing_outside_the_checkpoint_is_read(run_dir, monkeypatch):
     monkeypatch.setattr(os, "open", spy)
     train(run_dir, epochs=2, checkpoint=STEP)
     outside = str(run_dir.parent.parent / "outside.pt")
-    assert outside not in opened and any(p.endswith("model.pt") for p in opened)
+    assert outside not in opened and any(p.endswith("trainer.pt") for p in opened)
 
 
 @pytest.mark.parametrize("mode", ["auto", "explicit"])
@@ -235,11 +245,49 @@ trainer: {{train_batch_size: 10, writers: [jsonl], output_dir: {out},
 """)
     assert main(["train", str(config)]) == 0
     step = out / "checkpoints" / "step-00000002"
-    fifo(step / "model.pt")
+    fifo(step / SHARD)
     capfd.readouterr()
     assert main(["train", str(config), "--trainer.resume", str(step),
                  "--trainer.output_dir", str(tmp_path / "again")]) == 2
     err = capfd.readouterr().err
-    assert err == (f"sailfin: checkpoint error: checkpoint file {step / 'model.pt'} is a named "
+    assert err == (f"sailfin: checkpoint error: checkpoint shard {step / SHARD} is a named "
                    "pipe (FIFO), not a regular file: the checkpoint is damaged or was tampered "
                    "with\n")
+
+
+def test_a_step_entry_linked_to_a_directory_outside_is_not_resumed(run_dir, tmp_path, capfd):
+    """step-00000008 a link to a complete checkpoint of another run: never resumed."""
+    other = tmp_path / "other"
+    shutil.copytree(run_dir / "checkpoints" / "step-00000006", other)
+    body = manifest_of(other)
+    body["step"] = 8
+    write_manifest(other, body)
+    link = run_dir / "checkpoints" / "step-00000008"
+    link.symlink_to(other, target_is_directory=True)
+    capfd.readouterr()
+    _, trainer = train(run_dir, epochs=2, checkpoint=STEP)
+    assert trainer.resumed_from.name == "step-00000006"
+    err = capfd.readouterr().err
+    assert err.count(f"checkpoint {link} is a symbolic link (to {other})") == 1
+    assert other.is_dir()  # what it points at is left alone
+
+
+def test_a_large_file_is_announced_before_it_is_read(run_dir, monkeypatch, capfd):
+    """A file far larger than the state it should hold (sparse here, the manifest edited to
+    match it, its CRC recomputed) is not read in silence: a line names it and its size."""
+    from sailfin.checkpoint import reading
+
+    step = run_dir / "checkpoints" / "step-00000006"
+    with open(step / "trainer.pt", "r+b") as fh:
+        fh.truncate(8 << 20)  # sparse: costs no disk
+    data = (step / "trainer.pt").read_bytes()
+    body = manifest_of(step)
+    body["files"]["trainer.pt"] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    write_manifest(step, body)
+    monkeypatch.setattr(reading, "SAY_ABOVE_BYTES", 4 << 20)
+    capfd.readouterr()
+    _, trainer = train(run_dir, epochs=2, checkpoint=STEP)
+    err = capfd.readouterr().err
+    assert f"checking checkpoint file {step / 'trainer.pt'} (8 MiB) against its checksum" \
+        in err
+    assert trainer.resumed_from.name == "step-00000004"  # then refused as damaged

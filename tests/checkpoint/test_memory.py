@@ -236,3 +236,20 @@ def test_the_writer_leaves_file_checksums_to_the_manifest_and_damage_is_still_fo
     with pytest.raises(CheckpointCorrupt, match="CRC-32"):
         store.load(path)
     store.close()
+
+
+def test_the_writer_of_a_killed_worker_ends_without_a_traceback():
+    """Its training process gone (the reply pipe closed), the snapshot writer ends quietly."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from sailfin.checkpoint.memory_writer import "
+         "_serve; _serve(int(sys.argv[1]))", "1"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the worker died: nobody reads the replies
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and b"Traceback" not in err and b"BrokenPipe" not in err, err

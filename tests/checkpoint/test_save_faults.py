@@ -19,6 +19,7 @@ from sailfin.checkpoint import CheckpointError, DirectoryCheckpointer, Snapshot
 from sailfin.checkpoint.storage import LocalStorage
 from sailfin.config import CheckpointArguments
 from sailfin.distributed import DistEnv
+from tests.checkpoint.helpers import saved_model
 from tests.recipes import IdData, LinearRecipe, args
 
 OPS = ("makedirs", "write_bytes", "rename_dir", "remove", "remove_tree")
@@ -63,8 +64,9 @@ for _op in OPS:
 def snapshot(step: int, value: float) -> Snapshot:
     facts = {"step": step, "epoch": 0, "step_in_epoch": step, "samples_seen": step,
              "world_size": 1}
-    return Snapshot(step, facts, {"model": {"w": torch.full((3,), value)},
-                                  "trainer": {"value": value}}, {"rng": torch.arange(2)})
+    # The model goes through DCP (shards/), as every backend saves it.
+    return Snapshot(step, facts, {"trainer": {"value": value}}, {"rng": torch.arange(2)},
+                    sharded={"module": {"w": torch.full((3,), value)}})
 
 
 def checkpointer(root, storage=None) -> DirectoryCheckpointer:
@@ -92,7 +94,7 @@ def complete_on_disk(root) -> list[tuple[int, float]]:
     found = []
     for entry in os.listdir(root):
         if os.path.exists(root / entry / "manifest.json"):
-            w = torch.load(root / entry / "model.pt", weights_only=True)["w"]
+            w = saved_model(root / entry, {"w": torch.zeros(3)})["w"]
             found.append((int(entry.rsplit("-", 1)[1]), float(w[0])))
     return sorted(found)
 
@@ -126,7 +128,8 @@ def test_a_save_stopped_at_every_operation_resumes_from_the_newest_complete(tmp_
         assert name is not None, f"stopped before operation {stop_at}: nothing to resume"
         loaded = ckpt.load(name)
         assert loaded.manifest["step"] == newest_step, f"stopped before operation {stop_at}"
-        assert float(loaded.shared["model"]["w"][0]) == newest_value, stop_at
+        assert float(saved_model(loaded.location, {"w": torch.zeros(3)})["w"][0]) == \
+            newest_value, stop_at
         # The next save tidies what the stopped one left.
         ckpt.save(snapshot(9, 3.0))
         assert sorted(os.listdir(root)) == ["latest", "step-00000009"], stop_at

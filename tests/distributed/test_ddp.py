@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sailfin import Trainer
-from sailfin.config import ConfigError
+from sailfin.config import ConfigError, TrainerArguments
 from sailfin.data import BatchPlan
 from sailfin.distributed import DistEnv
 from tests.distributed.harness import errors, run_ranks
@@ -157,6 +157,39 @@ def test_one_rank_failing_ends_the_job_with_its_error(tmp_path):
 def test_ddp_without_a_launcher_shows_the_torchrun_command(tmp_path):
     with pytest.raises(ConfigError, match=r"torchrun --nproc-per-node=\d+ .*--trainer.backend"):
         Trainer(LinearRecipe(IdData(10, 0)), args(tmp_path, backend="ddp"), dist=DistEnv())
+
+
+LAUNCHED = {"torchrun": {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                         "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                         "MASTER_PORT": "29500"},
+            "slurm": {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
+                      "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "node1",
+                      "SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "train"}}
+
+
+@pytest.mark.parametrize("launcher", LAUNCHED)
+def test_the_default_backend_is_ddp_under_a_launcher_of_several_processes(
+        tmp_path, monkeypatch, launcher):
+    """No trainer.backend in the config: under torchrun or Slurm with world size 2 the run
+    is data parallel (as HF Trainer, Accelerate and Lightning do), alone it is sp; an
+    explicit sp keeps its refusal."""
+    from sailfin.backends.ddp import DDPStrategy
+
+    assert TrainerArguments().backend == "auto"
+    for key, value in LAUNCHED[launcher].items():
+        monkeypatch.setenv(key, value)
+    trainer = Trainer(LinearRecipe(IdData(10, 0)), args(tmp_path))
+    assert trainer.dist.world_size == 2 and trainer.dist.launcher == launcher
+    assert trainer.args.backend == "ddp" and isinstance(trainer.backend, DDPStrategy)
+    with pytest.raises(ConfigError, match="rank 1 of 2.*every rank would train alone"):
+        Trainer(LinearRecipe(IdData(10, 0)), args(tmp_path, backend="sp"))
+    # One process of a launcher (world size 1): the single-device backend.
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    alone = Trainer(LinearRecipe(IdData(10, 0)), args(tmp_path))
+    assert alone.args.backend == "sp" and not isinstance(alone.backend, DDPStrategy)
 
 
 def test_single_process_backend_refuses_a_multi_rank_job(tmp_path):

@@ -275,6 +275,9 @@ def test_the_closing_line_comes_from_the_workers_notes():
     for other in (1, -15):
         line, code = _closing_line({0: other, 1: 2}, notes(training={0, 1}, error={1}))
         assert code == 2 and line.startswith("rank 1 stopped on the error it printed above")
+    # Rank 0 found the run already finished (the others too, or the agent stopped them).
+    line, code = _closing_line({0: 3, 1: -15}, notes(training=set(), error={0}))
+    assert code == 3 and line.startswith("rank 0 stopped on the error it printed above")
     # Every stopped worker saved (or stopped before training): a preemption.
     line, code = _closing_line({0: 75, 1: -15},
                                notes(training={0, 1}, preempted={0, 1}))

@@ -67,16 +67,17 @@ def assert_same_model(tmp_path: Path, out: str, ref: dict) -> None:
 
 
 @pytest.mark.slow
-def test_cli_under_torchrun_matches_one_process(tmp_path):
+def test_cli_under_torchrun_matches_one_process_with_the_default_backend(tmp_path):
     ref = reference(tmp_path)
     cfg = write_config(tmp_path, "ddp")
     [(code, out)] = finish([torchrun(["--nnodes=1", "--nproc-per-node=2",
                                       "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
-                                      "-m", "sailfin", "train", str(cfg),
-                                      "--trainer.backend", "ddp"])])
+                                      "-m", "sailfin", "train", str(cfg)])])
     assert code == 0, out[-3000:]
     assert_same_model(tmp_path, "ddp", ref)
     assert "intra-op thread(s) per process" in out
+    # The config names no backend: under torchrun the default is ddp, as the peers do.
+    assert "trainer.backend auto -> ddp (2 processes from torchrun)" in out
 
 
 @pytest.mark.slow

@@ -7,7 +7,11 @@ cannot drift from the code.
 - python: run with this interpreter in that directory, the repository importable.
 - yaml: a full config (``module:``, ``data:`` or ``extends:``) is loaded and validated by
   ``sailfin.load_config``; a fragment is parsed, and its ``trainer:`` keys validated.
-- bash: run by ``bash -e`` in that directory, the environment's ``sailfin`` first on PATH.
+- bash: run by ``bash -e`` in that directory, the environment's ``sailfin`` first on PATH
+  (and as ``.venv/bin/``, where ``make demo`` puts it).
+- The blocks of a page run in the page's order, as a reader runs them: a block that trains
+  nothing because an earlier one's finished run is in its output directory fails (give
+  it its own ``--trainer.output_dir``).
 - ``<!-- no-test: why -->`` on the line right before a fence skips the block (a marker
   without a reason fails); ``<!-- slow-test -->`` runs it only under ``-m slow``.
 A new page under docs/ is picked up by itself.
@@ -33,6 +37,7 @@ RUN = {"python": "python", "py": "python", "yaml": "yaml", "yml": "yaml",
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
 MARKER = re.compile(r"^\s*<!--\s*(no-test|slow-test)\s*(?::(.*?))?\s*-->\s*$")
 FILE_NAME = re.compile(r"^#\s*([\w.-]+(?:/[\w.-]+)*\.(?:py|ya?ml))\s*$")
+NOTHING_TRAINED = "sailfin: nothing trained: "  # startup_checks.nothing_to_train
 TIMEOUT_S = 180  # a default block: seconds on a quiet machine; this is the hang guard
 SLOW_TIMEOUT_S = 900
 
@@ -150,6 +155,8 @@ def workdir(page: Path, root: Path) -> Path:
         here.mkdir()
         shutil.copytree(ROOT / "examples", here / "examples",
                         ignore=shutil.ignore_patterns("__pycache__", "outputs"))
+        # The pages' `.venv/bin/sailfin` (what `make demo` installs) is this environment's.
+        (here / ".venv").symlink_to(Path(sys.executable).parent.parent)
         for block in parse(page)[0]:
             if block.file_name and block.marker != "no-test":
                 target = here / block.file_name
@@ -181,6 +188,10 @@ def run(cmd: list[str], here: Path, block: Block) -> None:
     assert done.returncode == 0, (
         f"{block.where}: the {block.lang} block exited {done.returncode}\n--- block\n"
         f"{block.code}--- stdout\n{done.stdout[-4000:]}\n--- stderr\n{done.stderr[-4000:]}")
+    assert NOTHING_TRAINED not in done.stderr, (
+        f"{block.where}: the {block.lang} block trained nothing: an earlier block's finished "
+        f"run is in its output directory; give it its own --trainer.output_dir\n"
+        f"{done.stderr[-2000:]}")
 
 
 def check_yaml(block: Block, here: Path) -> None:
@@ -226,3 +237,17 @@ def test_example(block: Block, _docs_root: Path):
         assert sailfin.exists(), (f"no sailfin entry point beside {sys.executable}: "
                                   "install the package (pip install -e .)")
         run(["bash", "-e", "-c", block.code], here, block)
+
+
+def test_a_block_that_trains_nothing_fails(tmp_path):
+    """A command or snippet reusing an earlier block's finished run trained nothing and
+    passed (a snippet, in-process, ends without error): the runner fails it."""
+    code = ("from sailfin import Trainer\n"
+            "from tests.recipes import IdData, LinearRecipe, args\n"
+            "for _ in range(2):\n"
+            "    Trainer(LinearRecipe(IdData(20, 0)), args('runs/again', progress='none'))"
+            ".train()\n")
+    (tmp_path / "again.py").write_text(code)
+    block = Block(ROOT / "README.md", 1, "python", code, None, "", None)
+    with pytest.raises(AssertionError, match="trained nothing: an earlier block's finished"):
+        run([sys.executable, str(tmp_path / "again.py")], tmp_path, block)

@@ -1,5 +1,6 @@
 """``trainer.checkpoint.every_n_steps: auto``: the interval follows what saves cost."""
 
+import re
 import time
 
 import pytest
@@ -8,7 +9,8 @@ from sailfin import Trainer
 from sailfin.checkpoint import DirectoryCheckpointer
 from sailfin.config.errors import ConfigError
 from sailfin.config import CheckpointArguments
-from sailfin.trainer.checkpointing.auto_interval import young_daly_seconds
+from sailfin.trainer.checkpointing.auto_interval import (MEASURED_STEPS, WARMUP_STEPS,
+                                                         young_daly_seconds)
 from tests.checkpoint.helpers import SlowLinear
 from tests.recipes import IdData, args
 
@@ -36,20 +38,43 @@ def run(tmp_path, name, class_path=None):
 
 def test_slower_saves_give_a_longer_interval(tmp_path, capsys):
     fast, fast_steps = run(tmp_path, "fast")
+    capsys.readouterr()
     slow, slow_steps = run(tmp_path, "slow", f"{__name__}.DelayedCheckpointer")
+    said = capsys.readouterr().err
     assert slow["save_seconds"] > fast["save_seconds"] + 0.2
     assert slow["every_n_steps"] > fast["every_n_steps"]
     # The choice is the one in effect: the saves on disk are that far apart, and fewer.
-    middle = slow_steps[1:-1]  # after the first (it measures a save), before the final
-    gaps = [b - a for a, b in zip(middle, middle[1:])]
-    assert gaps and abs(gaps[-1] - slow["every_n_steps"]) <= 0.5 * slow["every_n_steps"], (
-        gaps, slow)  # (the first choices still carry the first step's warm-up)
+    # The first save measures; the next comes as many steps later as was chosen then.
+    first = int(re.search(r"a checkpoint every (\d+) step", said).group(1))
+    assert slow_steps[1] - slow_steps[0] == first, (slow_steps, said)
     assert len(slow_steps) < len(fast_steps)
     # Young-Daly from the measured figures (0.72 s MTBF).
     tau = young_daly_seconds(slow["save_seconds"], 0.72)
     assert slow["every_n_steps"] == max(1, round(tau / slow["step_seconds"]))
-    said = capsys.readouterr().err
     assert "trainer.checkpoint.every_n_steps auto: a checkpoint every" in said
+
+
+class SlowFirstStep(SlowLinear):
+    """The first step takes 0.3 s (a warm-up), the others 5 ms."""
+
+    def train_step(self, global_step, batch, device):
+        if global_step == 0:
+            time.sleep(0.3)
+        return super().train_step(global_step, batch, device)
+
+
+def test_the_step_time_is_measured_on_steady_steps_not_the_first(tmp_path):
+    """The digits demo's first step took 304 ms, its steady steps 22 ms: the first choice
+    (61 steps) used the first step's time. The first choice now uses steady steps only."""
+    checkpoint = {"every_n_steps": "auto", "mtbf_hours": 24, "keep_last": None,
+                  "at_epoch_end": False}
+    first = WARMUP_STEPS + MEASURED_STEPS
+    module = SlowFirstStep(IdData(2000, 0), step_seconds=0.005)
+    summary = Trainer(module, args(tmp_path, max_steps=first + 2,
+                                   checkpoint=checkpoint)).train()
+    choice = summary["checkpoint_interval"]
+    assert choice["at_step"] == first and saved_steps(tmp_path)[0] == first
+    assert 0.004 < choice["step_seconds"] < 0.1, choice  # 0.3 s / 5 + 5 ms with the first
 
 
 def test_auto_and_mtbf_are_checked():
@@ -86,7 +111,7 @@ def test_memory_snapshots_auto_snapshot_at_the_chosen_interval(tmp_path):
     finally:
         memory_dirs.clean(str(tmp_path))
     choice = summary["memory_snapshot_interval"]
-    assert choice["every_n_steps"] >= 2 and seen.snapshots[0] == 1
+    assert choice["every_n_steps"] >= 2 and seen.snapshots[0] == WARMUP_STEPS + MEASURED_STEPS
     # Each snapshot came as many steps after the previous one as was chosen then.
     for before, after in zip(seen.snapshots, seen.snapshots[1:]):
         assert after - before == seen.chosen[before], (seen.snapshots, seen.chosen)

@@ -204,7 +204,7 @@ def test_no_validation_data(tmp_path):
 def test_unknown_backend_lists_valid_ones(tmp_path):
     from sailfin.config import ConfigError
 
-    with pytest.raises(ConfigError, match="'spp'.*did you mean 'sp'.*valid backends: sp"):
+    with pytest.raises(ConfigError, match="'spp'.*did you mean 'sp'.*valid backends: auto, sp, "):
         Trainer(LinearRecipe(IdData(10, 0)), args(tmp_path, backend="spp"))
 
 

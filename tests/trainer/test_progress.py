@@ -84,9 +84,10 @@ def test_bar_in_a_terminal(tmp_path):
     assert final.startswith("epoch 3/3 100%|")
     assert re.search(r"loss [\d.]+, lr [\d.e+-]+, [\d.]+k? samples/s \(avg [\d.]+k?\)", final)
     assert "[progress]" not in out  # no plain lines in a terminal
-    # The stdout writer's lines are printed above the bar, whole.
-    assert "\r\n[val] epoch 2 step 120 | mse" in out.replace("\r\r", "\r") or re.search(
-        r"\r *\r\[val\] epoch 2 step 120 \| mse [\d.]+ \| count 20\r\n", out), out
+    # The stdout writer's lines are printed above the bar, whole, their epochs counted as
+    # the bar counts them.
+    assert "\r\n[val] epoch 3 step 120 | mse" in out.replace("\r\r", "\r") or re.search(
+        r"\r *\r\[val\] epoch 3 step 120 \| mse [\d.]+ \| count 20\r\n", out), out
     assert re.search(r"summary: 120 steps, 1,200 samples in [\d.]+ s .* \| best mse [\d.]+ "
                      r"\(min\) at step \d+ \| peak memory [\d,]+ MiB RSS", out), out
 
@@ -145,3 +146,58 @@ def test_bar_without_tqdm_names_the_extra(monkeypatch):
     assert resolve_mode("auto", type("T", (), {"isatty": lambda self: True})()) == "lines"
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'sailfin\[progress\]'"):
         Progress("bar")
+
+
+class Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def bar_frames(tmp_path, monkeypatch, columns, name):
+    """Every frame the bar drew on a terminal of ``columns`` columns."""
+    monkeypatch.setenv("COLUMNS", str(columns))  # the stream has no terminal size of its own
+    stream = Tty()
+    progress = Progress("bar", bar_stream=stream, line_stream=io.StringIO())
+    Trainer(LinearRecipe(IdData(400, 10)), args(tmp_path / name, epochs=2, log_every_n_steps=5,
+                                                progress="none"),
+            callbacks=[progress]).train()
+    frames = [f.rstrip() for f in stream.getvalue().replace("\n", "\r").split("\r")]
+    return [f for f in frames if f.startswith("epoch ")]
+
+
+FIELD = (r"(loss [\d.]+|lr [\d.]+e[+-]\d+|[\d.]+k? samples/s( \(avg [\d.]+k?\))?|"
+         r"[\d.]+ [kMGT]?FLOP/s)")
+FRAME = re.compile(rf"epoch [12]/2 +\d+%\|[^|]*\| \d+/80 \[[\d:]+<[\d:?]+"
+                   rf"(, {FIELD})*\]")
+
+
+def test_the_bar_fits_the_terminal_dropping_values_never_cutting_one(tmp_path, monkeypatch):
+    """At 100 columns the bar was one character wide and the line cut ('... 167 M'): each
+    frame now fits, ends with its bracket, and holds whole values only (loss and
+    samples/s first; the learning rate, FLOP/s and the average when there is room)."""
+    shown = {}
+    for columns in (80, 100):
+        frames = bar_frames(tmp_path, monkeypatch, columns, str(columns))
+        valued = [f for f in frames if "loss" in f]
+        assert valued, frames
+        for frame in frames:
+            assert len(frame) <= columns and FRAME.fullmatch(frame), (columns, frame)
+            assert len(frame.split("|")[1]) >= 10, frame  # the bar keeps its width
+        assert all("samples/s" in f for f in valued)
+        shown[columns] = len(re.findall(FIELD, valued[-1].split("[", 1)[1]))
+    assert 2 <= shown[80] < shown[100], shown  # more values where there is room
+
+
+def test_train_lines_number_epochs_as_the_bar_and_show_flops_as_it_does(tmp_path, capsys):
+    """'[train] epoch 14' beside 'epoch 15/15', 'tflops 7.414e-05' beside '149 MFLOP/s'."""
+    Trainer(LinearRecipe(IdData(40, 10)), args(tmp_path, epochs=2, log_every_n_steps=4,
+                                               writers=["stdout"], progress="lines",
+                                               progress_interval=1e-9)).train()
+    out = capsys.readouterr().out.splitlines()
+    train = [line for line in out if line.startswith("[train]")]
+    progress = [line for line in out if line.startswith("[progress] step")]
+    assert [line.split()[2] for line in train] == ["1", "2"]  # steps 4 and 8 of 2 epochs
+    assert "epoch 2/2" in progress[-1]
+    rate = re.search(r"\| [\d.]+ [kMGT]?FLOP/s( \||$)", train[-1])
+    assert rate and "tflops" not in train[-1], train[-1]
+    assert re.search(r", [\d.]+ [kMGT]?FLOP/s", progress[-1])

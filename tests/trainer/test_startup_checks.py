@@ -2,6 +2,8 @@
 train_step's return, schedulers that cannot run as long as the run; and PyMarlin's
 gpu_batch_size_limit and max_val_steps_per_epoch through the trainer."""
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -216,17 +218,67 @@ def test_a_one_cycle_schedule_shorter_than_a_fresh_run_is_caught(tmp_path):
         train(Short(IdData(40, 10)), tmp_path, epochs=2)
 
 
-def test_a_finished_run_with_fewer_epochs_says_nothing_is_left(tmp_path, capfd):
+def test_a_finished_run_asked_to_train_again_says_nothing_was_trained(tmp_path, capfd):
+    """Re-running a finished run's command trained nothing and ended like a success: it now
+    says so once, naming the directory, the step and both ways on, returns the finished
+    run's summary marked nothing_trained, and leaves the finished run's files as they were."""
     train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=2)
-    train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=1)
-    assert "nothing left to train: the checkpoint is at step 8 (epoch 2)" in \
+    before = {p.name: p.read_bytes() for p in (tmp_path / "summary.json",
+                                               tmp_path / "final" / "model.safetensors")}
+    capfd.readouterr()
+    for epochs in (2, 1):  # the same command again, or fewer epochs
+        module = LinearRecipe(IdData(40, 10))
+        summary = train(module, tmp_path, epochs=epochs)
+        done = summary["nothing_trained"]
+        assert (done["step"], done["epoch"], done["output_dir"]) == (8, 2, str(tmp_path))
+        assert summary["global_step"] == 8 and module.seen == []
+        said = [line for line in capfd.readouterr().err.splitlines() if "nothing" in line]
+        assert said == [f"sailfin: {done['message']}"]
+        assert done["message"].startswith(f"nothing trained: the run in {tmp_path} finished "
+                                          f"at step 8 (epoch 2; trainer.epochs {epochs})")
+        assert f"--trainer.output_dir {tmp_path}-2" in said[0]
+        assert "raise trainer.epochs" in said[0]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "summary.json",
+                                             tmp_path / "final" / "model.safetensors")} == before
+    # The advice works: more epochs continue the run.
+    summary = train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=3)
+    assert summary["global_step"] == 12 and "nothing_trained" not in summary
+    assert json.loads((tmp_path / "summary.json").read_text())["global_step"] == 12
+
+
+def test_a_run_ended_by_max_steps_names_max_steps_as_the_way_on(tmp_path):
+    """More epochs would not continue a run that max_steps ended: the advice names the
+    limit the run reached."""
+    train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=5, max_steps=6)
+    done = train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=5, max_steps=6)
+    message = done["nothing_trained"]["message"]
+    assert "(epoch 1; trainer.epochs 5, trainer.max_steps 6)" in message
+    assert message.endswith("or raise trainer.max_steps to continue this one"), message
+    assert train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=5,
+                 max_steps=8)["global_step"] == 8
+
+
+def test_a_restart_of_a_finished_job_ends_without_error(tmp_path, monkeypatch, capfd):
+    """torchrun --max-restarts (or a Slurm requeue) restarting a job whose run had finished:
+    the job is done, not refused."""
+    train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=2)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    summary = train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=2)
+    assert summary["global_step"] == 8 and "nothing_trained" not in summary
+    assert f"resume: the run in {tmp_path} had finished at step 8 before this restart" in \
         capfd.readouterr().err
 
 
-def test_progress_never_passes_100_percent_after_fewer_epochs(tmp_path, capsys):
-    """The digits demo re-run with --trainer.epochs 3 printed 'step 345/69 (500%)'."""
+def test_progress_never_passes_100_percent_after_fewer_epochs(tmp_path, capsys, monkeypatch):
+    """The digits demo re-run with --trainer.epochs 3 printed 'step 345/69 (500%)' (a
+    restart of a finished job still resumes past its new end)."""
     train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=3, progress="lines")
     capsys.readouterr()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=1, progress="lines")
     out = capsys.readouterr().out
     assert "step 12/12 (100%)" in out and "12/4" not in out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import logging
 import os
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +11,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from ...utils.voice import say
 from .codecs import DECODE_MODES, Decoder, decoder_for
 from .counter import SharedCounter
 from .errors import ShardError, where
@@ -21,7 +21,6 @@ from .order import window_order
 from .remote import ShardCache
 from .urls import Urls, expand_urls, kind, local_path
 
-log = logging.getLogger("sailfin.data.shards")
 ON_ERROR = ("raise", "skip")
 
 
@@ -150,7 +149,7 @@ class ShardDataset(torch.utils.data.Dataset):
             if self._skipped is None:
                 raise
             count = self._skipped.add()
-            log.warning("skipped sample (%d so far): %s", count, exc)
+            say(f"skipped sample ({count} so far): {exc}", warning=True)
             return None
         return sample if self.transform is None else self.transform(sample)
 

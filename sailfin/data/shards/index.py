@@ -35,7 +35,7 @@ from typing import Iterable, NamedTuple, Optional
 import numpy as np
 
 from ...utils.crc import crc32
-from .tarformat import Member, scan
+from .tarformat import Member
 
 FORMAT = "sailfin-shard-index"
 VERSION = 1
@@ -217,11 +217,6 @@ def split_name(name: str) -> tuple[str, str]:
     if dot < 0:
         return name, ""
     return name[:dot], name[dot + 1:]
-
-
-def index_file(fd: int, size: int) -> ShardIndex:
-    """Index the tar open at ``fd`` by scanning its headers (raises TarFormatError)."""
-    return ShardIndex.from_members(scan(fd, size), size)
 
 
 def write_atomic(path: str, data: bytes) -> None:

@@ -15,17 +15,15 @@ Remote shard ``https://host/shard-000000.tar``:
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Optional
 
+from ...utils.voice import say
 from .errors import ShardError, where
 from .index import INDEX_SUFFIX, ShardIndex, write_atomic
 from .remote import ShardCache
 from .tarformat import TarFormatError, scan
 from .urls import kind, local_path
-
-log = logging.getLogger("sailfin.data.shards")
 
 
 def load_index(url: str, cache: ShardCache, skip_bad: bool) -> ShardIndex:
@@ -85,8 +83,8 @@ def check_size(index: ShardIndex, size: int, url: str, index_name: str, skip_bad
     message = (f"shard {url} is {size} bytes but its index {index_name} describes "
                f"{index.tar_bytes} bytes")
     if size < index.tar_bytes and skip_bad:
-        log.warning("%s: the shard is truncated; samples past byte %d will be skipped",
-                    message, size)
+        say(f"{message}: the shard is truncated; samples past byte {size} will be skipped",
+            warning=True)
         return
     raise ShardError(f"{message}: the shard is truncated or was rewritten after it was "
                      "indexed. Re-create the shard, or delete the index to index it again "
@@ -107,7 +105,7 @@ def _save(index: ShardIndex, path: str) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_atomic(path, index.to_json().encode())
     except OSError as exc:  # an index we cannot keep is rebuilt next time: not fatal
-        log.warning("could not cache the shard index at %s (%s)", path, exc)
+        say(f"could not cache the shard index at {path} ({exc})", warning=True)
 
 
 def _scan(path: str, url: str, skip_bad: bool) -> Optional[ShardIndex]:
@@ -140,8 +138,8 @@ def _scan_partial(path: str, url: str) -> ShardIndex:
             for member in scan(fd, size):
                 members.append(member)
         except TarFormatError as exc:
-            log.warning("%s: %s; using the %d members before it", where(url, offset=exc.offset),
-                        exc, len(members))
+            say(f"{where(url, offset=exc.offset)}: {exc}; using the {len(members)} members "
+                "before it", warning=True)
         # tar_bytes is the real size: the reader must not treat the shard as truncated.
         return ShardIndex.from_members(members, size)
     finally:

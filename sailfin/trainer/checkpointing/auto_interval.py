@@ -6,7 +6,9 @@ loses on average ``tau / 2`` of training. The sum is least at Young and Daly's
 ``tau = sqrt(2 * save * MTBF)``. ``save`` is the measured stall of this run's saves,
 ``MTBF`` is ``trainer.checkpoint.mtbf_hours`` or, when that is null, the wall time
 per failure this run's time account has seen (24 hours until it has seen one).
-The interval in steps is ``tau`` over the measured step time, chosen again after
+The interval in steps is ``tau`` over the measured step time, of steady steps: the
+run's first step (allocations, loader workers starting, a compilation) is left out, and
+the first choice comes after a few more. It is chosen again after
 every save (the measurements move: a larger state, a slower disk, a first failure),
 the same on every rank (one small all-reduce per save), and said when it changes.
 """
@@ -30,6 +32,11 @@ if TYPE_CHECKING:
 DEFAULT_MTBF_HOURS = 24.0
 _SMOOTH = 0.5    # weight of the newest measurement
 _CHANGED = 0.25  # say the interval again when it moves by more than this share
+# The first step of a run costs many steady ones (304 ms against 22 ms measured on the
+# digits demo): the step clock starts after it, and the first save (which measures a
+# save) comes after a few steady steps.
+WARMUP_STEPS = 1
+MEASURED_STEPS = 4
 
 
 def young_daly_seconds(save_seconds: float, mtbf_seconds: float) -> float:
@@ -57,18 +64,23 @@ class IntervalChooser:
         self.every: Optional[int] = None
         self.choice: Optional[dict[str, Any]] = None
         self._next = 0
+        self._warm = -1  # the step after which the step clock starts (no measurements yet)
         self._mark = (0.0, 0, 0.0)  # (clock, step, stall seconds so far) after a save
 
     def start(self, trainer: "RunView", stalled: float) -> None:
-        """Before the first step: choose from the resumed measurements, or save after the
-        first step to measure."""
+        """Before the first step: choose from the resumed measurements, or save after a
+        warm-up step and a few steady ones, to measure."""
         self._mark = (time.perf_counter(), trainer.global_step, stalled)
         if self.save_seconds is not None and self.step_seconds is not None:
             self.choose(trainer)
         else:
-            self._next = trainer.global_step + 1
+            self._warm = trainer.global_step + WARMUP_STEPS
+            self._next = self._warm + MEASURED_STEPS
 
-    def due(self, step: int) -> bool:
+    def due(self, step: int, stalls: list[float]) -> bool:
+        """Whether to save after ``step``; ``stalls``: every save's stall so far."""
+        if step == self._warm:  # the warm-up is over: the step clock starts now
+            self._mark = (time.perf_counter(), step, sum(stalls))
         return step >= self._next
 
     def saved(self, trainer: "RunView", started: float, stalls: list[float],
@@ -137,8 +149,9 @@ class IntervalChooser:
 class AutoStepCheckpointCallback(CheckpointCallback):
     """Saves every N steps, N chosen by :func:`young_daly_seconds` from measurements.
 
-    The first save comes after the first step (it measures what a save costs)
-    unless the checkpoint resumed from carries the measurements.
+    The first save comes after a warm-up step and a few steady ones (it measures what a
+    save costs, they what a step costs) unless the checkpoint resumed from carries the
+    measurements.
 
     Example::
 
@@ -155,7 +168,7 @@ class AutoStepCheckpointCallback(CheckpointCallback):
         self.interval.start(trainer, sum(self.stall_seconds))
 
     def on_step_end(self, trainer: "RunView") -> None:
-        if not self.interval.due(trainer.global_step):
+        if not self.interval.due(trainer.global_step, self.stall_seconds):
             return
         started, saves = time.perf_counter(), len(self.stall_seconds)
         self.save(trainer)
@@ -191,7 +204,7 @@ class AutoMemorySnapshots(MemorySnapshots):
 
     def on_step_end(self, trainer: "RunView") -> None:
         step = trainer.global_step
-        if self.interval.due(step):
+        if self.interval.due(step, self.stall_seconds):
             started = time.perf_counter()
             self.snapshot(trainer)
             self.interval.saved(trainer, started, self.stall_seconds, True)

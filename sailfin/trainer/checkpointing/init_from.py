@@ -22,6 +22,7 @@ from ...checkpoint.checkpointer import DirectoryCheckpointer, say
 from ...checkpoint.errors import CheckpointError
 from ...checkpoint.sharded import load_sharded
 from ...checkpoint.weights import SafetensorsSource, StateDictSource, load_into
+from .frozen import frozen_names
 
 if TYPE_CHECKING:
     from ..core.view import RunView
@@ -51,13 +52,20 @@ def load_initial_weights(trainer: "RunView", path: str) -> None:
         if loaded.sharded is not None:  # saved under fsdp: DCP reads each rank's rows
             ref = dataclasses.replace(loaded.sharded, keys=["module"])
             try:
-                state = load_sharded(ref, trainer.module, [])["module"]
+                # A parameter-efficient fine-tune's checkpoint holds no frozen base: the
+                # module keeps its own (it is built on that base).
+                skip = (frozen_names(trainer.module)
+                        if "frozen" in (loaded.shared.get("trainer") or {}) else frozenset())
+                state = load_sharded(ref, trainer.module, [], skip=skip)["module"]
+                if skip:
+                    current = trainer.backend.model_state_dict(trainer.module)
+                    state = {**{k: current[k] for k in skip if k in current}, **state}
                 trainer.backend.load_model_state_dict(trainer.module, state)
-            except (RuntimeError, ValueError, KeyError) as exc:
+            except (CheckpointError, RuntimeError, ValueError, KeyError) as exc:
+                reason = str(exc).splitlines()[0].split("do not fit this model: ")[-1]
                 raise CheckpointError(
-                    f"trainer.init_from: the shards in {shown} do not fit this model: "
-                    f"{str(exc).splitlines()[0]}. Point it at weights of the same "
-                    "architecture") from None
+                    f"trainer.init_from: the weights in {shown} do not fit this model: "
+                    f"{reason}. Point it at weights of the same architecture") from None
         elif "model" not in loaded.shared:
             raise CheckpointError(f"trainer.init_from: checkpoint {shown} holds no model "
                                   "weights (no model.pt, no shards)")

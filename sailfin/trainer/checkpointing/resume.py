@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from .frozen import frozen_names
 from ...checkpoint.checkpointer import Checkpointer, Loaded, say
 from .config_diff import check_config
 from ...checkpoint.errors import CheckpointCorrupt, CheckpointError
@@ -124,7 +125,9 @@ def apply(trainer: "RunView", loaded: Loaded) -> None:
         if loaded.sharded is not None:  # saved under fsdp: DCP cuts it for this run
             stateful = {getattr(c, "state_key", type(c).__name__): c for c in trainer.callbacks
                         if callable(getattr(c, "state_dict", None))}
-            shards = load_sharded(loaded.sharded, trainer.module, trainer.optimizers, stateful)
+            skip = frozen_names(trainer.module) if "frozen" in state else ()
+            shards = load_sharded(loaded.sharded, trainer.module, trainer.optimizers, stateful,
+                                  skip)
             state["callbacks"] = {**state.get("callbacks", {}), **shards.pop("callbacks", {})}
             state.update(shards)
         else:

@@ -15,6 +15,7 @@ from ...checkpoint import CheckpointError, Checkpointer, Snapshot
 from .config_diff import recipe_spec
 from ...checkpoint.rng import rng_state
 from ...checkpoint.serialize import check_plain
+from ...backends.state import dcp_optimizer_state
 from ...checkpoint.sharded import split_sharded
 from ...config.checkpoint import CheckpointArguments
 from ...config.errors import suggest
@@ -101,15 +102,17 @@ class CheckpointCallback(Callback):
             check_plain(value, "module.get_state()" if key == "module_state"
                         else f"Trainer.state_dict()[{key!r}]")
         facts = manifest_facts(trainer, self, state)
-        sharded = split_sharded(state)  # fsdp: model and optimizers, written by every rank
-        if sharded and not getattr(self.checkpointer, "writes_shards", False):
+        # One format on every backend: model and optimizers go to DCP under the names
+        # PyTorch's distributed state dicts give them (any backend and world size loads them).
+        state["optimizers"] = [dcp_optimizer_state(trainer.module, opt, saved)
+                               for opt, saved in zip(trainer.optimizers, state["optimizers"])]
+        sharded = split_sharded(state)
+        if not getattr(self.checkpointer, "writes_shards", False):
             raise CheckpointError(
-                f"{type(self.checkpointer).__name__} cannot write sharded state (trainer.backend "
-                f"{trainer.args.backend}): subclass sailfin.checkpoint.DirectoryCheckpointer "
-                "for trainer.checkpoint.class_path, or train with ddp")
-        shared = {"model": state.pop("module"), "trainer": state} if "module" in state else {
-            "trainer": state}
-        snapshot = Snapshot(step=trainer.global_step, facts=facts, shared=shared,
+                f"{type(self.checkpointer).__name__} cannot write the model's state with DCP: "
+                "subclass sailfin.checkpoint.DirectoryCheckpointer for "
+                "trainer.checkpoint.class_path")
+        snapshot = Snapshot(step=trainer.global_step, facts=facts, shared={"trainer": state},
                             rank_state=rng_state(), is_best=self._improved, sharded=sharded)
         beat = trainer.heartbeat
         phase, beat.phase = beat.phase, CHECKPOINT_SAVE  # the watchdog's slow-phase limit

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping
 
+from .frozen import excludes_frozen, fingerprint, frozen_names, mismatch
+
 if TYPE_CHECKING:
     from ..core.callbacks import Callback
     from ..core.view import RunView
@@ -17,8 +19,15 @@ if TYPE_CHECKING:
 def trainer_state(trainer: "RunView") -> dict[str, Any]:
     """Every stateful piece but the random streams (per rank: ``checkpoint.rng``)."""
     backend, module = trainer.backend, trainer.module
+    model = backend.model_state_dict(module)
+    extra = {}
+    if excludes_frozen(module):  # a parameter-efficient fine-tune: the base stays out
+        skip = frozen_names(module)
+        model = {k: v for k, v in model.items() if k not in skip}
+        extra["frozen"] = fingerprint(module)
     return {
-        "module": backend.model_state_dict(module),
+        **extra,
+        "module": model,
         "module_state": module.get_state(),
         "optimizers": [backend.optimizer_state_dict(module, opt) for opt in trainer.optimizers],
         "schedulers": [sched.state_dict() for sched in trainer.schedulers],
@@ -37,7 +46,7 @@ def trainer_state(trainer: "RunView") -> dict[str, Any]:
 def load_trainer_state(trainer: "RunView", state: Mapping[str, Any]) -> None:
     """Put back what :func:`trainer_state` returned (after ``setup`` built the pieces)."""
     backend, module = trainer.backend, trainer.module
-    backend.load_model_state_dict(module, state["module"])
+    backend.load_model_state_dict(module, _with_frozen(trainer, state))
     module.update_state(state["module_state"])
     for kind, mine in (("optimizers", trainer.optimizers), ("schedulers", trainer.schedulers)):
         if len(state[kind]) != len(mine):
@@ -59,6 +68,25 @@ def load_trainer_state(trainer: "RunView", state: Mapping[str, Any]) -> None:
         saved = state["callbacks"].get(state_key(callback))
         if saved is not None and callable(getattr(callback, "load_state_dict", None)):
             callback.load_state_dict(saved)
+
+
+def _with_frozen(trainer: "RunView", state: Mapping[str, Any]) -> dict[str, Any]:
+    """The saved model state, with the frozen parameters as the module holds them when the
+    checkpoint left them out (after checking they are the base it was trained on)."""
+    model, saved = dict(state["module"]), state.get("frozen")
+    module = trainer.module
+    if not excludes_frozen(module):
+        if saved is not None:
+            raise ValueError("it holds only the parameters that train (saved with "
+                             "checkpoint_frozen_params false, as peft: sets it); build the "
+                             "module as that run did")
+        return model
+    if saved is not None:
+        why = mismatch(saved, fingerprint(module))
+        if why:
+            raise ValueError(f"it was trained on another frozen base: {why}")
+    current = trainer.backend.model_state_dict(module)
+    return {**{k: current[k] for k in frozen_names(module) if k in current}, **model}
 
 
 def state_key(callback: "Callback") -> str:

@@ -15,8 +15,9 @@ if TYPE_CHECKING:
     from .trainer import Trainer
 
 
-def finish_run(trainer: "Trainer") -> dict[str, Any]:
-    """The run's summary; the final weights (and EMA weights) and summary.json written.
+def finish_run(trainer: "Trainer", write: bool = True) -> dict[str, Any]:
+    """The run's summary; the final weights (and EMA weights) and summary.json written
+    (unless not ``write``: a run that trained nothing leaves the finished one's files).
     Every rank calls it: under fsdp, gathering each full tensor is a collective."""
     summary = {
         "global_step": trainer.global_step,
@@ -39,6 +40,8 @@ def finish_run(trainer: "Trainer") -> dict[str, Any]:
             summary.update(fields())
     if trainer.autobatch is not None:
         summary["auto_micro_batch"] = trainer.autobatch.summary()
+    if not write:
+        return summary
     backend, output_dir, is_main = trainer.backend, trainer.args.output_dir, trainer.dist.is_main
     # Every rank takes part (fsdp gathers one tensor at a time); rank 0 writes.
     backend.save_final_weights(trainer.module,

@@ -4,14 +4,14 @@ the writers. Each piece is an attribute of the trainer the loop reads."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ...checkpoint import build_checkpointer
-from ...checkpoint.checkpointer import say
 from ...data.plan import BatchPlan
 from ...interfaces import RecipeError
 from ...logging.destination import check_directory
 from ...utils.seed import seed_everything
+from ...utils.voice import say
 from ..checkpointing.accepted import FreshHyperparameters, apply_accepted
 from ..checkpointing.memory_snapshots import memory_snapshot_callback
 from ..checkpointing.resume import resume
@@ -23,12 +23,37 @@ from ..features.run_stats import RunStats
 from ..features.time_account import TimeAccount
 from .watchdog import start_watchdog
 from ..safety.nonfinite import NonFiniteGuard
+from ..core.callbacks import Callback
 from ..core.hooks import as_list, overridden
 from ..core.loaders import build_train_loader, build_val_loaders, dataset_set_epoch
 from ..core.pymarlin_forms import train_step_end_caller, val_epoch_end_caller
 
 if TYPE_CHECKING:
     from .trainer import Trainer
+
+# The callbacks in the order the loop calls them, by the piece that gives them; each
+# piece's place and why. ``build_run`` fills them (in_order); nothing else orders them.
+CALLBACK_ORDER = (
+    "given",             # Trainer(callbacks=...), then the recipe's own (recipe_callbacks)
+    "features",          # EMA, step validation, early stopping: before the saver, which
+    #                      saves their state
+    "run_stats",         # the best metric so far: stateful, so before the saver too
+    "saver",             # the checkpoints (trainer.checkpoint)
+    "memory_snapshots",  # trainer.checkpoint.memory: after every stateful piece
+    "autobatch",         # micro_batch_size auto: its size is kept in checkpoints
+    "last_features",     # the first step's FLOPs
+    "time_account",      # after the savers (their final save is counted), before progress
+    "observers",         # writers, progress (its end line), profiler
+)
+
+
+def in_order(pieces: Mapping[str, Sequence[Callback]]) -> list[Callback]:
+    """The callbacks of ``pieces`` (name in :data:`CALLBACK_ORDER` -> its callbacks) in
+    the loop's order."""
+    unknown = sorted(set(pieces) - set(CALLBACK_ORDER))
+    if unknown:
+        raise ValueError(f"no place in CALLBACK_ORDER for {unknown}")
+    return [callback for name in CALLBACK_ORDER for callback in pieces.get(name, ())]
 
 
 def build_run(trainer: "Trainer") -> None:
@@ -73,13 +98,17 @@ def build_run(trainer: "Trainer") -> None:
     # EMA, step validation, early stopping: before the saver, which saves their state.
     features = build_loop_features(trainer.module, args, trainer.backend, trainer.dist)
     trainer.ema, trainer.flops = features.ema, features.flops
-    trainer.callbacks += features.callbacks
-    trainer.callbacks += [trainer.run_stats] + ([saver] if saver is not None else [])
-    # trainer.checkpoint.memory: snapshots in shared memory (after every stateful piece).
-    trainer.callbacks += memory_snapshot_callback(trainer.checkpointer, args, saver, trainer.module)
-    if trainer.autobatch is not None:  # its size is kept in checkpoints
-        trainer.callbacks.append(trainer.autobatch)
-    trainer.callbacks += features.last_callbacks  # the first step's FLOPs
+    pieces: dict[str, Sequence[Callback]] = {
+        "given": trainer.callbacks,
+        "features": features.callbacks,
+        "run_stats": [trainer.run_stats],
+        "saver": [saver] if saver is not None else [],
+        "memory_snapshots": memory_snapshot_callback(trainer.checkpointer, args, saver,
+                                                     trainer.module),
+        "autobatch": [trainer.autobatch] if trainer.autobatch is not None else [],
+        "last_features": features.last_callbacks,
+    }
+    trainer.callbacks = in_order(pieces)  # what resume restores the state of
     # The time account reads how far a killed run logged before resuming trims metrics.jsonl.
     account = TimeAccount(args.output_dir, dist.is_main, args.resume != "never",
                           trainer.heartbeat)
@@ -89,14 +118,14 @@ def build_run(trainer: "Trainer") -> None:
     apply_accepted(trainer, fresh, say)  # resume_config: accept: the new lr... take effect
     if trainer.autobatch is not None:
         trainer.autobatch.start(trainer)  # the checkpoint's size, or a search after a resize
-    # After the savers (their final save is counted), before the progress (its end line).
-    trainer.callbacks.append(account)
+    pieces["time_account"] = [account]
     trainer.time_account = account  # train() stops its sampler thread on every path
     # Writers and progress (rank 0), profiler: destination errors surface here.
     observers = build_observers(args, dist, trainer._writers, trainer._hparams,
-                                trainer.callbacks)
+                                in_order(pieces))
     trainer.writers = observers.writers
-    trainer.callbacks.extend(observers.callbacks)
+    pieces["observers"] = observers.callbacks
+    trainer.callbacks = in_order(pieces)
     trainer.nonfinite = NonFiniteGuard(args.on_nonfinite, trainer.device, dist.world_size,
                                     trainer.backend.all_reduce_mean,
                                     getattr(trainer.train_sampler, "step_indices", None))

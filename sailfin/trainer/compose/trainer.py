@@ -7,14 +7,15 @@ from __future__ import annotations
 import sys
 from typing import Any, Mapping, Optional
 
-from ...utils.log import configure_logging
 from ...utils.memory import gc_spares_existing_objects
+from ...utils.voice import configure
 from ..checkpointing.state import load_trainer_state, trainer_state
 from ..core.trainer import Loop
 from .watchdog import start_watchdog
-from ..safety.preemption import Preemption, save_and_stop
+from ..safety.preemption import Preemption
 from ..safety.run_lock import RunLock, take_run_lock
-from ..safety.startup_checks import check_schedulers_fit, sanity_validate, train_output_checker
+from ..safety.startup_checks import (check_schedulers_fit, nothing_to_train, sanity_validate,
+                                     train_output_checker)
 from .outputs import finish_run
 from .setup import build_run
 
@@ -39,13 +40,17 @@ class Trainer(Loop):
 
     # -- the run ---------------------------------------------------------------
     def train(self) -> dict[str, Any]:
-        """Train for ``args.epochs`` (or until ``args.max_steps``); return the summary."""
+        """Train for ``args.epochs`` (or until ``args.max_steps``); return the summary.
+        A run that resumed at its end trains nothing: its summary has ``nothing_trained``
+        (the step it finished at and what to change)."""
         self._training = True  # set-up's watchdog carries on into the start-up checks
         try:
             self.setup()
+            finished = nothing_to_train(self)  # resumed at its end: said, nothing written
             # Fail now, not after an epoch: schedule length, val_step, the first train_step.
             check_schedulers_fit(self)
-            sanity_validate(self)
+            if finished is None:
+                sanity_validate(self)
         except BaseException:
             self._training = False
             self._stop_watchdog()  # its record says this rank failed (the others may wait)
@@ -63,7 +68,9 @@ class Trainer(Loop):
             self._notify("on_train_start")
             self._run_epochs()  # the loop (core/trainer.py)
             self.module.on_end_train(self.global_step)
-            summary = self.summary = finish_run(self)
+            summary = self.summary = finish_run(self, write=finished is None)
+            if finished is not None:
+                summary["nothing_trained"] = finished
             self._notify("on_train_end")
             return summary
         finally:
@@ -121,7 +128,7 @@ class Trainer(Loop):
         writers, and resume from a checkpoint as ``trainer.resume`` says."""
         if self._is_setup:
             return
-        configure_logging(self.dist.rank)
+        configure(self.dist.rank)
         if self._run_lock is None:  # before anything is written there: one run per directory
             take_run_lock(self.args.output_dir, self.dist.is_main, keep=self._hold_run_lock)
         with gc_spares_existing_objects():
@@ -133,8 +140,11 @@ class Trainer(Loop):
             # train() starts it again.
             self._stop_watchdog()
 
-    def _save_and_stop(self) -> None:
-        save_and_stop(self)  # raises TrainingPreempted
+    def validate(self) -> dict[str, dict[str, float]]:
+        """Run every validation set (set up first, if :meth:`train` has not); name ->
+        metrics (also logged)."""
+        self.setup()
+        return super().validate()
 
     # -- checkpoint state ------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

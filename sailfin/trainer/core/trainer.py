@@ -10,25 +10,29 @@ no feature: features follow it as callbacks and see it through
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 
 from ...backends import build_backend
+from ...checkpoint import Checkpointer, Loaded
 from ...checkpoint.rng import seed_loader
 from ...config.trainer import TrainerArguments
 from ...data.plan import BatchPlan
+from ...data.sampler import ResumableSampler
 from ...distributed import DistEnv
 from ...distributed.watchdog import (BACKWARD, DATA, END_OF_EPOCH, END_OF_STEP, FORWARD,
                                     OPTIMIZER, Heartbeat)
 from ...interfaces import ModuleInterface
 from ...logging import Writer
+from ...logging.writers import Writers
 from .callbacks import Callback
 from .hooks import any_says_again, overriding, padding_micro_batch, recipe_callbacks
 from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
 from .pymarlin_forms import unpack
 from .train_log import TrainLog
 from .validation import due_after_epoch, run_validation
+from .view import LossGuard, StepFlops, StopSignal
 
 
 class Loop:
@@ -37,6 +41,35 @@ class Loop:
     Users construct :class:`sailfin.trainer.Trainer`, which adds the set-up, the
     start-up checks and the run's outputs around this loop.
     """
+
+    # -- the pieces the composition root builds (compose/setup.py build_run) ------------
+    callbacks: list[Callback]        # in call order (compose/setup.py CALLBACK_ORDER)
+    plan: BatchPlan                  # the batch plan in effect (replan() changes it)
+    device: torch.device             # where the model's parameters live
+    train_loader: Iterable[Any]      # the recipe's training loader, batched by train_sampler
+    train_sampler: ResumableSampler  # the step's micro-batches and the data position
+    num_train_samples: int           # samples in one epoch of the training data
+    steps_per_epoch: int             # optimizer steps in a full epoch
+    val_loaders: dict[str, Iterable[Any]]  # validation set name -> loader
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: list[torch.optim.lr_scheduler.LRScheduler]
+    trainable_params: list[torch.nn.Parameter]  # what max_grad_norm clips
+    checkpointer: Checkpointer       # storage
+    saver: Optional[Callback]        # the checkpoint callback, or None
+    run_stats: Callback              # the best validation value and its step
+    ema: Optional[Callback]          # the weight average, or None
+    flops: StepFlops                 # the FLOPs meter
+    autobatch: Optional[Callback]    # micro_batch_size: auto's search, or None
+    nonfinite: LossGuard             # what a NaN/inf loss does (trainer.on_nonfinite)
+    writers: Writers                 # the metric writers
+    resumed_from: Optional[Loaded]   # the checkpoint this run resumed from, or None
+    # The recipe's hooks, called with what their signatures take (None: not overridden).
+    _on_end_backward: Optional[Callable[[int, torch.Tensor], Any]]
+    _on_end_train_step: Optional[Callable[..., Any]]
+    _on_end_val_epoch: Callable[..., Any]
+    _dataset_set_epoch: Optional[Callable[[int], Any]]  # the training dataset's set_epoch
+    # Set by Trainer.train before the first step: SIGTERM / first Ctrl-C.
+    preemption: StopSignal
 
     def __init__(self, module: ModuleInterface, args: Optional[TrainerArguments] = None, *,
                  dist: Optional[DistEnv] = None, backend: Any = None,
@@ -75,10 +108,6 @@ class Loop:
         return self._hparams
 
     # -- the epochs ---------------------------------------------------------------
-    def setup(self) -> None:
-        """Build the run's pieces (the composition root, :class:`sailfin.trainer.Trainer`)."""
-        raise NotImplementedError("a Loop runs what Trainer.setup built: use sailfin.Trainer")
-
     def _run_epochs(self) -> None:
         """Epochs until ``args.epochs``, ``args.max_steps`` or a callback's stop; validation
         after the epochs that ask for it, and once more after a run cut short."""
@@ -146,7 +175,7 @@ class Loop:
             if self._hooks_changed:  # a callback left (remove_callback)
                 begin, backward_end, step_end, out_of_memory = self._hook_lists()
             if self.global_step >= preemption.check_at and preemption.poll(self.global_step):
-                self._save_and_stop()  # raises TrainingPreempted
+                preemption.save_and_stop(self)  # raises TrainingPreempted
             if self.stop_reason is not None:
                 return False  # early stopping ended the run
         if last < self.steps_per_epoch:
@@ -255,7 +284,6 @@ class Loop:
     # -- validation --------------------------------------------------------------
     def validate(self) -> dict[str, dict[str, float]]:
         """Run every validation set; return name -> metrics (also logged)."""
-        self.setup()
         if not self.val_loaders:
             return {}
         started = time.perf_counter()
@@ -266,10 +294,6 @@ class Loop:
         self.last_val_step = self.global_step
         self._notify("on_validation_end", results)
         return results
-
-    def _save_and_stop(self) -> None:
-        """Save this step on every rank and end the run (preemption: the composition root)."""
-        raise NotImplementedError
 
     def _notify(self, event: str, *args: Any) -> None:
         for callback in self.callbacks:

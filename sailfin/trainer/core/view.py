@@ -17,13 +17,51 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Protocol
+from typing import Any, Iterable, Mapping, Optional, Protocol
 
 import torch
 
+from ...backends.strategy import SingleDevice
+from ...checkpoint import Checkpointer, Loaded
 from ...config.trainer import TrainerArguments
+from ...data.plan import BatchPlan
 from ...distributed import DistEnv
+from ...distributed.watchdog import Heartbeat
 from ...interfaces import ModuleInterface
+from ...logging.writers import Writers
+from .callbacks import Callback
+
+
+class LossGuard(Protocol):
+    """What the loop asks of the non-finite loss guard (safety/nonfinite.py)."""
+
+    count: int                       # non-finite steps seen so far
+
+    def observe(self, loss: torch.Tensor, global_step: int, epoch: int, step: int) -> bool:
+        """True: go on with this optimizer step; False: skip it."""
+
+    def check(self) -> None:
+        """Raise now for a loss found non-finite but not yet read (the deferred guard)."""
+
+
+class StopSignal(Protocol):
+    """What the loop asks of the preemption flag (safety/preemption.py)."""
+
+    check_at: int                    # the global step from which poll() is worth calling
+    signal_name: Optional[str]       # the signal received, if any
+
+    def poll(self, global_step: int) -> bool:
+        """True: every rank stops after this step."""
+
+    def save_and_stop(self, trainer: Any) -> None:
+        """Save this step on every rank and raise TrainingPreempted."""
+
+
+class StepFlops(Protocol):
+    """What the run asks of the FLOPs meter (features/flops.py)."""
+
+    def abort(self) -> None:
+        """Leave the counting mode (an error inside the counted step)."""
 
 
 class RunView(Protocol):
@@ -34,8 +72,9 @@ class RunView(Protocol):
     args: TrainerArguments           # the trainer settings in effect
     dist: DistEnv                    # rank, world size, is_main
     device: torch.device             # where the model's parameters live
-    backend: Any                     # the step's pieces: train_step, backward, all_reduce_mean,
-    #                                  optimizer_step, state dicts, barrier (sailfin.backends)
+    backend: SingleDevice            # the step's pieces: train_step, backward, all_reduce_mean,
+    #                                  optimizer_step, state dicts, barrier (sailfin.backends;
+    #                                  every strategy is a SingleDevice)
     hparams: Optional[Mapping[str, Any]]  # the hyper-parameters the writers log (None: the settings)
 
     # -- counters (read; checkpointing/state.py restores them) --------------------------
@@ -52,24 +91,24 @@ class RunView(Protocol):
     summary: Optional[dict[str, Any]]  # summary.json's fields, once train() has finished
 
     # -- the run's pieces ---------------------------------------------------------------
-    plan: Any                        # the batch plan in effect (sailfin.data.plan.BatchPlan)
+    plan: BatchPlan                  # the batch plan in effect
     optimizers: list[torch.optim.Optimizer]
-    schedulers: list[Any]
+    schedulers: list[torch.optim.lr_scheduler.LRScheduler]
     trainable_params: list[torch.nn.Parameter]
-    val_loaders: dict[str, Any]      # validation set name -> loader
-    callbacks: list[Any]             # every callback, in call order (their state is saved)
-    writers: Any                     # the metric writers (sailfin.logging.Writers)
-    heartbeat: Any                   # where the loop is, for the hang watchdog (phase, step)
-    resumed_from: Any                # the checkpoint this run resumed from, or None
+    val_loaders: dict[str, Iterable[Any]]  # validation set name -> loader
+    callbacks: list[Callback]        # every callback, in call order (their state is saved)
+    writers: Writers                 # the metric writers
+    heartbeat: Heartbeat             # where the loop is, for the hang watchdog (phase, step)
+    resumed_from: Optional[Loaded]   # the checkpoint this run resumed from, or None
 
     # -- pieces the composition root built, for the features that work together ---------
-    checkpointer: Any                # storage (sailfin.checkpoint)
-    saver: Any                       # the checkpoint callback, or None (checkpointing/saver.py)
-    nonfinite: Any                   # the non-finite loss guard (safety/nonfinite.py)
-    preemption: Any                  # the SIGTERM flag and agreement (safety/preemption.py)
-    ema: Any                         # the weight average, or None (features/ema.py)
-    flops: Any                       # the FLOPs meter (features/flops.py)
-    autobatch: Any                   # micro_batch_size: auto's search, or None (its retries:
+    checkpointer: Checkpointer       # storage (sailfin.checkpoint)
+    saver: Optional[Callback]        # the checkpoint callback, or None (checkpointing/saver.py)
+    nonfinite: LossGuard             # the non-finite loss guard (safety/nonfinite.py)
+    preemption: StopSignal           # the SIGTERM flag and agreement (safety/preemption.py)
+    ema: Optional[Callback]          # the weight average, or None (features/ema.py)
+    flops: StepFlops                 # the FLOPs meter (features/flops.py)
+    autobatch: Optional[Callback]    # micro_batch_size: auto's search, or None (its retries:
     #                                  features/autobatch.py; the time account reads them)
 
     # -- a way to stop -------------------------------------------------------------------
@@ -85,7 +124,7 @@ class RunView(Protocol):
     def replan(self, micro_batch_size: int) -> None:
         """Run with another micro-batch size from the current step (same global batch)."""
 
-    def remove_callback(self, callback: Any) -> None:
+    def remove_callback(self, callback: Callback) -> None:
         """Stop calling ``callback`` from the next step on."""
 
     def state_dict(self) -> dict[str, Any]:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import logging
 import time
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
@@ -40,12 +39,12 @@ import torch
 
 from ...data.plan import BatchPlan
 from ...distributed.watchdog import ALL_REDUCE
+from ...utils.voice import say
 from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
     from ..core.view import RunView
 
-log = logging.getLogger("sailfin")
 
 PROBE_STEPS = 2
 """Steps at a new size during which ranks agree after every step (see the module doc)."""
@@ -104,8 +103,8 @@ class AutoMicroBatch(Callback):
         if trainer.plan.micro_batch != self.size:
             trainer.replan(self.size)
         if trainer.dist.is_main:
-            log.info("micro_batch_size auto: starting with %d per device (%s; sizes %s)",
-                     self.size, how, ", ".join(map(str, self.sizes)))
+            say(f"micro_batch_size auto: starting with {self.size} per device ({how}; "
+                f"sizes {', '.join(map(str, self.sizes))})")
 
     # -- the step hooks ------------------------------------------------------------
     def on_step_begin(self, trainer: "RunView") -> None:
@@ -135,8 +134,8 @@ class AutoMicroBatch(Callback):
                 f"{smaller if smaller else 1} or smaller and resume (inputs that grow, like "
                 "longer sequences, need room to spare)") from None
         self._failed = True
-        log.warning("micro_batch_size auto: rank %d ran out of memory at step %d with "
-                    "micro-batch %d", self.rank, global_step + 1, self.size)
+        say(f"micro_batch_size auto: rank {self.rank} ran out of memory at step "
+            f"{global_step + 1} with micro-batch {self.size}", warning=True)
 
     def end_step(self, trainer: "RunView", step: int) -> bool:
         """After the step's micro-batches: True if the step must run again (the trainer
@@ -146,7 +145,7 @@ class AutoMicroBatch(Callback):
             if not failed:
                 self.clean_steps += 1
                 if self.clean_steps == 1 and self.world_size == 1:
-                    log.info("micro_batch_size auto: %d fits", self.size)
+                    say(f"micro_batch_size auto: {self.size} fits")
                 return False
             new = self._next_size()
         else:
@@ -158,8 +157,7 @@ class AutoMicroBatch(Callback):
                 trainer.backend.reduce_gradients(trainer.trainable_params)
                 self.clean_steps += 1
                 if not self.probing and trainer.dist.is_main:
-                    log.info("micro_batch_size auto: %d per device fits on every rank",
-                             self.size)
+                    say(f"micro_batch_size auto: {self.size} per device fits on every rank")
                 return False
         for opt in trainer.optimizers:  # the failed attempt's gradients go
             opt.zero_grad(set_to_none=True)
@@ -175,8 +173,8 @@ class AutoMicroBatch(Callback):
         self.size, self.clean_steps = new, 0
         trainer.replan(new)
         if trainer.dist.is_main:
-            log.info("micro_batch_size auto: step %d runs again with micro-batch %d "
-                     "(%d ran out of memory)", trainer.global_step + 1, new, old)
+            say(f"micro_batch_size auto: step {trainer.global_step + 1} runs again with "
+                f"micro-batch {new} ({old} ran out of memory)")
         self.retry_seconds += time.perf_counter() - self._step_started  # the time account
         return True
 

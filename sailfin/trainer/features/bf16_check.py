@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from ...utils.log import log
+from ...utils.voice import say
 from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class Bf16CpuCheck(Callback):
             f"{ratio:.1f}x as long as the fp32 one here; trainer.backend sp (fp32) is likely "
             "faster on this machine")
         if trainer.dist.is_main:
-            log.warning(self.message)
+            say(self.message, warning=True)
 
 
 def bf16_cpu_check(backend: object) -> Optional[Bf16CpuCheck]:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from ...utils.log import log
+from ...utils.voice import say
 from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
@@ -136,4 +136,4 @@ class CompileCheck(Callback):
             first = self.times[1] - self.started
         self.verdict = compile_verdict(compiled, eager, first)
         if trainer.dist.is_main:
-            (log.info if self.verdict[0] else log.warning)(self.verdict[1])
+            say(self.verdict[1], warning=not self.verdict[0])

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from ...config.errors import ConfigError, suggest
 from ...config.loop import EarlyStoppingArguments
-from ...utils.log import log
+from ...utils.voice import say
 from ..core.callbacks import Callback
 from .run_stats import flat_metrics
 
@@ -70,9 +70,8 @@ class EarlyStopping(Callback):
                                "metric": args.metric, "best": self.best,
                                "best_step": self.best_step}
         if trainer.dist.is_main:
-            log.warning("%s; %s at step %d", reason,
-                        "the resumed run had stopped" if resumed else "stopping",
-                        trainer.global_step)
+            say(f"{reason}; {'the resumed run had stopped' if resumed else 'stopping'} at "
+                f"step {trainer.global_step}", warning=True)
 
     def _value(self, metrics: Mapping[str, Mapping[str, float]]) -> Optional[float]:
         if not metrics:

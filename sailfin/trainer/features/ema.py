@@ -2,7 +2,7 @@
 
 After every ``every_n_steps``-th optimizer step, ``ema = decay * ema + (1 - decay) * w``
 for each parameter, starting from the weights the run began with. The average
-is one ``torch._foreach_lerp_`` over the module's parameters, whatever they are:
+is one fused lerp (``sailfin.compat.torch.lerp_all_``) over the module's parameters, whatever they are:
 plain tensors, parameters DDP keeps equal on every rank (so every rank's
 average is equal too, with no communication), or sharded parameters (each rank
 averages its own shard; ``clone`` and the foreach ops keep the tensor type).
@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
+from ...compat.torch import lerp_all_
 from ...config.loop import EmaArguments
-from ...utils.log import log
+from ...utils.voice import say
 from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
@@ -61,8 +62,8 @@ class WeightAverage(Callback):
             # loaded, or a checkpoint's saved without trainer.ema, not the fresh model's.
             _copy(self.shadow, self._params)
             if trainer.global_step and trainer.dist.is_main:
-                log.info("trainer.ema: the checkpoint holds no average; it starts from the "
-                         "resumed weights at step %d", trainer.global_step)
+                say("trainer.ema: the checkpoint holds no average; it starts from the "
+                    f"resumed weights at step {trainer.global_step}")
 
     # -- the average ---------------------------------------------------------------
     def on_step_end(self, trainer: "RunView") -> None:
@@ -78,7 +79,7 @@ class WeightAverage(Callback):
     def update(self) -> None:
         """ema += (1 - decay) * (w - ema): one fused op over every parameter."""
         if self._lerp_shadow:
-            torch._foreach_lerp_(self._lerp_shadow, self._lerp_params, 1.0 - self.current_decay())
+            lerp_all_(self._lerp_shadow, self._lerp_params, 1.0 - self.current_decay())
         self.updates += 1
 
     # -- using the averaged weights --------------------------------------------------

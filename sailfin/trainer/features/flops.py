@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ...utils.log import log
+from ...utils.voice import say
 
 # Dense peak TFLOP/s of one GPU, from the vendors' datasheets. Datasheets often
 # quote tensor-core figures "with sparsity", twice these. Keys: bf16 / fp16
@@ -110,8 +110,8 @@ class FlopsMeter:
         if total and samples:
             self.flops_per_sample = total / samples
         else:
-            log.info("no FLOPs counted in the first step (no matmul or convolution the "
-                     "counter knows): no tflops/mfu; a recipe can give flops_per_sample")
+            say("no FLOPs counted in the first step (no matmul or convolution the "
+                "counter knows): no tflops/mfu; a recipe can give flops_per_sample")
 
     def abort(self) -> None:
         """Leave the counting mode if an error ended the step inside it."""
@@ -132,7 +132,7 @@ class FlopsMeter:
 
 def build_flops_meter(module: Any, args: Any, world_size: int, device: Any,
                       precision: str, compiled: bool,
-                      say: Callable[[str], None] = log.info) -> FlopsMeter:
+                      say: Callable[[str], None] = say) -> FlopsMeter:
     """The meter ``trainer.count_flops`` and ``trainer.peak_tflops`` ask for."""
     given = recipe_flops_per_sample(module)
     peak = args.peak_tflops or device_peak_tflops(device, precision)

@@ -3,17 +3,15 @@ the progress line and ``sailfin report``), in summary.json, and ``max_epsilon``.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 from ...config.dp import DPArguments
 from ...config.errors import ConfigError
+from ...utils.voice import say
 from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
     from ..core.view import RunView
-
-log = logging.getLogger("sailfin")
 
 
 class PrivacyCallback(Callback):
@@ -40,7 +38,7 @@ class PrivacyCallback(Callback):
         self.backend = trainer.backend
         note = self.backend.begin_segment(remaining_steps(trainer))
         if note and trainer.dist.is_main:
-            log.warning("sailfin: %s", note)
+            say(note, warning=True)
         limit = self.args.max_epsilon
         if limit is None:
             return

@@ -9,12 +9,13 @@ does one counter update; the terminal is redrawn at most twice a second.
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import time
 from typing import IO, TYPE_CHECKING, Any, Optional
 
-from ...logging.stdout import format_value
+from ...logging.stdout import flop_rate, format_value
 from ...logging.writers import Writer
 from ..core.callbacks import Callback
 
@@ -24,6 +25,11 @@ if TYPE_CHECKING:
 BAR_REDRAW_SECONDS = 0.5
 # tqdm's layout without its steps/s (samples/s in the postfix says more); ETA = remaining.
 BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]"
+# The bar keeps this many columns; the values after it are dropped (least needed first)
+# until the line fits the terminal, never cut. SLACK: the clocks may grow a digit or two
+# before the values are fitted again.
+MIN_BAR_COLUMNS = 10
+SLACK_COLUMNS = 4
 _EMA = 0.3  # weight of the newest window in the moving averages
 
 
@@ -53,12 +59,13 @@ def human(value: Optional[float]) -> str:
     return f"{value:.1f}"
 
 
-def flop_rate(tflops: float) -> str:
-    """0.5 -> '500 GFLOP/s'; 312 -> '312 TFLOP/s'."""
-    for unit, scale in (("T", 1.0), ("G", 1e-3), ("M", 1e-6), ("k", 1e-9)):
-        if tflops >= scale:
-            return f"{tflops / scale:.3g} {unit}FLOP/s"
-    return f"{tflops * 1e12:.3g} FLOP/s"
+def terminal_width(stream: Any) -> int:
+    """Columns of the terminal ``stream`` writes to; else ``COLUMNS``; else 80."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        columns = os.environ.get("COLUMNS", "")
+        return int(columns) if columns.isdigit() and int(columns) > 0 else 80
 
 
 def clock(seconds: Optional[float]) -> str:
@@ -145,11 +152,12 @@ class Progress(Writer, Callback):
         if self.mode == "bar":
             from tqdm import tqdm
 
+            stream = self._bar_stream if self._bar_stream is not None else sys.stderr
             self._bar = tqdm(
                 total=total, initial=trainer.global_step, desc=self._epoch_text(trainer),
-                file=self._bar_stream if self._bar_stream is not None else sys.stderr,
-                unit="step", dynamic_ncols=True, mininterval=BAR_REDRAW_SECONDS,
-                smoothing=0.1, leave=True, bar_format=BAR_FORMAT)
+                file=stream, unit="step", ncols=terminal_width(stream),
+                mininterval=BAR_REDRAW_SECONDS, smoothing=0.1, leave=True,
+                bar_format=BAR_FORMAT)
         else:
             out = self._lines()
             out.write(f"[progress] training {total} steps ({args.epochs} epoch(s) of "
@@ -174,14 +182,18 @@ class Progress(Writer, Callback):
         self._epoch_started = time.perf_counter()
         if self._bar is not None:
             self._bar.set_description_str(self._epoch_text(trainer), refresh=False)
+            self._bar.set_postfix_str(self._fitted_values(), refresh=False)
 
     def on_train_end(self, trainer: "RunView") -> None:
+        summary = getattr(trainer, "summary", None)
+        if summary and summary.get("nothing_trained"):  # said once, by the trainer
+            self.close()
+            return
         if self._bar is not None:
             self._bar.close()
             self._bar = None
         else:
             self._print_line(trainer, time.perf_counter())
-        summary = getattr(trainer, "summary", None)
         if summary:
             out = self._lines()
             out.write(summary_text(summary) + "\n")
@@ -201,8 +213,7 @@ class Progress(Writer, Callback):
             self.samples_per_second = rate if self.samples_per_second is None else (
                 _EMA * rate + (1 - _EMA) * self.samples_per_second)
         if self._bar is not None:
-            self._bar.set_postfix_str(
-                self._values_text(self._samples_seen(), time.perf_counter()), refresh=False)
+            self._bar.set_postfix_str(self._fitted_values(), refresh=False)
 
     def close(self) -> None:
         if self._bar is not None:  # training stopped by an error: leave the bar as it was
@@ -225,20 +236,43 @@ class Progress(Writer, Callback):
         elapsed = done + (now - self._epoch_started)
         return (samples_seen - self._start_samples) / elapsed if elapsed > 0 else None
 
-    def _values_text(self, samples_seen: int, now: float) -> str:
+    def _value_parts(self, samples_seen: int, now: float) -> list[tuple[int, str]]:
+        """(rank, text) in display order; the bar drops the highest ranks first. A text
+        starting with a space belongs to the value before it."""
         parts = []
         if self.loss is not None:
-            parts.append(f"loss {format_value(self.loss)}")
+            parts.append((0, f"loss {format_value(self.loss)}"))
         if self.lr is not None:
-            parts.append(f"lr {self.lr:.2e}")
-        parts.append(f"{human(self.samples_per_second)} samples/s "
-                     f"(avg {human(self._average_rate(samples_seen, now))})")
+            parts.append((3, f"lr {self.lr:.2e}"))
+        parts.append((1, f"{human(self.samples_per_second)} samples/s"))
+        parts.append((5, f" (avg {human(self._average_rate(samples_seen, now))})"))
         if self.epsilon is not None:
-            parts.append(f"ε {self.epsilon:.3g}")
+            parts.append((2, f"ε {self.epsilon:.3g}"))
         if self.tflops is not None:
-            parts.append(flop_rate(self.tflops)
-                         + (f" (MFU {100 * self.mfu:.1f}%)" if self.mfu is not None else ""))
-        return ", ".join(parts)
+            parts.append((4, flop_rate(self.tflops)))
+            if self.mfu is not None:
+                parts.append((6, f" (MFU {100 * self.mfu:.1f}%)"))
+        return parts
+
+    def _values_text(self, samples_seen: int, now: float, keep: int = 99) -> str:
+        text = ""
+        for rank, part in self._value_parts(samples_seen, now):
+            if rank <= keep:
+                text += part if part.startswith(" ") or not text else ", " + part
+        return text
+
+    def _fitted_values(self) -> str:
+        """The values that fit the terminal beside the bar (re-read: it may be resized)."""
+        bar = self._bar
+        bar.ncols = width = terminal_width(bar.fp)
+        meter = dict(bar.format_dict, ncols=None, bar_format=BAR_FORMAT.replace("{bar}", ""))
+        samples_seen, now = self._samples_seen(), time.perf_counter()
+        for keep in range(6, -1, -1):
+            text = self._values_text(samples_seen, now, keep)
+            meter["postfix"] = text
+            if len(bar.format_meter(**meter)) + MIN_BAR_COLUMNS + SLACK_COLUMNS <= width:
+                return text
+        return ""
 
     def _print_line(self, trainer: "RunView", now: float) -> None:
         step = trainer.global_step

@@ -24,7 +24,6 @@ end), and the data wait is sampled off the step (:mod:`.phase_sampler`).
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from typing import TYPE_CHECKING, Any, Optional
@@ -33,13 +32,13 @@ from ...checkpoint.metrics_log import last_logged_step
 from ...checkpoint.time_account_file import (COMPONENTS, VERSION, account_path, account_totals,
                                              read_account, run_start_time, set_summary_field,
                                              write_account)
+from ...utils.voice import say
 from ..core.callbacks import Callback
 from .phase_sampler import PhaseSampler
 
 if TYPE_CHECKING:
     from ..core.view import RunView
 
-log = logging.getLogger("sailfin")
 
 _MARKS = 64            # (step, productive seconds) points kept per segment
 _SNAPSHOT_WRITE = 1.0  # seconds between writes when snapshots come every step
@@ -76,7 +75,7 @@ class TimeAccount(Callback):
         if continues:  # resume: auto or a path; never starts a new account
             previous, problem = read_account(self.path)
             if problem:
-                log.warning("time account: %s; starting a new one", problem)
+                say(f"time account: {problem}; starting a new one", warning=True)
             if previous is not None:
                 self.account = previous
             metrics = os.path.join(output_dir, "metrics.jsonl")
@@ -145,6 +144,9 @@ class TimeAccount(Callback):
         self.write(trainer, durable=True)
         totals = self.totals()
         summary = getattr(trainer, "summary", None)
+        if isinstance(summary, dict) and summary.get("nothing_trained"):
+            self._segment = None  # the account has the segment; the finished run's files stay
+            return
         path = os.path.join(trainer.args.output_dir, "summary.json")
         if isinstance(summary, dict) and os.path.exists(path):
             summary["time_account"] = totals

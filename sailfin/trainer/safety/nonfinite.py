@@ -79,11 +79,9 @@ class NonFiniteGuard:
 
     # -- per step ---------------------------------------------------------------------
     def _observe_now(self, loss: torch.Tensor, global_step: int, epoch: int, step: int) -> bool:
-        """True: go on with the optimizer step; False: skip it."""
-        if self._world_size > 1:  # every rank must take the same decision
-            value = self._reduce(loss.detach().clone()).item()
-        else:
-            value = loss.item()  # a host-device sync on accelerators: skip mode only
+        """True: go on with the optimizer step; False: skip it. Several processes: every
+        rank must take the same decision, so the losses are reduced first."""
+        value = self._reduce(loss.detach().clone()).item()
         if math.isfinite(value):
             return True
         self._found(value, global_step, epoch, step, applied=False)

@@ -29,6 +29,7 @@ import torch
 
 from ...distributed.exit_codes import PREEMPTED_EXIT_CODE  # noqa: F401 (the CLI reads it here)
 from ...distributed.launch_notes import TRAINING, leave_note
+from ...utils.voice import say
 
 _NEVER = sys.maxsize
 # torchrun's agent passes a Ctrl-C it received on to its workers, which got the same
@@ -63,8 +64,9 @@ def save_and_stop(trainer: Any) -> None:
 class Preemption:
     """Notes SIGTERM/SIGINT and tells the loop when every rank should stop.
 
-    The loop tests ``global_step >= preemption.check_at`` after each step and
-    calls :meth:`poll` only when that holds.
+    The loop tests ``global_step >= preemption.check_at`` after each step,
+    calls :meth:`poll` only when that holds, and :meth:`save_and_stop` when it says
+    stop.
 
     Example::
 
@@ -133,6 +135,11 @@ class Preemption:
             self.check_at = 0  # the loop stops after the step in progress
 
     # -- the loop's question -------------------------------------------------------------
+    def save_and_stop(self, trainer: Any) -> None:
+        """Every rank: save this step, wait until it is on storage, and raise
+        :class:`TrainingPreempted` (the loop calls it once :meth:`poll` said stop)."""
+        save_and_stop(trainer)
+
     def poll(self, global_step: int) -> bool:
         """True when every rank stops after ``global_step``; with several ranks, one small
         all-reduce, so every rank calls it at the same steps."""
@@ -154,7 +161,6 @@ class Preemption:
         """The signal handler's message, printed from the loop (the handler does no I/O)."""
         where = (f" (step {global_step}: the ranks agree every {self.check_every} steps)"
                  if self.distributed else "")
-        print(f"sailfin: {self.signal_name} received: stopping after this step{where}, "
-              "with a checkpoint" + (" (Ctrl-C again to abort without saving)"
-                                     if self._sigint_at is not None else ""),
-              file=sys.stderr, flush=True)
+        say(f"{self.signal_name} received: stopping after this step{where}, "
+            "with a checkpoint" + (" (Ctrl-C again to abort without saving)"
+                                   if self._sigint_at is not None else ""))

@@ -28,6 +28,8 @@ import socket
 import time
 from typing import IO, Any, Callable, Optional
 
+from ...utils.voice import say
+
 LOCK_NAME = ".sailfin.lock"
 
 
@@ -137,8 +139,6 @@ def take_run_lock(output_dir: str, is_main: bool,
         keep(lock)
     lock.acquire()
     if lock.took_over:
-        from ...checkpoint.checkpointer import say
-
         say(f"took over the lock of {output_dir} from a run that is no longer running "
             f"({_describe(lock.took_over)}); it ended without releasing it (killed?)")
     return lock

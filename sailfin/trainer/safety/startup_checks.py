@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import random
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ import torch
 from ...distributed.watchdog import STARTUP_CHECKS, STARTUP_CHECKS_GATHER
 from ...interfaces import RecipeError
 from ..core.pymarlin_forms import CallbackSignatureError, batch_size, val_epoch_end_caller
+from ...utils.voice import say
 from ..core.validation import merge_outputs
 
 if TYPE_CHECKING:
@@ -54,14 +55,43 @@ def steps_left(trainer: "RunView") -> int:
     return left
 
 
+def nothing_to_train(trainer: "RunView") -> Optional[dict[str, Any]]:
+    """When the run resumed at the end its config asks for (the same command run again, or
+    fewer epochs): what it finished at and the message that says so (rank 0 prints it);
+    None otherwise. The run then trains nothing and writes nothing; ``Trainer.train``
+    returns the finished run's summary with this as ``nothing_trained``, and
+    ``sailfin train`` exits 3 (:data:`~sailfin.distributed.exit_codes.NOTHING_TO_TRAIN_EXIT_CODE`).
+    A restart of a finished job (torchrun ``--max-restarts``, a Slurm requeue) is no such
+    case: the job is done."""
+    if steps_left(trainer) or trainer.resumed_from is None:
+        return None
+    args = trainer.args
+    if trainer.dist.restart_count:
+        if trainer.dist.is_main:
+            say(f"resume: the run in {args.output_dir} had finished at step "
+                f"{trainer.global_step} before this restart; nothing left to train")
+        return None
+    limits = f"trainer.epochs {args.epochs}" + (
+        f", trainer.max_steps {args.max_steps}" if args.max_steps is not None else "")
+    # The limits the run reached: raising only those continues it.
+    reached = [key for key, at_end in (
+        ("trainer.epochs", trainer.epoch >= args.epochs),
+        ("trainer.max_steps", args.max_steps is not None
+         and trainer.global_step >= args.max_steps)) if at_end] or ["trainer.epochs"]
+    message = (
+        f"nothing trained: the run in {args.output_dir} finished at step "
+        f"{trainer.global_step} (epoch {trainer.epoch}; {limits}). To train, use a new "
+        f"trainer.output_dir (e.g. --trainer.output_dir {args.output_dir}-2) for a new run, "
+        f"or raise {' and '.join(reached)} to continue this one")
+    if trainer.dist.is_main:
+        say(message)
+    return {"output_dir": str(args.output_dir), "step": trainer.global_step,
+            "epoch": trainer.epoch, "message": message}
+
+
 def check_schedulers_fit(trainer: "RunView") -> None:
     """Stop now if a scheduler with a fixed length would run out during this run."""
     left = steps_left(trainer)
-    if not left and trainer.resumed_from is not None and trainer.dist.is_main:
-        from ...checkpoint.checkpointer import say
-        say(f"resume: nothing left to train: the checkpoint is at step {trainer.global_step} "
-            f"(epoch {trainer.epoch}), where this run (trainer.epochs {trainer.args.epochs}, "
-            f"trainer.max_steps {trainer.args.max_steps}) ends; raise them to train on")
     for i, scheduler in enumerate(trainer.schedulers):
         total = getattr(scheduler, "total_steps", None)
         done = getattr(scheduler, "last_epoch", None)

@@ -33,6 +33,21 @@ def test_shard_a_tree_grouped_by_basename(tmp_path, capsys):
     assert got[0]["txt"] == "sample 1" and got[0]["cls"] == 1
 
 
+def test_writing_shards_says_how_many_and_how_fast(tmp_path, capsys, monkeypatch):
+    from sailfin.utils import progress_line
+
+    monkeypatch.setattr(progress_line, "REPORT_SECONDS", 0.0)  # a line per shard written
+    make_tree(tmp_path / "src")
+    out = tmp_path / "out"
+    assert main(["shard", str(tmp_path / "src"), str(out), "--samples-per-shard", "3"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    said = [line for line in err if line.startswith(f"sailfin: writing shards into {out}: ")]
+    assert [line.split(": ", 2)[2].split(" samples")[0] for line in said] == [
+        "3 of 7", "6 of 7", "7 of 7", "7"]
+    assert "(43%), 1 shard(s), " in said[0] and said[0].endswith(" samples/s")
+    assert ", 3 shard(s), " in said[-1] and said[-1].endswith(" s")
+
+
 def test_parallel_and_shuffled_sharding(tmp_path, capsys):
     make_tree(tmp_path / "src", n=20)
     one, two = tmp_path / "one", tmp_path / "two"
@@ -51,7 +66,8 @@ def test_shard_refuses_to_mix_with_existing_shards(tmp_path, capsys):
     out = str(tmp_path / "out")
     assert main(["shard", str(tmp_path / "src"), out]) == 0
     assert main(["shard", str(tmp_path / "src"), out]) == 2
-    assert "--overwrite" in capsys.readouterr().err
+    err = capsys.readouterr().err  # 1 shard and its index: counted as 1 shard, not 2
+    assert f"{out} already holds 1 'shard' shard(s) and 1 index(es); pass --overwrite" in err
     assert main(["shard", str(tmp_path / "src"), out, "--overwrite",
                  "--samples-per-shard", "2"]) == 0
     assert len([n for n in os.listdir(out) if n.endswith(".tar")]) == 4

@@ -1,0 +1,139 @@
+"""The base of the strategies that run one process per device in a process group.
+
+:class:`ParallelStrategy` is the single-device strategy plus what every such strategy
+shares: it joins the process group (and leaves it at teardown), sets the CPU threads of
+each process, and makes the collectives real. The DDP and FSDP strategies are its two
+children, each with its own wrapper: ``DistributedDataParallel`` (:mod:`.ddp`) or
+FSDP2 units (:mod:`.fsdp`).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config.distributed import DistArguments
+from ..config.errors import ConfigError
+from ..distributed import DistEnv
+from ..distributed.collectives import all_reduce_mean, gather_outputs
+from ..distributed.process_group import (comm_backend_for, destroy_process_group,
+                                         init_process_group, launch_hint)
+from ..utils.voice import say
+from .precision import Precision
+from .strategy import Execution, SingleDevice
+
+
+class ParallelStrategy(SingleDevice):
+    """One process per device, ``dist.world_size`` of them, in one process group.
+
+    A child supplies :meth:`wrap` (and what its wrapper changes); this class joins the
+    group in :meth:`setup` before the module is placed, and leaves it in
+    :meth:`teardown` if it created it.
+
+    Example (every process runs this; torchrun starts them)::
+
+        backend = DDPStrategy(Precision(), torch.device("cpu"), DistEnv.from_environ())
+        backend.setup(module)        # joins the group; rank 0's weights go everywhere
+        backend.all_reduce_mean(loss)
+    """
+
+    needs_launcher = True  # whether a process started alone is refused
+
+    def __init__(self, precision: Precision, device: torch.device,
+                 dist_env: Optional[DistEnv] = None,
+                 options: Optional[DistArguments] = None,
+                 execution: Optional[Execution] = None) -> None:
+        super().__init__(precision, device, dist_env, execution)
+        self.options = options or DistArguments()
+        if not self.dist.launched and self.needs_launcher:
+            raise ConfigError(
+                f"trainer.backend '{self.strategy}' runs one process per device, started by a "
+                "launcher; "
+                f"this process was started alone. Run:\n    {launch_hint()}\n(or set "
+                "trainer.distributed for a launcher sailfin does not detect)")
+        self.comm_backend = comm_backend_for(device, self.options.comm_backend)
+        self._owns_group = False
+
+    # -- set-up ----------------------------------------------------------------------
+    def setup(self, module: torch.nn.Module) -> None:
+        self._set_threads()
+        self._owns_group = self.join_group()
+        super().setup(module)
+
+    def join_group(self) -> bool:
+        """Join the launcher's process group; True if this call created it."""
+        return init_process_group(self.dist, self.device, self.comm_backend,
+                                  self.options.timeout_seconds)
+
+    def _set_threads(self) -> None:
+        """One process per core slice: oversubscribed CPU threads cost more than they give."""
+        if self.device.type != "cpu":
+            return
+        threads = self.options.threads_per_process
+        source = "trainer.distributed.threads_per_process"
+        if threads is None and "OMP_NUM_THREADS" in os.environ:
+            if self.dist.is_main:
+                say(f"{self.strategy.upper()} on CPU: {torch.get_num_threads()} intra-op "
+                    f"thread(s) per process (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})")
+            return
+        if threads is None:
+            threads = max(1, (os.cpu_count() or 1) // self.dist.local_world_size)
+            source = f"{os.cpu_count()} cores / {self.dist.local_world_size} local processes"
+        torch.set_num_threads(threads)
+        if self.dist.is_main:
+            say(f"{self.strategy.upper()} on CPU: {threads} intra-op thread(s) per process "
+                f"({source})")
+
+    def teardown(self) -> None:
+        if self._owns_group:
+            # The wrapper holds the process group: drop it first (a child drops its own
+            # references before calling this), so that the group is destroyed now, while
+            # the interpreter is whole, not during exit.
+            self.runner = self._run = None
+            destroy_process_group()
+            gc.collect()
+            self._owns_group = False
+
+    # -- collectives -------------------------------------------------------------------
+    def _collective_device(self) -> torch.device:
+        return self.device if self.comm_backend == "nccl" else torch.device("cpu")
+
+    def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        return all_reduce_mean(tensor, self.dist.world_size)
+
+    def gather_outputs(self, outputs: dict[str, Any]) -> dict[str, Any]:
+        return gather_outputs(outputs, self.dist.rank, self.dist.world_size,
+                              self._collective_device())
+
+    def barrier(self) -> None:
+        if self.comm_backend == "nccl":
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    def gather_scalars(self, values: torch.Tensor) -> torch.Tensor:
+        device = self._collective_device()
+        local = values.detach().reshape(-1).to(device)
+        out = torch.empty(self.dist.world_size * local.numel(), dtype=local.dtype,
+                          device=device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, local)  # all_gather_single: the newer name (the old one warns)
+        return out.view(self.dist.world_size, -1)
+
+    def agree_min(self, value: int) -> int:
+        flag = torch.tensor([value], dtype=torch.int64, device=self._collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return int(flag.item())
+
+    def group_store(self) -> Optional[Any]:
+        from ..compat.torch import default_store
+        return default_store()
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]

@@ -1,0 +1,172 @@
+"""One checkpoint format on every backend: DCP for the model and optimizers, which torch
+opens alone; one checksum whatever the machine has installed; the previous release's
+pickled sp checkpoints still resume exactly."""
+
+import importlib
+import json
+import shutil
+import subprocess
+import sys
+import types
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sailfin import Trainer
+from sailfin.checkpoint import shard_checksums
+from tests.checkpoint.helpers import Crash, CrashAt, assert_same_params, params
+from tests.recipes import IdData, LinearRecipe, args
+
+FIXTURE = Path(__file__).parent / "fixtures" / "previous-format"
+CKPT = {"every_n_steps": 3, "keep_last": 1}
+
+# Run in a process that never imports sailfin: torch's own converter, then the weights out.
+TORCH_ALONE = """
+import sys, torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+dcp_to_torch_save(sys.argv[1], sys.argv[2])
+assert not any(m.split('.')[0] == 'sailfin' for m in sys.modules), 'sailfin was imported'
+state = torch.load(sys.argv[2], weights_only=True)
+print(sorted(state))
+"""
+
+
+def convert_with_torch_alone(shards: Path, out: Path) -> dict:
+    """``shards`` (a checkpoint's DCP directory) as one torch.save file, by torch alone."""
+    done = subprocess.run([sys.executable, "-c", TORCH_ALONE, str(shards), str(out)],
+                          capture_output=True, text=True, timeout=300, cwd="/")
+    assert done.returncode == 0, done.stderr[-2000:]
+    return torch.load(out, weights_only=True)
+
+
+def recipe():
+    return LinearRecipe(IdData(47, 9), dropout=0.3, momentum=0.9)
+
+
+def test_an_sp_checkpoint_opens_with_torch_alone(tmp_path):
+    module = recipe()
+    Trainer(module, args(tmp_path, epochs=2, checkpoint={**CKPT, "at_epoch_end": True})).train()
+    ckpt = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text().strip()
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert set(manifest["files"]) == {"trainer.pt", "rng-rank00000.pt"}  # no model.pt
+    assert manifest["sharded"]["keys"] == ["module", "optimizers"]
+    assert all(set(e) == {"size", "crc32"} for e in manifest["sharded"]["files"].values())
+    state = convert_with_torch_alone(ckpt / "shards", tmp_path / "converted.pt")
+    final = load_file(str(tmp_path / "final" / "model.safetensors"))
+    assert sorted(state["module"]) == sorted(final)
+    for name, value in final.items():
+        assert torch.equal(state["module"][name], value), name
+    # The optimizer state under parameter names: momentum buffers of the trained run.
+    momentum = state["optimizers"]["0"]["state"]["linear.weight"]["momentum_buffer"]
+    assert torch.is_tensor(momentum) and momentum.abs().sum() > 0
+
+
+def test_a_checkpoint_of_the_previous_format_resumes_exactly(tmp_path):
+    """The fixture (model.pt, trainer.pt: written by the previous release, see its
+    make_fixture.py) resumes to the weights of the run never interrupted."""
+    ref = recipe()
+    Trainer(ref, args(tmp_path / "ref", epochs=2, checkpoint=CKPT)).train()
+    out = tmp_path / "run"
+    shutil.copytree(FIXTURE, out / "checkpoints", ignore=shutil.ignore_patterns("*.py"))
+    assert (out / "checkpoints" / "step-00000006" / "model.pt").is_file()
+    module = recipe()
+    trainer = Trainer(module, args(out, epochs=2, checkpoint=CKPT))
+    trainer.train()
+    assert trainer.resumed_from.name == "step-00000006"
+    assert_same_params(params(ref), params(module))
+    # Its next save is in the one format.
+    newest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    assert (newest / "shards" / ".metadata").is_file() and not (newest / "model.pt").exists()
+
+
+def fake_crc32c() -> types.ModuleType:
+    """A stand-in for google-crc32c (a dependency of gcsfs): an older sailfin switched its
+    checksums to CRC-32C whenever such a package could be imported."""
+    module = types.ModuleType("google_crc32c")
+    module.extend = lambda crc, data: zlib.crc32(data, crc ^ 0x5A5A5A5A) ^ 0x5A5A5A5A
+    return module
+
+
+def test_a_checkpoint_saved_with_crc32c_importable_resumes_without_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "google_crc32c", fake_crc32c())
+    importlib.reload(shard_checksums)  # whatever it would pick at import, with the package
+    try:
+        Trainer(recipe(), args(tmp_path, epochs=2, checkpoint=CKPT),
+                callbacks=[CrashAt(8)]).train()
+    except Crash:
+        pass
+    monkeypatch.delitem(sys.modules, "google_crc32c")
+    importlib.reload(shard_checksums)
+    manifest = json.loads((tmp_path / "checkpoints" / "step-00000006" / "manifest.json")
+                          .read_text())
+    assert all("crc32" in e and "crc32c" not in e for e in manifest["sharded"]["files"].values())
+    trainer = Trainer(recipe(), args(tmp_path, epochs=2, checkpoint=CKPT))
+    trainer.train()
+    assert trainer.resumed_from.name == "step-00000006"  # the newest, not a fallback
+
+
+class FrozenBase(LinearRecipe):
+    """A frozen 'base' (a wide projection) under a small head that trains: the shape of a
+    parameter-efficient fine-tune. ``base_seed`` picks the base's weights."""
+
+    checkpoint_frozen_params = False
+
+    def __init__(self, data, base_seed: int = 1, **kw):
+        super().__init__(data, **kw)
+        self.base = torch.nn.Linear(4, 4)
+        with torch.no_grad():
+            self.base.weight.copy_(torch.randn(4, 4, generator=torch.Generator().manual_seed(
+                base_seed)))
+        self.base.requires_grad_(False)
+
+    def forward(self, x):
+        return super().forward(self.base(x))
+
+    def get_optimizers_schedulers(self, estimated_global_steps_per_epoch, epochs):
+        opt = torch.optim.SGD([p for p in self.parameters() if p.requires_grad],
+                              lr=self.lr, momentum=self.momentum)
+        return [opt], []
+
+
+def frozen_run(out, crash_at=None, **kw):
+    module = FrozenBase(IdData(47, 9), dropout=0.3, momentum=0.9, **kw)
+    trainer = Trainer(module, args(out, epochs=2, checkpoint=CKPT),
+                      callbacks=[CrashAt(crash_at)] if crash_at else [])
+    try:
+        trainer.train()
+    except Crash:
+        pass
+    return module, trainer
+
+
+def test_a_checkpoint_without_the_frozen_base_resumes_exactly_and_only_onto_it(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from sailfin.checkpoint import CheckpointError
+
+    ref, _ = frozen_run(tmp_path / "ref")
+    frozen_run(tmp_path / "run", crash_at=8)
+    shards = tmp_path / "run" / "checkpoints" / "step-00000006" / "shards"
+    names = set(dcp.FileSystemReader(str(shards)).read_metadata().state_dict_metadata)
+    assert {"module.linear.weight", "module.linear.bias"} <= names
+    assert not any(n.startswith("module.base.") for n in names)  # the base stays out
+    with pytest.raises(CheckpointError, match="another frozen base: frozen parameter "
+                                              "base.weight differs"):
+        frozen_run(tmp_path / "run", base_seed=2)
+    module, trainer = frozen_run(tmp_path / "run")
+    assert trainer.resumed_from.name == "step-00000006"
+    assert_same_params(params(ref), params(module))
+
+
+def test_a_checkpoint_of_the_previous_format_serves_as_init_from(tmp_path):
+    saved = torch.load(FIXTURE / "step-00000006" / "model.pt", weights_only=True)
+    module = recipe()
+    trainer = Trainer(module, args(tmp_path, epochs=1, max_steps=1,
+                                   init_from=str(FIXTURE / "step-00000006")))
+    trainer.setup()
+    for name, value in saved.items():
+        assert torch.equal(module.state_dict()[name], value), name
+    trainer.close()

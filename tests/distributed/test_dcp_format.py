@@ -1,0 +1,48 @@
+"""One checkpoint format on 2 processes: the newest checkpoint of a ddp and of an fsdp run
+is a DCP directory that torch alone (no sailfin imported) turns into the final weights,
+each tensor once (ddp's replicated state is written by one rank, not by both)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.checkpoint.test_dcp_format import convert_with_torch_alone
+from tests.distributed.test_ddp import ddp
+
+pytestmark = pytest.mark.slow
+
+DATA = {"n_train": 103, "n_val": 0}
+TRAINER = {"epochs": 2, "train_batch_size": 12, "micro_batch_size": 3,
+           "checkpoint": {"at_epoch_end": True}}
+RECIPE = {"momentum": 0.9, "hidden": 32}
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+def test_the_newest_checkpoint_converts_with_torch_alone(tmp_path, backend):
+    ddp(tmp_path, DATA, {**TRAINER, "backend": backend}, RECIPE, kind="wide")
+    run = tmp_path / "ddp" / "run"
+    newest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and "model.pt" not in manifest["files"]
+    state = convert_with_torch_alone(newest / "shards", tmp_path / "converted.pt")
+    final = load_file(str(run / "final" / "model.safetensors"))
+    assert sorted(state["module"]) == sorted(final)
+    for name, value in final.items():
+        assert torch.equal(state["module"][name], value), name
+    # Every parameter's momentum, whole, under its name.
+    momentum = state["optimizers"]["0"]["state"]
+    assert {f"{n}" for n in momentum} == set(final)
+    for name, value in final.items():
+        assert momentum[name]["momentum_buffer"].shape == value.shape
+    # Each item is written once: the data files hold exactly the bytes DCP's index points
+    # at (ddp's replicated tensors written by both ranks would leave twice as many).
+    import torch.distributed.checkpoint as dcp
+
+    indexed = dcp.FileSystemReader(str(newest / "shards")).read_metadata().storage_data
+    written = sum(entry["size"] for name, entry in manifest["sharded"]["files"].items()
+                  if name.endswith(".distcp"))
+    assert sum(info.length for info in indexed.values()) == written

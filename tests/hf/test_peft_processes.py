@@ -1,0 +1,54 @@
+"""LoRA on 2 gloo processes: fsdp (frozen base and adapters in the same units) ends
+within 1e-4 of ddp; fsdp-dp with LoRA (Opacus's FSDP ghost clipping) trains the adapters
+and leaves the frozen base as built."""
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.distributed.harness import errors, run_ranks
+from tests.hf.fsdp_worker import lora_rank
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytestmark = pytest.mark.slow  # about a minute each on 2 busy cores
+
+TRAINER = dict(max_steps=3, train_batch_size=8, micro_batch_size=2)
+
+
+def run(backend, data_dir, out, **trainer):
+    out.mkdir()
+    codes = run_ranks(lora_rank, 2, out, timeout=240, task="causal_lm", data_dir=data_dir,
+                      backend=backend, trainer={**TRAINER, **trainer})
+    assert codes == [0, 0], errors(out)
+    return load_file(str(out / "run" / "final" / "model.safetensors"))
+
+
+def test_fsdp_with_lora_ends_within_1e_4_of_ddp_with_lora(data_dir, tmp_path):
+    ddp = run("ddp", data_dir, tmp_path / "ddp")
+    fsdp = run("fsdp", data_dir, tmp_path / "fsdp")
+    assert ddp.keys() == fsdp.keys()
+    lora = [k for k in ddp if "lora_" in k]
+    assert lora
+    for key, value in ddp.items():
+        assert (fsdp[key] - value).abs().max().item() <= 1e-4, key
+    # The adapters trained (lora_B starts at zero).
+    assert any(ddp[k].abs().max() > 0 for k in lora if "lora_B" in k)
+
+
+def test_fsdp_dp_with_lora_noises_only_the_adapters(data_dir, tmp_path):
+    """DP-LoRA on a sharded base: Opacus's FSDP ghost clipping on the trainable
+    parameters (train_step returns each sample's loss); the frozen base stays as built."""
+    final = run("fsdp-dp", data_dir, tmp_path / "dp",
+                dp={"noise_multiplier": 1.0, "delta": 1e-3, "clipping": "ghost"})
+    from sailfin import seed_everything
+    from tests.hf.helpers import NO_DROPOUT, module
+
+    seed_everything(0)  # as each rank built it
+    built = module("causal_lm", data_dir, config_kw=NO_DROPOUT["causal_lm"],
+                   peft={"r": 4, "lora_alpha": 8, "lora_dropout": 0.0})
+    start = built.state_dict()
+    lora = [k for k in final if "lora_B" in k]
+    assert lora and all(final[k].abs().max() > 0 for k in lora)  # noised and stepped
+    for key, value in final.items():
+        if "lora_" not in key:  # the frozen base: the weights every run starts from
+            assert (value == start[key]).all(), key
