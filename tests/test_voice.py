@@ -85,7 +85,7 @@ def test_only_a_shard_error_is_said_by_a_rank_other_than_0(capsys, monkeypatch):
 
 # Modules that write lines of their own, and why; everything else speaks through voice.
 OWN_LINES = {
-    "cli.py", "shard_cli.py", "report.py", "launch.py",  # commands: their result (stdout)
+    "cli.py", "shard_cli.py", "report.py", "launch.py", "__main__.py",  # commands: their result (stdout)
     #                                                      and the error they end on
     "utils/voice.py",
     # issue 43 (the state layer) moves these two to sailfin.utils.voice:

@@ -6,20 +6,19 @@ The trainer owns the loop and calls these methods; a strategy never loops.
 from __future__ import annotations
 
 import contextlib
-import logging
 from dataclasses import dataclass
 from typing import Any, ContextManager, Iterable, Optional
 
 import torch
 
 from ..distributed import DistEnv
+from ..utils.voice import say
 from .checkpointing import apply_activation_checkpointing
 from .compile import compile_in_place, explain_failures
 from .precision import Precision
 from .state import optimizer_state_is_named
 
 _NULL = contextlib.nullcontext()
-log = logging.getLogger("sailfin")
 
 
 @dataclass(frozen=True)
@@ -118,8 +117,9 @@ class SingleDevice:
         """``trainer.distributed.sync_batchnorm``: one process's BatchNorm sees the whole
         batch already."""
         if self.dist.is_main:
-            log.warning("trainer.distributed.sync_batchnorm: true changes nothing on a single "
-                        "process (sp): its BatchNorm statistics are the whole batch's already")
+            say("trainer.distributed.sync_batchnorm: true changes nothing on a single "
+                "process (sp): its BatchNorm statistics are the whole batch's already",
+                warning=True)
 
     def sync_buffers(self, module: torch.nn.Module) -> None:
         """Make every rank's buffers (BatchNorm statistics) rank 0's, before validation:
