@@ -41,7 +41,7 @@ def test_apex_name_prints_one_line_notice(capsys):
 
 def test_wrong_names_and_combinations_are_config_errors():
     with pytest.raises(ConfigError, match=r"'sp-ampp' \(did you mean 'sp-amp'\?\).*valid "
-                                          r"backends: sp, ") as info:
+                                          r"backends: auto, sp, ") as info:
         build_backend(TrainerArguments(backend="sp-ampp"), DistEnv())
     assert all(name in str(info.value) for name in ALIASES)
     with pytest.raises(ConfigError, match="amp_dtype is float16 but trainer.backend sp runs "
