@@ -38,19 +38,6 @@ class DDPStrategy(ParallelStrategy):
     strategy = "ddp"
     ddp: Optional[DistributedDataParallel] = None
 
-    def convert_batchnorm(self, module: torch.nn.Module) -> None:
-        """``trainer.distributed.sync_batchnorm``: BatchNorm layers become SyncBatchNorm, in place (the
-        same parameters and buffers), before the module is placed and wrapped."""
-        converted = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
-        if converted is not module:  # the recipe is a ModuleInterface, never a BatchNorm
-            raise ConfigError("trainer.distributed.sync_batchnorm: the recipe itself is a BatchNorm layer")
-
-    def sync_buffers(self, module: torch.nn.Module) -> None:
-        # Each rank's forwards updated its own running statistics; validation and the
-        # saved model must use the same ones: rank 0's, as DDP's broadcast_buffers does.
-        for buffer in module.buffers():
-            dist.broadcast(buffer.data, src=0)
-
     def wrap(self, runner: StepRunner) -> torch.nn.Module:
         # Construction broadcasts rank 0's parameters and buffers: every rank
         # starts from the same weights whatever its own initialisation was.

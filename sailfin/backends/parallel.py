@@ -88,6 +88,20 @@ class ParallelStrategy(SingleDevice):
             say(f"{self.strategy.upper()} on CPU: {threads} intra-op thread(s) per process "
                 f"({source})")
 
+    def convert_batchnorm(self, module: torch.nn.Module) -> None:
+        """``trainer.distributed.sync_batchnorm``: BatchNorm layers become SyncBatchNorm, in place (the
+        same parameters and buffers), before the module is placed and wrapped."""
+        converted = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
+        if converted is not module:  # the recipe is a ModuleInterface, never a BatchNorm
+            raise ConfigError("trainer.distributed.sync_batchnorm: the recipe itself is a BatchNorm layer")
+
+    def sync_buffers(self, module: torch.nn.Module) -> None:
+        # Each rank's forwards updated its own running statistics; validation and the
+        # saved model must use the same ones: rank 0's, as DDP's broadcast_buffers does
+        # (ddp and fsdp alike: fsdp does not shard buffers).
+        for buffer in module.buffers():
+            dist.broadcast(buffer.data, src=0)
+
     def teardown(self) -> None:
         if self._owns_group:
             # The wrapper holds the process group: drop it first (a child drops its own
