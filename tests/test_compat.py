@@ -40,9 +40,9 @@ MODULES = sorted(p.stem for p in COMPAT.glob("*.py") if p.stem != "__init__")
 
 # Modules the scan skips for now, each with why.
 NOT_SCANNED = {
-    # issue 43 replaces both (the state layer on torch.distributed.checkpoint):
-    # torch.distributed.tensor._utils, OrderedDict._metadata of a state dict.
-    "checkpoint/weights.py", "checkpoint/serialize.py",
+    # issue 43 replaces it (the state layer on torch.distributed.checkpoint):
+    # OrderedDict._metadata of a state dict.
+    "checkpoint/serialize.py",
 }
 
 

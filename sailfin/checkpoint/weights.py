@@ -91,10 +91,9 @@ def local_index(tensor: Any) -> Optional[tuple[slice, ...]]:
     """The block of the full tensor a DTensor holds on this rank; None for a plain tensor."""
     if not (hasattr(tensor, "device_mesh") and hasattr(tensor, "to_local")):
         return None
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from ..compat.torch import local_shape_and_offset
 
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
-                                                          tensor.placements)
+    shape, offset = local_shape_and_offset(tensor)
     return tuple(slice(o, o + s) for o, s in zip(offset, shape))
 
 

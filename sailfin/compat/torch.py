@@ -26,6 +26,7 @@ PRIVATE = (
     "torch._foreach_lerp_",
     "torch.distributed.distributed_c10d._get_default_store",
     "torch._dynamo.exc.TorchDynamoException",
+    "torch.distributed.tensor._utils.compute_local_shape_and_global_offset",
 )
 """The dotted names sailfin reads; :func:`missing` checks each."""
 
@@ -87,6 +88,18 @@ def compiler_error() -> type:
     from torch._dynamo.exc import TorchDynamoException
 
     return TorchDynamoException
+
+
+def local_shape_and_offset(tensor: Any) -> tuple[Any, Any]:
+    """(shape, offset) of the block of the full tensor a DTensor holds on this rank.
+
+    Private module: ``torch.distributed.tensor._utils``; DTensor has no public call that
+    gives the global offset of its local block (``init_from`` reads exactly that block).
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
+                                                 tensor.placements)
 
 
 def fsspec_writer() -> type:
