@@ -232,6 +232,24 @@ def _user_error(message: str, here: bool = False) -> None:
         rank = 0
     if rank == 0 or here:
         line(message)
+    elif "TORCHELASTIC_RUN_ID" in os.environ:
+        _leave_it_to_rank_0(message, rank)
+
+
+def _leave_it_to_rank_0(message: str, rank: int, grace_s: float = 20.0) -> None:
+    """Under torchrun, a rank that exits first has the agent stop rank 0 (SIGTERM) before
+    rank 0 prints the error they share: wait for rank 0 to print it and exit, which has
+    the agent stop this rank, quietly. A rank 0 that has not said it in ``grace_s``
+    (slower to start, or it met no error) leaves it to this rank."""
+    import signal
+    import time
+
+    def stopped(*_):
+        raise SystemExit(2)
+
+    signal.signal(signal.SIGTERM, stopped)
+    time.sleep(grace_s)
+    line(f"sailfin[rank {rank}]: {message.removeprefix('sailfin: ')}")
 
 
 def _user_error_code(exc: BaseException) -> Optional[int]:

@@ -140,9 +140,10 @@ class ShardedWriter:
         self.wait()
         path = self.storage.join(staging, SHARDS)
         if not dist.is_initialized() or dist.get_rank() == 0:
-            # Shards of a killed save of this step (perhaps on more ranks) go first. No rank
-            # writes before every rank entered dcp.save (its planning is a collective).
+            # Shards of a killed save of this step (perhaps on more ranks) go first.
             self.storage.remove_tree(path)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()  # no rank makes the folder while rank 0 still removes the old one
         self.storage.makedirs(path)
         self._keys, self._staging = sorted(state), staging
         self._writer_used = writer = self._writer(path)
