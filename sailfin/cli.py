@@ -237,10 +237,9 @@ def _user_error(message: str, here: bool = False) -> None:
 
 
 def _leave_it_to_rank_0(message: str, rank: int, grace_s: float = 20.0) -> None:
-    """Under torchrun, a rank that exits first has the agent stop rank 0 (SIGTERM) before
-    rank 0 prints the error they share: wait for rank 0 to print it and exit, which has
-    the agent stop this rank, quietly. A rank 0 that has not said it in ``grace_s``
-    (slower to start, or it met no error) leaves it to this rank."""
+    """Under torchrun, a rank that exits first has the agent stop rank 0 before it prints
+    the error they share: wait for rank 0 to print it and exit (the agent then stops
+    this rank, quietly); if it has not in ``grace_s``, this rank says it."""
     import signal
     import time
 
@@ -364,8 +363,12 @@ def main(argv: Optional[Sequence[str]] = None, own_process: bool = False) -> int
     if args.command == "clean":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        from .checkpoint.memory_dirs import clean_command
-        return clean_command(args.output_dir)
+        from .checkpoint.memory_dirs import clean
+        removed = clean(args.output_dir)  # the command's result:
+        print("".join(f"removed {path}\n" for path in removed)
+              + f"sailfin clean: {len(removed)} memory snapshot director"
+              f"{'y' if len(removed) == 1 else 'ies'} of {args.output_dir} removed")
+        return 0
     try:
         if args.command == "train":
             # User errors end inside the recorded call: torchrun reports no traceback.

@@ -88,8 +88,6 @@ OWN_LINES = {
     "cli.py", "shard_cli.py", "report.py", "launch.py", "__main__.py",  # commands: their result (stdout)
     #                                                      and the error they end on
     "utils/voice.py",
-    # issue 43 (the state layer) moves these two to sailfin.utils.voice:
-    "checkpoint/layout.py", "checkpoint/memory_dirs.py",
 }
 # Python's warnings, for what they are for (sailfin/utils/voice.py says which).
 WARNS = {"trainer/core/loaders.py",     # the user's loader: persistent_workers with set_epoch

@@ -28,9 +28,10 @@ from ..config.checkpoint import CheckpointArguments
 from ..distributed import DistEnv
 from . import manifest as manifests
 from .errors import CheckpointCorrupt, CheckpointError
-from .layout import _STEP, DirectoryLayout, say
+from ..utils.voice import say
+from .layout import _STEP, DirectoryLayout
 from .reading import read_checked
-from .serialize import FileEntry, StagingBuffers, load_object, save_object
+from .serialize import FileEntry, cpu_copy, load_object, save_object
 from .sharded import SHARDS, ShardedRef, ShardedWriter, locate_shards
 from .storage import Storage, open_storage
 
@@ -152,7 +153,6 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
                 "set trainer.checkpoint.dir (or trainer.output_dir) to another place")
         self._executor: Optional[ThreadPoolExecutor] = None
         self._pending: Optional[tuple[int, Future]] = None
-        self._staging = StagingBuffers()  # async saves: CPU copies, reused from save to save
         self.shards = ShardedWriter(self.storage, args.storage_options)
         self.writes_shards = True  # Snapshot.sharded is written, with DCP
 
@@ -176,10 +176,11 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
         if not self.dist.is_main:
             return
         if background:
-            # Copy now (the next optimizer step changes the tensors), write in the background:
-            # the copy into reused (pinned) CPU buffers is all the step waits for.
+            # Copy now (the next step changes the state), write in the background. The model,
+            # optimizers and callbacks' tensors are DCP's, staged by its stager: what is
+            # left here is small (counters, schedulers, the scaler).
             snapshot = Snapshot(snapshot.step, dict(snapshot.facts),
-                                self._staging.copy(snapshot.shared), snapshot.rank_state,
+                                cpu_copy(snapshot.shared), snapshot.rank_state,
                                 snapshot.is_best)
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="sailfin-checkpoint")
@@ -191,7 +192,6 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
 
     def _write_in_background(self, name: str, staging: str, snapshot: Snapshot,
                              own_path: str) -> None:
-        self._staging.ready()  # CUDA copies complete in CPU memory
         own = self.write_file(own_path, snapshot.rank_state)
         self._write_and_commit(name, staging, snapshot, own)
 
@@ -220,7 +220,7 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
             except FileNotFoundError:
                 say(f"rank {rank}'s random state {self.storage.display(path)} is not visible "
                     "from rank 0; put trainer.checkpoint.dir on storage every node shares. "
-                    f"On resume, rank {rank} derives new random streams")
+                    f"On resume, rank {rank} derives new random streams", warning=True)
                 continue
             entries[self.rank_file(rank)] = FileEntry.of(data)
         return entries
@@ -271,7 +271,6 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
-            self._staging.release()
             self.shards.close()
 
     # -- loading -------------------------------------------------------------------

@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 import re
 import stat
-import sys
 from typing import Any, Optional
 
 from . import manifest as manifests
 from .errors import CheckpointCorrupt, CheckpointError
+from ..utils.voice import say
 from .reading import read_checked
 
 _STEP = re.compile(r"^step-(\d+)$")
@@ -23,10 +23,6 @@ _LEFTOVER = re.compile(r"^\.(?:tmp|old)-step-(\d+)")
 _RENAMED = re.compile(r"^\.(tmp|old)-(step-\d+)$")
 _POINTER_TMP = re.compile(r"^(?:latest|best)\.tmp-\d+$")
 _POINTER_BYTES = 4096  # "step-00000120\n"; anything larger is not a pointer
-
-
-def say(message: str) -> None:
-    print(f"sailfin: {message}", file=sys.stderr, flush=True)
 
 
 class DirectoryLayout:
@@ -79,7 +75,7 @@ class DirectoryLayout:
         if entry not in said:
             said.add(entry)
             say(f"checkpoint {local} is a symbolic link (to {os.readlink(local)}), not a "
-                "checkpoint sailfin saved here: it is not resumed; remove it")
+                "checkpoint sailfin saved here: it is not resumed; remove it", warning=True)
         return True
 
     def pointer(self, which: str) -> Optional[str]:
@@ -168,7 +164,7 @@ class DirectoryLayout:
             else:
                 continue  # an oversized regular file: ignored, replaced by the next save
             say(f"removed {path}: it was not the pointer file sailfin writes; the "
-                f"{which} checkpoint is found from the step-* directories")
+                f"{which} checkpoint is found from the step-* directories", warning=True)
 
     def _catch_up_latest(self) -> None:
         complete = self.complete()

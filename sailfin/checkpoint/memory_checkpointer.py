@@ -17,7 +17,8 @@ from ..config.trainer import TrainerArguments
 from ..distributed import DistEnv
 from ..logging.destination import check_directory
 from . import memory_dirs
-from .checkpointer import Checkpointer, Loaded, say
+from ..utils.voice import say
+from .checkpointer import Checkpointer, Loaded
 from .errors import CheckpointError
 from .memory import MemoryStore
 from . import memory_transfer
@@ -91,8 +92,8 @@ class MemoryFirstCheckpointer(Checkpointer):
         verdict = (memory_dirs.check_root(store.root, store.run, self.output_dir)
                    if self.local_rank == 0 else (None, []))
         verdicts = store.peers.all_gather(verdict)  # before any rank claims the directory
-        for line in verdict[1]:
-            say(line)
+        for line in verdict[1]:  # each node's own: said there
+            say(line, warning=True)
         refused = next((error for error, _ in verdicts if error), None)
         if refused:
             raise CheckpointError(refused)
@@ -102,7 +103,8 @@ class MemoryFirstCheckpointer(Checkpointer):
             memory_dirs.record_root(self.output_dir, self.node, store.root)
             parent = os.path.dirname(store.root)
             for path in memory_dirs.remove_leftovers(parent, keep=store.root):
-                say(f"removed the memory snapshots of a run that is gone: {path}")
+                say(f"removed the memory snapshots of a run that is gone: {path}",
+                    warning=True)
         # resume: never (or a path) starts elsewhere; this run's snapshots go at its start.
         self._agreed = self._agree() if self.resume == "auto" else {}
 

@@ -243,13 +243,3 @@ def clean(output_dir: str) -> list[str]:
             shutil.rmtree(root, ignore_errors=True)
             removed.append(root)
     return removed
-
-
-def clean_command(output_dir: str) -> int:
-    """``sailfin clean OUTPUT_DIR``: remove the run's snapshots here, say what went."""
-    removed = clean(output_dir)
-    for path in removed:
-        print(f"removed {path}")
-    print(f"sailfin clean: {len(removed)} memory snapshot director"
-          f"{'y' if len(removed) == 1 else 'ies'} of {output_dir} removed")
-    return 0

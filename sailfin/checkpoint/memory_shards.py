@@ -17,9 +17,11 @@ MARK = "__sailfin_dtensor__"
 def local_shards(state: Any) -> Any:
     """``state`` with every DTensor replaced by a plain dict holding its local rows
     (``state`` itself when it holds none: sp and ddp)."""
-    from .sharded import _holds_dtensor
+    from torch.distributed.tensor import DTensor
 
-    return _localize(state) if _holds_dtensor(state) else state
+    from .sharded import holds
+
+    return _localize(state) if holds(state, DTensor) else state
 
 
 def _localize(state: Any) -> Any:

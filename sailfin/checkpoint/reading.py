@@ -97,7 +97,7 @@ def open_checked(storage: Storage, path: str, shown: str, *, what: str = "checkp
                                         "checkpoint files only inside it", shown)
         _check_size(info.st_size, shown, what, expected_size, limit)
         if info.st_size >= SAY_ABOVE_BYTES:  # checking it takes a while: say so first
-            from .layout import say
+            from ..utils.voice import say
 
             say(f"checking {what} {shown} ({info.st_size / 2 ** 20:,.0f} MiB) against its "
                 "checksum before loading it")

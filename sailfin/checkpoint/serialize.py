@@ -10,9 +10,8 @@ both release the GIL), so the checksum adds to a save's CPU time but hardly to
 its duration. Loading never runs arbitrary unpickling: a file that would need
 it is refused.
 
-An asynchronous save copies the state into :class:`StagingBuffers` (pinned
-memory for CUDA tensors, kept from one save to the next): that copy is all a
-background save costs the step.
+An asynchronous save copies the small state it writes here with :func:`cpu_copy`;
+the model, optimizers and callbacks' tensors are staged by DCP (see :mod:`.sharded`).
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import collections
 import copy as copy_module
 import contextlib
 import errno
-import os
 import io
 import pickle
 import re
@@ -222,116 +220,6 @@ def cpu_copy(obj: Any) -> Any:
         return out
 
     return _copy_structure(obj, copy_tensor)
-
-
-class StagingBuffers:
-    """CPU copies of a state for a background save, in buffers reused from save to save.
-
-    :meth:`copy` is :func:`cpu_copy` (sharing preserved) but writes into the
-    buffers of the previous copy where a storage is the same (same address,
-    device and size: parameters and optimizer state updated in place), so a
-    save costs one memory copy and no fresh allocation (page faults) on the
-    step's path. CUDA storages are copied into pinned memory without blocking;
-    :meth:`ready` waits for those copies, and the background writer calls it
-    before reading. The caller must not copy again while a previous copy is
-    still being written (the checkpointer waits for the previous save first).
-
-    Example::
-
-        staging = StagingBuffers()
-        snapshot = staging.copy(model.state_dict())   # on the step's path
-        staging.ready()                                # in the writer thread
-        torch.save(snapshot, "model.pt")
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[int, str, int], torch.UntypedStorage] = {}
-        self._event: Optional[Any] = None
-        self._pool: Optional[ThreadPoolExecutor] = None
-
-    def copy(self, obj: Any) -> Any:
-        used: dict[tuple[int, str, int], torch.UntypedStorage] = {}
-        devices: set[torch.device] = set()
-        cpu_copies: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
-
-        def copy_tensor(value: torch.Tensor) -> torch.Tensor:
-            if value.layout is not torch.strided or value.is_quantized:
-                return value.to("cpu", copy=True)
-            storage = value.untyped_storage()
-            key = (storage.data_ptr(), str(value.device), storage.nbytes())
-            target = used.get(key)
-            if target is None:
-                target = self._buffers.get(key)
-                on_cuda = value.device.type == "cuda"
-                if target is None:
-                    target = torch.empty(storage.nbytes(), dtype=torch.uint8,
-                                         pin_memory=on_cuda).untyped_storage()
-                if on_cuda:
-                    target.copy_(storage, non_blocking=True)
-                    devices.add(value.device)
-                else:
-                    cpu_copies.append((target, storage))
-                used[key] = target
-            out = torch.empty(0, dtype=value.dtype)
-            out.set_(target, value.storage_offset(), value.size(), value.stride())
-            return out
-
-        copied = _copy_structure(obj, copy_tensor)
-        self._copy_in_parallel(cpu_copies)
-        self._buffers = used  # buffers of storages gone since the last save are dropped
-        self._event = None
-        if len(devices) == 1:
-            self._event = torch.cuda.Event()
-            self._event.record()  # the next step's kernels queue behind the copies
-        for device in devices if len(devices) > 1 else ():
-            torch.cuda.synchronize(device)
-        return copied
-
-    def _copy_in_parallel(self, pairs: list[tuple[torch.UntypedStorage,
-                                                  torch.UntypedStorage]]) -> None:
-        """CPU to CPU copies, cut into chunks spread over a few threads: the step waits
-        for them, and one thread alone does not reach the memory's bandwidth (a tensor
-        copy releases the GIL)."""
-        chunks = []
-        for target, source in pairs:
-            dst = torch.empty(0, dtype=torch.uint8).set_(target)
-            src = torch.empty(0, dtype=torch.uint8).set_(source)
-            for start in range(0, src.numel(), _COPY_CHUNK):
-                chunks.append((dst[start:start + _COPY_CHUNK], src[start:start + _COPY_CHUNK]))
-        total = sum(src.numel() for _, src in chunks)
-        if total < 2 * _COPY_CHUNK or _COPY_THREADS < 2:
-            for dst, src in chunks:
-                dst.copy_(src)
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="sailfin-stage")
-        # Every thread takes every n-th chunk: balanced without a queue per chunk.
-        futures = [self._pool.submit(_copy_chunks, chunks[i::_COPY_THREADS])
-                   for i in range(_COPY_THREADS)]
-        for future in futures:
-            future.result()
-
-    def ready(self) -> None:
-        """Block until the last :meth:`copy` is complete in CPU memory."""
-        if self._event is not None:
-            self._event.synchronize()
-
-    def release(self) -> None:
-        """Drop the buffers (they are kept between saves otherwise) and the copy threads."""
-        self._buffers, self._event = {}, None
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-
-# Staging copies on the CPU: chunks of 4 MiB over up to 4 threads.
-_COPY_CHUNK = 4 << 20
-_COPY_THREADS = min(4, os.cpu_count() or 1)
-
-
-def _copy_chunks(chunks: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for dst, src in chunks:
-        dst.copy_(src)
 
 
 def _copy_structure(value: Any, copy_tensor: Any) -> Any:

@@ -80,28 +80,30 @@ def _failures() -> tuple[type[BaseException], ...]:
 def split_sharded(state: dict[str, Any]) -> dict[str, Any]:
     """Move the model and optimizers (on every backend) and any other entry that holds
     DTensors into a dict of their own, returned for DCP; ``state`` keeps the rest."""
+    from torch.distributed.tensor import DTensor
+
     sharded = {key: state[key] for key, value in state.items()
-               if key in DCP_KEYS or _holds_dtensor(value)}
+               if key in DCP_KEYS or (key != CALLBACKS and holds(value, DTensor))}
     for key in sharded:
         del state[key]
-    # A callback's sharded state (fsdp's EMA) goes to a key of its own, "callbacks/<name>".
-    callbacks = sharded.pop(CALLBACKS, None)
+    # A callback's tensors (EMA's averages, DTensor shards under fsdp) go to a key of their
+    # own, "callbacks/<name>": DCP stages them with the model for an async save.
+    callbacks = state.pop(CALLBACKS, None)
     if callbacks is not None:
-        state[CALLBACKS] = {k: v for k, v in callbacks.items() if not _holds_dtensor(v)}
+        state[CALLBACKS] = {k: v for k, v in callbacks.items() if not holds(v, torch.Tensor)}
         sharded.update({f"{CALLBACKS}/{k}": v for k, v in callbacks.items()
-                        if _holds_dtensor(v)})
+                        if holds(v, torch.Tensor)})
     # DCP flattens nested dicts; lists become dicts keyed "0", "1", ... (see load_sharded).
     return {k: ({str(i): v for i, v in enumerate(value)} if isinstance(value, list) else value)
             for k, value in sharded.items()}
 
 
-def _holds_dtensor(value: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
+def holds(value: Any, kind: type) -> bool:
+    """Whether ``value`` (dicts, lists and tuples) holds an instance of ``kind``."""
     stack = [value]
     while stack:
         item = stack.pop()
-        if isinstance(item, DTensor):
+        if isinstance(item, kind):
             return True
         if isinstance(item, dict):
             stack.extend(item.values())

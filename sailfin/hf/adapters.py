@@ -74,13 +74,3 @@ def apply_peft(recipe: torch.nn.Module, model: torch.nn.Module,
         raise HFConfigError(f"{KEY}: {str(exc).splitlines()[0]}") from None
     recipe.checkpoint_frozen_params = False
     return wrapped
-
-
-def is_peft(model: Any) -> bool:
-    """Whether ``model`` is a ``peft`` model (without importing ``peft`` when it is not)."""
-    return any(k.__module__.startswith("peft.") for k in type(model).__mro__)
-
-
-def trainable_names(model: torch.nn.Module) -> list[str]:
-    """The parameters that train: the adapters and ``modules_to_save``."""
-    return [n for n, p in model.named_parameters() if p.requires_grad]

@@ -6,20 +6,8 @@ from typing import Callable
 
 import torch
 
-from ..backends.fsdp_units import default_unit_classes, select_units
+from ..backends.fsdp_units import select_units
 from .errors import HFConfigError
-
-
-def block_classes(model: torch.nn.Module) -> list[str]:
-    """The class names a model's FSDP units should be: ``model._no_split_modules`` where
-    the model declares them, else the class of the children of its largest
-    ``ModuleList`` (BERT's ``BertLayer``).
-
-    Example::
-
-        block_classes(GPT2LMHeadModel(cfg))   # ['GPT2Block']
-    """
-    return default_unit_classes(model)
 
 
 def shard_blocks(model: torch.nn.Module, classes: list[str] | None,

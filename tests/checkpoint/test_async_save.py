@@ -1,4 +1,4 @@
-"""Async saves: only the copy into reused CPU buffers is on the step's path; the checksum
+"""Async saves: only the copy to CPU memory is on the step's path; the checksum
 (threaded next to the write) is the same CRC-32 as before, so old checkpoints still verify."""
 
 import threading
@@ -10,47 +10,40 @@ import torch
 from sailfin.checkpoint import DirectoryCheckpointer
 from sailfin.checkpoint import serialize
 from sailfin.checkpoint.checkpointer import Snapshot
-from sailfin.checkpoint.serialize import FileEntry, StagingBuffers, load_object, save_object
+from sailfin.checkpoint.serialize import FileEntry, cpu_copy, load_object, save_object
+from sailfin.checkpoint.sharded import split_sharded
 from sailfin.checkpoint.storage import LocalStorage
 from sailfin.config import CheckpointArguments
 from sailfin.distributed import DistEnv
 
 
-def test_staging_reuses_its_buffers_and_keeps_sharing():
+def test_the_copy_an_async_save_writes_keeps_sharing_and_the_values_at_the_save():
     emb = torch.nn.Embedding(300, 8)
     head = torch.nn.Linear(8, 300, bias=False)
     head.weight = emb.weight  # tied
     state = {"model": torch.nn.ModuleDict({"emb": emb, "head": head}).state_dict(),
              "opt": [{"momentum": torch.ones(4, 4)}], "step": 3}
-    staging = StagingBuffers()
-    first = staging.copy(state)
-    ptr = first["model"]["emb.weight"].untyped_storage().data_ptr()
-    assert ptr == first["model"]["head.weight"].untyped_storage().data_ptr()
+    copied = cpu_copy(state)
+    ptr = copied["model"]["emb.weight"].untyped_storage().data_ptr()
+    assert ptr == copied["model"]["head.weight"].untyped_storage().data_ptr()
     assert ptr != emb.weight.untyped_storage().data_ptr()
-    assert first["step"] == 3 and first["model"]._metadata == state["model"]._metadata
-    assert torch.equal(first["model"]["emb.weight"], emb.weight)
-
+    assert copied["step"] == 3 and copied["model"]._metadata == state["model"]._metadata
     with torch.no_grad():
         emb.weight.add_(1.0)  # the next optimizer step, in place
         state["opt"][0]["momentum"].mul_(2)
-    # the copy is the state as it was, not as it is now
-    assert not torch.equal(first["model"]["emb.weight"], emb.weight)
-    assert torch.equal(first["opt"][0]["momentum"], torch.ones(4, 4))
-
-    second = staging.copy(state)  # the previous save is written: its buffers are reused
-    assert second["model"]["emb.weight"].untyped_storage().data_ptr() == ptr
-    assert torch.equal(second["model"]["emb.weight"], emb.weight)
-    assert torch.equal(second["opt"][0]["momentum"], 2 * torch.ones(4, 4))
-    staging.ready()
+    assert not torch.equal(copied["model"]["emb.weight"], emb.weight)
+    assert torch.equal(copied["opt"][0]["momentum"], torch.ones(4, 4))
 
 
-def test_staging_drops_buffers_of_storages_that_are_gone():
-    staging = StagingBuffers()
-    staging.copy({"a": torch.zeros(10), "b": torch.zeros(20)})
-    out = staging.copy({"a": torch.ones(30)})  # new storages: new buffers, old ones dropped
-    assert torch.equal(out["a"], torch.ones(30)) and len(staging._buffers) == 1
-    staging.release()
-    assert staging._buffers == {}
+def test_a_callbacks_tensors_go_to_dcp_and_its_other_state_stays_small():
+    """EMA's averages are staged and written by DCP with the model (pinned, reused
+    buffers for an async save); trainer.pt keeps the callbacks' plain values."""
+    state = {"module": {"w": torch.ones(2)}, "optimizers": [{"state": {}}], "step": 7,
+             "callbacks": {"EMA": {"decay": 0.9, "shadow": {"w": torch.zeros(2)}},
+                           "EarlyStopping": {"best": 0.5}}}
+    sharded = split_sharded(state)
+    assert sorted(sharded) == ["callbacks/EMA", "module", "optimizers"]
+    assert state == {"step": 7, "callbacks": {"EarlyStopping": {"best": 0.5}}}
 
 
 @pytest.mark.parametrize("threshold", [1 << 20, 64])  # big buffers only / nearly every write
@@ -103,44 +96,6 @@ def test_async_save_leaves_only_the_copy_on_the_steps_path(tmp_path):
     loaded = ckpt.load(ckpt.latest())
     assert torch.equal(loaded.shared["model"]["w"], before)
     assert torch.equal(loaded.rank_state["torch"], snapshot.rank_state["torch"])
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_staging_cuda_tensors_go_to_pinned_memory_without_blocking():
-    state = {"w": torch.randn(256, 256, device="cuda"), "b": torch.zeros(3, device="cuda")}
-    before = state["w"].cpu()
-    staging = StagingBuffers()
-    copy = staging.copy(state)
-    state["w"].add_(1.0)  # queued behind the copy on the same stream
-    staging.ready()
-    assert copy["w"].device.type == "cpu" and copy["w"].is_pinned()
-    assert torch.equal(copy["w"], before)
-    again = staging.copy(state)  # the same pinned buffer, refilled
-    staging.ready()
-    assert again["w"].untyped_storage().data_ptr() == copy["w"].untyped_storage().data_ptr()
-    assert torch.equal(again["w"], state["w"].cpu())
-
-
-def test_large_cpu_copies_are_split_over_threads_and_exact():
-    """A state of many 4 MiB chunks is copied by several threads, byte for byte, views
-    sharing one storage still share one buffer, and release() ends the threads."""
-    import threading
-
-    from sailfin.checkpoint.serialize import StagingBuffers
-
-    big = torch.randn(5_000_000)  # 20 MB: five chunks
-    state = {"w": big, "view": big[10:20], "small": torch.arange(7)}
-    staging = StagingBuffers()
-    copied = staging.copy(state)
-    assert torch.equal(copied["w"], big) and torch.equal(copied["small"], state["small"])
-    assert copied["view"].untyped_storage().data_ptr() == copied["w"].untyped_storage().data_ptr()
-    assert copied["w"].data_ptr() != big.data_ptr()
-    big.add_(1.0)  # the training goes on: the copy keeps the saved values
-    assert not torch.equal(copied["w"], big)
-    again = staging.copy(state)  # reuses the buffers, now with the new values
-    assert torch.equal(again["w"], big)
-    staging.release()
-    assert not [t for t in threading.enumerate() if t.name.startswith("sailfin-stage")]
 
 
 def test_async_shards_are_staged_into_copies_kept_from_save_to_save(tmp_path):

@@ -1,6 +1,6 @@
 """LoRA on 2 gloo processes: fsdp (frozen base and adapters in the same units) ends
-within 1e-4 of ddp; fsdp-dp with LoRA (Opacus's FSDP ghost clipping) trains the adapters
-and leaves the frozen base as built."""
+within 1e-4 of ddp; fsdp-dp (Opacus's FSDP ghost clipping) and ddp-dp with LoRA train
+the adapters and leave the frozen base as built."""
 
 import pytest
 from safetensors.torch import load_file
@@ -40,6 +40,17 @@ def test_fsdp_dp_with_lora_noises_only_the_adapters(data_dir, tmp_path):
     parameters (train_step returns each sample's loss); the frozen base stays as built."""
     final = run("fsdp-dp", data_dir, tmp_path / "dp",
                 dp={"noise_multiplier": 1.0, "delta": 1e-3, "clipping": "ghost"})
+    _only_the_adapters_moved(final, data_dir)
+
+
+def test_ddp_dp_with_lora_noises_only_the_adapters(data_dir, tmp_path):
+    """DP-LoRA on 2 data-parallel processes: per-sample gradients (Opacus's hooks) and
+    noise for the adapters alone; the frozen base stays as built."""
+    final = run("ddp-dp", data_dir, tmp_path / "dp", dp={"noise_multiplier": 1.0, "delta": 1e-3})
+    _only_the_adapters_moved(final, data_dir)
+
+
+def _only_the_adapters_moved(final, data_dir):
     from sailfin import seed_everything
     from tests.hf.helpers import NO_DROPOUT, module
 

@@ -47,7 +47,6 @@ class ShardWriter:
         self.prefix = prefix
         self.next_index = start_index
         self.shards: list[str] = []       # finished shards, in order
-        self.samples_written = 0
         self._file: Optional[Any] = None
         self._path = ""
         self._members: list[Member] = []
@@ -97,7 +96,6 @@ class ShardWriter:
         self._file.write(blob)
         self._pos += len(blob)
         self._count += 1
-        self.samples_written += 1
         if self._count >= self.samples_per_shard:
             self._finish()
 

@@ -18,7 +18,8 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING
 
-from ...checkpoint.checkpointer import DirectoryCheckpointer, say
+from ...checkpoint.checkpointer import DirectoryCheckpointer
+from ...utils.voice import say
 from ...checkpoint.errors import CheckpointError
 from ...checkpoint.sharded import load_sharded
 from ...checkpoint.weights import SafetensorsSource, StateDictSource, load_into

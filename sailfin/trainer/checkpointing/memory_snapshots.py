@@ -19,7 +19,7 @@ import torch
 
 from ...checkpoint import CheckpointError, Checkpointer
 from ...checkpoint import memory_dirs
-from ...checkpoint.checkpointer import say
+from ...utils.voice import say
 from ...checkpoint.memory_checkpointer import MemoryFirstCheckpointer
 from ...checkpoint.memory_shards import local_shards, mesh_of
 from ...checkpoint.rng import rng_state
@@ -126,7 +126,7 @@ class MemorySnapshots(Callback):
                 f"state changed between step {trainer.global_step}'s end and the next "
                 "optimizer step (a forward that changes its weights in place, such as "
                 "nn.Embedding(max_norm=...), or a callback): that snapshot is dropped, and "
-                "from now on each snapshot is copied before training goes on")
+                "from now on each snapshot is copied before training goes on", warning=True)
 
     def on_train_end(self, trainer: "RunView") -> None:
         self.settle(trainer)

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from .frozen import frozen_names
-from ...checkpoint.checkpointer import Checkpointer, Loaded, say
+from ...checkpoint.checkpointer import Checkpointer, Loaded
+from ...utils.voice import say
 from .config_diff import check_config
 from ...checkpoint.errors import CheckpointCorrupt, CheckpointError
 from .init_from import load_initial_weights
@@ -147,7 +148,7 @@ def apply(trainer: "RunView", loaded: Loaded) -> None:
                  f"{manifest['world_size']} ranks): its random streams (dropout...) derive "
                  f"from (seed {trainer.args.seed}, rank {rank}, step {step})"]
     for note in notes:
-        say(f"resume: {note}")
+        say(f"resume: {note}", warning=True)  # this rank's own
     if trainer.dist.is_main:
         metrics = os.path.join(trainer.args.output_dir, "metrics.jsonl")
         reached = last_logged_step(metrics)
