@@ -39,11 +39,7 @@ COMPAT = PACKAGE / "compat"
 MODULES = sorted(p.stem for p in COMPAT.glob("*.py") if p.stem != "__init__")
 
 # Modules the scan skips for now, each with why.
-NOT_SCANNED = {
-    # issue 43 replaces it (the state layer on torch.distributed.checkpoint):
-    # OrderedDict._metadata of a state dict.
-    "checkpoint/serialize.py",
-}
+NOT_SCANNED: set[str] = set()
 
 
 def is_private(name: str) -> bool:

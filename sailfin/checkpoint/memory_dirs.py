@@ -111,7 +111,7 @@ def live_writer(found: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
     host = socket.gethostname()
     for owner in found:
         pid = int(owner.get("pid", 0))
-        if owner.get("host") != host or (pid > 1 and pid != os.getpid() and _alive(pid)):
+        if owner.get("host") != host or (pid > 1 and pid != os.getpid() and pid_alive(pid)):
             return owner
     return None
 
@@ -144,7 +144,8 @@ def check_root(root: str, run: str, output_dir: str) -> tuple[Optional[str], lis
                   f"({why}, whose processes are gone) and are never resumed here"]
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (someone else's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -170,7 +171,7 @@ def is_dead(root: str) -> bool:
     host = socket.gethostname()
     if any(o.get("host") != host for o in owners):
         return False
-    return not any(_alive(int(o[key])) for o in owners for key in ("pid", "ppid")
+    return not any(pid_alive(int(o[key])) for o in owners for key in ("pid", "ppid")
                    if int(o.get(key, 0)) > 1)
 
 

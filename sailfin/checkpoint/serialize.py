@@ -17,7 +17,6 @@ the model, optimizers and callbacks' tensors are staged by DCP (see :mod:`.shard
 from __future__ import annotations
 
 import collections
-import copy as copy_module
 import contextlib
 import errno
 import io
@@ -29,6 +28,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..compat.torch import keep_state_dict_versions
 from ..utils.crc import crc32
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError
 from .reading import open_checked
@@ -230,8 +230,7 @@ def _copy_structure(value: Any, copy_tensor: Any) -> Any:
         out = {k: _copy_structure(v, copy_tensor) for k, v in value.items()}
         if isinstance(value, collections.OrderedDict):
             out = collections.OrderedDict(out)
-            if hasattr(value, "_metadata"):  # module versions, read by load_state_dict
-                out._metadata = copy_module.deepcopy(value._metadata)  # type: ignore
+            keep_state_dict_versions(out, value)
         return out
     if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
         return type(value)(_copy_structure(v, copy_tensor) for v in value)

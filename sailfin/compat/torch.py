@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import copy as copy_module
 import importlib
 from typing import Any
 
@@ -55,6 +56,20 @@ def version(tensor: torch.Tensor) -> int:
     sees an in-place change without comparing the data itself.
     """
     return tensor._version
+
+
+def keep_state_dict_versions(copy: dict, state_dict: dict) -> None:
+    """Give ``copy`` (a copy of a ``Module.state_dict()``) the module versions that
+    ``state_dict`` carries, which ``load_state_dict`` hands to each module's
+    ``_load_from_state_dict`` (a module that changed its layout converts old entries).
+
+    Private: the ``_metadata`` attribute ``Module.state_dict`` sets on the dict it
+    returns (an instance attribute, so :func:`missing` cannot look it up). Public
+    alternative: none; ``copy.deepcopy`` of the whole dict keeps it, at the price of
+    copying every tensor the caller copies its own way.
+    """
+    if hasattr(state_dict, "_metadata"):
+        copy._metadata = copy_module.deepcopy(state_dict._metadata)  # type: ignore[attr-defined]
 
 
 def lerp_all_(ends: list[torch.Tensor], targets: list[torch.Tensor], weight: float) -> None:

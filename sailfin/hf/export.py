@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 import torch
 
+from ..checkpoint.memory_dirs import pid_alive
 from ..trainer import Callback
 from ..utils.voice import line
 from .errors import HFConfigError, require
@@ -130,22 +131,11 @@ def remove_stale(out_dir: str) -> list[str]:
     for name in names:
         for mark in (TMP, ASIDE):
             pid = name[len(base) + len(mark):] if name.startswith(base + mark) else ""
-            if pid.isdigit() and not _alive(int(pid)):
+            # this process's own leftovers are stale too (it is not writing them)
+            if pid.isdigit() and (int(pid) == os.getpid() or not pid_alive(int(pid))):
                 shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
                 removed.append(name)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False  # this process's own leftovers are stale too (it is not writing them)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
 
 
 def _model_from(module: "HFModule", state: dict[str, torch.Tensor], where: str) -> Any:

@@ -19,6 +19,8 @@ LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0}
 LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
          "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
          "max_position_embeddings": 64}
+T5 = {"model_type": "t5", "d_model": 32, "d_ff": 64, "d_kv": 16, "num_layers": 2,
+      "num_decoder_layers": 2, "num_heads": 2, "dropout_rate": 0.0}
 
 
 def batch_of(m, n=4):
@@ -74,6 +76,25 @@ def test_only_adapters_and_head_have_gradients_and_the_frozen_base_stays(task, d
     now = dict(m.named_parameters())
     assert all(torch.equal(now[n], v) for n, v in frozen.items())
     assert any(not torch.equal(now[n], v) for n, v in adapters.items())
+
+
+def test_lora_on_a_t5_from_config_trains_only_its_adapters(data_dir, tmp_path, monkeypatch):
+    """T5 (relative positions, its own decoder start): PEFT's default targets for it (the
+    attention's q and v) train; the frozen base stays as built."""
+    import tests.hf.helpers as helpers
+
+    monkeypatch.setitem(helpers.CONFIGS, "seq2seq", T5)
+    m = build("seq2seq", data_dir, peft=LORA)
+    assert type(m.model.get_base_model()).__name__ == "T5ForConditionalGeneration"
+    trainable = {n for n, p in m.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert {n.split(".lora_")[0].rsplit(".", 1)[1] for n in trainable} == {"q", "v"}
+    assert grads_after_one_backward(m) == trainable
+    frozen = {n: p.detach().clone() for n, p in m.named_parameters() if not p.requires_grad}
+    fit(m, tmp_path, max_steps=2)
+    now = dict(m.named_parameters())
+    assert all(torch.equal(now[n], v) for n, v in frozen.items())
+    assert any(now[n].abs().max() > 0 for n in trainable if "lora_B" in n)
 
 
 @pytest.fixture
