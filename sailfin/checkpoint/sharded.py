@@ -77,22 +77,24 @@ def _failures() -> tuple[type[BaseException], ...]:
     return (Exception, CheckpointException)
 
 
-def split_sharded(state: dict[str, Any]) -> dict[str, Any]:
-    """Move the model and optimizers (on every backend) and any other entry that holds
-    DTensors into a dict of their own, returned for DCP; ``state`` keeps the rest."""
+def split_sharded(state: dict[str, Any], dcp_callbacks: Iterable[str] = ()) -> dict[str, Any]:
+    """Move the model and optimizers (on every backend), the callbacks named in
+    ``dcp_callbacks`` and any other entry that holds DTensors into a dict of their own,
+    returned for DCP; ``state`` keeps the rest."""
     from torch.distributed.tensor import DTensor
 
     sharded = {key: state[key] for key, value in state.items()
                if key in DCP_KEYS or (key != CALLBACKS and holds(value, DTensor))}
     for key in sharded:
         del state[key]
-    # A callback's tensors (EMA's averages, DTensor shards under fsdp) go to a key of their
-    # own, "callbacks/<name>": DCP stages them with the model for an async save.
+    # Such a callback's state (EMA's averages; any DTensor shards) goes to a key of its
+    # own, "callbacks/<name>": DCP stages it with the model for an async save.
     callbacks = state.pop(CALLBACKS, None)
     if callbacks is not None:
-        state[CALLBACKS] = {k: v for k, v in callbacks.items() if not holds(v, torch.Tensor)}
-        sharded.update({f"{CALLBACKS}/{k}": v for k, v in callbacks.items()
-                        if holds(v, torch.Tensor)})
+        chosen = frozenset(dcp_callbacks)
+        to_dcp = {k for k, v in callbacks.items() if k in chosen or holds(v, DTensor)}
+        state[CALLBACKS] = {k: v for k, v in callbacks.items() if k not in to_dcp}
+        sharded.update({f"{CALLBACKS}/{k}": callbacks[k] for k in sorted(to_dcp)})
     # DCP flattens nested dicts; lists become dicts keyed "0", "1", ... (see load_sharded).
     return {k: ({str(i): v for i, v in enumerate(value)} if isinstance(value, list) else value)
             for k, value in sharded.items()}

@@ -35,15 +35,47 @@ def test_the_copy_an_async_save_writes_keeps_sharing_and_the_values_at_the_save(
     assert torch.equal(copied["opt"][0]["momentum"], torch.ones(4, 4))
 
 
-def test_a_callbacks_tensors_go_to_dcp_and_its_other_state_stays_small():
-    """EMA's averages are staged and written by DCP with the model (pinned, reused
-    buffers for an async save); trainer.pt keeps the callbacks' plain values."""
+def test_a_callback_that_asks_goes_to_dcp_and_the_others_stay_in_trainer_pt():
+    """EMA's averages (state_in_dcp) are staged and written by DCP with the model (reused
+    buffers for an async save); another callback's state, tensors or not, stays in
+    trainer.pt as it is."""
     state = {"module": {"w": torch.ones(2)}, "optimizers": [{"state": {}}], "step": 7,
-             "callbacks": {"EMA": {"decay": 0.9, "shadow": {"w": torch.zeros(2)}},
+             "callbacks": {"ema": {"decay": 0.9, "shadow": {"w": torch.zeros(2)}},
+                           "History": {"losses": torch.zeros(3)},
                            "EarlyStopping": {"best": 0.5}}}
-    sharded = split_sharded(state)
-    assert sorted(sharded) == ["callbacks/EMA", "module", "optimizers"]
-    assert state == {"step": 7, "callbacks": {"EarlyStopping": {"best": 0.5}}}
+    sharded = split_sharded(state, {"ema"})
+    assert sorted(sharded) == ["callbacks/ema", "module", "optimizers"]
+    assert state == {"step": 7, "callbacks": {"History": {"losses": state["callbacks"][
+        "History"]["losses"]}, "EarlyStopping": {"best": 0.5}}}
+
+
+def test_a_callback_whose_tensors_grow_resumes(tmp_path):
+    """A callback's own tensors may change shape from step to step (a history): they stay
+    in trainer.pt, so a resume gives them back whatever shape the fresh callback starts
+    with."""
+    from sailfin import Callback, Trainer
+    from tests.recipes import IdData, LinearRecipe, args
+
+    class History(Callback):
+        def __init__(self):
+            self.steps = torch.zeros(0)
+
+        def on_step_end(self, trainer):
+            self.steps = torch.cat([self.steps, torch.tensor([float(trainer.global_step)])])
+
+        def state_dict(self):
+            return {"steps": self.steps}
+
+        def load_state_dict(self, state):
+            self.steps = state["steps"].clone()
+
+    saves = {"at_epoch_end": False, "every_n_steps": 3, "async_save": True}
+    Trainer(LinearRecipe(IdData(100, 12)), args(tmp_path, epochs=2, max_steps=3,
+                                                checkpoint=saves), callbacks=[History()]).train()
+    history = History()
+    Trainer(LinearRecipe(IdData(100, 12)), args(tmp_path, epochs=2, max_steps=5,
+                                                checkpoint=saves), callbacks=[history]).train()
+    assert history.steps.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
 
 
 @pytest.mark.parametrize("threshold", [1 << 20, 64])  # big buffers only / nearly every write

@@ -1,9 +1,11 @@
 """Observing never changes a run, on a model sailfin did not write: a Hugging Face GPT-2
 from a config trains to bit-identical weights with every observer off and with all of them
-on (a disk checkpoint and a memory snapshot every step, EMA, the progress bar)."""
+on (a disk checkpoint, synchronous or async, and a memory snapshot every step, EMA, the
+progress bar)."""
 
 import shutil
 
+import pytest
 import torch
 
 from tests.hf.helpers import train
@@ -14,10 +16,12 @@ OBSERVED = dict(ema={"decay": 0.9}, progress="bar",
 QUIET = dict(progress="none", checkpoint={"at_epoch_end": False})
 
 
-def test_gpt2_weights_are_the_same_with_every_observer_on(data_dir, tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_gpt2_weights_are_the_same_with_every_observer_on(data_dir, tmp_path, async_save):
     off_model, _, _ = train("causal_lm", data_dir, tmp_path / "off", **QUIET)
+    observed = {**OBSERVED, "checkpoint": {**OBSERVED["checkpoint"], "async_save": async_save}}
     try:
-        on_model, trainer, summary = train("causal_lm", data_dir, tmp_path / "on", **OBSERVED)
+        on_model, trainer, summary = train("causal_lm", data_dir, tmp_path / "on", **observed)
         assert summary["global_step"] == 4
         assert (tmp_path / "on" / "checkpoints" / "step-00000004").is_dir()  # it did save
     finally:
@@ -26,3 +30,32 @@ def test_gpt2_weights_are_the_same_with_every_observer_on(data_dir, tmp_path):
     assert want.keys() == got.keys()
     for key, value in want.items():
         assert torch.equal(got[key], value), f"{key} changed by observing the run"
+
+
+def test_gpt2_ema_saved_by_async_saves_is_the_average_the_run_reports(data_dir, tmp_path):
+    """EMA's averages go to DCP with the model (staged by its stager under async_save): a
+    GPT-2 run cut at step 2 and resumed ends with the EMA of the uninterrupted run, bit for
+    bit, and the newest checkpoint, opened with torch alone, holds exactly the averages
+    final/ema.safetensors reports."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    ema = {"decay": 0.9}
+    train("causal_lm", data_dir, tmp_path / "whole", ema=ema, **QUIET)
+    saves = {"every_n_steps": 1, "at_epoch_end": False, "async_save": True}
+    train("causal_lm", data_dir, tmp_path / "cut", ema=ema, progress="none",
+          checkpoint=saves, max_steps=2)
+    train("causal_lm", data_dir, tmp_path / "cut", ema=ema, progress="none",
+          checkpoint=saves)
+    want = load_file(str(tmp_path / "whole" / "final" / "ema.safetensors"))
+    got = load_file(str(tmp_path / "cut" / "final" / "ema.safetensors"))
+    assert want.keys() == got.keys()
+    for key, value in want.items():
+        assert torch.equal(got[key], value), f"{key}: the resumed run's EMA differs"
+
+    newest = tmp_path / "cut" / "checkpoints" / "step-00000004"
+    dcp_to_torch_save(str(newest / "shards"), str(tmp_path / "step-4.pt"))
+    saved = torch.load(tmp_path / "step-4.pt", weights_only=True)["callbacks/ema"]["shadow"]
+    assert saved and len(saved) <= len(got)
+    for name, value in saved.items():
+        assert torch.equal(value, got[name]), f"{name}: the checkpoint's EMA is not the final"

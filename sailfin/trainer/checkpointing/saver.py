@@ -22,6 +22,7 @@ from ...config.errors import suggest
 from ...distributed.watchdog import CHECKPOINT_SAVE
 from ...version import __version__
 from ..core.callbacks import Callback, notify_save_end
+from .state import state_key
 
 if TYPE_CHECKING:
     from ..core.view import RunView
@@ -106,7 +107,8 @@ class CheckpointCallback(Callback):
         # PyTorch's distributed state dicts give them (any backend and world size loads them).
         state["optimizers"] = [dcp_optimizer_state(trainer.module, opt, saved)
                                for opt, saved in zip(trainer.optimizers, state["optimizers"])]
-        sharded = split_sharded(state)
+        sharded = split_sharded(state, {state_key(c) for c in trainer.callbacks
+                                        if getattr(c, "state_in_dcp", False)})
         if not getattr(self.checkpointer, "writes_shards", False):
             raise CheckpointError(
                 f"{type(self.checkpointer).__name__} cannot write the model's state with DCP: "

@@ -25,6 +25,12 @@ class Callback:
         Trainer(module, args, callbacks=[PrintEpochs()]).train()
     """
 
+    #: True: the tensors of ``state_dict()`` keep their shapes for the whole run (EMA's
+    #: averages), so checkpoints write them with DCP beside the model (staged with it by an
+    #: async save, re-cut on another world size) and a resume loads into this callback's
+    #: own ``state_dict()``. False (default): they go in ``trainer.pt`` as they are.
+    state_in_dcp = False
+
     def on_train_start(self, trainer: "RunView") -> None: ...
 
     def on_step_begin(self, trainer: "RunView") -> None:

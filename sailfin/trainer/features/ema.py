@@ -37,6 +37,7 @@ class WeightAverage(Callback):
     """
 
     state_key = "ema"
+    state_in_dcp = True  # the averages have the parameters' shapes
 
     def __init__(self, module: torch.nn.Module, args: EmaArguments) -> None:
         if args.decay is None:
