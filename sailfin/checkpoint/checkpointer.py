@@ -54,6 +54,9 @@ class Snapshot:
     sharded: dict[str, Any] = field(default_factory=dict)
     """The model and optimizers (and any DTensor state), written with DCP by every rank
     (under fsdp each its own rows); see :mod:`.sharded`."""
+    later: frozenset = frozenset()
+    """Storages in ``sharded`` an async save may copy while the next forward and backward
+    run, until :meth:`Checkpointer.settle` (the optimizers' state); see :mod:`.staging`."""
 
 
 @dataclass
@@ -125,6 +128,12 @@ class Checkpointer(abc.ABC):
         """What to remove to start afresh here (the advice of a refused resume)."""
         return f"remove {self.location}"
 
+    def settle(self) -> bool:
+        """Called before each optimizer step while async saves are on: wait for what the
+        last save copies in the background (see :attr:`Snapshot.later`). True when there
+        was such a copy."""
+        return False
+
     def abort(self) -> None:
         """Called after a save failed (on every rank that saw it fail): remove its
         partial files, keep every complete checkpoint."""
@@ -166,7 +175,8 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
             # Re-saving a step in place (a run resumed before it): it is incomplete from now on.
             self.storage.remove(self.storage.join(staging, manifests.MANIFEST))
         if snapshot.sharded:  # every rank writes its own shards (async: in the background)
-            self.shards.save(staging, snapshot.sharded, self.args.async_save)
+            self.shards.save(staging, snapshot.sharded, self.args.async_save, snapshot.step,
+                             snapshot.later)
         background = self.args.async_save and self.dist.is_main
         own_path = self.storage.join(staging, self.rank_file(self.dist.rank))
         # Rank 0's own file may wait for the background; the others' must be on storage
@@ -246,6 +256,9 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
         self.storage.write_bytes(self.path("latest"), f"{name}\n".encode())
         if snapshot.is_best:
             self.storage.write_bytes(self.path("best"), f"{name}\n".encode())
+
+    def settle(self) -> bool:
+        return self.shards.settle()
 
     def wait(self) -> None:
         try:

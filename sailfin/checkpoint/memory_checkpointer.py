@@ -65,6 +65,9 @@ class MemoryFirstCheckpointer(Checkpointer):
     def wait(self) -> None:
         self.inner.wait()
 
+    def settle(self) -> bool:
+        return self.inner.settle()
+
     def abort(self) -> None:
         self.inner.abort()
 

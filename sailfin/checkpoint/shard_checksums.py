@@ -71,6 +71,7 @@ class _ChecksumMixin:
     fs: Any
     path: Any
     sailfin_checksums: dict[str, tuple[int, int]] = {}
+    refusal: str = ""  # set: this rank refuses to write (the save fails on every rank)
 
     def _checksum(self, relative: str) -> tuple[int, int]:
         with self.fs.create_stream(self.fs.concat_path(self.path, relative), "rb") as stream:
@@ -81,6 +82,8 @@ class _ChecksumMixin:
         from torch.distributed.checkpoint.storage import WriteResult
         from torch.futures import Future
 
+        if self.refusal:
+            raise CheckpointError(self.refusal)
         results = super().write_data(plan, planner).wait()  # type: ignore[misc]
         files = sorted({r.storage_data.relative_path for r in results})
         sums = {name: self._checksum(name) for name in files}  # this rank wrote them

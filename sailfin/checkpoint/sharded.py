@@ -38,7 +38,7 @@ import dataclasses
 import errno
 import os
 import warnings
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
@@ -47,6 +47,7 @@ from ..compat.torch import fsspec_reader, fsspec_writer
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError
 from .reading import plain_name
 from .shard_checksums import checksummed_writer, describe, verify
+from .staging import SplitStager
 from .storage import LocalStorage, Storage
 
 # Saving and loading in one process (sp, or no process group) is what sailfin means to do;
@@ -115,9 +116,10 @@ def holds(value: Any, kind: type) -> bool:
 
 
 class ShardedWriter:
-    """Writes a save's sharded state on every rank; async saves run through
-    ``dcp.async_save`` on a process group of their own (so the background
-    collectives never interleave with training's).
+    """Writes a save's sharded state on every rank with ``dcp.save``; an async save is
+    copied by DCP's stagers (:mod:`.staging`) and written by the run's one writer thread
+    (``async_save`` starts one per save: 3 ms of the step on a busy 2-core machine), on a
+    process group of its own (its collectives never interleave with training's).
 
     Example (on every rank)::
 
@@ -132,11 +134,16 @@ class ShardedWriter:
         self._pending: Optional[Future] = None
         self._keys: list[str] = []
         self._staging: Optional[str] = None  # the save whose shards are being written
+        self._failed: Optional[tuple[str, str]] = None  # (save, why) its shards failed
         self._group: Any = None
-        self._stager: Any = None  # DCP's DefaultStager, kept for the run (async saves)
+        self._stager: Optional[SplitStager] = None  # async saves' copies, kept for the run
+        self._thread: Optional[ThreadPoolExecutor] = None  # async saves' writer
         self._writer_used: Any = None  # rank 0's holds every file's checksum after the save
 
-    def save(self, staging: str, state: dict[str, Any], async_save: bool) -> None:
+    def save(self, staging: str, state: dict[str, Any], async_save: bool, step: int = 0,
+             later: frozenset = frozenset()) -> None:
+        """``later``: storages an async save may copy while training goes on, until
+        :meth:`settle` (the optimizers' state; see :mod:`.staging`)."""
         import torch.distributed.checkpoint as dcp
 
         import torch.distributed as dist
@@ -149,7 +156,7 @@ class ShardedWriter:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()  # no rank makes the folder while rank 0 still removes the old one
         self.storage.makedirs(path)
-        self._keys, self._staging = sorted(state), staging
+        self._keys, self._staging, self._failed = sorted(state), staging, None
         self._writer_used = writer = self._writer(path)
         if not async_save:
             try:
@@ -160,18 +167,30 @@ class ShardedWriter:
             return
         if self._group is None and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")  # every rank saves: collective is fine
-        # Returns once this rank's shards are copied to CPU memory; writes in a thread.
-        if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        if self._stager is None:  # its CPU copies are reused from save to save (no fresh
+            # allocation, no page faults on the step's path; pinned for CUDA tensors)
+            self._stager = SplitStager(pinned=torch.cuda.is_available())
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="sailfin-dcp-save")
+        # This rank's state is copied to CPU memory now (``later``: by the thread, until
+        # settle()); the thread writes it.
+        staged, fill = self._stager.stage(state, later, step)
+        self._pending = self._thread.submit(self._write, staged, fill, writer)
 
-            # One stager for the run: it keeps its CPU copies from one save to the next (no
-            # fresh allocation, no page faults on the step's path); pinned for CUDA tensors.
-            cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(StagingOptions(
-                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
-                use_non_blocking_copy=False))
-        self._pending = dcp.async_save(state, storage_writer=writer, process_group=self._group,
-                                       async_stager=self._stager)
+    def _write(self, staged: dict[str, Any], fill: Callable[[], None], writer: Any) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        fill()
+        if self._stager is not None and not self._stager.consistent():
+            # This rank's copy is not the save's state: DCP fails the save on every rank,
+            # so rank 0 never commits it.
+            writer.refusal = self._stager.refusal()
+        dcp.save(staged, storage_writer=writer, process_group=self._group)
+
+    def settle(self) -> bool:
+        """Before the next optimizer step: wait for the copy of the optimizers' state an
+        async save left to a thread; raise if that state changed meanwhile. True when
+        there was such a copy."""
+        return self._stager is not None and self._stager.settle()
 
     def wait(self) -> None:
         """Block until this rank's last shards are on storage; raise if writing failed."""
@@ -183,8 +202,10 @@ class ShardedWriter:
         try:
             pending.result()
         except _failures() as exc:
-            raise _write_failure(self.storage, self.storage.join(self._staging or "", SHARDS),
-                                 exc) from None
+            failure = _write_failure(self.storage, self.storage.join(self._staging or "",
+                                                                     SHARDS), exc)
+            self._failed = (self._staging, str(failure))  # the other waiter must know too
+            raise failure from None
         finally:
             if self._pending is pending:
                 self._pending = None
@@ -194,9 +215,10 @@ class ShardedWriter:
         try:
             self.wait()
         finally:
-            if self._stager is not None:
+            if self._stager is not None and self._thread is not None:
+                self._thread.shutdown(wait=True)
                 self._stager.close()
-                self._stager = None
+                self._stager = self._thread = None
 
     def finish(self, staging: str) -> Optional[dict[str, Any]]:
         """Rank 0, before the manifest: wait for the shards (DCP's async save completes on
@@ -205,6 +227,8 @@ class ShardedWriter:
         if staging != self._staging:
             return None
         self.wait()
+        if self._failed is not None and self._failed[0] == staging:  # seen by the other
+            raise CheckpointError(self._failed[1])                    # waiter first
         sums = self._writer_used.sailfin_checksums
         listed = set(self.storage.listdir(self.storage.join(staging, SHARDS)))
         if set(sums) != listed:  # a file no rank reported, or one reported but absent

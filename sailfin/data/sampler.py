@@ -7,7 +7,7 @@ run resumed on another world size continues the same order.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional, Protocol, runtime_checkable
+from typing import Callable, Iterator, Optional, Protocol, runtime_checkable
 
 import numpy as np
 import torch

@@ -147,10 +147,10 @@ def test_async_shards_are_staged_into_copies_kept_from_save_to_save(tmp_path):
     stager = ckpt.shards._stager
     real_stage = stager.stage
 
-    def spy(state, **kw):
-        out = real_stage(state, **kw)
+    def spy(state, later, step):
+        out, fill = real_stage(state, later, step)
         staged.append(out["module"]["w"].untyped_storage().data_ptr())
-        return out
+        return out, fill
 
     stager.stage = spy
     weight.add_(1.0)
@@ -167,3 +167,142 @@ def test_async_shards_are_staged_into_copies_kept_from_save_to_save(tmp_path):
                  no_dist=True)
         assert torch.equal(state["module"]["w"], torch.full((256, 256), value))
     assert ckpt.shards._stager is None  # closed with the checkpointer
+
+
+def test_an_async_save_copies_the_optimizer_state_while_the_next_step_runs(tmp_path):
+    """The optimizers' state (``later``) is copied by the writing thread, after the save
+    returns; the parameters are copied before it returns. Either way the checkpoint holds
+    the values at the save; a change to ``later`` before settle() is refused."""
+    import torch.distributed.checkpoint as dcp
+
+    from sailfin.checkpoint.errors import CheckpointError
+    from sailfin.checkpoint.staging import storage_key
+
+    ckpt = DirectoryCheckpointer(str(tmp_path), CheckpointArguments(async_save=True), DistEnv())
+    weight, momentum = torch.ones(64, 64), torch.full((64, 64), 5.0)
+    gate = threading.Event()
+
+    def save(step):
+        facts = {"step": step, "epoch": 0, "step_in_epoch": step, "samples_seen": step,
+                 "world_size": 1}
+        ckpt.save(Snapshot(step, facts, {"trainer": {"step": step}}, {"rng": torch.arange(2)},
+                           sharded={"module": {"w": weight}, "optimizers": {"m": momentum}},
+                           later=frozenset({storage_key(momentum)})))
+
+    save(1)
+    assert ckpt.settle() is True and ckpt.settle() is False  # one copy, settled once
+    ckpt.wait()
+    ckpt.shards._thread.submit(gate.wait)  # the writing thread is busy: the copy waits
+    save(2)
+    weight.add_(1.0)  # the next forward may change parameters: copied already
+    gate.set()
+    assert ckpt.settle() is True
+    momentum.mul_(2)  # the optimizer step, after settle()
+    ckpt.wait()
+    gate.clear()
+    ckpt.shards._thread.submit(gate.wait)
+    save(3)
+    momentum.add_(1.0)  # an optimizer stepped before settle(): that save is not one step's
+    gate.set()
+    with pytest.raises(CheckpointError, match="step 3.*async_save: false"):
+        ckpt.settle()
+    with pytest.raises(CheckpointError, match="step 3.*async_save: false"):
+        ckpt.wait()  # the writer refused it too: DCP fails the save on every rank
+    ckpt.abort()
+    ckpt.close()
+    assert ckpt.latest() == "step-00000002"
+    state = {"module": {"w": torch.zeros(64, 64)}, "optimizers": {"m": torch.zeros(64, 64)}}
+    dcp.load(state, checkpoint_id=str(tmp_path / "step-00000002" / "shards"), no_dist=True)
+    assert torch.equal(state["module"]["w"], torch.ones(64, 64))
+    assert torch.equal(state["optimizers"]["m"], torch.full((64, 64), 5.0))
+
+
+def test_async_saves_of_a_gpt_hold_each_steps_adamw_state(tmp_path):
+    """A nanoGPT-style model with AdamW, async saves every 2 steps: each checkpoint holds
+    the optimizer state of its step (the copy ran while the next step's forward and
+    backward did), the time waited is counted, and the same run with synchronous saves
+    writes the same bytes."""
+    from sailfin import Callback, Trainer
+    from tests.distributed.zoo_models import GPT, Tokens
+    from tests.recipes import args
+
+    class Record(Callback):  # after the saver: the state the save was given
+        def __init__(self):
+            self.at = {}
+
+        def on_step_end(self, trainer):
+            if trainer.global_step % 2 == 0:
+                opt = trainer.optimizers[0]
+                self.at[trainer.global_step] = [
+                    {k: v.clone() for k, v in opt.state[p].items()}
+                    for p in trainer.module.parameters()]
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    runs = {}
+    for mode in (True, False):
+        out = tmp_path / str(mode)
+        record = Record()
+        torch.manual_seed(0)
+        trainer = Trainer(GPT(Tokens()), args(out, epochs=1, max_steps=6, train_batch_size=8,
+                                              micro_batch_size=8, checkpoint={
+                                                  "every_n_steps": 2, "at_epoch_end": False,
+                                                  "keep_last": None, "async_save": mode}))
+        trainer.callbacks.append(record)
+        trainer.train()
+        saver = trainer.saver
+        assert len(saver.stall_seconds) == 3 and min(saver.stall_seconds) > 0
+        for step in (2, 4):
+            shards = out / "checkpoints" / f"step-{step:08d}" / "shards"
+            dcp_to_torch_save(str(shards), str(tmp_path / f"{mode}-{step}.pt"))
+            saved = torch.load(tmp_path / f"{mode}-{step}.pt", weights_only=False)
+            names = [n for n, _ in trainer.module.named_parameters()]
+            for name, expected in zip(names, record.at[step]):
+                for key, value in expected.items():
+                    assert torch.equal(saved["optimizers"]["0"]["state"][name][key], value), (
+                        mode, step, name, key)
+            runs[(mode, step)] = saved
+    for step in (2, 4):
+        a, b = runs[(True, step)], runs[(False, step)]
+        assert a["module"].keys() == b["module"].keys()
+        assert all(torch.equal(a["module"][k], b["module"][k]) for k in a["module"])
+
+
+def test_an_optimizer_stepped_outside_the_step_refuses_that_async_save(tmp_path):
+    """A callback that changes the optimizer state between an async save and the next
+    optimizer step: that save is refused before it is committed, the error says what to
+    set, the earlier checkpoint stays; the advice (async_save: false) runs to the end."""
+    from sailfin import Callback, Trainer
+    from sailfin.checkpoint.errors import CheckpointError
+    from tests.recipes import IdData, LinearRecipe, args
+
+    class Meddle(Callback):
+        def __init__(self):
+            self.gate = threading.Event()
+
+        def on_step_end(self, trainer):  # before the saver's: keep the writer thread busy
+            writer = getattr(trainer.checkpointer.shards, "_thread", None)
+            if trainer.global_step == 4 and writer is not None:
+                writer.submit(self.gate.wait)  # so that step 4's copy comes after the change
+
+        def on_step_begin(self, trainer):
+            if trainer.global_step == 4:  # after the save of step 4, before step 5's update
+                for state in trainer.optimizers[0].state.values():
+                    state["momentum_buffer"].mul_(0.5)
+                self.gate.set()
+
+    def run(async_save):
+        saves = {"at_epoch_end": False, "every_n_steps": 2, "async_save": async_save,
+                 "keep_last": None}
+        return Trainer(LinearRecipe(IdData(100, 12), momentum=0.9),
+                       args(tmp_path / str(async_save), max_steps=6, checkpoint=saves),
+                       callbacks=[Meddle()])
+
+    with pytest.raises(CheckpointError, match="step 4 began.*async_save: false.*previous "
+                                              "checkpoint step-00000002 is kept"):
+        run(True).train()
+    assert sorted(p.name for p in (tmp_path / "True" / "checkpoints").iterdir()) == [
+        "latest", "step-00000002"]
+    trainer = run(False)
+    trainer.train()
+    assert trainer.global_step == 6 and trainer.checkpointer.latest() == "step-00000006"

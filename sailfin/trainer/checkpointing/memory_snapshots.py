@@ -23,6 +23,7 @@ from ...utils.voice import say
 from ...checkpoint.memory_checkpointer import MemoryFirstCheckpointer
 from ...checkpoint.memory_shards import local_shards, mesh_of
 from ...checkpoint.rng import rng_state
+from ...checkpoint.staging import optimizer_storages, storage_key
 from ...config.trainer import TrainerArguments
 from ..core.callbacks import Callback, notify_save_end
 from .memory_space import mb, snapshot_bytes
@@ -180,17 +181,10 @@ class MemorySnapshots(Callback):
 
 
 def stepped_state(trainer: "RunView") -> frozenset:
-    """``(data_ptr, device)`` of the storages only an optimizer step changes: the
-    parameters and the optimizers' state (fsdp: this rank's rows)."""
-    def key(tensor: torch.Tensor) -> tuple[int, str]:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        return (local.untyped_storage().data_ptr(), str(local.device))
-
-    keys = {key(p) for p in trainer.module.parameters()}
-    for optimizer in trainer.optimizers:
-        for state in optimizer.state.values():
-            keys.update(key(v) for v in state.values() if isinstance(v, torch.Tensor))
-    return frozenset(keys)
+    """The storages only an optimizer step changes: the parameters and the optimizers'
+    state (fsdp: this rank's rows)."""
+    return (frozenset(storage_key(p) for p in trainer.module.parameters())
+            | optimizer_storages(trainer.optimizers))
 
 
 def memory_snapshot_callback(checkpointer: Checkpointer, args: TrainerArguments,

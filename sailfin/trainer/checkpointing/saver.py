@@ -17,6 +17,7 @@ from ...checkpoint.rng import rng_state
 from ...checkpoint.serialize import check_plain
 from ...backends.state import dcp_optimizer_state
 from ...checkpoint.sharded import split_sharded
+from ...checkpoint.staging import optimizer_storages
 from ...config.checkpoint import CheckpointArguments
 from ...config.errors import suggest
 from ...distributed.watchdog import CHECKPOINT_SAVE
@@ -50,6 +51,7 @@ class CheckpointCallback(Callback):
         self.stall_seconds: list[float] = []
         self._improved = False   # the best metric improved since the last save
         self._saved_step = -1
+        self.settler: Optional[Callback] = None  # async saves: AsyncCopySettler, in the loop
 
     # -- the moments -------------------------------------------------------------
     def on_validation_end(self, trainer: "RunView",
@@ -114,8 +116,12 @@ class CheckpointCallback(Callback):
                 f"{type(self.checkpointer).__name__} cannot write the model's state with DCP: "
                 "subclass sailfin.checkpoint.DirectoryCheckpointer for "
                 "trainer.checkpoint.class_path")
+        # async: the optimizers' state is copied while the next forward and backward run
+        # (AsyncCopySettler waits for it before the optimizer step).
+        later = optimizer_storages(trainer.optimizers) if self.settler else frozenset()
         snapshot = Snapshot(step=trainer.global_step, facts=facts, shared={"trainer": state},
-                            rank_state=rng_state(), is_best=self._improved, sharded=sharded)
+                            rank_state=rng_state(), is_best=self._improved, sharded=sharded,
+                            later=later)
         beat = trainer.heartbeat
         phase, beat.phase = beat.phase, CHECKPOINT_SAVE  # the watchdog's slow-phase limit
         try:
@@ -176,6 +182,27 @@ class StepCheckpointCallback(CheckpointCallback):
             self.save(trainer)
 
 
+class AsyncCopySettler(Callback):
+    """With ``async_save``: before each optimizer step, wait for the copy of the
+    optimizers' state the last save left to a thread (see ``sailfin/checkpoint/staging.py``).
+    A callback of its own, so that runs without async saves make no call per step."""
+
+    def __init__(self, saver: CheckpointCallback) -> None:
+        self.saver = saver
+
+    def on_backward_end(self, trainer: "RunView", samples: int) -> bool:
+        started = time.perf_counter()
+        try:
+            waited = self.saver.checkpointer.settle()
+        except CheckpointError as exc:
+            raise self.saver._failed(trainer, exc) from exc
+        if waited:  # part of the last save's stall (the time account's too)
+            seconds = time.perf_counter() - started
+            self.saver.stall_seconds[-1] += seconds
+            notify_save_end(trainer, "checkpoint copy", seconds)
+        return False
+
+
 def _no_space(exc: Optional[BaseException]) -> bool:
     """Whether ``exc`` or what caused it is a full disk (ENOSPC, or a quota: EDQUOT)."""
     seen = 0
@@ -208,6 +235,14 @@ def checkpoint_callback(checkpointer: Checkpointer, args: CheckpointArguments
         return AutoStepCheckpointCallback(checkpointer, args)
     cls = StepCheckpointCallback if args.every_n_steps else CheckpointCallback
     return cls(checkpointer, args)
+
+
+def checkpoint_callbacks(saver: Optional[CheckpointCallback]) -> list[Callback]:
+    """The saver, and with ``async_save`` what settles its copies before each step."""
+    if saver is None or not saver.args.async_save:
+        return [saver] if saver is not None else []
+    saver.settler = AsyncCopySettler(saver)
+    return [saver, saver.settler]
 
 
 def pick_metric(metrics: Mapping[str, Mapping[str, float]], name: str) -> Optional[float]:

@@ -15,7 +15,7 @@ from ...utils.voice import say
 from ..checkpointing.accepted import FreshHyperparameters, apply_accepted
 from ..checkpointing.memory_snapshots import memory_snapshot_callback
 from ..checkpointing.resume import resume
-from ..checkpointing.saver import checkpoint_callback
+from ..checkpointing.saver import checkpoint_callback, checkpoint_callbacks
 from ..features.autobatch import auto_micro_batch
 from ..features.loop_features import build_loop_features
 from ..features.observe import build_observers
@@ -102,7 +102,7 @@ def build_run(trainer: "Trainer") -> None:
         "given": trainer.callbacks,
         "features": features.callbacks,
         "run_stats": [trainer.run_stats],
-        "saver": [saver] if saver is not None else [],
+        "saver": checkpoint_callbacks(saver),
         "memory_snapshots": memory_snapshot_callback(trainer.checkpointer, args, saver,
                                                      trainer.module),
         "autobatch": [trainer.autobatch] if trainer.autobatch is not None else [],

@@ -58,7 +58,9 @@ class Callback:
 
     def on_save_end(self, trainer: "RunView", kind: str, seconds: float) -> None:
         """After a save: ``kind`` is ``"checkpoint"`` (to disk) or ``"snapshot"`` (memory);
-        ``seconds`` is how long training waited for it."""
+        ``seconds`` is how long training waited for it. With ``async_save``, a
+        ``"checkpoint copy"`` follows before the next optimizer step: the further wait for
+        the copy of the optimizers' state."""
 
     def on_train_end(self, trainer: "RunView") -> None: ...
 

@@ -4,7 +4,6 @@ value (and its step) and peak memory."""
 from __future__ import annotations
 
 import math
-import sys
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from ...utils.memory import peak_rss_bytes

@@ -109,7 +109,7 @@ class TimeAccount(Callback):
     def on_save_end(self, trainer: "RunView", kind: str, seconds: float) -> None:
         if self._segment is None:
             return
-        self._stalls[kind] += seconds
+        self._stalls["checkpoint" if kind == "checkpoint copy" else kind] += seconds
         if kind == "checkpoint" or time.perf_counter() - self._last_write >= _SNAPSHOT_WRITE:
             self.write(trainer, durable=kind == "checkpoint")
 

@@ -109,8 +109,8 @@ def check_schedulers_fit(trainer: "RunView") -> None:
                f"max_steps as they were, or start a new run with a new schedule from its "
                f"weights: --trainer.init_from {where} --trainer.output_dir NEW_DIR"
                if resumed else
-               f"Build it with total_steps = estimated_global_steps_per_epoch * epochs "
-               f"(the arguments of get_optimizers_schedulers), or cap trainer.max_steps"))
+               "Build it with total_steps = estimated_global_steps_per_epoch * epochs "
+               "(the arguments of get_optimizers_schedulers), or cap trainer.max_steps"))
 
 
 # -- validation sanity check -----------------------------------------------------------
