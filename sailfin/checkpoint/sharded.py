@@ -179,17 +179,17 @@ class ShardedWriter:
     def _write(self, staged: dict[str, Any], fill: Callable[[], None], writer: Any) -> None:
         import torch.distributed.checkpoint as dcp
 
-        fill()
-        if self._stager is not None and not self._stager.consistent():
-            # This rank's copy is not the save's state: DCP fails the save on every rank,
-            # so rank 0 never commits it.
-            writer.refusal = self._stager.refusal()
+        try:  # a copy that failed or is not the save's state: this rank's writer refuses, so
+            fill()  # DCP fails the save on every rank (none hangs) and rank 0 never commits
+            if self._stager is not None and not self._stager.consistent():
+                writer.refusal = self._stager.refusal()
+        except Exception as exc:
+            writer.refusal = f"copying the optimizers' state to CPU memory failed: {exc}"
         dcp.save(staged, storage_writer=writer, process_group=self._group)
 
     def settle(self) -> bool:
         """Before the next optimizer step: wait for the copy of the optimizers' state an
-        async save left to a thread; raise if that state changed meanwhile. True when
-        there was such a copy."""
+        async save left to a thread (True: there was one); raise if it changed meanwhile."""
         return self._stager is not None and self._stager.settle()
 
     def wait(self) -> None:

@@ -93,7 +93,12 @@ class SplitStager:
             if self._copy is None or self._settled:
                 return False
             self._settled = True
-        if not self.consistent():
+        try:
+            consistent = self.consistent()
+        except Exception as exc:  # the copy failed: the writer refuses that save too
+            raise CheckpointError(f"copying the optimizers' state of step {self._copy[2]} "
+                                  f"to CPU memory failed: {exc}") from exc
+        if not consistent:
             raise CheckpointError(self.refusal())
         return True
 

@@ -220,8 +220,8 @@ def test_an_async_save_copies_the_optimizer_state_while_the_next_step_runs(tmp_p
 def test_async_saves_of_a_gpt_hold_each_steps_adamw_state(tmp_path):
     """A nanoGPT-style model with AdamW, async saves every 2 steps: each checkpoint holds
     the optimizer state of its step (the copy ran while the next step's forward and
-    backward did), the time waited is counted, and the same run with synchronous saves
-    writes the same bytes."""
+    backward did), the time waited is counted, the same run with synchronous saves
+    writes the same bytes, and both end with the weights of the run without saves."""
     from sailfin import Callback, Trainer
     from tests.distributed.zoo_models import GPT, Tokens
     from tests.recipes import args
@@ -239,6 +239,11 @@ def test_async_saves_of_a_gpt_hold_each_steps_adamw_state(tmp_path):
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    torch.manual_seed(0)
+    unobserved = Trainer(GPT(Tokens()), args(tmp_path / "off", epochs=1, max_steps=6,
+                                             train_batch_size=8, micro_batch_size=8,
+                                             checkpoint={"at_epoch_end": False}))
+    unobserved.train()  # no saves at all: the runs below must end with its weights
     runs = {}
     for mode in (True, False):
         out = tmp_path / str(mode)
@@ -250,6 +255,8 @@ def test_async_saves_of_a_gpt_hold_each_steps_adamw_state(tmp_path):
                                                   "keep_last": None, "async_save": mode}))
         trainer.callbacks.append(record)
         trainer.train()
+        for a, b in zip(trainer.module.parameters(), unobserved.module.parameters()):
+            assert torch.equal(a, b), mode
         saver = trainer.saver
         assert len(saver.stall_seconds) == 3 and min(saver.stall_seconds) > 0
         for step in (2, 4):
@@ -306,3 +313,37 @@ def test_an_optimizer_stepped_outside_the_step_refuses_that_async_save(tmp_path)
     trainer = run(False)
     trainer.train()
     assert trainer.global_step == 6 and trainer.checkpointer.latest() == "step-00000006"
+
+
+def test_a_failed_copy_of_the_optimizer_state_fails_that_save_and_keeps_the_last(tmp_path):
+    """The writer thread's copy fails (memory, say): DCP's save fails on every rank rather
+    than leave one rank out of its collectives, nothing is committed, the error says why."""
+    from sailfin.checkpoint.errors import CheckpointError
+    from sailfin.checkpoint.staging import storage_key
+
+    ckpt = DirectoryCheckpointer(str(tmp_path), CheckpointArguments(async_save=True), DistEnv())
+    momentum = torch.ones(8, 8)
+
+    def save(step):
+        facts = {"step": step, "epoch": 0, "step_in_epoch": step, "samples_seen": step,
+                 "world_size": 1}
+        ckpt.save(Snapshot(step, facts, {"trainer": {"step": step}}, {"rng": torch.arange(2)},
+                           sharded={"optimizers": {"m": momentum}},
+                           later=frozenset({storage_key(momentum)})))
+
+    save(1)
+    ckpt.wait()
+
+    def no_memory(state):
+        raise MemoryError("cannot allocate 256 bytes")
+
+    ckpt.shards._stager._later.stage = no_memory
+    save(2)
+    with pytest.raises(CheckpointError, match="step 2 to CPU memory failed: cannot allocate"):
+        ckpt.settle()  # the trainer's one line (and the partial save removed) follow
+    with pytest.raises(CheckpointError, match="copying the optimizers' state to CPU memory "
+                                              "failed: cannot allocate"):
+        ckpt.wait()
+    ckpt.abort()
+    ckpt.close()
+    assert ckpt.latest() == "step-00000001"
