@@ -74,6 +74,12 @@ class Recipe(ModuleInterface):
         return nn.functional.cross_entropy(self.net(x.to(device)), y.to(device))
 
 
+def memory_callback(trainer):
+    from sailfin.trainer.checkpointing.memory_snapshots import MemorySnapshots
+
+    return next(c for c in trainer.callbacks if isinstance(c, MemorySnapshots))
+
+
 class NodeBytes(Callback):
     """At the last step (writes done on every rank): bytes of one step's snapshot in the
     node's directory, of the staging files, and of one rank's state."""
@@ -94,7 +100,7 @@ class NodeBytes(Callback):
         trainer.backend.barrier()
         if store.rank == 0:
             ranks = [d for d in os.listdir(store.root) if d.startswith("rank")]
-            # The newest step every rank holds complete (a busy writer skips steps).
+            # The newest step every rank holds complete.
             step = max(set.intersection(*[
                 {n for n in os.listdir(os.path.join(store.root, d)) if n.startswith("step-")}
                 for d in ranks]))
@@ -103,7 +109,7 @@ class NodeBytes(Callback):
                 "staging": sum(used_bytes(os.path.join(store.root, d)) for d in
                                os.listdir(store.root) if d.startswith("staging")),
                 "state": state_bytes(trainer.state_dict()) + state_bytes(rng_state()),
-                "ranks": len(ranks), "skipped": store.skipped}
+                "ranks": len(ranks), "waited": len(memory_callback(trainer).write_waits)}
         trainer.backend.barrier()
 
 
@@ -113,12 +119,13 @@ class DCPSnapshots(Callback):
     (``Trainer.state_dict()``) goes to ``dcp.async_save`` with a ``DefaultStager`` (shared
     memory, staging on its thread, overlapping the next forward and backward) and the
     process-based writer, into two directories in /dev/shm taken in turn; the step waits
-    for the staging just before the optimizer step, and a snapshot is skipped while the
-    previous one is still being written (as sailfin skips). DCP's process-based writer
-    needs a process group: under sp, a one-process gloo group on loopback."""
+    for the staging just before the optimizer step, and then for the previous snapshot's
+    write if it is not done (as sailfin waits: a kill loses at most one step). DCP's
+    process-based writer needs a process group: under sp, a one-process gloo group on
+    loopback."""
 
-    def __init__(self, root: str) -> None:
-        self.root, self.skipped = root, 0
+    def __init__(self, root: str, every: int = 1) -> None:
+        self.root, self.every, self.waited = root, every, 0
         self.issued = self.done = 0  # the newest step sent, and the one before (written)
         self.staging = self.upload = self.stager = None
         self.group_made = False
@@ -165,11 +172,14 @@ class DCPSnapshots(Callback):
         if self.staging is not None:
             self.staging.result()  # the copy must hold this step's weights, not the next
             self.staging = None
+        if ((trainer.global_step + 1) % self.every == 0 and self.upload is not None
+                and not self.upload.done()):
+            self.waited += 1
+            self.upload.result()
         return False
 
     def on_step_end(self, trainer) -> None:
-        if self.upload is not None and not self.upload.done():
-            self.skipped += 1
+        if trainer.global_step % self.every:
             return
         response = self._save(trainer, trainer.global_step)
         self.staging, self.upload = response.staging_completion, response.upload_completion
@@ -197,7 +207,8 @@ class Clock(Callback):
         self.marks.append(time.perf_counter())
 
 
-def run(out: str, memory, steps: int, dist: DistArguments | None = None) -> tuple:
+def run(out: str, memory, steps: int, dist: DistArguments | None = None, every: int = 1
+        ) -> tuple:
     """(seconds per step from the end of the first step to the end of the last, seconds
     of the first step, seconds from the last step's end until train() returned, the
     node's bytes)."""
@@ -208,10 +219,10 @@ def run(out: str, memory, steps: int, dist: DistArguments | None = None) -> tupl
         val_every_n_epochs=0, log_every_n_steps=10_000, resume="never", progress="none",
         backend="ddp" if dist is not None else "sp", distributed=dist or DistArguments(),
         checkpoint={"at_epoch_end": False,
-                    "memory": {"every_n_steps": 1} if memory is True else {}})
+                    "memory": {"every_n_steps": every} if memory is True else {}})
     node, clock = NodeBytes(steps), Clock()
     shm = os.path.join("/dev/shm", f"sailfin-bench-{os.getpid()}-{os.path.basename(out)}")
-    extra = [node] if memory is True else [DCPSnapshots(shm)] if memory == "dcp" else []
+    extra = [node] if memory is True else [DCPSnapshots(shm, every)] if memory == "dcp" else []
     trainer = Trainer(Recipe(Data(steps * BATCH * world)), args, callbacks=[clock] + extra)
     trainer.setup()
     if memory is True:
@@ -221,25 +232,25 @@ def run(out: str, memory, steps: int, dist: DistArguments | None = None) -> tupl
     trainer.close()
     marks = clock.marks
     if memory == "dcp":
-        node.found = {"skipped": extra[0].skipped}
+        node.found = {"waited": extra[0].waited}
         shutil.rmtree(shm, ignore_errors=True)
     return ((marks[-1] - marks[1]) / (steps - 1), marks[1] - marks[0], ended - marks[-1],
             node.found)
 
 
 def _rank(rank: int, port: int, out: str, memory: bool, steps: int, threads: int,
-          queue: multiprocessing.Queue) -> None:
+          queue: multiprocessing.Queue, every: int) -> None:
     torch.set_num_threads(threads)
     dist = DistArguments(launcher="manual", rank=rank, world_size=2, local_rank=rank,
                          local_world_size=2, master_addr="127.0.0.1", master_port=port,
                          threads_per_process=threads)
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        result = run(out, memory, steps, dist)
+        result = run(out, memory, steps, dist, every)
     if rank == 0:
         queue.put(result)
 
 
-def run_ddp(out: str, memory: bool, steps: int, threads: int) -> tuple:
+def run_ddp(out: str, memory: bool, steps: int, threads: int, every: int) -> tuple:
     from socket import socket
 
     with socket() as s:
@@ -247,7 +258,7 @@ def run_ddp(out: str, memory: bool, steps: int, threads: int) -> tuple:
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, out, memory, steps, threads, queue))
+    procs = [ctx.Process(target=_rank, args=(r, port, out, memory, steps, threads, queue, every))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -257,7 +268,7 @@ def run_ddp(out: str, memory: bool, steps: int, threads: int) -> tuple:
     return result
 
 
-def measure(rounds: int, steps: int, threads: int, load) -> None:
+def measure(rounds: int, steps: int, threads: int, load, every: int = 1) -> None:
     sink = io.StringIO()
     found: dict = {}
     once: dict = {}  # (arm, memory) -> [(first step, end) seconds]
@@ -266,10 +277,10 @@ def measure(rounds: int, steps: int, threads: int, load) -> None:
             def go(i: int) -> float:
                 out = os.path.join(tmp, f"{'ddp' if ddp else 'sp'}-{memory}-{i}")
                 if ddp:
-                    step, first, end, node = run_ddp(out, memory, steps, threads)
+                    step, first, end, node = run_ddp(out, memory, steps, threads, every)
                 else:
                     with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
-                        step, first, end, node = run(out, memory, steps)
+                        step, first, end, node = run(out, memory, steps, every=every)
                 if node and memory is True:
                     found.setdefault("ddp" if ddp else "sp", []).append(node)
                 if memory == "dcp":
@@ -289,30 +300,28 @@ def measure(rounds: int, steps: int, threads: int, load) -> None:
             if not ddp:
                 figures["dcp"] = [r["dcp"] / r["without"] for r in results]
                 figures["sailfin/dcp"] = [r["with"] / r["dcp"] for r in results]
-            # What one snapshot taken costs the steps: the extra step time of a round's run
-            # spread over the snapshots it took (a busy writer's skipped ones cost nothing).
-            nodes = found.get("ddp" if ddp else "sp", [])[-len(results):]
-            per_snapshot[name] = [(r["with"] - r["without"]) * (steps - 1)
-                                  / max(1, steps - n["skipped"]) for r, n in zip(results, nodes)]
+            # What one snapshot costs the steps: a round's extra step time.
+            per_snapshot[name] = [(r["with"] - r["without"]) * every for r in results]
     params = sum(a * b + b for a, b in zip(DIMS, DIMS[1:]))
-    print(f"memory snapshots every step, AdamW, {params / 1e6:.1f} M parameters, {steps} steps "
+    print(f"memory snapshots every {every} step(s), AdamW, {params / 1e6:.1f} M parameters, {steps} steps "
           f"per run, {rounds} rounds, {threads} thread(s) per process:")
-    dcp_skipped = [n["skipped"] for n in found.get("dcp", [])]
+    dcp_waited = [n["waited"] for n in found.get("dcp", [])]
     print(f"  the alternative, sp: DCP async_save (DefaultStager in shared memory, staging "
-          f"overlapped, process writer) every step / without: {spread(figures['dcp'])}; "
-          f"skipped per run: median {statistics.median(dcp_skipped) if dcp_skipped else 0}")
+          f"overlapped, process writer) / without: {spread(figures['dcp'])}; "
+          f"steps that waited for a write per run: median "
+          f"{statistics.median(dcp_waited) if dcp_waited else 0}")
     print(f"  sailfin's snapshots over DCP's, sp: {spread(figures['sailfin/dcp'])} "
           "(below 1: sailfin's are cheaper)")
     for (name, values), key in zip(((k, figures[k]) for k in ("sp", "2-process ddp")),
                                    ("sp", "ddp")):
-        skipped = [n["skipped"] for n in found.get(key, [])]
-        print(f"  step time with a snapshot every step / without, {name:>13}: "
-              f"{spread(values)}; snapshots skipped (the previous one still being written) "
-              f"per run of {steps}: median {statistics.median(skipped) if skipped else 0}")
+        waited = [n["waited"] for n in found.get(key, [])]
+        print(f"  step time with snapshots / without, {name:>13}: "
+              f"{spread(values)}; steps that waited for the previous snapshot's write "
+              f"per run of {steps}: median {statistics.median(waited) if waited else 0}")
         if per_snapshot.get(name):
             cost = statistics.median(per_snapshot[name])
-            print(f"    each snapshot taken costs the steps {cost * 1e3:+.2f} ms (median of the "
-                  f"rounds: their extra step time over the snapshots they took)")
+            print(f"    each snapshot costs the steps {cost * 1e3:+.2f} ms (median of the "
+                  f"rounds' extra step time)")
         extra = [statistics.median(x[i] for x in once[(key, True)])
                  - statistics.median(x[i] for x in once[(key, False)]) for i in (0, 1)]
         print(f"    once per run, with snapshots: first step {extra[0] * 1e3:+.1f} ms, "
@@ -324,7 +333,8 @@ def measure(rounds: int, steps: int, threads: int, load) -> None:
               f"{node['state'] / 2**20:.1f} MiB per rank: "
               f"{node['snapshot'] / node['state']:.3f} x one rank's state; staging "
               f"{node['staging'] / 2**20:.1f} MiB")
-    summary("memory_snapshots.py", "sp step time with / without a snapshot every step",
+    summary("memory_snapshots.py", f"sp step time with / without a snapshot every {every} "
+            "step(s)",
             figures["sp"], load, threads,
             extra=f"2-process ddp {statistics.median(figures['2-process ddp']):.3f}")
 
@@ -334,11 +344,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--every", type=int, default=1, help="a snapshot every N steps")
     add_load_options(parser)
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     load = start(opts, "memory_snapshots.py")
-    measure(opts.rounds, opts.steps, opts.threads, load)
+    measure(opts.rounds, opts.steps, opts.threads, load, opts.every)
 
 
 if __name__ == "__main__":

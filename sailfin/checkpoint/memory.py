@@ -18,11 +18,13 @@ writer process (:mod:`.memory_writer`) writes the files under ``.tmp-step-N``
 (over the oldest snapshot's pages) and renames the directory once complete and
 once the copy is known to hold its step; a thread waits for it and
 (``replicas: 1``) sends the files to a rank on the next node (``replica-rank<r>/``).
-At the next snapshot every rank says whether its previous one is complete (one
-tiny all-reduce): if one is still being written, every rank skips this step; if
-one found the file system full, every rank stops taking snapshots (one warning;
-training and disk checkpoints go on). Every rank therefore always holds a step
-that all ranks hold complete, and at most two snapshots.
+Before the next snapshot each rank waits until its previous one is written
+(:meth:`MemoryStore.written`; the trainer does so before the step that takes it
+ends, so a kill loses at most the steps between two snapshots), then the ranks
+agree (one tiny all-reduce): if one found the file system full, every rank stops
+taking snapshots (one warning; training and disk checkpoints go on). Every rank
+therefore always holds a step that all ranks hold complete, and at most two
+snapshots.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import errno
 import os
 import pickle
 import shutil
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_for
 from typing import Any, Optional
 
 from . import manifest as manifests
@@ -48,8 +50,8 @@ from .storage import LocalStorage
 __all__ = ["MemoryStore", "NoSpace", "rank_file", "step_name"]
 
 # The previous snapshot, as the ranks agree on it (MIN): a failure wins over a full file
-# system, which wins over one still being written.
-_FAILED, _FULL, _BUSY, _READY = 0, 1, 2, 3
+# system.
+_FAILED, _FULL, _READY = 0, 1, 2
 
 
 class NoSpace(OSError):
@@ -101,7 +103,6 @@ class MemoryStore:
         self._last: Optional[int] = None  # the step of the last snapshot started
         self._bytes: dict[int, int] = {}  # step -> bytes this rank wrote to the node for it
         self.run = ""  # the run's identity (memory_dirs.run_identity), in every manifest
-        self.skipped = 0  # snapshots skipped: the previous one was still being written
         self.stopped: Optional[str] = None  # why snapshots stopped (the file system filled)
         self._full: Optional[BaseException] = None  # a write found it full (seen by wait)
         # Replicas go to the same local rank on the next node, and come from the previous.
@@ -129,26 +130,28 @@ class MemoryStore:
     def save(self, step: int, facts: dict[str, Any], shared: dict[str, Any],
              rank_state: Any, replicated: bool = False) -> bool:
         """Snapshot ``step`` on every rank (:meth:`ready`, then :meth:`stage` copying
-        everything at once); False when skipped (or stopped)."""
+        everything at once); False when snapshots stopped."""
         return self.ready(step) and self.stage(step, facts, shared, rank_state, replicated)
 
+    def written(self) -> bool:
+        """Wait until the last snapshot's files are written (and replicated); True when it
+        had to wait. Whether the write succeeded is left to :meth:`ready`'s agreement."""
+        self.settle()
+        if self._pending is None or self._pending[1].done():
+            return False
+        wait_for([self._pending[1]])
+        return True
+
     def ready(self, step: int) -> bool:
-        """Whether every rank takes the snapshot of ``step``. Every rank says whether its
-        previous snapshot is written (one tiny all-reduce): if one is still being written,
-        every rank skips this step (the step never waits for a write); if one found the
-        file system full, every rank stops; once all are written, older snapshots go."""
+        """Whether every rank takes the snapshot of ``step``. Each rank waits until its
+        previous snapshot is written (:meth:`written`), then says how it went (one tiny
+        all-reduce): if one failed, every rank raises; if one found the file system full,
+        every rank stops; else older snapshots go."""
         if self.stopped is not None:
             return False
-        self.settle()
-        busy = self._pending is not None and not self._pending[1].done()
-        error = (self._pending[1].exception() if self._pending is not None and not busy
-                 else self._full)
-        agreed = self.peers.min(_FULL if _is_full(error) else _FAILED if error else
-                                _BUSY if busy else _READY)
-        if agreed == _BUSY:
-            self.skipped += 1
-            return False
-        self._finish()
+        self.written()
+        error = self._finish() or self._full
+        agreed = self.peers.min(_FULL if _is_full(error) else _FAILED if error else _READY)
         if agreed == _FULL:
             self._stop(step, error)
             return False
@@ -222,7 +225,7 @@ class MemoryStore:
         verdict.give(unchanged)
         if unchanged and verdict.written.is_set():
             # The files are written: the rename is a moment, and the step it waits for
-            # then ends with its snapshot complete (and the next one is not skipped).
+            # then ends with its snapshot complete.
             verdict.renamed.wait()
         return unchanged
 

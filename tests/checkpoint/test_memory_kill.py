@@ -57,13 +57,14 @@ def test_kill_9_with_memory_snapshots_loses_at_most_one_step(tmp_path):
     text = log.read_text()
     assert kills == 3, f"the run ended after {kills} kills (random seed {seed}):\n{text}"
     # Each restart resumes from the newest state: a memory snapshot, or a disk checkpoint
-    # when one was written after the newest complete snapshot (a snapshot skipped
-    # because the previous one was still being written, on a loaded machine).
+    # written after the newest complete snapshot. A step waits for the previous snapshot's
+    # write before its optimizer step, so the step before the last one logged is complete
+    # however loaded the machine is.
     resumed = [int(s) for s in re.findall(r"sailfin: resuming from \S+: step (\d+)", text)]
     assert len(resumed) == 3, text
     # Each from memory, or from a disk checkpoint newer than every complete snapshot: a
-    # step's snapshot is complete once the next step's optimizer step starts, so a kill
-    # just after a disk checkpoint's step finds that checkpoint newer (the run says so).
+    # kill just after a disk checkpoint's step, before its snapshot is written, finds that
+    # checkpoint newer (the run says so).
     from_memory = text.count("resuming from memory")
     from_newer_disk = text.count("is older than the disk checkpoint of step")
     assert from_memory + from_newer_disk == 3, text

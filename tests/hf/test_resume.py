@@ -32,15 +32,13 @@ def test_a_crash_resumed_from_memory_snapshots_ends_as_a_run_without_them(data_d
     from its snapshots, ends with the weights of the same run without snapshots: the
     copies made while training went on, and the files the writer process wrote, hold each
     step's state exactly, snapshot after snapshot."""
-    from tests.checkpoint.test_memory import Settle
-
     plain = dict(max_steps=7, checkpoint={"at_epoch_end": False})
     ref, _, _ = train("causal_lm", data_dir, tmp_path / "ref", **plain)
     snapshots = dict(max_steps=7, checkpoint={
         "at_epoch_end": False, "memory": {"every_n_steps": 1, "dir": str(tmp_path / "shm")}})
     out = tmp_path / "run"
-    with pytest.raises(Crash):  # Settle: every step's snapshot is taken, none skipped
-        train("causal_lm", data_dir, out, callbacks=[Settle(), CrashAt(6)], **snapshots)
+    with pytest.raises(Crash):  # step 6 waited for step 5's write: it is complete
+        train("causal_lm", data_dir, out, callbacks=[CrashAt(6)], **snapshots)
     capfd.readouterr()
     module, trainer, _ = train("causal_lm", data_dir, out, **snapshots)
     assert "resuming from memory, step 5" in capfd.readouterr().err

@@ -33,14 +33,18 @@ if TYPE_CHECKING:
     from ..core.view import RunView
 
 class MemorySnapshots(Callback):
-    """Snapshots every ``every_n_steps`` optimizer steps; training waits for the copy only.
+    """Snapshots every ``every_n_steps`` optimizer steps; training waits for the copy, and
+    for a write only when it is slower than the steps between snapshots.
 
     The step copies what the next forward may change (buffers, random streams, the
     trainer's state); a thread copies the parameters and the optimizer's state while the
     next forward and backward run, and the optimizer step waits for it. A version check
     proves nothing changed them meanwhile; if something did, that snapshot is dropped
-    and later ones are copied at once. ``stall_seconds`` records how long each snapshot
-    held training (at the step's end and before the next optimizer step).
+    and later ones are copied at once. The step that takes the next snapshot waits, before
+    its optimizer step, until the last one is written: a kill then loses at most
+    ``every_n_steps``. ``stall_seconds`` records how long each snapshot held training (at
+    the step's end and before later optimizer steps); ``write_waits`` the waits for a
+    write.
 
     Example::
 
@@ -58,6 +62,7 @@ class MemorySnapshots(Callback):
         # Persisting is an ordinary (async) save; the saver also supplies the best metric.
         self.saver = saver or CheckpointCallback(checkpointer, args.checkpoint)
         self.stall_seconds: list[float] = []
+        self.write_waits: list[float] = []  # a step waited for the previous write (seconds)
         self.snapshot_bytes = 0  # one rank's whole snapshot state, as counted before step 1
         self._warned = False  # the file system filled: said once
         # Parameters and optimizer state are copied while the next step's forward and
@@ -110,17 +115,24 @@ class MemorySnapshots(Callback):
     def on_backward_end(self, trainer: "RunView", samples: int) -> bool:
         """Before the optimizer step changes them: wait until the parameters and optimizer
         state of the last snapshot are copied (a thread copied them during this step's
-        forward and backward)."""
-        self.settle(trainer)
+        forward and backward); and when this step takes the next snapshot, until the last
+        one is written, so that a kill loses at most the steps between two snapshots."""
+        self.settle(trainer, written=(trainer.global_step + 1) % self.every == 0)
         return False
 
-    def settle(self, trainer: "RunView") -> None:
+    def settle(self, trainer: "RunView", written: bool = False) -> None:
         started = time.perf_counter()
         settled = self.store.settle()
-        if settled is None:
+        waited = written and self.store.written()
+        if settled is None and not waited:
             return
-        self.stall_seconds[-1] += time.perf_counter() - started
-        notify_save_end(trainer, "snapshot", self.stall_seconds[-1])  # the time account
+        seconds = time.perf_counter() - started
+        self.stall_seconds[-1] += seconds
+        if waited:
+            self.write_waits.append(seconds)
+        # The time account: the whole stall once its copy is settled, else this wait.
+        notify_save_end(trainer, "snapshot", self.stall_seconds[-1] if settled is not None
+                        else seconds)
         if settled is False and self.overlap:
             self.overlap = False
             say(f"memory snapshots: rank {trainer.dist.rank}'s parameters or optimizer "
@@ -131,10 +143,11 @@ class MemorySnapshots(Callback):
 
     def on_train_end(self, trainer: "RunView") -> None:
         self.settle(trainer)
-        if self.store.skipped and trainer.dist.is_main:
-            say(f"memory snapshots: {self.store.skipped} of {len(self.stall_seconds)} skipped: "
-                "the previous one was still being written (a write took longer than the "
-                "steps between snapshots; a restart may lose that many more steps)")
+        if self.write_waits and trainer.dist.is_main:
+            say(f"memory snapshots: {len(self.write_waits)} of {len(self.stall_seconds)} "
+                f"waited {sum(self.write_waits):.1f} s in all for the previous one's write "
+                "(slower than the steps between snapshots); a larger "
+                "trainer.checkpoint.memory.every_n_steps leaves the writer more time")
         # The final state is on disk (the saver's on_train_end ran first): the RAM goes back.
         self.store.remove_mine()
         trainer.backend.barrier()
