@@ -19,8 +19,8 @@ writer process (:mod:`.memory_writer`) writes the files under ``.tmp-step-N``
 once the copy is known to hold its step; a thread waits for it and
 (``replicas: 1``) sends the files to a rank on the next node (``replica-rank<r>/``).
 Before the next snapshot each rank waits until its previous one is written
-(:meth:`MemoryStore.written`; the trainer does so before the step that takes it
-ends, so a kill loses at most the steps between two snapshots), then the ranks
+(:meth:`MemoryStore.written`; the trainer does so before it logs the step that takes
+it, so a kill loses at most the steps between two snapshots), then the ranks
 agree (one tiny all-reduce): if one found the file system full, every rank stops
 taking snapshots (one warning; training and disk checkpoints go on). Every rank
 therefore always holds a step that all ranks hold complete, and at most two

@@ -86,8 +86,8 @@ def test_resume_from_memory_is_bit_identical(tmp_path, capfd):
 def test_a_write_slower_than_the_steps_is_waited_for_and_a_crash_loses_one_step(
         tmp_path, capfd, monkeypatch):
     """Every write takes 0.2 s, a step almost nothing: each step waits for the previous
-    snapshot's write before its optimizer step (skipping snapshots would lose more), so a
-    crash just after step 7 resumes from step 6, and the run's end says what it waited."""
+    snapshot's write before it is logged (skipping snapshots would lose more), so a crash
+    just after step 7 resumes from step 6, and the run's end says what it waited."""
     write = MemoryStore._write
 
     def slow(self, *args, **kwargs):

@@ -58,8 +58,8 @@ def test_kill_9_with_memory_snapshots_loses_at_most_one_step(tmp_path):
     assert kills == 3, f"the run ended after {kills} kills (random seed {seed}):\n{text}"
     # Each restart resumes from the newest state: a memory snapshot, or a disk checkpoint
     # written after the newest complete snapshot. A step waits for the previous snapshot's
-    # write before its optimizer step, so the step before the last one logged is complete
-    # however loaded the machine is.
+    # write before it is logged, so the snapshot of the step before the last one logged is
+    # complete however loaded the machine is.
     resumed = [int(s) for s in re.findall(r"sailfin: resuming from \S+: step (\d+)", text)]
     assert len(resumed) == 3, text
     # Each from memory, or from a disk checkpoint newer than every complete snapshot: a

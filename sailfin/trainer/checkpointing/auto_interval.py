@@ -211,6 +211,11 @@ class AutoMemorySnapshots(MemorySnapshots):
         if self.persist and step % self.persist == 0:
             self.saver.save(trainer)
 
+    def before_log(self, trainer: "RunView", then: Any) -> Any:
+        """Which step is due is decided at its end: the snapshot waits for the previous
+        one's write there (:meth:`MemoryStore.ready`)."""
+        return then
+
     def summary_fields(self) -> dict[str, Any]:
         return {"memory_snapshot_interval": self.interval.choice}
 

@@ -13,7 +13,7 @@ import dataclasses
 import os
 import shutil
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -32,6 +32,8 @@ from .saver import CheckpointCallback, manifest_facts
 if TYPE_CHECKING:
     from ..core.view import RunView
 
+StepHook = Callable[[int, Any, Any], None]  # (global_step, loss, stats): on_end_train_step
+
 class MemorySnapshots(Callback):
     """Snapshots every ``every_n_steps`` optimizer steps; training waits for the copy, and
     for a write only when it is slower than the steps between snapshots.
@@ -40,9 +42,9 @@ class MemorySnapshots(Callback):
     trainer's state); a thread copies the parameters and the optimizer's state while the
     next forward and backward run, and the optimizer step waits for it. A version check
     proves nothing changed them meanwhile; if something did, that snapshot is dropped
-    and later ones are copied at once. The step that takes the next snapshot waits, before
-    its optimizer step, until the last one is written: a kill then loses at most
-    ``every_n_steps``. ``stall_seconds`` records how long each snapshot held training (at
+    and later ones are copied at once. The step that takes the next snapshot waits, after
+    its optimizer step and before it is logged, until the last one is written
+    (:meth:`before_log`): a kill then loses at most ``every_n_steps``. ``stall_seconds`` records how long each snapshot held training (at
     the step's end and before later optimizer steps); ``write_waits`` the waits for a
     write.
 
@@ -115,10 +117,24 @@ class MemorySnapshots(Callback):
     def on_backward_end(self, trainer: "RunView", samples: int) -> bool:
         """Before the optimizer step changes them: wait until the parameters and optimizer
         state of the last snapshot are copied (a thread copied them during this step's
-        forward and backward); and when this step takes the next snapshot, until the last
-        one is written, so that a kill loses at most the steps between two snapshots."""
-        self.settle(trainer, written=(trainer.global_step + 1) % self.every == 0)
+        forward and backward)."""
+        self.settle(trainer)
         return False
+
+    def before_log(self, trainer: "RunView", then: Optional[StepHook]) -> Optional[StepHook]:
+        """What the trainer calls after each optimizer step, before it logs the step (its
+        ``on_end_train_step`` slot; ``then`` the recipe's): a step that takes a snapshot
+        first waits until the previous one is written. Once a step is logged, the snapshot
+        before it is complete: a kill loses at most ``every_n_steps`` steps."""
+        every = self.every
+
+        def step_done(global_step: int, loss: Any, stats: Any) -> None:
+            if global_step % every == 0:
+                self.settle(trainer, written=True)
+            if then is not None:
+                then(global_step, loss, stats)
+
+        return step_done
 
     def settle(self, trainer: "RunView", written: bool = False) -> None:
         started = time.perf_counter()
@@ -202,7 +218,7 @@ def stepped_state(trainer: "RunView") -> frozenset:
 
 def memory_snapshot_callback(checkpointer: Checkpointer, args: TrainerArguments,
                              saver: Optional[CheckpointCallback],
-                             module: torch.nn.Module) -> list[Callback]:
+                             module: torch.nn.Module) -> list[MemorySnapshots]:
     """The callback ``trainer.checkpoint.memory`` asks for (none when it is off); before
     resume, which rebuilds fsdp shards from a snapshot on the model's device mesh."""
     if not isinstance(checkpointer, MemoryFirstCheckpointer):

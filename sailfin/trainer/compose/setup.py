@@ -98,13 +98,13 @@ def build_run(trainer: "Trainer") -> None:
     # EMA, step validation, early stopping: before the saver, which saves their state.
     features = build_loop_features(trainer.module, args, trainer.backend, trainer.dist)
     trainer.ema, trainer.flops = features.ema, features.flops
+    memory = memory_snapshot_callback(trainer.checkpointer, args, saver, trainer.module)
     pieces: dict[str, Sequence[Callback]] = {
         "given": trainer.callbacks,
         "features": features.callbacks,
         "run_stats": [trainer.run_stats],
         "saver": checkpoint_callbacks(saver),
-        "memory_snapshots": memory_snapshot_callback(trainer.checkpointer, args, saver,
-                                                     trainer.module),
+        "memory_snapshots": memory,
         "autobatch": [trainer.autobatch] if trainer.autobatch is not None else [],
         "last_features": features.last_callbacks,
     }
@@ -134,4 +134,6 @@ def build_run(trainer: "Trainer") -> None:
     # The recipe's callbacks, called with what their signatures take (PyMarlin's too).
     trainer._on_end_train_step, trainer._on_end_val_epoch = (
         train_step_end_caller(trainer.module), val_epoch_end_caller(trainer.module))
+    for snapshots in memory:  # a snapshot's write is waited for before its step's log
+        trainer._on_end_train_step = snapshots.before_log(trainer, trainer._on_end_train_step)
     trainer._dataset_set_epoch = dataset_set_epoch(trainer.train_loader)
