@@ -303,8 +303,8 @@ def measure(rounds: int, steps: int, threads: int, load, every: int = 1) -> None
             # What one snapshot costs the steps: a round's extra step time.
             per_snapshot[name] = [(r["with"] - r["without"]) * every for r in results]
     params = sum(a * b + b for a, b in zip(DIMS, DIMS[1:]))
-    print(f"memory snapshots every {every} step(s), AdamW, {params / 1e6:.1f} M parameters, {steps} steps "
-          f"per run, {rounds} rounds, {threads} thread(s) per process:")
+    print(f"memory snapshots every {every} step(s), AdamW, {params / 1e6:.1f} M parameters, "
+          f"{steps} steps per run, {rounds} rounds, {threads} thread(s) per process:")
     dcp_waited = [n["waited"] for n in found.get("dcp", [])]
     print(f"  the alternative, sp: DCP async_save (DefaultStager in shared memory, staging "
           f"overlapped, process writer) / without: {spread(figures['dcp'])}; "

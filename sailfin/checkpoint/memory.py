@@ -149,8 +149,8 @@ class MemoryStore:
         every rank stops; else older snapshots go."""
         if self.stopped is not None:
             return False
-        self.written()
-        error = self._finish() or self._full
+        self.settle()
+        error = self._finish() or self._full  # (waits for the write)
         agreed = self.peers.min(_FULL if _is_full(error) else _FAILED if error else _READY)
         if agreed == _FULL:
             self._stop(step, error)

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 StepHook = Callable[[int, Any, Any], None]  # (global_step, loss, stats): on_end_train_step
 
+
 class MemorySnapshots(Callback):
     """Snapshots every ``every_n_steps`` optimizer steps; training waits for the copy, and
     for a write only when it is slower than the steps between snapshots.
@@ -44,9 +45,9 @@ class MemorySnapshots(Callback):
     proves nothing changed them meanwhile; if something did, that snapshot is dropped
     and later ones are copied at once. The step that takes the next snapshot waits, after
     its optimizer step and before it is logged, until the last one is written
-    (:meth:`before_log`): a kill then loses at most ``every_n_steps``. ``stall_seconds`` records how long each snapshot held training (at
-    the step's end and before later optimizer steps); ``write_waits`` the waits for a
-    write.
+    (:meth:`before_log`): a kill then loses at most ``every_n_steps``. ``stall_seconds``
+    records how long each snapshot held training (at the step's end and before later
+    optimizer steps); ``write_waits`` the waits for a write.
 
     Example::
 
