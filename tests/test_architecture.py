@@ -302,9 +302,13 @@ def test_the_view_is_what_the_trainer_has_and_what_the_docs_list():
 
     members = view_members()
     assert set(MAY_ASSIGN) <= members
-    # Each member is a method or property of the Trainer, or set by the loop or by the
-    # composition root (``self.x =`` / ``trainer.x =``).
-    defined = {n for cls in Trainer.__mro__ for n in vars(cls)}
+    # Each member is a method or property of the Trainer, a field of its Run, or set by
+    # the loop or by the composition root (``self.x =`` / ``trainer.x =``).
+    from typing import get_type_hints
+
+    from sailfin.trainer.core.run import Run
+
+    defined = {n for cls in Trainer.__mro__ for n in vars(cls)} | set(get_type_hints(Run))
     source = "\n".join(p.read_text() for p in [PACKAGE / "trainer" / "core" / "trainer.py",
                                                *(PACKAGE / "trainer" / "compose").glob("*.py")])
     missing = sorted(n for n in members - defined
@@ -381,10 +385,48 @@ def test_every_piece_the_composition_root_sets_is_a_typed_field_of_the_loop():
 
     declared = set(get_type_hints(Loop)) | set(get_type_hints(Trainer))
     set_outside = set().union(*(assigned_on_the_run(p) for p in sorted(COMPOSE.glob("*.py"))))
-    assert "plan" in set_outside  # the scan sees build_run's assignments
+    assert "writers" in set_outside  # the scan sees start_run's assignments
     undeclared = sorted(set_outside - declared)
-    assert not undeclared, (f"the composition root sets {undeclared} on the trainer: declare "
-                            "each with its type in Loop (sailfin/trainer/core/trainer.py)")
+    assert not undeclared, (f"the composition root sets {undeclared} on the trainer: make "
+                            "each a typed field of Run (sailfin/trainer/core/run.py)")
+
+
+def test_build_run_returns_the_run_and_the_loop_takes_every_piece_of_it(tmp_path, monkeypatch):
+    """build_run sets nothing on the trainer: it returns a Run, whose every field the
+    loop then holds; start_run changes only what the resume sets."""
+    from dataclasses import fields
+
+    from tests.recipes import IdData, LinearRecipe, args
+
+    from sailfin.trainer import Trainer
+    from sailfin.trainer.compose import setup as compose_setup
+    from sailfin.trainer.compose import trainer as compose
+    from sailfin.trainer.core.run import Run
+
+    source = (COMPOSE / "setup.py").read_text()
+    build = next(n for n in ast.parse(source).body
+                 if isinstance(n, ast.FunctionDef) and n.name == "build_run")
+    module = ast.Module(body=[build], type_ignores=[])
+    scratch = tmp_path / "build_run.py"
+    scratch.write_text(ast.unparse(module))
+    assert assigned_on_the_run(scratch) == set()
+    assert compose_setup.CALLBACK_ORDER[-1] == "observers"  # start_run appends them last
+    built = []
+    monkeypatch.setattr(compose, "build_run",
+                        lambda trainer: built.append(compose_setup.build_run(trainer))
+                        or built[-1])
+    trainer = Trainer(LinearRecipe(IdData(20, 0)), args(tmp_path / "run"))
+    try:
+        trainer.setup()
+        run, = built
+        assert isinstance(run, Run)
+        resumed = {"writers", "resumed_from", "callbacks"}  # what start_run sets
+        for piece in fields(Run):
+            if piece.name not in resumed:
+                assert getattr(trainer, piece.name) is getattr(run, piece.name), piece.name
+        assert trainer.callbacks[:len(run.callbacks)] == run.callbacks
+    finally:
+        trainer.close()
 
 
 def test_the_loop_has_no_stub_for_a_subclass_to_fill():

@@ -24,7 +24,7 @@ def freeze_seen(monkeypatch):
 
     def spy(trainer):
         seen.append(gc.get_freeze_count())
-        build(trainer)
+        return build(trainer)
 
     monkeypatch.setattr(compose, "build_run", spy)
     return seen

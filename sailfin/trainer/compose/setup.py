@@ -1,6 +1,7 @@
 """What :meth:`Trainer.setup` builds, in order: the batch plan and loaders, the
-optimizers, the checkpointer and the callbacks behind each feature, the resume, then
-the writers. Each piece is an attribute of the trainer the loop reads."""
+optimizers, the checkpointer and the callbacks behind each feature (:func:`build_run`,
+which returns them as a :class:`~sailfin.trainer.core.run.Run`); then the resume and
+the writers (:func:`start_run`)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from .watchdog import start_watchdog
 from ..safety.nonfinite import NonFiniteGuard
 from ..core.callbacks import Callback
 from ..core.hooks import as_list, overridden
+from ..core.run import Run
 from ..core.loaders import build_train_loader, build_val_loaders, dataset_set_epoch
 from ..core.pymarlin_forms import train_step_end_caller, val_epoch_end_caller
 
@@ -56,84 +58,88 @@ def in_order(pieces: Mapping[str, Sequence[Callback]]) -> list[Callback]:
     return [callback for name in CALLBACK_ORDER for callback in pieces.get(name, ())]
 
 
-def build_run(trainer: "Trainer") -> None:
-    """Set up ``trainer`` for its run (called once, by :meth:`Trainer.setup`)."""
-    args, dist = trainer.args, trainer.dist
+def build_run(trainer: "Trainer") -> Run:
+    """Every piece of ``trainer``'s run, built from its config (called once, by
+    :meth:`Trainer.setup`, which attaches them, then calls :func:`start_run`)."""
+    args, dist, module, backend = trainer.args, trainer.dist, trainer.module, trainer.backend
     seed_everything(args.seed + dist.rank)  # per-rank streams (dropout) differ
     # micro_batch_size: auto searches from the largest size (see autobatch.py).
-    trainer.autobatch = auto_micro_batch(args, dist.rank, dist.world_size)
-    size = args.micro_batch_size if trainer.autobatch is None else trainer.autobatch.size
-    trainer.plan = BatchPlan.create(args.train_batch_size, size, dist.world_size,
-                                    args.drop_last, args.max_train_steps_per_epoch,
-                                    micro_batch_limit=args.gpu_batch_size_limit,
-                                    note=say if dist.is_main else None)
-    trainer.backend.setup(trainer.module)
+    autobatch = auto_micro_batch(args, dist.rank, dist.world_size)
+    size = args.micro_batch_size if autobatch is None else autobatch.size
+    plan = BatchPlan.create(args.train_batch_size, size, dist.world_size, args.drop_last,
+                            args.max_train_steps_per_epoch,
+                            micro_batch_limit=args.gpu_batch_size_limit,
+                            note=say if dist.is_main else None)
+    backend.setup(module)
     start_watchdog(trainer, in_setup=True)  # from the first collective: resume, checks
-    trainer.plan = trainer.backend.batch_plan(trainer.plan)  # dp: unweighted, Poisson steps
-    trainer.device = trainer.backend.device
-    trainer.train_loader, trainer.train_sampler = build_train_loader(
-        trainer.module, trainer.plan, dist, args)
-    trainer.num_train_samples = trainer.train_sampler.num_samples
-    trainer.steps_per_epoch = trainer.plan.steps_in_epoch(trainer.num_train_samples)
-    trainer.val_loaders = build_val_loaders(
-        trainer.module, args.val_batch_size or trainer.plan.micro_batch, dist)
-    optimizers, schedulers = trainer.module.get_optimizers_schedulers(
-        trainer.steps_per_epoch, args.epochs)
-    trainer.optimizers = as_list(optimizers, "optimizers")
-    trainer.schedulers = as_list(schedulers, "schedulers")
-    if not trainer.optimizers:
+    plan = backend.batch_plan(plan)  # dp: unweighted, Poisson steps
+    train_loader, train_sampler = build_train_loader(module, plan, dist, args)
+    steps_per_epoch = plan.steps_in_epoch(train_sampler.num_samples)
+    optimizers, schedulers = module.get_optimizers_schedulers(steps_per_epoch, args.epochs)
+    optimizers, schedulers = as_list(optimizers, "optimizers"), as_list(schedulers, "schedulers")
+    if not optimizers:
         raise RecipeError("get_optimizers_schedulers returned no optimizer: return "
                           "([optimizer, ...], [scheduler, ...]) (the schedulers may be [])")
     # dp: clipping, noise and accounting around the optimizers (a no-op otherwise).
-    trainer.backend.attach_optimizers(trainer.optimizers, trainer.num_train_samples,
-                                   trainer.steps_per_epoch)
+    backend.attach_optimizers(optimizers, train_sampler.num_samples, steps_per_epoch)
     if dist.is_main:
         # summary.json, weights, metrics and (by default) checkpoints go here:
         # fail now, not after training.
         check_directory(args.output_dir, "output",
                         who="sailfin (summary.json, final weights, checkpoints)")
-    trainer.checkpointer = build_checkpointer(args, dist, trainer.backend.barrier)
-    saver = trainer.saver = checkpoint_callback(trainer.checkpointer, args.checkpoint)
-    trainer.run_stats = RunStats(args.checkpoint.best_metric, args.checkpoint.best_mode)
+    checkpointer = build_checkpointer(args, dist, backend.barrier)
+    saver = checkpoint_callback(checkpointer, args.checkpoint)
+    run_stats = RunStats(args.checkpoint.best_metric, args.checkpoint.best_mode)
     # EMA, step validation, early stopping: before the saver, which saves their state.
-    features = build_loop_features(trainer.module, args, trainer.backend, trainer.dist)
-    trainer.ema, trainer.flops = features.ema, features.flops
-    memory = memory_snapshot_callback(trainer.checkpointer, args, saver, trainer.module)
-    pieces: dict[str, Sequence[Callback]] = {
-        "given": trainer.callbacks,
-        "features": features.callbacks,
-        "run_stats": [trainer.run_stats],
-        "saver": checkpoint_callbacks(saver),
-        "memory_snapshots": memory,
-        "autobatch": [trainer.autobatch] if trainer.autobatch is not None else [],
-        "last_features": features.last_callbacks,
-    }
-    trainer.callbacks = in_order(pieces)  # what resume restores the state of
+    features = build_loop_features(module, args, backend, dist)
+    memory = memory_snapshot_callback(checkpointer, args, saver, module)
     # The time account reads how far a killed run logged before resuming trims metrics.jsonl.
     account = TimeAccount(args.output_dir, dist.is_main, args.resume != "never",
                           trainer.heartbeat)
+    callbacks = in_order({
+        "given": trainer.callbacks,
+        "features": features.callbacks,
+        "run_stats": [run_stats],
+        "saver": checkpoint_callbacks(saver),
+        "memory_snapshots": memory,
+        "autobatch": [autobatch] if autobatch is not None else [],
+        "last_features": features.last_callbacks,
+        "time_account": [account],
+    })  # the observers follow, once the resume is done (start_run)
+    # The recipe's callbacks, called with what their signatures take (PyMarlin's too).
+    end_train_step = train_step_end_caller(module)
+    for snapshots in memory:  # a snapshot's write is waited for before its step's log
+        end_train_step = snapshots.before_log(trainer, end_train_step)
+    return Run(
+        plan=plan, device=backend.device, train_loader=train_loader,
+        train_sampler=train_sampler, num_train_samples=train_sampler.num_samples,
+        steps_per_epoch=steps_per_epoch,
+        val_loaders=build_val_loaders(module, args.val_batch_size or plan.micro_batch, dist),
+        optimizers=optimizers, schedulers=schedulers,
+        trainable_params=[p for p in module.parameters() if p.requires_grad],
+        nonfinite=NonFiniteGuard(args.on_nonfinite, backend.device, dist.world_size,
+                                 backend.all_reduce_mean,
+                                 getattr(train_sampler, "step_indices", None)),
+        callbacks=callbacks, checkpointer=checkpointer, saver=saver, run_stats=run_stats,
+        ema=features.ema, flops=features.flops, autobatch=autobatch, time_account=account,
+        end_backward_hook=overridden(module, "on_end_backward"),
+        end_train_step_hook=end_train_step,
+        end_val_epoch_hook=val_epoch_end_caller(module),
+        dataset_epoch_hook=dataset_set_epoch(train_loader))
+
+
+def start_run(trainer: "Trainer") -> None:
+    """Put ``trainer``'s run (attached) where its checkpoint left it, as
+    ``trainer.resume`` says; then open the writers (called once, by :meth:`Trainer.setup`)."""
+    args, dist = trainer.args, trainer.dist
     # Before the writers open metrics.jsonl: resuming trims events past the checkpoint.
     fresh = FreshHyperparameters.capture(trainer.optimizers, trainer.schedulers)
     trainer.resumed_from = resume(trainer, trainer.checkpointer)
     apply_accepted(trainer, fresh, say)  # resume_config: accept: the new lr... take effect
     if trainer.autobatch is not None:
         trainer.autobatch.start(trainer)  # the checkpoint's size, or a search after a resize
-    pieces["time_account"] = [account]
-    trainer.time_account = account  # train() stops its sampler thread on every path
     # Writers and progress (rank 0), profiler: destination errors surface here.
     observers = build_observers(args, dist, trainer._writers, trainer._hparams,
-                                in_order(pieces))
+                                trainer.callbacks)
     trainer.writers = observers.writers
-    pieces["observers"] = observers.callbacks
-    trainer.callbacks = in_order(pieces)
-    trainer.nonfinite = NonFiniteGuard(args.on_nonfinite, trainer.device, dist.world_size,
-                                    trainer.backend.all_reduce_mean,
-                                    getattr(trainer.train_sampler, "step_indices", None))
-    trainer.trainable_params = [p for p in trainer.module.parameters() if p.requires_grad]
-    trainer._on_end_backward = overridden(trainer.module, "on_end_backward")
-    # The recipe's callbacks, called with what their signatures take (PyMarlin's too).
-    trainer._on_end_train_step, trainer._on_end_val_epoch = (
-        train_step_end_caller(trainer.module), val_epoch_end_caller(trainer.module))
-    for snapshots in memory:  # a snapshot's write is waited for before its step's log
-        trainer._on_end_train_step = snapshots.before_log(trainer, trainer._on_end_train_step)
-    trainer._dataset_set_epoch = dataset_set_epoch(trainer.train_loader)
+    trainer.callbacks = [*trainer.callbacks, *observers.callbacks]  # CALLBACK_ORDER's last

@@ -17,7 +17,7 @@ from ..safety.run_lock import RunLock, take_run_lock
 from ..safety.startup_checks import (check_schedulers_fit, nothing_to_train, sanity_validate,
                                      train_output_checker)
 from .outputs import finish_run
-from .setup import build_run
+from .setup import build_run, start_run
 
 
 class Trainer(Loop):
@@ -36,7 +36,6 @@ class Trainer(Loop):
     # A hang: True ends the process with 75, False raises HangDetected in the main thread,
     # None (default) ends it only in a worker torchrun started. The sailfin command: True.
     end_process_on_hang: Optional[bool] = None
-    time_account: Any = None             # the run's TimeAccount, from set-up on
 
     # -- the run ---------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -88,8 +87,7 @@ class Trainer(Loop):
             self.checkpointer.close()  # a background save finishes, or reports its error
         finally:
             self._stop_watchdog()
-            if self.time_account is not None:  # preempted or failed: no on_train_end
-                self.time_account.stop_sampling()
+            self.time_account.stop_sampling()  # preempted or failed: no on_train_end
             self.writers.flush()  # close() closes them; validate() may still log
             self._release_run_lock()
 
@@ -132,7 +130,8 @@ class Trainer(Loop):
         if self._run_lock is None:  # before anything is written there: one run per directory
             take_run_lock(self.args.output_dir, self.dist.is_main, keep=self._hold_run_lock)
         with gc_spares_existing_objects():
-            build_run(self)
+            self.attach(build_run(self))  # every piece, from the config
+            start_run(self)  # the resume into them, then the writers
         self._is_setup = True
         if not self._training:
             # Called by itself (not by train()): the watchdog that watched set-up's

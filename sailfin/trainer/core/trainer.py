@@ -10,64 +10,40 @@ no feature: features follow it as callbacks and see it through
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
+from dataclasses import fields
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 import torch
 
 from ...backends import build_backend
-from ...checkpoint import Checkpointer, Loaded
 from ...checkpoint.rng import seed_loader
 from ...config.trainer import TrainerArguments
 from ...data.plan import BatchPlan
-from ...data.sampler import ResumableSampler
 from ...distributed import DistEnv
 from ...distributed.watchdog import (BACKWARD, DATA, END_OF_EPOCH, END_OF_STEP, FORWARD,
                                     OPTIMIZER, Heartbeat)
 from ...interfaces import ModuleInterface
 from ...logging import Writer
-from ...logging.writers import Writers
 from .callbacks import Callback
 from .hooks import any_says_again, overriding, padding_micro_batch, recipe_callbacks
 from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
 from .pymarlin_forms import unpack
+from .run import Run
 from .train_log import TrainLog
 from .validation import due_after_epoch, run_validation
-from .view import LossGuard, StepFlops, StopSignal
+from .view import StopSignal
 
 
-class Loop:
-    """The epochs, the steps and validation of a run whose pieces ``setup`` built.
+class Loop(Run):
+    """The epochs, the steps and validation of a run: the run's pieces (a :class:`Run`'s
+    fields, which :meth:`attach` takes from the one ``setup`` built), its counters and
+    the loop over them.
 
     Users construct :class:`sailfin.trainer.Trainer`, which adds the set-up, the
     start-up checks and the run's outputs around this loop.
     """
 
-    # -- the pieces the composition root builds (compose/setup.py build_run) ------------
-    callbacks: list[Callback]        # in call order (compose/setup.py CALLBACK_ORDER)
-    plan: BatchPlan                  # the batch plan in effect (replan() changes it)
-    device: torch.device             # where the model's parameters live
-    train_loader: Iterable[Any]      # the recipe's training loader, batched by train_sampler
-    train_sampler: ResumableSampler  # the step's micro-batches and the data position
-    num_train_samples: int           # samples in one epoch of the training data
-    steps_per_epoch: int             # optimizer steps in a full epoch
-    val_loaders: dict[str, Iterable[Any]]  # validation set name -> loader
-    optimizers: list[torch.optim.Optimizer]
-    schedulers: list[torch.optim.lr_scheduler.LRScheduler]
-    trainable_params: list[torch.nn.Parameter]  # what max_grad_norm clips
-    checkpointer: Checkpointer       # storage
-    saver: Optional[Callback]        # the checkpoint callback, or None
-    run_stats: Callback              # the best validation value and its step
-    ema: Optional[Callback]          # the weight average, or None
-    flops: StepFlops                 # the FLOPs meter
-    autobatch: Optional[Callback]    # micro_batch_size: auto's search, or None
-    nonfinite: LossGuard             # what a NaN/inf loss does (trainer.on_nonfinite)
-    writers: Writers                 # the metric writers
-    resumed_from: Optional[Loaded]   # the checkpoint this run resumed from, or None
-    # The recipe's hooks, called with what their signatures take (None: not overridden).
-    _on_end_backward: Optional[Callable[[int, torch.Tensor], Any]]
-    _on_end_train_step: Optional[Callable[..., Any]]
-    _on_end_val_epoch: Callable[..., Any]
-    _dataset_set_epoch: Optional[Callable[[int], Any]]  # the training dataset's set_epoch
+    # The pieces (Run's fields, core/run.py) come from the composition root: attach().
     # Set by Trainer.train before the first step: SIGTERM / first Ctrl-C.
     preemption: StopSignal
 
@@ -100,6 +76,11 @@ class Loop:
         self.heartbeat = Heartbeat()  # where the loop is, for the hang watchdog
         self.train_log = TrainLog()   # the train log line's clocks
         self._hooks_changed = False   # set by remove_callback: the loop looks them up again
+
+    def attach(self, run: Run) -> None:
+        """Run with ``run``'s pieces: each of its fields becomes the loop's attribute."""
+        for piece in fields(Run):
+            setattr(self, piece.name, getattr(run, piece.name))
 
     @property
     def hparams(self) -> Optional[Mapping[str, Any]]:
@@ -140,7 +121,7 @@ class Loop:
         if args.max_steps is not None:
             last = min(last, self.step_in_epoch + max(0, args.max_steps - self.global_step))
         begin, backward_end, step_end, out_of_memory = self._hook_lists()
-        on_end_train_step = self._on_end_train_step
+        on_end_train_step = self.end_train_step_hook
         log_every, beat, log, preemption = (args.log_every_n_steps, self.heartbeat,
                                             self.train_log, self.preemption)
         module.train()
@@ -198,8 +179,8 @@ class Loop:
     def _epoch_batches(self) -> Iterator[Any]:
         """The train loader's batches from the current step of the current epoch."""
         self.train_sampler.set_epoch(self.epoch, self.step_in_epoch)
-        if self._dataset_set_epoch is not None:  # before iter(): new workers copy it
-            self._dataset_set_epoch(self.epoch)
+        if self.dataset_epoch_hook is not None:  # before iter(): new workers copy it
+            self.dataset_epoch_hook(self.epoch)
         seed_loader(self.train_loader, self.args.seed, self.epoch, self.dist.rank)
         n, plan = self.num_train_samples, self.plan
         self._full_steps = plan.uniform_steps(n)  # dp (Poisson steps): none
@@ -248,8 +229,8 @@ class Loop:
     def _optimizer_step(self, step_loss: torch.Tensor) -> None:
         """Clip, step, schedule, zero the gradients: nanoGPT's order."""
         self.heartbeat.phase = OPTIMIZER
-        if self._on_end_backward is not None:
-            self._on_end_backward(self.global_step, step_loss)
+        if self.end_backward_hook is not None:
+            self.end_backward_hook(self.global_step, step_loss)
         if self.nonfinite.observe(step_loss, self.global_step, self.epoch, self.step_in_epoch):
             if self.args.max_grad_norm is not None:  # False above: skip the step
                 self.backend.clip_grad_norm(self.trainable_params, self.optimizers,
@@ -271,7 +252,7 @@ class Loop:
             args.max_train_steps_per_epoch))
         self.train_loader, self.train_sampler = build_train_loader(
             self.module, self.plan, dist, args)
-        self._dataset_set_epoch = dataset_set_epoch(self.train_loader)
+        self.dataset_epoch_hook = dataset_set_epoch(self.train_loader)
         if args.val_batch_size is None:  # validation batches follow the micro-batch
             self.val_loaders = build_val_loaders(self.module, micro_batch_size, dist)
 

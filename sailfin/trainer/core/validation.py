@@ -40,7 +40,7 @@ def run_validation(trainer: "Loop") -> dict[str, dict[str, float]]:
             outputs = trainer.backend.gather_outputs(local)
             trainer.heartbeat.phase = VALIDATION
             # The recipe's on_end_val_epoch, called with what its signature takes.
-            metrics = trainer._on_end_val_epoch(trainer.global_step, outputs, name) or {}
+            metrics = trainer.end_val_epoch_hook(trainer.global_step, outputs, name) or {}
             metrics = {k: scalar(v) for k, v in metrics.items()}
             results[name] = metrics
             if metrics:

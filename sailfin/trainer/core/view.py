@@ -64,6 +64,14 @@ class StepFlops(Protocol):
         """Leave the counting mode (an error inside the counted step)."""
 
 
+class Sampling(Protocol):
+    """What the trainer asks of the time account (features/time_account.py) on every way
+    out of a run, a failed or preempted one included."""
+
+    def stop_sampling(self) -> None:
+        """Stop its sampler thread (safe to call twice)."""
+
+
 class RunView(Protocol):
     """The run as a feature sees it (grouped as in docs/architecture.md)."""
 
