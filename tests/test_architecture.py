@@ -438,6 +438,22 @@ def test_the_loop_has_no_stub_for_a_subclass_to_fill():
     assert not stubs, f"NotImplementedError raised in {stubs}"
 
 
+def test_the_view_gives_each_piece_of_the_run_the_runs_own_type():
+    """RunView repeats the types of the Run fields features read (a Protocol cannot
+    inherit a dataclass): the two declarations must agree."""
+    from typing import get_type_hints
+
+    from sailfin.trainer.core.run import Run
+    from sailfin.trainer.core.view import RunView
+
+    run, view = get_type_hints(Run), get_type_hints(RunView)
+    shared = sorted(set(run) & set(view))
+    assert "plan" in shared and "optimizers" in shared
+    differ = [f"{name}: Run {run[name]}, RunView {view[name]}" for name in shared
+              if run[name] != view[name]]
+    assert not differ, "RunView and Run disagree:\n" + "\n".join(differ)
+
+
 def test_the_views_members_have_real_types():
     from typing import Any, get_type_hints
 
