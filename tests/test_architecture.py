@@ -363,11 +363,11 @@ def test_no_method_skips_a_parent_with_two_argument_super():
 COMPOSE = PACKAGE / "trainer" / "compose"
 
 
-def assigned_on_the_run(path: pathlib.Path) -> set[str]:
+def assigned_on_the_run(tree: ast.AST) -> set[str]:
     """The names a composition-root module sets on the trainer from outside it
     (``trainer.x = ...``, ``trainer.a, trainer.b = ...``)."""
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
                 for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
@@ -384,7 +384,8 @@ def test_every_piece_the_composition_root_sets_is_a_typed_field_of_the_loop():
     from sailfin.trainer.core.trainer import Loop
 
     declared = set(get_type_hints(Loop)) | set(get_type_hints(Trainer))
-    set_outside = set().union(*(assigned_on_the_run(p) for p in sorted(COMPOSE.glob("*.py"))))
+    set_outside = set().union(*(assigned_on_the_run(ast.parse(p.read_text()))
+                                 for p in sorted(COMPOSE.glob("*.py"))))
     assert "writers" in set_outside  # the scan sees start_run's assignments
     undeclared = sorted(set_outside - declared)
     assert not undeclared, (f"the composition root sets {undeclared} on the trainer: make "
@@ -406,15 +407,15 @@ def test_build_run_returns_the_run_and_the_loop_takes_every_piece_of_it(tmp_path
     source = (COMPOSE / "setup.py").read_text()
     build = next(n for n in ast.parse(source).body
                  if isinstance(n, ast.FunctionDef) and n.name == "build_run")
-    module = ast.Module(body=[build], type_ignores=[])
-    scratch = tmp_path / "build_run.py"
-    scratch.write_text(ast.unparse(module))
-    assert assigned_on_the_run(scratch) == set()
+    assert assigned_on_the_run(build) == set()
     assert compose_setup.CALLBACK_ORDER[-1] == "observers"  # start_run appends them last
     built = []
-    monkeypatch.setattr(compose, "build_run",
-                        lambda trainer: built.append(compose_setup.build_run(trainer))
-                        or built[-1])
+
+    def spy(trainer):
+        built.append(compose_setup.build_run(trainer))
+        return built[-1]
+
+    monkeypatch.setattr(compose, "build_run", spy)
     trainer = Trainer(LinearRecipe(IdData(20, 0)), args(tmp_path / "run"))
     try:
         trainer.setup()
