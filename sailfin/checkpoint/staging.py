@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Optional
@@ -41,17 +42,40 @@ def optimizer_storages(optimizers: Iterable[torch.optim.Optimizer]) -> frozenset
                      if isinstance(value, torch.Tensor))
 
 
+def _default_stager(pinned: bool) -> Any:
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=False))
+
+
+@functools.lru_cache(maxsize=None)
+def stager_reusable() -> bool:
+    """Whether one ``DefaultStager`` stages more than once. torch 2.11's fails its second
+    ``stage`` (``KeyError: <class 'type'>``, found on a GPU machine); 2.13's keeps its CPU
+    copies from one save to the next. Asked once per process, on a one-element tensor."""
+    stager = _default_stager(False)
+    try:
+        for _ in range(2):
+            stager.stage({"probe": {"tensor": torch.zeros(1)}})
+        return True
+    except KeyError:
+        return False
+    finally:
+        stager.close()
+
+
 class SplitStager:
     """DCP's :class:`DefaultStager` twice: one copies the state now, the other the tensors
     whose storages are in ``later``, in the thread that then writes the save."""
 
     def __init__(self, pinned: bool) -> None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        options = StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                 use_async_staging=False, use_non_blocking_copy=False)
-        # Each keeps its CPU copies from one save to the next (no new allocation per save).
-        self._now, self._later = DefaultStager(options), DefaultStager(options)
+        self._pinned = pinned
+        # Each keeps its CPU copies from one save to the next (no new allocation per save)
+        # where torch's stager can stage twice; elsewhere each save gets fresh ones.
+        self._now, self._later = _default_stager(pinned), _default_stager(pinned)
+        self._reuse = stager_reusable()
+        self._staged_once = False
         # The last save's copy in the thread: (done, [(tensor, version at the save)], step)
         self._copy: Optional[tuple[Future, list[tuple[torch.Tensor, int]], int]] = None
         self._settled = False  # the training thread waited for it
@@ -64,16 +88,20 @@ class SplitStager:
         into it (called by the writing thread; :meth:`settle` waits for it)."""
         deferred: list[tuple[tuple, torch.Tensor]] = []
         tree = _split(state, later, deferred, ()) if later else state
+        if self._staged_once and not self._reuse:  # the last save's thread is done with them
+            self._now, self._later = _default_stager(self._pinned), _default_stager(self._pinned)
+        self._staged_once = True
         staged = self._now.stage(tree)
         copied: Future = Future()
         tensors = [tensor for _, tensor in deferred]
         with self._lock:
             self._copy = (copied, [(t, version(t)) for t in tensors], step) if tensors else None
             self._settled, self._consistent = False, None
+        later_stager = self._later
 
         def fill() -> None:
             try:
-                copies = self._later.stage(dict(enumerate(tensors))) if tensors else {}
+                copies = later_stager.stage(dict(enumerate(tensors))) if tensors else {}
                 for (path, _), copy in zip(deferred, copies.values()):
                     container = staged
                     for key in path[:-1]:

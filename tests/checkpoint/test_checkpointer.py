@@ -306,3 +306,44 @@ def test_no_trigger_no_checkpoints(tmp_path):
     _, trainer = train(tmp_path, epochs=2, checkpoint={"at_epoch_end": False})
     assert not (tmp_path / "checkpoints").exists()
     assert not any(hasattr(c, "stall_seconds") for c in trainer.callbacks)
+
+
+class StagesOnce:
+    """A stand-in for torch 2.11's DefaultStager: its second ``stage`` fails as that one's
+    does (``KeyError: <class 'type'>``, found on a GPU machine running torch 2.11)."""
+
+    def __init__(self, options):
+        self.inner, self.staged = self.real(options), 0
+
+    def stage(self, state_dict, **kwargs):
+        self.staged += 1
+        if self.staged > 1:
+            raise KeyError(type)
+        return self.inner.stage(state_dict, **kwargs)
+
+    def close(self):
+        self.inner.close()
+
+
+def test_async_saves_stage_on_fresh_stagers_where_torchs_cannot_stage_twice(tmp_path,
+                                                                            monkeypatch):
+    import torch.distributed.checkpoint.staging as dcp_staging
+
+    monkeypatch.setattr(StagesOnce, "real", dcp_staging.DefaultStager, raising=False)
+    from sailfin.checkpoint.staging import stager_reusable
+
+    assert stager_reusable()  # this torch keeps one stager's copies from save to save
+    monkeypatch.setattr(dcp_staging, "DefaultStager", StagesOnce)
+    stager_reusable.cache_clear()
+    try:
+        assert not stager_reusable()
+        module, trainer = train(tmp_path / "async", epochs=2, checkpoint={**STEP, "async": True})
+    finally:
+        stager_reusable.cache_clear()
+    ref, _ = train(tmp_path / "sync", epochs=2, checkpoint=STEP)
+    saver = [c for c in trainer.callbacks if hasattr(c, "stall_seconds")][0]
+    assert len(saver.stall_seconds) == 4  # every save written, none failed
+    like = dict(module.state_dict())
+    for step in ("step-00000006", "step-00000008"):
+        same(saved_model(tmp_path / "sync" / "checkpoints" / step, like),
+             saved_model(tmp_path / "async" / "checkpoints" / step, like), f"{step}/shards")
