@@ -52,10 +52,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _measure import add_load_options, spread, start, summary  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # prepare() imports sailfin in this process
 BERT = {"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 2, "intermediate_size": 128, "max_position_embeddings": 128}
 TRAIN_ROWS, VAL_ROWS, BATCH, EPOCHS, LR = 3000, 300, 32, 3, 5e-4
 PEFT = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0}  # --peft: the same on both sides
+BERT_BASE = {"model_type": "bert", "hidden_size": 768, "num_hidden_layers": 12,
+             "num_attention_heads": 12, "intermediate_size": 3072,
+             "max_position_embeddings": 512}  # --model bert-base: BERT-base's shape
 MODEL = dict(BERT)  # --model llama: llama(--hidden, --layers)
 EXTRA = {"peft": None, "amp": False}  # what --peft and --amp give every arm
 
@@ -295,8 +299,12 @@ def main() -> None:
     parser.add_argument("--peft", action="store_true",
                         help="LoRA on every arm (the same peft config), and sailfin's full "
                              "fine-tune for the peak memory")
-    parser.add_argument("--model", choices=("bert", "llama"), default="bert",
-                        help="the tiny BERT, or a Llama-shaped model of --hidden x --layers")
+    parser.add_argument("--model", choices=("bert", "bert-base", "llama"), default="bert",
+                        help="the tiny BERT, BERT-base's shape (110 M parameters with its "
+                             "vocabulary; here the generated rows' small one), or a "
+                             "Llama-shaped model of --hidden x --layers")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where every arm trains (auto: the GPU when torch sees one)")
     parser.add_argument("--hidden", type=int, default=1024, help="--model llama: width")
     parser.add_argument("--layers", type=int, default=24, help="--model llama: depth")
     parser.add_argument("--amp", action="store_true", help="bfloat16 autocast on every arm")
@@ -305,11 +313,21 @@ def main() -> None:
     global MODEL
     if opts.model == "llama":
         MODEL = llama(opts.hidden, opts.layers)
+    elif opts.model == "bert-base":
+        MODEL = dict(BERT_BASE)
     EXTRA.update(peft=dict(PEFT) if opts.peft else None, amp=opts.amp)
     load = start(opts, "hf.py")
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     if opts.threads is not None:
         env["OMP_NUM_THREADS"] = str(opts.threads)
+    if opts.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch sees no CUDA device here")
+        print(f"hf.py: on {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    elif opts.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # every arm's process sees no GPU
     threads = env.get("OMP_NUM_THREADS", "torch default")
     runs = {"sailfin": run_sailfin, "hf": run_hf,
             **({"sailfin-full": run_sailfin_full} if opts.peft else {}),
