@@ -56,6 +56,7 @@ test-gpu:
 GPU_PY ?= $(PY)
 gpu-checks:  # every check runs (GPU time is scarce); the target fails if any failed
 	$(GPU_PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'make test-gpu: torch sees no CUDA device here')"
+	@$(GPU_PY) -c "import importlib.util as u; m = [n for n in ('isal',) if not u.find_spec(n)]; m and print('make test-gpu: not installed here:', *m, '(sailfin checksums with zlib instead: slower saves and snapshots than a pip install gives)')"
 	failed=""; \
 	$(GPU_PY) -m pytest -q -m cuda $(PYTEST_ARGS) || failed="$$failed tests"; \
 	$(GPU_PY) benchmarks/gpt.py --rounds 2 --steps 8 || failed="$$failed gpt.py"; \
