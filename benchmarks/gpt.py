@@ -208,7 +208,9 @@ def synchronize(device: torch.device) -> None:
 
 
 class Hand:
-    """nanoGPT's ``train.py`` loop over the same loader."""
+    """nanoGPT's ``train.py`` loop over the same loader: loss / accumulation, backward per
+    micro-batch, clip, step, ``zero_grad(set_to_none=True)``, ``loss.item()`` at the end.
+    Fabric and Accelerate run the same loop through their own backward and clipping."""
 
     def __init__(self, s: Shape, ds, device: torch.device, compiled: bool = False) -> None:
         self.s, self.device = s, device
@@ -216,12 +218,18 @@ class Hand:
         self.opt = optimizer(self.model, device.type == "cuda")
         self.forward = torch.compile(self.model) if compiled else self.model
         self.batches = iter(batched_loader(ds, batch=s.micro))
-        self.ctx = torch.autocast(device.type, dtype=torch.bfloat16)
+        self.ctx: Any = torch.autocast(device.type, dtype=torch.bfloat16)
 
     def weights(self) -> nn.Module:
         return self.model
 
-    def run(self, steps: int, log_every: int = 0) -> float:
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def clip(self) -> None:
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+
+    def run(self, steps: int) -> float:
         synchronize(self.device)
         begin = time.perf_counter()
         for _ in range(steps):
@@ -229,8 +237,8 @@ class Hand:
                 x, y = next(self.batches)
                 with self.ctx:
                     loss = self.forward(x.to(self.device), y.to(self.device))
-                (loss / self.s.accumulation).backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+                self.backward(loss / self.s.accumulation)
+            self.clip()
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
         loss.item()  # the loss the loop logs at its end: waits for the GPU
@@ -270,67 +278,52 @@ class Sailfin:
             t.train()
         return t.train_seconds - before
 
-    def callback(self, attr: str) -> Any:
-        return next((c for c in self.trainer.callbacks if hasattr(c, attr)), None)
 
+class Fabric(Hand):
+    """The same loop through Lightning Fabric (``bf16-mixed``: its own autocast)."""
 
-class Fabric:
     def __init__(self, s: Shape, ds, device: torch.device) -> None:
         from lightning.fabric import Fabric as LightningFabric
 
-        self.s, self.device = s, device
+        self.s, self.device, self.ctx = s, device, contextlib.nullcontext()
         self.fabric = LightningFabric(accelerator="gpu" if device.type == "cuda" else "cpu",
                                       devices=1, precision="bf16-mixed")
         model = make_gpt(s)
         self.model, self.opt = self.fabric.setup(model, optimizer(model, device.type == "cuda"))
+        self.forward = self.model
         self.batches = iter(batched_loader(ds, batch=s.micro))
 
     def weights(self) -> nn.Module:
         return self.model.module if hasattr(self.model, "module") else self.model
 
-    def run(self, steps: int) -> float:
-        synchronize(self.device)
-        begin = time.perf_counter()
-        for _ in range(steps):
-            for _ in range(self.s.accumulation):
-                x, y = next(self.batches)
-                loss = self.model(x.to(self.device), y.to(self.device))
-                self.fabric.backward(loss / self.s.accumulation)
-            self.fabric.clip_gradients(self.model, self.opt, max_norm=1.0)
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-        loss.item()
-        synchronize(self.device)
-        return time.perf_counter() - begin
+    def backward(self, loss: torch.Tensor) -> None:
+        self.fabric.backward(loss)
+
+    def clip(self) -> None:
+        self.fabric.clip_gradients(self.model, self.opt, max_norm=1.0)
 
 
-class Accelerate:
+class Accelerate(Hand):
+    """The same loop through Accelerate (``mixed_precision="bf16"``: its own autocast)."""
+
     def __init__(self, s: Shape, ds, device: torch.device) -> None:
         from accelerate import Accelerator
 
-        self.s, self.device = s, device
+        self.s, self.device, self.ctx = s, device, contextlib.nullcontext()
         self.acc = Accelerator(cpu=device.type == "cpu", mixed_precision="bf16")
         model = make_gpt(s)
         self.model, self.opt = self.acc.prepare(model, optimizer(model, device.type == "cuda"))
+        self.forward = self.model
         self.batches = iter(batched_loader(ds, batch=s.micro))
 
     def weights(self) -> nn.Module:
         return self.acc.unwrap_model(self.model)
 
-    def run(self, steps: int) -> float:
-        synchronize(self.device)
-        begin = time.perf_counter()
-        for _ in range(steps):
-            for _ in range(self.s.accumulation):
-                x, y = next(self.batches)
-                loss = self.model(x.to(self.device), y.to(self.device))
-                self.acc.backward(loss / self.s.accumulation)
-            self.acc.clip_grad_norm_(self.model.parameters(), 1.0)
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-        loss.item()
-        synchronize(self.device)
-        return time.perf_counter() - begin
+    def backward(self, loss: torch.Tensor) -> None:
+        self.acc.backward(loss)
+
+    def clip(self) -> None:
+        self.acc.clip_grad_norm_(self.model.parameters(), 1.0)
 
 
 def installed(name: str) -> bool:
