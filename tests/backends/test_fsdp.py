@@ -60,9 +60,13 @@ def assert_close(a, b):
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6)
 
 
-def test_fsdp_alone_trains_as_sp_and_saves_plain_final_weights(tmp_path):
+def test_fsdp_alone_trains_as_sp_and_saves_plain_final_weights(tmp_path, capfd):
     ref = run(tmp_path, "sp", "sp")
+    capfd.readouterr()
     out = run(tmp_path, "fsdp", "fsdp")
+    said = capfd.readouterr()
+    # One process shards nothing: the start says which backend is faster, once.
+    assert (said.out + said.err).count("fsdp in one process shards nothing") == 1
     got = weights(out)
     # Plain names (no runner or wrapper prefix), full tensors, loadable anywhere.
     assert sorted(got) == ["gain", "hidden.0.bias", "hidden.0.weight", "linear.bias",
