@@ -1,6 +1,7 @@
 """`sailfin report`: charts rendered from metrics.jsonl, checked as images."""
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -128,6 +129,8 @@ def test_goodput_chart_of_a_run_that_crashed_and_resumed(tmp_path):
 
     class CrashAt(Callback):
         def on_step_end(self, trainer):
+            if trainer.global_step in (7, 8):  # the steps lost: long enough to draw at any
+                time.sleep(0.1)                # load (a few ms each drew no red pixel once)
             if trainer.global_step == 8:
                 raise Crash()
 
