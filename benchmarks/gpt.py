@@ -47,283 +47,31 @@ checkpoint every 50 steps with ``async_save: true``, the stall per save
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import math
 import os
 import statistics
 import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _hand import batched_loader  # noqa: E402
+from _gpt_arms import Accelerate, Fabric, Hand, Sailfin, synchronize  # noqa: E402
+from _gpt_model import (GPT2, TINY, Shape, flops_per_token, make_gpt,  # noqa: E402
+                        make_gpt_meta, tokens)
 from _measure import add_load_options, start, summary  # noqa: E402
 
-from sailfin import Callback, DataInterface, ModuleInterface, Trainer, TrainerArguments  # noqa: E402
-from sailfin.config import CheckpointArguments  # noqa: E402
-from sailfin.config.fsdp import FSDPArguments  # noqa: E402
+from sailfin import Callback  # noqa: E402
 
-
-@dataclass(frozen=True)
-class Shape:
-    layers: int = 12
-    dim: int = 768
-    heads: int = 12
-    context: int = 1024
-    vocab: int = 50304  # GPT-2's 50,257 rounded up to a multiple of 64
-    micro: int = 16
-    accumulation: int = 4
-
-
-GPT2 = Shape()
-TINY = Shape(layers=2, dim=64, heads=4, context=64, vocab=512, micro=4, accumulation=2)
 
 # bf16 dense peak (TFLOP/s) by device name, NVIDIA's data-sheet figures; --peak-tflops overrides
 PEAKS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4), ("H200", 989.4),
          ("H20", 148.0), ("A100", 312.0), ("L40S", 362.0), ("A10G", 70.0))
-
-
-# -- the model: a nanoGPT-style decoder ------------------------------------------------------
-class Attention(nn.Module):
-    def __init__(self, s: Shape) -> None:
-        super().__init__()
-        self.heads = s.heads
-        self.qkv = nn.Linear(s.dim, 3 * s.dim)
-        self.proj = nn.Linear(s.dim, s.dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).contiguous().view(b, t, d))
-
-
-class Block(nn.Module):
-    def __init__(self, s: Shape) -> None:
-        super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(s.dim), nn.LayerNorm(s.dim)
-        self.attn = Attention(s)
-        self.fc = nn.Linear(s.dim, 4 * s.dim)
-        self.out = nn.Linear(4 * s.dim, s.dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.out(F.gelu(self.fc(self.ln_2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, s: Shape) -> None:
-        super().__init__()
-        self.shape = s
-        self.wte = nn.Embedding(s.vocab, s.dim)
-        self.wpe = nn.Embedding(s.context, s.dim)
-        self.blocks = nn.ModuleList(Block(s) for _ in range(s.layers))
-        self.ln_f = nn.LayerNorm(s.dim)
-        self.lm_head = nn.Linear(s.dim, s.vocab, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied
-        for name, p in self.named_parameters():
-            if p.dim() == 2:  # GPT-2's init; residual projections scaled by depth
-                std = 0.02 / math.sqrt(2 * s.layers) if name.endswith(("proj.weight",
-                                                                       "out.weight")) else 0.02
-                nn.init.normal_(p, std=std)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
-
-
-def make_gpt(s: Shape) -> GPT:
-    torch.manual_seed(0)
-    return GPT(s)
-
-
-def optimizer(model: nn.Module, fused: bool) -> torch.optim.Optimizer:
-    """nanoGPT's AdamW: decay on the matrices and embeddings, none on biases and norms."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), **({"fused": True} if fused
-                                                                    else {}))
-
-
-def flops_per_token(s: Shape) -> float:
-    n = sum(p.numel() for p in make_gpt_meta(s).parameters()) - s.context * s.dim
-    return 6 * n + 12 * s.layers * s.dim * s.context
-
-
-def make_gpt_meta(s: Shape) -> GPT:
-    with torch.device("meta"):
-        return GPT(s)
-
-
-def tokens(s: Shape, sequences: int) -> torch.utils.data.TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, s.vocab, (sequences, s.context + 1), generator=g)
-    return torch.utils.data.TensorDataset(data[:, :-1].contiguous(), data[:, 1:].contiguous())
-
-
-# -- sailfin's recipe around the same model ----------------------------------------------------
-class Tokens(DataInterface):
-    def __init__(self, ds: torch.utils.data.TensorDataset) -> None:
-        self.ds = ds
-
-    def get_train_dataset(self):
-        return self.ds
-
-
-class GPTRecipe(ModuleInterface):
-    def __init__(self, s: Shape, ds: torch.utils.data.TensorDataset, fused: bool) -> None:
-        super().__init__()
-        self.data, self.fused = Tokens(ds), fused
-        self.gpt = make_gpt(s)
-
-    def get_optimizers_schedulers(self, estimated_global_steps_per_epoch, epochs):
-        return [optimizer(self, self.fused)], []
-
-    def train_step(self, global_step, batch, device):
-        return self.gpt(batch[0].to(device), batch[1].to(device))
-
-
-# -- the arms: each trains ``steps`` more steps and returns the seconds it took --------------------
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-class Hand:
-    """nanoGPT's ``train.py`` loop over the same loader: loss / accumulation, backward per
-    micro-batch, clip, step, ``zero_grad(set_to_none=True)``, ``loss.item()`` at the end.
-    Fabric and Accelerate run the same loop through their own backward and clipping."""
-
-    def __init__(self, s: Shape, ds, device: torch.device, compiled: bool = False) -> None:
-        self.s, self.device = s, device
-        self.model = make_gpt(s).to(device)
-        self.opt = optimizer(self.model, device.type == "cuda")
-        self.forward = torch.compile(self.model) if compiled else self.model
-        self.batches = iter(batched_loader(ds, batch=s.micro))
-        self.ctx: Any = torch.autocast(device.type, dtype=torch.bfloat16)
-
-    def weights(self) -> nn.Module:
-        return self.model
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def clip(self) -> None:
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-
-    def run(self, steps: int) -> float:
-        synchronize(self.device)
-        begin = time.perf_counter()
-        for _ in range(steps):
-            for _ in range(self.s.accumulation):
-                x, y = next(self.batches)
-                with self.ctx:
-                    loss = self.forward(x.to(self.device), y.to(self.device))
-                self.backward(loss / self.s.accumulation)
-            self.clip()
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-        loss.item()  # the loss the loop logs at its end: waits for the GPU
-        synchronize(self.device)
-        return time.perf_counter() - begin
-
-
-class Sailfin:
-    """sailfin's Trainer on the same recipe, a few steps per call (``max_steps`` raised)."""
-
-    def __init__(self, s: Shape, ds, device: torch.device, out: str,
-                 callbacks: Optional[list] = None, **keys: Any) -> None:
-        self.module = GPTRecipe(s, ds, device.type == "cuda")
-        if "checkpoint" in keys:
-            keys["checkpoint"] = CheckpointArguments(**keys["checkpoint"])
-        if "fsdp" in keys:
-            keys["fsdp"] = FSDPArguments(**keys["fsdp"])
-        args = TrainerArguments(epochs=1, max_steps=1, train_batch_size=s.micro * s.accumulation,
-                                micro_batch_size=s.micro, drop_last=True, max_grad_norm=1.0,
-                                val_every_n_epochs=0, log_every_n_steps=10**6, output_dir=out,
-                                device=str(device), seed=42, writers=[], resume="never",
-                                progress="none", **keys)
-        self.trainer = Trainer(self.module, args, callbacks=callbacks or [])
-        self.device = device
-
-    def weights(self) -> nn.Module:
-        return self.module.gpt
-
-    def run(self, steps: int) -> float:
-        """The seconds of the loop itself (``train_seconds``: its clock stops after the check
-        of the last loss, which waits for the GPU), not ``train()``'s start and end, which a
-        run pays once and this benchmark, calling ``train()`` once per round, every round."""
-        t = self.trainer
-        t.args.max_steps = t.global_step + steps
-        before = t.train_seconds
-        with contextlib.redirect_stdout(io.StringIO()):
-            t.train()
-        return t.train_seconds - before
-
-
-class Fabric(Hand):
-    """The same loop through Lightning Fabric (``bf16-mixed``: its own autocast)."""
-
-    def __init__(self, s: Shape, ds, device: torch.device) -> None:
-        from lightning.fabric import Fabric as LightningFabric
-
-        self.s, self.device, self.ctx = s, device, contextlib.nullcontext()
-        self.fabric = LightningFabric(accelerator="gpu" if device.type == "cuda" else "cpu",
-                                      devices=1, precision="bf16-mixed")
-        model = make_gpt(s)
-        self.model, self.opt = self.fabric.setup(model, optimizer(model, device.type == "cuda"))
-        self.forward = self.model
-        self.batches = iter(batched_loader(ds, batch=s.micro))
-
-    def weights(self) -> nn.Module:
-        return self.model.module if hasattr(self.model, "module") else self.model
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.fabric.backward(loss)
-
-    def clip(self) -> None:
-        self.fabric.clip_gradients(self.model, self.opt, max_norm=1.0)
-
-
-class Accelerate(Hand):
-    """The same loop through Accelerate (``mixed_precision="bf16"``: its own autocast)."""
-
-    def __init__(self, s: Shape, ds, device: torch.device) -> None:
-        from accelerate import Accelerator
-
-        self.s, self.device, self.ctx = s, device, contextlib.nullcontext()
-        self.acc = Accelerator(cpu=device.type == "cpu", mixed_precision="bf16")
-        model = make_gpt(s)
-        self.model, self.opt = self.acc.prepare(model, optimizer(model, device.type == "cuda"))
-        self.forward = self.model
-        self.batches = iter(batched_loader(ds, batch=s.micro))
-
-    def weights(self) -> nn.Module:
-        return self.acc.unwrap_model(self.model)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.acc.backward(loss)
-
-    def clip(self) -> None:
-        self.acc.clip_grad_norm_(self.model.parameters(), 1.0)
 
 
 def installed(name: str) -> bool:

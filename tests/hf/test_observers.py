@@ -16,16 +16,34 @@ OBSERVED = dict(ema={"decay": 0.9}, progress="bar",
 QUIET = dict(progress="none", checkpoint={"at_epoch_end": False})
 
 
-@pytest.mark.parametrize("async_save", [False, True])
-def test_gpt2_weights_are_the_same_with_every_observer_on(data_dir, tmp_path, async_save):
+@pytest.mark.parametrize("async_save", [False, True, "fresh stagers"])
+def test_gpt2_weights_are_the_same_with_every_observer_on(data_dir, tmp_path, async_save,
+                                                         monkeypatch):
+    """``fresh stagers``: async saves on a torch whose DCP stager stages only once (2.11),
+    each save on new stagers (sailfin.checkpoint.staging.stager_reusable)."""
     off_model, _, _ = train("causal_lm", data_dir, tmp_path / "off", **QUIET)
-    observed = {**OBSERVED, "checkpoint": {**OBSERVED["checkpoint"], "async_save": async_save}}
+    observed = {**OBSERVED, "checkpoint": {**OBSERVED["checkpoint"],
+                                           "async_save": bool(async_save)}}
+    if async_save == "fresh stagers":
+        import torch.distributed.checkpoint.staging as dcp_staging
+
+        from sailfin.checkpoint.staging import stager_reusable
+        from tests.checkpoint.test_checkpointer import StagesOnce
+
+        monkeypatch.setattr(StagesOnce, "real", dcp_staging.DefaultStager, raising=False)
+        monkeypatch.setattr(dcp_staging, "DefaultStager", StagesOnce)
+        stager_reusable.cache_clear()
+        assert not stager_reusable()
     try:
         on_model, trainer, summary = train("causal_lm", data_dir, tmp_path / "on", **observed)
         assert summary["global_step"] == 4
         assert (tmp_path / "on" / "checkpoints" / "step-00000004").is_dir()  # it did save
     finally:
         shutil.rmtree(tmp_path / "on", ignore_errors=True)  # the snapshots' owner goes
+        if async_save == "fresh stagers":
+            from sailfin.checkpoint.staging import stager_reusable
+
+            stager_reusable.cache_clear()  # the next test asks this torch's own stager
     want, got = off_model.state_dict(), on_model.state_dict()
     assert want.keys() == got.keys()
     for key, value in want.items():
