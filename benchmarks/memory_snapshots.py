@@ -93,7 +93,7 @@ class NodeBytes(Callback):
             return
         from sailfin.checkpoint.memory_dirs import used_bytes
         from sailfin.checkpoint.rng import rng_state
-        from sailfin.trainer.checkpointing.memory_space import state_bytes
+        from sailfin.trainer.checkpointing.memory_snapshots import state_bytes
 
         store = trainer.checkpointer.store
         store.wait()

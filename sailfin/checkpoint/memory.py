@@ -1,9 +1,9 @@
 """Memory snapshots: the run's state as checkpoint files in shared memory, every N steps.
 
 A snapshot is an ordinary checkpoint (``model.pt``, ``trainer.pt``,
-``rng-rank<r>.pt`` and the same ``manifest.json`` with sizes and CRC-32s) in a
-directory on a RAM file system (:mod:`.memory_dirs`). Files there outlive the
-worker, so a restarted worker reads them back instead of a disk checkpoint.
+``rng-rank<r>.pt`` and the same ``manifest.json``) in a directory on a RAM file
+system (:mod:`.memory_dirs`) that outlives the worker: a restarted worker reads
+it back instead of a disk checkpoint.
 
 Replicated state is written once per node: under ``ddp`` (every rank holds the
 same model and optimizer) the node's local leader writes ``model.pt`` and
@@ -38,11 +38,10 @@ from typing import Any, Optional
 
 from . import manifest as manifests
 from .errors import CheckpointCorrupt, CheckpointError
-from .memory_dirs import free_bytes, used_bytes
-from . import memory_transfer
-from .memory_files import held, prune_snapshots, read_manifest, recycle, step_name
-from .memory_peers import Peers
-from .memory_staging import PendingCopy, SharedStaging
+from .memory_dirs import (free_bytes, held, prune_snapshots, read_manifest, recycle,
+                          step_name, used_bytes)
+from .memory_staging import PendingCopy, SharedStaging, remove_file
+from .memory_transfer import Peers, exchange
 from .memory_writer import Verdict, WriterProcess
 from .serialize import load_object
 from .storage import LocalStorage
@@ -96,7 +95,7 @@ class MemoryStore:
         self._staging = SharedStaging(os.path.join(root, f"staging-rank{rank:05d}"))
         self._writer = WriterProcess()
         self._executor: Optional[ThreadPoolExecutor] = None
-        self._pending: Optional[tuple[int, Future]] = None
+        self._pending: Optional[Future] = None  # the last snapshot's write
         self._copying: Optional[tuple[PendingCopy, tuple]] = None  # copied while training
         self._prune_from: Optional[int] = None  # older snapshots go before the next write
         self._complete: Optional[int] = None  # the step of the newest snapshot renamed
@@ -137,9 +136,9 @@ class MemoryStore:
         """Wait until the last snapshot's files are written (and replicated); True when it
         had to wait. Whether the write succeeded is left to :meth:`ready`'s agreement."""
         self.settle()
-        if self._pending is None or self._pending[1].done():
+        if self._pending is None or self._pending.done():
             return False
-        wait_for([self._pending[1]])
+        wait_for([self._pending])
         return True
 
     def ready(self, step: int) -> bool:
@@ -189,7 +188,6 @@ class MemoryStore:
         # containers are its own and its scalars immutable, so only a value of another
         # type (a set, an array) makes it worth freezing whole, pickled now.
         frozen = pickle.dumps(staged) if self._staging.kept else staged
-        job = (step, dict(facts), frozen, replicated)
         verdict: Optional[Verdict] = None
         if copying is not None:
             verdict = Verdict()  # settle() says whether the copy holds this step's state
@@ -198,8 +196,8 @@ class MemoryStore:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="sailfin-memory")
         self._last = step
         keep_from, self._prune_from = self._prune_from, None
-        self._pending = (step, self._executor.submit(self._write, keep_from, *job,
-                                                     copying=copying, verdict=verdict))
+        self._pending = self._executor.submit(self._write, keep_from, step, dict(facts),
+                                              frozen, replicated, copying, verdict)
         return True
 
     @property
@@ -241,12 +239,10 @@ class MemoryStore:
                         "(a larger /dev/shm or trainer.checkpoint.memory.dir)")
 
     def _finish(self) -> Optional[BaseException]:
-        if self._pending is None:
-            return None
-        _, future = self._pending
-        self._pending = None
+        future, self._pending = self._pending, None
         try:
-            future.result()
+            if future is not None:
+                future.result()
         except Exception as exc:  # reported through every rank's agreement
             return exc
         return None
@@ -270,8 +266,8 @@ class MemoryStore:
         writes the files once ``copying`` is done (this thread waits on its pipe), renames
         them if ``verdict`` says the copy holds the step's state, then the replica goes to
         the next node."""
-        if keep_from is not None:
-            self._recycle(keep_from, step)
+        if keep_from is not None:  # the oldest one's directory becomes the new one's
+            self.prune(keep_from, spare=recycle(self.own_dir(), keep_from, step))
         staged = pickle.loads(frozen) if isinstance(frozen, bytes) else frozen
         shared, rank_state = staged["shared"], staged["rank"]
         facts = {**facts, "memory_snapshot": {
@@ -292,8 +288,9 @@ class MemoryStore:
             if verdict is not None:
                 verdict.renamed.set()
         final = os.path.join(self.own_dir(), step_name(step)) if renamed else None
-        if self.replica_dst is not None:
-            self._replicate(step, final)  # (a dropped one too: the peer expects a header)
+        if self.replica_dst is not None:  # (a dropped one too: the peer expects a header)
+            exchange(self.peers.background, final, self.replica_dst, self.replica_src,
+                     self.replica_dir(self.replica_src), step)  # type: ignore[arg-type]
         if final is not None:
             self._complete = step
             self._check_room(step, used_bytes(final) * (2 if self.replica_dst is not None
@@ -308,11 +305,6 @@ class MemoryStore:
         if free + previous < size:
             raise NoSpace(errno.ENOSPC, f"the next snapshot needs {size / 2**20:.1f} MiB, "
                           f"{(free + previous) / 2**20:.1f} MiB would be free")
-
-    def _replicate(self, step: int, final: Optional[str]) -> None:
-        assert self.replica_dst is not None and self.replica_src is not None
-        memory_transfer.exchange(self.peers.background, final, self.replica_dst,
-                                 self.replica_src, self.replica_dir(self.replica_src), step)
 
     # -- what is there -----------------------------------------------------------------
     def inventory(self) -> dict[int, dict[int, str]]:
@@ -357,14 +349,9 @@ class MemoryStore:
         """Remove this rank's snapshots (and the replica it keeps) older than ``keep_from``
         (with ``only``: every step but that one) and unfinished ones (but ``spare``).
         Never called while a snapshot is being written."""
-        for directory in [self.own_dir()] + ([self.replica_dir(self.replica_src)]
-                                             if self.replica_src is not None else []):
-            prune_snapshots(directory, keep_from, only, spare)
-
-    def _recycle(self, keep_from: int, step: int) -> None:
-        """Before writing ``step``: older snapshots than ``keep_from`` go, the oldest
-        one's directory kept as the new one's temporary one (:func:`recycle`)."""
-        self.prune(keep_from=keep_from, spare=recycle(self.own_dir(), keep_from, step))
+        prune_snapshots(self.own_dir(), keep_from, only, spare)
+        if self.replica_src is not None:
+            prune_snapshots(self.replica_dir(self.replica_src), keep_from, only, spare)
 
     def remove_mine(self) -> None:
         """Remove this rank's snapshots and the replica it keeps (a normal end)."""
@@ -372,9 +359,7 @@ class MemoryStore:
         shutil.rmtree(self.own_dir(), ignore_errors=True)
         if self.replica_src is not None:
             shutil.rmtree(self.replica_dir(self.replica_src), ignore_errors=True)
-        with_owner = os.path.join(self.root, f"owner-rank{self.rank:05d}.json")
-        if os.path.exists(with_owner):
-            os.remove(with_owner)
+        remove_file(os.path.join(self.root, f"owner-rank{self.rank:05d}.json"))
 
     def close(self) -> None:
         try:

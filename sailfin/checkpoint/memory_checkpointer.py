@@ -4,6 +4,11 @@
 wrapped one; on resume it offers the newest memory snapshot that every rank
 holds complete (in its node's memory, or as a replica on another node) ahead
 of the disk checkpoints, when it is at least as new as the newest of those.
+
+fsdp state is kept in a snapshot as each rank's own rows (:func:`local_shards`):
+a snapshot is resumed on the same ranks that wrote it, so a DTensor is kept as
+its local rows plus its global shape, stride and placements, and rebuilt on the
+same device mesh on load (:func:`global_shards`).
 """
 
 from __future__ import annotations
@@ -13,21 +18,23 @@ import os
 import re
 from typing import Any, Optional
 
+import torch
+
 from ..config.trainer import TrainerArguments
 from ..distributed import DistEnv
 from ..logging.destination import check_directory
-from . import memory_dirs
 from ..utils.voice import say
+from . import memory_dirs, memory_transfer
 from .checkpointer import Checkpointer, Loaded
 from .errors import CheckpointError
 from .memory import MemoryStore
-from . import memory_transfer
-from .memory_files import step_name
-from .memory_peers import Peers
-from .memory_shards import global_shards
+from .memory_dirs import step_name
+from .memory_transfer import Peers
+from .sharded import holds
 
 PREFIX = "memory:"
 _DISK_STEP = re.compile(r"step-(\d+)$")
+MARK = "__sailfin_dtensor__"
 
 
 class MemoryFirstCheckpointer(Checkpointer):
@@ -89,9 +96,8 @@ class MemoryFirstCheckpointer(Checkpointer):
         self.inner.recover()
         store = self.store
         store.peers.start()
-        main = store.rank == 0
         store.run = store.peers.all_gather(
-            memory_dirs.run_identity(self.output_dir) if main else None)[0]
+            memory_dirs.run_identity(self.output_dir) if store.rank == 0 else None)[0]
         verdict = (memory_dirs.check_root(store.root, store.run, self.output_dir)
                    if self.local_rank == 0 else (None, []))
         verdicts = store.peers.all_gather(verdict)  # before any rank claims the directory
@@ -104,8 +110,7 @@ class MemoryFirstCheckpointer(Checkpointer):
         store.start_writer()  # it imports torch while the run sets up
         if self.local_rank == 0:
             memory_dirs.record_root(self.output_dir, self.node, store.root)
-            parent = os.path.dirname(store.root)
-            for path in memory_dirs.remove_leftovers(parent, keep=store.root):
+            for path in memory_dirs.remove_leftovers(os.path.dirname(store.root), store.root):
                 say(f"removed the memory snapshots of a run that is gone: {path}",
                     warning=True)
         # resume: never (or a path) starts elsewhere; this run's snapshots go at its start.
@@ -134,9 +139,8 @@ class MemoryFirstCheckpointer(Checkpointer):
             return {}
         common = set.intersection(*held.values())
         disk = self._disk_step()
-        main = rank == 0
         if not common:
-            if main:
+            if rank == 0:
                 lost = [r for r, steps in held.items() if not steps]
                 say(f"memory snapshots: no step is held for every rank (rank(s) "
                     f"{_ranks(lost) or 'all'} lack one: their node's memory was lost and no "
@@ -146,7 +150,7 @@ class MemoryFirstCheckpointer(Checkpointer):
             return {}
         steps = sorted((s for s in common if disk is None or s >= disk), reverse=True)[:2]
         if not steps:
-            if main:
+            if rank == 0:
                 say(f"memory snapshots: the newest common step {max(common)} is older than the "
                     f"disk checkpoint of step {disk}; resuming from disk")
             return {}
@@ -222,3 +226,75 @@ def persisting_args(args: TrainerArguments) -> Any:
     if ckpt.memory.enabled and ckpt.memory.persist_every_n_steps and not ckpt.async_save:
         return dataclasses.replace(ckpt, async_save=True)
     return ckpt
+
+
+# -- fsdp state in a snapshot: each rank's own rows, as plain tensors --------------------
+def local_shards(state: Any) -> Any:
+    """``state`` with every DTensor replaced by a plain dict holding its local rows
+    (``state`` itself when it holds none: sp and ddp)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def local(value: Any) -> Any:
+        if not isinstance(value, DTensor):
+            return value
+        placements = []
+        for p in value.placements:
+            if not isinstance(p, (Shard, Replicate)):
+                raise ValueError(f"memory snapshots cannot keep a DTensor placed as {p}")
+            placements.append(["shard", p.dim] if isinstance(p, Shard) else ["replicate"])
+        return {MARK: value.to_local(), "shape": list(value.shape),
+                "stride": list(value.stride()), "placements": placements}
+
+    return _replace(state, local) if holds(state, DTensor) else state
+
+
+def global_shards(state: Any, mesh: Optional[Any]) -> Any:
+    """Undo :func:`local_shards` on ``mesh`` (the model's device mesh)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def rebuilt(value: Any) -> Any:
+        if not (isinstance(value, dict) and MARK in value):
+            return value
+        if mesh is None:
+            raise ValueError("the memory snapshot holds fsdp shards but this run's model is "
+                             "not sharded")
+        placements = [Shard(int(p[1])) if p[0] == "shard" else Replicate()
+                      for p in value["placements"]]
+        return DTensor.from_local(value[MARK].to(mesh.device_type), mesh, placements,
+                                  run_check=False, shape=torch.Size(value["shape"]),
+                                  stride=tuple(value["stride"]))
+
+    return _replace(state, rebuilt) if _has_mark(state) else state
+
+
+def _has_mark(state: Any) -> bool:
+    stack = [state]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if MARK in item:
+                return True
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return False
+
+
+def _replace(state: Any, convert: Any) -> Any:
+    """``state`` with ``convert`` applied to each value, through dicts, lists and tuples
+    (a value it changes is not looked into)."""
+    done = convert(state)
+    if done is not state:
+        return done
+    if isinstance(state, dict):
+        return {k: _replace(v, convert) for k, v in state.items()}
+    if type(state) in (list, tuple):
+        return type(state)(_replace(v, convert) for v in state)
+    return state
+
+
+def mesh_of(module: torch.nn.Module) -> Optional[Any]:
+    """The device mesh of the module's sharded parameters, or None."""
+    from torch.distributed.tensor import DTensor
+
+    return next((p.device_mesh for p in module.parameters() if isinstance(p, DTensor)), None)

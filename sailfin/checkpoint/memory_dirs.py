@@ -1,4 +1,4 @@
-"""Where memory snapshots live, who owns them, and removing them.
+"""Where memory snapshots live, whose they are, which are intact, and removing them.
 
 One directory per run and node, on a RAM file system::
 
@@ -25,15 +25,26 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import uuid
 from typing import Any, Optional
 
+from . import manifest as manifests
+from .errors import CheckpointCorrupt
+from .serialize import _checksum_file
+
 DEFAULT_PARENT = "/dev/shm"
 PREFIX = "sailfin-"
 RECORD = ".memory-snapshots-node"
 IDENTITY = ".memory-snapshots-run"
+STEP = re.compile(r"^step-(\d+)$")
+_RANK_DIR = re.compile(r"^(?:replica-)?rank(\d+)$")
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
 
 
 def run_id(output_dir: str) -> str:
@@ -48,14 +59,17 @@ def snapshot_root(dir_: Optional[str], output_dir: str, node: int) -> str:
     return os.path.join(DEFAULT_PARENT, f"{PREFIX}{run_id(output_dir)}-node{node}")
 
 
+def _write_json(path: str, obj: Any) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh)
+    os.replace(tmp, path)
+
+
 def record_root(output_dir: str, node: int, root: str) -> None:
     """Note the node's snapshot directory in the output dir, for ``sailfin clean``."""
     os.makedirs(output_dir, exist_ok=True)
-    path = os.path.join(output_dir, f"{RECORD}{node}")
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump({"dir": root}, fh)
-    os.replace(tmp, path)
+    _write_json(os.path.join(output_dir, f"{RECORD}{node}"), {"dir": root})
 
 
 def run_identity(output_dir: str) -> str:
@@ -70,32 +84,22 @@ def run_identity(output_dir: str) -> str:
         pass
     os.makedirs(output_dir, exist_ok=True)
     run = uuid.uuid4().hex[:16]
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump({"run": run}, fh)
-    os.replace(tmp, path)
+    _write_json(path, {"run": run})
     return run
 
 
 def claim(root: str, rank: int, output_dir: str, run: str = "") -> None:
     """Say who writes in ``root``: a later run removes it only when they are all gone."""
     os.makedirs(root, exist_ok=True)
-    path = os.path.join(root, f"owner-rank{rank:05d}.json")
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump({"host": socket.gethostname(), "pid": os.getpid(), "ppid": os.getppid(),
-                   "output_dir": os.path.abspath(output_dir), "run": run}, fh)
-    os.replace(tmp, path)
+    _write_json(os.path.join(root, f"owner-rank{rank:05d}.json"),
+                {"host": socket.gethostname(), "pid": os.getpid(), "ppid": os.getppid(),
+                 "output_dir": os.path.abspath(output_dir), "run": run})
 
 
 def owners(root: str) -> list[dict[str, Any]]:
     """What the owner files in ``root`` say (none: no directory, or nobody claimed it)."""
     found = []
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return found
-    for name in names:
+    for name in _names(root):
         if name.startswith("owner-rank") and name.endswith(".json"):
             try:
                 with open(os.path.join(root, name)) as fh:
@@ -105,25 +109,13 @@ def owners(root: str) -> list[dict[str, Any]]:
     return found
 
 
-def live_writer(found: list[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """An owner that may still be writing: its worker alive on this host, or on another
-    host (which this one cannot see)."""
-    host = socket.gethostname()
-    for owner in found:
-        pid = int(owner.get("pid", 0))
-        if owner.get("host") != host or (pid > 1 and pid != os.getpid() and pid_alive(pid)):
-            return owner
-    return None
-
-
 def check_root(root: str, run: str, output_dir: str) -> tuple[Optional[str], list[str]]:
     """Before a run claims ``root``: (an error, the lines to say). Another run's snapshots
-    whose writers are gone are removed; a writer still alive stops this run, which would
-    otherwise write over (or resume from) what a live process is writing."""
+    whose writers are gone are removed; a writer still alive (on this host, or on another,
+    which this one cannot see) stops this run, which would otherwise write over (or resume
+    from) what a live process is writing."""
     found = owners(root)
-    if not found:
-        return None, []
-    alive = live_writer(found)
+    alive = next((o for o in found if _writing(o)), None)
     if alive is not None:
         where = alive.get("output_dir", "?")
         same = alive.get("run") == run
@@ -144,54 +136,43 @@ def check_root(root: str, run: str, output_dir: str) -> tuple[Optional[str], lis
                   f"({why}, whose processes are gone) and are never resumed here"]
 
 
+def _writing(owner: dict[str, Any]) -> bool:
+    """Whether an owner may still be writing: its worker alive on this host, or on another
+    host (which this one cannot see)."""
+    pid = int(owner.get("pid", 0))
+    return owner.get("host") != socket.gethostname() or (
+        pid > 1 and pid != os.getpid() and pid_alive(pid))
+
+
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (someone else's counts)."""
+    """Whether process ``pid`` exists on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # someone else's
+        pass
     return True
 
 
 def is_dead(root: str) -> bool:
     """Whether every process that wrote in ``root`` (its workers and their launcher, on
     this host) is gone. A directory without owners, or owned on another host, is not dead."""
-    owners = []
-    for name in os.listdir(root):
-        if name.startswith("owner-rank") and name.endswith(".json"):
-            try:
-                with open(os.path.join(root, name)) as fh:
-                    owners.append(json.load(fh))
-            except (OSError, ValueError):
-                continue
-    if not owners:
-        return False
-    host = socket.gethostname()
-    if any(o.get("host") != host for o in owners):
-        return False
-    return not any(pid_alive(int(o[key])) for o in owners for key in ("pid", "ppid")
-                   if int(o.get(key, 0)) > 1)
+    found, host = owners(root), socket.gethostname()
+    return bool(found) and all(o.get("host") == host for o in found) and not any(
+        pid_alive(int(o[key])) for o in found for key in ("pid", "ppid")
+        if int(o.get(key, 0)) > 1)
 
 
 def remove_leftovers(parent: str, keep: str) -> list[str]:
     """Remove the snapshot directories under ``parent`` whose runs are dead (their RAM
     comes back); never ``keep``, this run's own. Returns what was removed."""
     removed = []
-    try:
-        entries = sorted(os.listdir(parent))
-    except OSError:
-        return removed
-    for entry in entries:
+    for entry in sorted(_names(parent)):
         path = os.path.join(parent, entry)
         if not entry.startswith(PREFIX) or os.path.abspath(path) == os.path.abspath(keep):
             continue
-        try:
-            dead = os.path.isdir(path) and is_dead(path)
-        except OSError:
-            continue
-        if dead:
+        if os.path.isdir(path) and is_dead(path):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
@@ -220,27 +201,114 @@ def used_bytes(path: str) -> int:
 def clean(output_dir: str) -> list[str]:
     """Remove a run's snapshot directories on this machine (``sailfin clean OUTPUT_DIR``):
     the default ones named after the run, and those its record files name."""
-    roots = set()
-    try:
-        entries = os.listdir(DEFAULT_PARENT)
-    except OSError:
-        entries = []
     prefix = f"{PREFIX}{run_id(output_dir)}-node"
-    roots.update(os.path.join(DEFAULT_PARENT, e) for e in entries if e.startswith(prefix))
-    try:
-        records = [e for e in os.listdir(output_dir) if e.startswith(RECORD)]
-    except OSError:
-        records = []
-    for name in records:
+    roots = {os.path.join(DEFAULT_PARENT, e) for e in _names(DEFAULT_PARENT)
+             if e.startswith(prefix)}
+    for name in [e for e in _names(output_dir) if e.startswith(RECORD)]:
         try:
             with open(os.path.join(output_dir, name)) as fh:
                 roots.add(json.load(fh)["dir"])
         except (OSError, ValueError, KeyError):
             pass
         os.remove(os.path.join(output_dir, name))
-    removed = []
-    for root in sorted(roots):
-        if os.path.isdir(root):
-            shutil.rmtree(root, ignore_errors=True)
-            removed.append(root)
+    removed = [root for root in sorted(roots) if os.path.isdir(root)]
+    for root in removed:
+        shutil.rmtree(root, ignore_errors=True)
     return removed
+
+
+# -- the snapshots in a rank's directory ------------------------------------------------
+def read_manifest(path: str) -> dict[str, Any]:
+    """The manifest of the snapshot in ``path`` (raises OSError, CheckpointCorrupt)."""
+    manifest_path = os.path.join(path, manifests.MANIFEST)
+    with open(manifest_path, "rb") as fh:
+        return manifests.decode(fh.read(), manifest_path)
+
+
+def intact(path: str, world_size: Optional[int] = None, run: Optional[str] = None,
+           verify: bool = True) -> Optional[dict[str, Any]]:
+    """The manifest of the snapshot in ``path`` if it is complete and every file matches
+    it (and it was taken by the run ``run``, on ``world_size`` ranks unless it holds
+    replicated state, which any world size resumes); else None. ``verify=False``
+    compares sizes only: the CRC-32s are checked when the snapshot is loaded."""
+    try:
+        manifest = read_manifest(path)
+        files = manifests.files_of(manifest, os.path.join(path, manifests.MANIFEST))
+        about = manifest.get("memory_snapshot") or {}
+        if world_size is not None and manifest.get("world_size") != world_size \
+                and not about.get("replicated"):
+            return None
+        if run is not None and about.get("run") != run:
+            return None
+        if all((_checksum_file(os.path.join(path, name)) == (entry.size, entry.crc32))
+               if verify else os.path.getsize(os.path.join(path, name)) == entry.size
+               for name, entry in files.items()):
+            return manifest
+    except (OSError, CheckpointCorrupt):
+        pass
+    return None
+
+
+def prune_snapshots(directory: str, keep_from: int = 0, only: Optional[int] = None,
+                    spare: Optional[str] = None) -> None:
+    """Remove the snapshots in ``directory`` older than ``keep_from`` (with ``only``: every
+    step but that one) and anything unfinished, but the entry named ``spare``."""
+    for name in sorted(_names(directory)):
+        match = STEP.match(name)
+        step = int(match.group(1)) if match else None
+        if name != spare and (step is None or (
+                step != only if only is not None else step < keep_from)):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def recycle(directory: str, keep_from: int, step: int) -> str:
+    """Before ``step`` is written in ``directory``: the oldest snapshot older than
+    ``keep_from`` becomes its temporary directory, whose files the writer rewrites in
+    place (their pages reused: freeing and allocating a snapshot's pages costs as much
+    as writing them). Its manifest goes first: a directory being rewritten never holds
+    one. Returns the temporary directory's name (the others older are the caller's to
+    remove)."""
+    temporary = f".tmp-{step_name(step)}"
+    older = sorted(name for name in _names(directory)
+                   if STEP.match(name) and int(name[5:]) < keep_from)
+    if older and not os.path.exists(os.path.join(directory, temporary)):
+        os.rename(os.path.join(directory, older[0]), os.path.join(directory, temporary))
+        manifest = os.path.join(directory, temporary, manifests.MANIFEST)
+        if os.path.exists(manifest):
+            os.remove(manifest)
+    return temporary
+
+
+def held(root: str, world_size: int, run: str) -> dict[int, dict[int, str]]:
+    """Rank -> step -> directory of every complete, intact snapshot in the node's
+    directory ``root`` (own or replica) that a rank of the run ``run`` can resume from.
+    Left out: a snapshot without a manifest, or whose files do not have its sizes (a
+    half-written one; CRC-32s are checked when the one snapshot resumed is loaded), or
+    taken by another run, or sharded on another world size (a resized fsdp job resumes
+    from disk), or whose node copy of the replicated state is not here intact."""
+    found: dict[int, dict[int, tuple[str, Optional[int]]]] = {}
+    for entry in sorted(_names(root)):  # own copies ("rank...") before replicas
+        match = _RANK_DIR.match(entry)
+        if not match or int(match.group(1)) >= world_size:
+            continue
+        rank = int(match.group(1))
+        for name in _names(os.path.join(root, entry)):
+            step = STEP.match(name)
+            path = os.path.join(root, entry, name)
+            if not step or int(step.group(1)) in found.get(rank, {}):
+                continue
+            manifest = intact(path, world_size, run, verify=False)
+            if manifest is not None:
+                source = (manifest.get("memory_snapshot") or {}).get("shared_from")
+                found.setdefault(rank, {})[int(step.group(1))] = (path, source)
+    return {rank: {step: path for step, (path, source) in steps.items()
+                   if source is None or found.get(source, {}).get(step, ("", 0))[1] is None}
+            for rank, steps in found.items()}
+
+
+def _names(directory: str) -> list[str]:
+    """The names in ``directory``; none when it is gone (or cannot be read)."""
+    try:
+        return os.listdir(directory)
+    except OSError:
+        return []

@@ -1,4 +1,8 @@
-"""Moving a snapshot directory to another rank's memory, each byte once.
+"""Snapshots between ranks: the agreement, and moving a snapshot directory, each byte once.
+
+Snapshot files are CPU bytes, so they travel over gloo whatever the training
+backend (nccl included), on groups of their own (:class:`Peers`) that keep the
+background replica transfers from interleaving with training's collectives.
 
 A replica is a snapshot directory copied to a rank on another node. Each file
 is sent straight from its pages in the sender's file system (mapped, not read
@@ -21,106 +25,109 @@ import shutil
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
-from .memory_files import step_name
+from .memory_dirs import step_name
 from .memory_staging import reserve
 
 
-def _header(path: Optional[str]) -> tuple[list[str], torch.Tensor]:
-    names = sorted(os.listdir(path)) if path is not None else []
-    sizes = {n: os.path.getsize(os.path.join(path, n)) for n in names}
-    data = json.dumps(sizes).encode("utf-8")
-    return names, torch.frombuffer(bytearray(data), dtype=torch.uint8)
+class Peers:
+    """Agreement between the ranks, and the groups snapshots travel on; on one process
+    every method is local.
+
+    Example (on every rank)::
+
+        peers = Peers(rank, world_size)
+        peers.start()
+        if peers.min(1 if wrote_fine else 0) == 0:
+            raise RuntimeError("a rank failed")
+    """
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.group: Any = None  # the step's agreement and resume's transfers
+        self.background: Any = None  # the writer thread's replicas
+
+    def start(self) -> None:
+        """Create the groups (a collective: every rank calls it at the same point)."""
+        if self.world_size > 1 and self.group is None and dist.is_initialized():
+            self.group = dist.new_group(backend="gloo")
+            self.background = dist.new_group(backend="gloo")
+
+    def min(self, value: int) -> int:
+        """The smallest of every rank's ``value``."""
+        if self.group is None:
+            return value
+        box = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self.group)
+        return int(box.item())
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order."""
+        if self.group is None:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
 
 
-def _source(path: str, size: int) -> torch.Tensor:
-    """The file's bytes as a tensor on its own pages (a private mapping: no copy)."""
-    return torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
-
-
-def _target(path: str, size: int) -> torch.Tensor:
-    """A new file of ``size`` bytes, its pages reserved, mapped shared as a tensor."""
-    reserve(path, size)  # a full file system is an error here, not a SIGBUS later
-    return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-
-
-def _open(into: str, step: int) -> str:
+def exchange(group: Any, path: Optional[str], dst: Optional[int], src: Optional[int],
+             into: str, step: int) -> Optional[str]:
+    """Send the snapshot ``path`` to ``dst`` while receiving ``src``'s as
+    ``into/step-N``; returns the received directory. ``path`` None: this rank has no
+    snapshot of ``step`` (dropped) and sends an empty header; one received is not kept.
+    ``dst`` or ``src`` None: only receive, or only send."""
+    where = path or ""
+    sizes = {n: os.path.getsize(os.path.join(where, n)) for n in sorted(os.listdir(where))
+             } if path is not None else {}
+    header = torch.frombuffer(bytearray(json.dumps(sizes).encode("utf-8")), dtype=torch.uint8)
+    length = torch.zeros(1, dtype=torch.int64)
+    _move(group, [torch.tensor([header.numel()], dtype=torch.int64)], dst, [length], src)
+    got = torch.empty(int(length.item()), dtype=torch.uint8)
+    _move(group, [header], dst, [got], src)
+    incoming = json.loads(got.numpy().tobytes().decode("utf-8")) if src is not None else {}
     staging = os.path.join(into, f".tmp-{step_name(step)}")
-    shutil.rmtree(staging, ignore_errors=True)
-    os.makedirs(staging)
-    return staging
-
-
-def _close(into: str, staging: str, step: int) -> str:
+    if src is not None:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+    # Each file's bytes as a tensor on its own pages: the sender's mapped privately (no
+    # copy), the receiver's a new file mapped shared, its pages reserved first (a full
+    # file system is an error here, not a SIGBUS later).
+    outgoing = [torch.from_file(os.path.join(where, name), shared=False, size=size,
+                                dtype=torch.uint8) for name, size in sizes.items() if size]
+    targets = []
+    for name, size in sorted(incoming.items()):
+        reserve(os.path.join(staging, name), size)
+        targets.append(torch.from_file(os.path.join(staging, name), shared=True, size=size,
+                                       dtype=torch.uint8))
+    _move(group, outgoing, dst, targets, src)
+    if not incoming:  # only sent, or the sender dropped its snapshot of this step
+        if src is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        return None
     final = os.path.join(into, step_name(step))
     shutil.rmtree(final, ignore_errors=True)
     os.rename(staging, final)
     return final
 
 
-def exchange(group: Any, path: Optional[str], dst: int, src: int, into: str, step: int
-             ) -> Optional[str]:
-    """Send the snapshot ``path`` to ``dst`` while receiving ``src``'s as
-    ``into/step-N``; returns the received directory. ``path`` None: this rank has no
-    snapshot of ``step`` (dropped) and sends an empty header; one received is not kept."""
-    import torch.distributed as dist
-
-    names, header = _header(path)
-    sizes_out = torch.tensor([header.numel()], dtype=torch.int64)
-    size_in = torch.zeros(1, dtype=torch.int64)
-    _wait([dist.isend(sizes_out, dst, group=group), dist.irecv(size_in, src, group=group)])
-    got = torch.empty(int(size_in.item()), dtype=torch.uint8)
-    _wait([dist.isend(header, dst, group=group), dist.irecv(got, src, group=group)])
-    incoming = json.loads(got.numpy().tobytes().decode("utf-8"))
-    staging = _open(into, step)
-    requests = []
-    for name in names:
-        size = os.path.getsize(os.path.join(path, name))  # type: ignore[arg-type]
-        if size:
-            requests.append(dist.isend(_source(os.path.join(path, name), size), dst,  # type: ignore[arg-type]
-                                       group=group))
-    for name, size in sorted(incoming.items()):
-        target = _target(os.path.join(staging, name), size)
-        if size:
-            requests.append(dist.irecv(target, src, group=group))
-    _wait(requests)
-    if not incoming:  # the sender dropped its snapshot of this step
-        shutil.rmtree(staging, ignore_errors=True)
-        return None
-    return _close(into, staging, step)
-
-
 def send(group: Any, path: str, dst: int) -> None:
-    """Send the snapshot ``path`` to ``dst`` (blocking; resume: a replica going back to
-    the rank whose node lost its own)."""
-    import torch.distributed as dist
-
-    names, header = _header(path)
-    dist.send(torch.tensor([header.numel()], dtype=torch.int64), dst, group=group)
-    dist.send(header, dst, group=group)
-    for name in names:
-        size = os.path.getsize(os.path.join(path, name))
-        if size:
-            dist.send(_source(os.path.join(path, name), size), dst, group=group)
+    """Send the snapshot ``path`` to ``dst`` (resume: a replica going back to the rank
+    whose node lost its own)."""
+    exchange(group, path, dst, None, "", 0)
 
 
-def recv(group: Any, src: int, into: str, step: int) -> str:
+def recv(group: Any, src: int, into: str, step: int) -> Optional[str]:
     """Receive what :func:`send` sent as ``into/step-N``; returns that directory."""
-    import torch.distributed as dist
-
-    size = torch.zeros(1, dtype=torch.int64)
-    dist.recv(size, src, group=group)
-    got = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(got, src, group=group)
-    incoming = json.loads(got.numpy().tobytes().decode("utf-8"))
-    staging = _open(into, step)
-    for name, nbytes in sorted(incoming.items()):
-        target = _target(os.path.join(staging, name), nbytes)
-        if nbytes:
-            dist.recv(target, src, group=group)
-    return _close(into, staging, step)
+    return exchange(group, None, None, src, into, step)
 
 
-def _wait(requests: list[Any]) -> None:
+def _move(group: Any, out: list[torch.Tensor], dst: Optional[int], into: list[torch.Tensor],
+          src: Optional[int]) -> None:
+    """Send ``out`` to ``dst`` while receiving ``into`` from ``src`` (the empty ones
+    travel not at all); return once every transfer is done."""
+    requests = [dist.isend(t, dst, group=group) for t in out if dst is not None and t.numel()]
+    requests += [dist.irecv(t, src, group=group) for t in into
+                 if src is not None and t.numel()]
     for request in requests:
         request.wait()

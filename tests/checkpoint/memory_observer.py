@@ -71,7 +71,7 @@ def node_bytes_rank(rank: int, world: int, dist_args: Any, out: Path) -> None:
     from sailfin import Callback
     from sailfin.checkpoint.memory_dirs import used_bytes
     from sailfin.checkpoint.rng import rng_state
-    from sailfin.trainer.checkpointing.memory_space import state_bytes
+    from sailfin.trainer.checkpointing.memory_snapshots import state_bytes
 
     class NodeBytes(Callback):
         seen: list = []

@@ -70,7 +70,7 @@ def test_the_writer_keeps_staging_files_mapped_and_checksums_on_its_own_thread(t
     """From one snapshot to the next the writer reuses its mappings of the staging files
     (mapping anew faults every page in again), drops those of files no longer named, and
     computes the checksums on its own thread (no second core taken from training)."""
-    from sailfin.checkpoint import memory_files, memory_writer, serialize
+    from sailfin.checkpoint import memory_dirs, memory_writer, serialize
 
     staging = SharedStaging(str(tmp_path / "staging"))
     helpers: list = []
@@ -93,7 +93,7 @@ def test_the_writer_keeps_staging_files_mapped_and_checksums_on_its_own_thread(t
         assert memory_writer.write_snapshot(str(out), f"step-{step}", staged, facts,
                                             staging.directory, mapped=mapped)
         seen.append(dict(mapped))
-        assert memory_files.intact(str(out / f"step-{step}"))  # every file's CRC-32 matches
+        assert memory_dirs.intact(str(out / f"step-{step}"))  # every file's CRC-32 matches
         loaded = torch.load(out / f"step-{step}" / "model.pt")
         assert loaded.keys() == state.keys()
         assert all(torch.equal(loaded[k], v) for k, v in state.items())

@@ -11,8 +11,8 @@ import torch
 from sailfin import Callback, Trainer
 from sailfin.checkpoint import CheckpointError
 from sailfin.checkpoint.memory_dirs import used_bytes
-from sailfin.trainer.checkpointing.memory_snapshots import MemorySnapshots
-from sailfin.trainer.checkpointing.memory_space import state_bytes, stepped_state_bytes
+from sailfin.trainer.checkpointing.memory_snapshots import (MemorySnapshots, state_bytes,
+                                                         stepped_state_bytes)
 from tests.checkpoint.memory_observer import AdamWRecipe
 from tests.recipes import IdData, args
 

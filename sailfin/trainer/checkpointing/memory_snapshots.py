@@ -5,6 +5,16 @@ resume agreement) is :mod:`sailfin.checkpoint.memory`; this callback decides
 when, hands it the state, checks before the first step that snapshots fit,
 persists every ``persist_every_n_steps`` as an ordinary checkpoint, and
 removes the snapshots when the run ends normally.
+
+Whether snapshots fit is counted before the first step from the state's real
+sizes. An optimizer holds no state before its first step, yet the snapshot of
+step 1 holds all of it, so its state is sized from its parameters: a twin of the
+optimizer, on ``meta`` copies of this rank's parameters (the local shard under
+fsdp), takes one step and its state is counted; no memory is used and the real
+optimizer is not touched. A node holds, per rank that writes to it: two
+snapshots (the newest complete one and the one being written), times two with a
+replica from another node, and the staging copy the writer process reads from.
+Replicated state (``ddp``) is written once per node, by its local leader.
 """
 
 from __future__ import annotations
@@ -17,22 +27,20 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from ...checkpoint import CheckpointError, Checkpointer
-from ...checkpoint import memory_dirs
-from ...utils.voice import say
-from ...checkpoint.memory_checkpointer import MemoryFirstCheckpointer
-from ...checkpoint.memory_shards import local_shards, mesh_of
+from ...checkpoint import CheckpointError, Checkpointer, memory_dirs
+from ...checkpoint.memory_checkpointer import MemoryFirstCheckpointer, local_shards, mesh_of
 from ...checkpoint.rng import rng_state
 from ...checkpoint.staging import optimizer_storages, storage_key
 from ...config.trainer import TrainerArguments
+from ...utils.voice import say
 from ..core.callbacks import Callback, notify_save_end
-from .memory_space import mb, snapshot_bytes
 from .saver import CheckpointCallback, manifest_facts
 
 if TYPE_CHECKING:
     from ..core.view import RunView
 
 StepHook = Callable[[int, Any, Any], None]  # (global_step, loss, stats): on_end_train_step
+_FILE_OVERHEAD = 1 << 16  # torch.save's archive around the tensors, per file (generous)
 
 
 class MemorySnapshots(Callback):
@@ -182,29 +190,30 @@ class MemorySnapshots(Callback):
         of each node; else stop before the first step, on every rank, with the numbers."""
         state = trainer.state_dict()
         local = local_shards(state)
+        # The whole snapshot state: the optimizers' state as after their first step.
+        grown = sum(max(0, stepped_state_bytes(opt) - state_bytes(dict(_inner(opt).state)))
+                    for opt in trainer.optimizers)
+        shared = state_bytes(local) + grown + 2 * _FILE_OVERHEAD
+        own = state_bytes(rng_state()) + _FILE_OVERHEAD
+        self.snapshot_bytes = shared + own
         writes_shared = local is not state or self.store.rank == self.store.leader
-        writes, whole = snapshot_bytes(local, rng_state(), trainer.optimizers, writes_shared)
-        self.snapshot_bytes = whole
+        writes = (shared if writes_shared else 0) + own  # ddp: the node's leader only
         root = self.store.root
         free = memory_dirs.free_bytes(root) + memory_dirs.used_bytes(root)
-        node = self.checkpointer.node
-        reports = self.store.peers.all_gather((node, writes, free, root))
-        problems = []
+        reports = self.store.peers.all_gather((self.checkpointer.node, writes, free, root))
         for where in sorted({r[0] for r in reports}):
             on_node = [r for r in reports if r[0] == where]
             need = sum(r[1] * (2 * (1 + self.replicas) + 1) for r in on_node)
-            if need > on_node[0][2]:
-                problems.append((where, len(on_node), max(r[1] for r in on_node), need,
-                                 on_node[0][2], on_node[0][3]))
-        if problems:
-            where, ranks, size, need, free, root = problems[0]
+            free, root = on_node[0][2], on_node[0][3]
+            if need <= free:
+                continue
             raise CheckpointError(
-                f"trainer.checkpoint.memory: snapshots need {mb(need)} on node {where} "
+                f"trainer.checkpoint.memory: snapshots need {_mb(need)} on node {where} "
                 f"(2 snapshots"
                 + (" and 2 replicas" if self.replicas else "")
-                + f" and a staging copy of {mb(size)} at most per rank, model and optimizer "
-                f"state once per node, {ranks} rank(s)"
-                + f") but {root} has {mb(free)} free; enlarge /dev/shm (docker run "
+                + f" and a staging copy of {_mb(max(r[1] for r in on_node))} at most per "
+                f"rank, model and optimizer state once per node, {len(on_node)} rank(s)"
+                + f") but {root} has {_mb(free)} free; enlarge /dev/shm (docker run "
                 "--shm-size), point trainer.checkpoint.memory.dir at a larger tmpfs"
                 + (", set trainer.checkpoint.memory.replicas: 0" if self.replicas else "")
                 + ", or turn snapshots off (trainer.checkpoint.memory.every_n_steps: null)")
@@ -229,3 +238,64 @@ def memory_snapshot_callback(checkpointer: Checkpointer, args: TrainerArguments,
         from .auto_interval import AutoMemorySnapshots
         return [AutoMemorySnapshots(checkpointer, args, saver)]
     return [MemorySnapshots(checkpointer, args, saver)]
+
+
+def state_bytes(obj: Any) -> int:
+    """Bytes of the tensors in ``obj`` (shared storages counted once; ``meta`` tensors by
+    their size; a DTensor by its local shard)."""
+    seen: dict[Any, int] = {}
+    stack = [obj]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            if hasattr(value, "to_local"):  # a DTensor (fsdp): this rank's rows
+                value = value.to_local()
+            if value.device.type == "meta":
+                seen[id(value)] = value.numel() * value.element_size()
+            else:
+                storage = value.untyped_storage()
+                seen[(storage.data_ptr(), str(value.device))] = storage.nbytes()
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return sum(seen.values())
+
+
+def stepped_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes ``optimizer``'s state holds once it has stepped (what it holds now if it has;
+    0 for an optimizer whose twin cannot step on ``meta`` tensors: the run checks again
+    after each snapshot)."""
+    inner = _inner(optimizer)
+    if inner.state:
+        return state_bytes(dict(inner.state))
+    groups = []
+    for group in inner.param_groups:
+        metas = []
+        for param in group["params"]:
+            local = param.to_local() if hasattr(param, "to_local") else param
+            meta = torch.nn.Parameter(torch.empty(local.shape, dtype=local.dtype,
+                                                  device="meta"),
+                                      requires_grad=param.requires_grad)
+            if param.requires_grad:
+                meta.grad = torch.empty_like(meta)
+            metas.append(meta)
+        # No fused or capturable kernels for meta tensors: the state they keep is the same.
+        plain = {k: False for k in ("fused", "capturable", "foreach") if k in group}
+        groups.append({**group, **plain, "params": metas})
+    twin = object.__new__(type(inner))
+    try:
+        torch.optim.Optimizer.__init__(twin, groups, dict(inner.defaults))
+        with torch.no_grad():
+            twin.step()
+    except Exception:  # an optimizer that needs more than torch's contract: measured later
+        return 0
+    return state_bytes(dict(twin.state))
+
+
+def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    return getattr(optimizer, "original_optimizer", optimizer)  # Opacus wraps the recipe's
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
