@@ -3,13 +3,10 @@
 A snapshot is an ordinary checkpoint (``model.pt``, ``trainer.pt``,
 ``rng-rank<r>.pt`` and the same ``manifest.json``) in a directory on a RAM file
 system (:mod:`.memory_dirs`) that outlives the worker: a restarted worker reads
-it back instead of a disk checkpoint.
-
-Replicated state is written once per node: under ``ddp`` (every rank holds the
-same model and optimizer) the node's local leader writes ``model.pt`` and
-``trainer.pt``, and every other rank of the node only its own random state,
-its manifest naming the leader (``shared_from``); a restart reads the node's
-copy. Under ``fsdp`` each rank writes its own shard.
+it back instead of a disk checkpoint. Under ``ddp`` (every rank holds the same
+model and optimizer) the node's local leader writes ``model.pt`` and
+``trainer.pt``, every other rank its random state only, its manifest naming the
+leader (``shared_from``); under ``fsdp`` each rank writes its own shard.
 
 Training pays only a copy into reused staging buffers (:mod:`.memory_staging`),
 and of the parameters and optimizer state not even that: a thread copies them
@@ -18,11 +15,9 @@ writer process (:mod:`.memory_writer`) writes the files under ``.tmp-step-N``
 (over the oldest snapshot's pages) and renames the directory once complete and
 once the copy is known to hold its step; a thread waits for it and
 (``replicas: 1``) sends the files to a rank on the next node (``replica-rank<r>/``).
-Before the next snapshot each rank waits until its previous one is written
-(:meth:`MemoryStore.written`; the trainer does so before it logs the step that takes
-it, so a kill loses at most the steps between two snapshots), then the ranks
-agree (one tiny all-reduce): if one found the file system full, every rank stops
-taking snapshots (one warning; training and disk checkpoints go on). Every rank
+Before the next snapshot each rank waits until its previous one is written, then
+the ranks agree (one tiny all-reduce): if one found the file system full, every
+rank stops taking snapshots (training and disk checkpoints go on). Every rank
 therefore always holds a step that all ranks hold complete, and at most two
 snapshots.
 """
@@ -62,8 +57,7 @@ def rank_file(rank: int) -> str:
 
 
 def _is_full(error: Optional[BaseException]) -> bool:
-    """Whether ``error`` (or what caused it: a write error wraps the OSError) is a full
-    file system."""
+    """Whether ``error`` (or what caused it) is a full file system."""
     while error is not None:
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
@@ -119,8 +113,7 @@ class MemoryStore:
 
     # -- writing -----------------------------------------------------------------------
     def start_writer(self, wait: bool = False) -> None:
-        """Start the writer process (``wait``: until it can write; before the first step,
-        so that the first snapshot is not late)."""
+        """Start the writer process (``wait``: until it can write)."""
         if wait:
             self._writer.ready()
         else:
@@ -170,10 +163,9 @@ class MemoryStore:
               ) -> bool:
         """After :meth:`ready` said so: copy the state into the staging buffers and have the
         files written in the background; False when the file system is full. The storages
-        in ``later`` (``(data_ptr, device)``: parameters and optimizer state) are copied by
-        a thread while training goes on, and the files are written once :meth:`settle`
-        finds them copied unchanged. ``replicated``: ``shared`` is the same on every rank,
-        and only the node's leader writes it."""
+        in ``later`` (parameters and optimizer state) are copied while training goes on
+        (renamed once :meth:`settle` finds them unchanged). ``replicated``: ``shared`` is
+        the same on every rank, and only the node's leader writes it."""
         if replicated and self.rank != self.leader:
             shared = {}  # the node's leader writes it
         try:
@@ -263,9 +255,8 @@ class MemoryStore:
                frozen: Any, replicated: bool, copying: Optional[PendingCopy] = None,
                verdict: Optional["Verdict"] = None) -> None:
         """The writer thread: snapshots older than ``keep_from`` go, the writer process
-        writes the files once ``copying`` is done (this thread waits on its pipe), renames
-        them if ``verdict`` says the copy holds the step's state, then the replica goes to
-        the next node."""
+        writes the files once ``copying`` is done, renames them if ``verdict`` says the
+        copy holds the step's state, then the replica goes to the next node."""
         if keep_from is not None:  # the oldest one's directory becomes the new one's
             self.prune(keep_from, spare=recycle(self.own_dir(), keep_from, step))
         staged = pickle.loads(frozen) if isinstance(frozen, bytes) else frozen
@@ -297,8 +288,8 @@ class MemoryStore:
                                                         else 1))
 
     def _check_room(self, step: int, size: int) -> None:
-        """The next snapshot replaces the one before this: it must fit in what is free
-        now plus what that one frees (the state grew, or the file system filled)."""
+        """The next snapshot, replacing the one before this, must fit in what is free plus
+        what that one frees (the state grew, or the file system filled)."""
         previous = self._bytes.get(max((s for s in self._bytes if s < step), default=-1), 0)
         self._bytes = {step: size}
         free = free_bytes(self.root)

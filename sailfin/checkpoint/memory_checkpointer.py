@@ -130,10 +130,8 @@ class MemoryFirstCheckpointer(Checkpointer):
         store, rank, world = self.store, self.store.rank, self.store.world_size
         mine = store.inventory()
         reports = store.peers.all_gather({r: sorted(s) for r, s in mine.items()})
-        held: dict[int, set[int]] = {r: set() for r in range(world)}
-        for report in reports:
-            for r, steps in report.items():
-                held[r].update(steps)
+        held = {r: set().union(*(report.get(r, []) for report in reports))
+                for r in range(world)}
         newest = max((s for steps in held.values() for s in steps), default=None)
         if newest is None:
             return {}
@@ -141,9 +139,10 @@ class MemoryFirstCheckpointer(Checkpointer):
         disk = self._disk_step()
         if not common:
             if rank == 0:
-                lost = [r for r, steps in held.items() if not steps]
+                lost = [str(r) for r, steps in held.items() if not steps]
+                lost_ranks = ", ".join(lost[:8]) + (" ..." if len(lost) > 8 else "")
                 say(f"memory snapshots: no step is held for every rank (rank(s) "
-                    f"{_ranks(lost) or 'all'} lack one: their node's memory was lost and no "
+                    f"{lost_ranks or 'all'} lack one: their node's memory was lost and no "
                     f"replica holds it, or the world size changed); resuming from "
                     f"{'disk step ' + str(disk) if disk is not None else 'the start'}, "
                     f"{newest - (disk or 0)} step(s) behind the newest snapshot (step {newest})")
@@ -192,10 +191,6 @@ class MemoryFirstCheckpointer(Checkpointer):
         if self.store.rank == 0:
             say(self._notes[step])
         return Loaded(name, path, manifest, global_shards(shared, self.mesh), rank_state)
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks[:8]) + (" ..." if len(ranks) > 8 else "")
 
 
 def with_memory_snapshots(inner: Checkpointer, args: TrainerArguments,

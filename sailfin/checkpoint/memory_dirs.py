@@ -8,16 +8,13 @@ One directory per run and node, on a RAM file system::
         rank00000/.tmp-step-00000013/ the one being written
         replica-rank00001/step-...    another node's rank 1, kept here (replicas: 1)
 
-The directory's name is a hash of ``trainer.output_dir``: a restarted worker, a
-relaunched job and ``sailfin clean OUTPUT_DIR`` all find the same directories. A
-run records a custom ``dir`` in ``OUTPUT_DIR/.memory-snapshots-node<N>``.
-
-Whose snapshots they are is not derived from a path: a run's identity is a
-random id kept in ``OUTPUT_DIR/.memory-snapshots-run``, written when the run
-first starts, and every snapshot and owner file records it. A snapshot is
-resumed only by the run whose output directory holds its id: not after that
-directory is gone (a new id), not by a run with another output directory that
-shares ``memory.dir``, and not while a writer of the directory is alive.
+The directory's name is a hash of ``trainer.output_dir``, so that a restarted
+worker, a relaunched job and ``sailfin clean OUTPUT_DIR`` find it; a custom ``dir``
+is recorded in ``OUTPUT_DIR/.memory-snapshots-node<N>``. A run's identity is a
+random id kept in ``OUTPUT_DIR/.memory-snapshots-run`` and recorded by every
+snapshot and owner file: a snapshot is resumed only by the run whose output
+directory holds its id (not after that directory is gone, nor by a run sharing
+``memory.dir``), and not while a writer of the directory is alive.
 """
 
 from __future__ import annotations
@@ -263,11 +260,9 @@ def prune_snapshots(directory: str, keep_from: int = 0, only: Optional[int] = No
 
 def recycle(directory: str, keep_from: int, step: int) -> str:
     """Before ``step`` is written in ``directory``: the oldest snapshot older than
-    ``keep_from`` becomes its temporary directory, whose files the writer rewrites in
-    place (their pages reused: freeing and allocating a snapshot's pages costs as much
-    as writing them). Its manifest goes first: a directory being rewritten never holds
-    one. Returns the temporary directory's name (the others older are the caller's to
-    remove)."""
+    ``keep_from``, its manifest removed, becomes its temporary directory, whose files the
+    writer rewrites in place (freeing and allocating a snapshot's pages costs as much as
+    writing them). Returns the temporary directory's name."""
     temporary = f".tmp-{step_name(step)}"
     older = sorted(name for name in _names(directory)
                    if STEP.match(name) and int(name[5:]) < keep_from)
@@ -280,12 +275,10 @@ def recycle(directory: str, keep_from: int, step: int) -> str:
 
 
 def held(root: str, world_size: int, run: str) -> dict[int, dict[int, str]]:
-    """Rank -> step -> directory of every complete, intact snapshot in the node's
-    directory ``root`` (own or replica) that a rank of the run ``run`` can resume from.
-    Left out: a snapshot without a manifest, or whose files do not have its sizes (a
-    half-written one; CRC-32s are checked when the one snapshot resumed is loaded), or
-    taken by another run, or sharded on another world size (a resized fsdp job resumes
-    from disk), or whose node copy of the replicated state is not here intact."""
+    """Rank -> step -> directory of every complete snapshot in the node's directory
+    ``root`` (own or replica) that a rank of the run ``run`` can resume from: not one
+    whose files lack its manifest's sizes (CRC-32s are checked when loaded), taken by
+    another run, sharded on another world size, or whose node copy is not here."""
     found: dict[int, dict[int, tuple[str, Optional[int]]]] = {}
     for entry in sorted(_names(root)):  # own copies ("rank...") before replicas
         match = _RANK_DIR.match(entry)

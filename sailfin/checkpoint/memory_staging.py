@@ -1,12 +1,11 @@
 """Staging buffers for memory snapshots: the state copied into files mapped shared.
 
-The step copies the state into staging buffers that are files in the node's
-snapshot directory, mapped shared (``staging-rank<r>/``, one file per storage,
-reused from snapshot to snapshot); the writer process (:mod:`.memory_writer`)
-maps the same files and writes the snapshot from them. Only a description of the
-state (each tensor's place in the buffers, and the state's other values) crosses
-to it. The parameters and the optimizer's state can be copied by a thread while
-training goes on (:class:`PendingCopy`).
+The step copies the state into files in the node's snapshot directory, mapped
+shared (``staging-rank<r>/``, one file per storage, reused from snapshot to
+snapshot); the writer process (:mod:`.memory_writer`) maps the same files and
+writes the snapshot from them, told only each tensor's place in them and the
+state's other values. The parameters and the optimizer's state can be copied by
+a thread while training goes on (:class:`PendingCopy`).
 
 Example::
 
@@ -41,12 +40,7 @@ class _Slot:
 class SharedStaging:
     """Staging buffers as files mapped shared in ``directory``, reused while a storage
     keeps its address, device and size (parameters and optimizer state updated in
-    place): a snapshot costs one memory copy and no allocation.
-
-    The storages named ``later`` (the parameters and the optimizer's state, which only
-    the next optimizer step changes) are copied by a thread while training goes on:
-    :meth:`stage` returns at once, and :class:`PendingCopy` says when they are copied
-    and whether they stayed unchanged meanwhile."""
+    place): a snapshot costs one memory copy and no allocation."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
@@ -59,17 +53,13 @@ class SharedStaging:
         self._copier: Optional[ThreadPoolExecutor] = None
         self.kept = False  # the last stage() kept a value of another type as it was
 
-    def nbytes(self) -> int:
-        return sum(buf.nbytes() for _, buf in self._buffers.values())
-
     def stage(self, obj: Any, later: frozenset = frozenset()
               ) -> tuple[Any, Optional["PendingCopy"]]:
         """``obj`` with every tensor replaced by its slot in the staging files: copied now,
-        but for the storages whose ``(data_ptr, device)`` is in ``later``, which a thread
-        copies (the :class:`PendingCopy`; None when there are none).
-
-        The result's dicts, lists and tuples are new, so later changes to ``obj``'s
-        containers do not reach it; :attr:`kept` says whether it also holds values of
+        but for the storages whose ``(data_ptr, device)`` is in ``later`` (the parameters
+        and the optimizer's state, which only the next optimizer step changes), which a
+        thread copies while training goes on (the :class:`PendingCopy`; None if none).
+        The result's containers are new; :attr:`kept` says whether it also holds values of
         other types as they are (a set, a NumPy array: possibly changed later)."""
         sources: dict[tuple[int, str, int], torch.Tensor] = {}
         slots: dict[tuple[int, str, int], list[_Slot]] = {}
@@ -160,19 +150,17 @@ class PendingCopy:
 
     def __init__(self, executor: ThreadPoolExecutor,
                  copies: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
-        """``copies``: (buffer's bytes, source storage's bytes, source tensor) triples; the
-        source tensor's version counter is what :meth:`finish` checks."""
+        # (buffer's bytes, source storage's bytes, source tensor whose version is checked)
         self._versions = [(source, version(source)) for _, _, source in copies]
         pairs = [(buffer, source) for buffer, source, _ in copies]
         self._future = executor.submit(_copy_all, pairs)
 
     def wait(self) -> None:
-        """Block until the copy is done (raising what it raised): the buffers may be read."""
+        """Block until the copy is done (raising what it raised)."""
         self._future.result()
 
     def finish(self) -> bool:
-        """Wait for the copy; True when no source changed since the snapshot was taken.
-        Called by the training thread, where nothing can be changing them."""
+        """Wait for the copy; True when no source changed since the snapshot was taken."""
         self.wait()
         return all(version(source) == seen for source, seen in self._versions)
 
@@ -188,8 +176,8 @@ def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 def reserve(path: str, nbytes: int) -> None:
-    """Create ``path`` with ``nbytes`` bytes whose pages are reserved (where the platform
-    can: Linux, where /dev/shm is), so that writing them through a mapping cannot fail."""
+    """Create ``path`` with ``nbytes`` bytes, pages reserved where the platform can (Linux,
+    where /dev/shm is): writing them through a mapping cannot fail."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         if nbytes and hasattr(os, "posix_fallocate"):
@@ -212,10 +200,9 @@ _SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
 
 def _walk(obj: Any, fn: Any, kept: Optional[list] = None, leaf: type = torch.Tensor) -> Any:
     """``obj`` with ``fn(x)`` for each ``leaf`` ``x`` (a tensor; the writer's side: a
-    slot); dicts, lists and tuples copied, scalars kept; any other value is kept as it is
-    and also appended to ``kept`` (it may be mutable). It runs on the step's path at
-    every snapshot: scalars are not visited by a call each, and a sequence of scalars
-    (Python's random state: 625 ints) is recognised in C."""
+    slot); dicts, lists and tuples copied, scalars kept; any other value kept as it is and
+    appended to ``kept``. On the step's path: scalars are not visited by a call each, and
+    a sequence of scalars (Python's random state: 625 ints) is recognised in C."""
     if isinstance(obj, leaf):
         return fn(obj)
     if isinstance(obj, dict):

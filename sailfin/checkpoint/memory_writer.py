@@ -1,27 +1,24 @@
 """The process that writes memory snapshots, out of the training process.
 
-Serialising a snapshot and computing its CRC-32s in a thread of the training
-process competes with training for the interpreter and the cores. So the step
-copies the state into staging buffers (:mod:`.memory_staging`), and a writer
-process started once per rank, at the lowest priority, maps the same files and
-writes the snapshot's files, manifest last, under the temporary name, then
-renames it. Only a small description of the state crosses the pipe. The files of
-an older snapshot found under the temporary name are rewritten in place: their
-pages are reused rather than freed and allocated again.
+Serialising a snapshot and computing its CRC-32s in the training process would
+compete with training for the interpreter and the cores. So the step copies the
+state into staging buffers (:mod:`.memory_staging`), and a writer process per
+rank, at the lowest priority, maps the same files and writes the snapshot, manifest
+last, under the temporary name, then renames it; only a small description of the
+state crosses the pipe. An older snapshot's files found under the temporary name
+are rewritten in place: their pages are reused, not freed and allocated again.
 
-A snapshot whose parameters were copied while training went on is written at
-once but renamed only when the training process says the copy holds its step's
-state (``verdict``). The writer stops when the training process closes it or dies
-(its pipe ends); one that finds the training process gone before the rename
-leaves the snapshot unfinished, never complete.
+A snapshot whose parameters were copied while training went on is renamed only
+when the training process says the copy holds its step's state (:class:`Verdict`).
+The writer stops when the training process closes its pipe or dies; if that one
+is gone before the rename, the snapshot stays unfinished, never complete.
 
 Example::
 
-    staging = SharedStaging("/dev/shm/sailfin-run-node0/staging-rank00000")
     described, _ = staging.stage({"model": model.state_dict()})   # copied at once
     writer = WriterProcess()
     writer.write(directory, "step-00000012", described, facts, staging.directory)
-    writer.close(); staging.release()
+    writer.close()
 """
 
 from __future__ import annotations
@@ -66,18 +63,14 @@ def write_snapshot(directory: str, name: str, staged: dict[str, Any], facts: dic
                    commit: Optional[Callable[[], bool]] = None,
                    mapped: Optional[dict[str, torch.UntypedStorage]] = None) -> bool:
     """Write ``staged`` (stem -> state described by :class:`SharedStaging`) as the snapshot
-    ``directory/name``: the files under ``.tmp-<name>``, the manifest last, then the
-    rename, unless the training process ``parent`` is gone meanwhile or ``commit()``
-    (asked once the files are written) says no. True when renamed.
-
-    ``mapped`` (staging file name -> its mapping) keeps the staging files mapped from one
-    snapshot to the next: mapping 24 MB anew faults in every page again. Names are never
-    reused within a run; a file this snapshot does not name is unmapped (its pages go
-    back once the training process removed it)."""
+    ``directory/name``: the files under ``.tmp-<name>`` (an older snapshot's, rewritten in
+    place), the manifest last, then the rename, unless the training process ``parent`` is
+    gone meanwhile or ``commit()`` (asked once the files are written) says no. True when
+    renamed. ``mapped`` (staging file name -> its mapping) keeps the staging files mapped
+    from one snapshot to the next (mapping 24 MB anew faults in every page again); one
+    this snapshot does not name is unmapped."""
     storage = _InPlace()
     temporary = os.path.join(directory, f".tmp-{name}")
-    # An older snapshot's files may be here (MemoryStore recycles its directory): they are
-    # rewritten in place, the manifest last; one without a manifest is never chosen.
     os.makedirs(temporary, exist_ok=True)
     remove_file(os.path.join(temporary, manifests.MANIFEST))
     mapped = {} if mapped is None else mapped
@@ -106,11 +99,11 @@ def write_snapshot(directory: str, name: str, staged: dict[str, Any], facts: dic
 
 
 def _serve(parent: int) -> None:
-    """The writer process: one snapshot per message on stdin until ``None`` or the pipe
-    ends; each answered on stdout (None: renamed; ``"dropped"``; or the error's errno and
-    reason). A snapshot sent with ``hold`` is answered ``"written"`` once its files are,
-    and renamed only if the next message says True. It ends the process (``os._exit``)
-    rather than return."""
+    """The writer process (started by :class:`WriterProcess` with ``python -c``): one
+    snapshot per message on stdin until ``None`` or the pipe ends; each answered on stdout
+    (None: renamed; ``"dropped"``; or the error's errno and reason). A snapshot sent with
+    ``hold`` is answered ``"written"`` once its files are, and renamed only if the next
+    message says True. It ends the process (``os._exit``) rather than return."""
     torch.set_num_threads(1)
     # Each file's CRC-32 is computed as it is written and kept in the manifest, which is
     # what a restart checks; torch.save's own CRC-32 of every zip record (torch.load never
@@ -150,9 +143,8 @@ def _serve(parent: int) -> None:
         except (EOFError, OSError):
             job = None  # the training process is gone
         if job is None:
-            # Every reply is sent and every snapshot renamed: nothing is left to tear
-            # down, and the interpreter's own teardown (torch's) would hold the
-            # training process's close() for a third of a second.
+            # Nothing is left to tear down, and the interpreter's own teardown (torch's)
+            # would hold the training process's close() for a third of a second.
             sys.stderr.flush()
             os._exit(0)
         *where, hold = job
@@ -200,10 +192,9 @@ class WriterProcess:
 
     def write(self, directory: str, name: str, staged: dict[str, Any], facts: dict[str, Any],
               staging_dir: str, verdict: Optional[Callable[[], bool]] = None) -> bool:
-        """Have the writer write the snapshot; block until it is renamed (the calling
-        thread waits on a pipe, holding nothing). With ``verdict``, it is asked once the
-        files are written, and only True renames them. True when renamed. Raises OSError
-        (errno kept: a full file system) or RuntimeError with the writer's reason."""
+        """Have the writer write the snapshot (:func:`write_snapshot`); block until it is
+        renamed (the calling thread waits on a pipe, holding nothing). True when renamed.
+        Raises OSError (errno kept: a full file system) or RuntimeError."""
         self.ready()
         try:
             self._send((directory, name, staged, facts, staging_dir, verdict is not None))
@@ -227,10 +218,9 @@ class WriterProcess:
     def ready(self) -> None:
         """Start the writer if it is not running, and wait until it can write (its
         interpreter and torch imported: a second or so, once per run)."""
-        if self._proc is not None and self._proc.poll() is None and self._ready:
+        if self._ready and self._proc is not None and self._proc.poll() is None:
             return
-        if self._proc is None or self._proc.poll() is not None:
-            self.start()
+        self.start()
         try:
             hello = pickle.load(self._proc.stdout)
         except (EOFError, OSError):
@@ -245,15 +235,11 @@ class WriterProcess:
         if self._proc is not None and self._proc.poll() is None:
             return
         self._ready = False
-        self._launch()
-
-    def _launch(self) -> None:
         # A fresh interpreter (not fork: the training process has threads), importing
         # this sailfin; it needs no more than one thread.
         package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = {**os.environ, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(
-                   [package] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+        path = os.pathsep.join(filter(None, [package, os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
         self._proc = subprocess.Popen(
             [sys.executable, "-c", "import sys; from sailfin.checkpoint.memory_writer import "
              "_serve; _serve(int(sys.argv[1]))", str(os.getpid())],

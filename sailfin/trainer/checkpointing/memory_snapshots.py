@@ -7,14 +7,10 @@ persists every ``persist_every_n_steps`` as an ordinary checkpoint, and
 removes the snapshots when the run ends normally.
 
 Whether snapshots fit is counted before the first step from the state's real
-sizes. An optimizer holds no state before its first step, yet the snapshot of
-step 1 holds all of it, so its state is sized from its parameters: a twin of the
-optimizer, on ``meta`` copies of this rank's parameters (the local shard under
-fsdp), takes one step and its state is counted; no memory is used and the real
-optimizer is not touched. A node holds, per rank that writes to it: two
-snapshots (the newest complete one and the one being written), times two with a
-replica from another node, and the staging copy the writer process reads from.
-Replicated state (``ddp``) is written once per node, by its local leader.
+sizes, the optimizer's state sized from its parameters (:func:`stepped_state_bytes`).
+A node holds, per rank that writes to it: two snapshots (the newest complete one
+and the one being written), times two with a replica from another node, and the
+staging copy the writer process reads from.
 """
 
 from __future__ import annotations
@@ -47,15 +43,13 @@ class MemorySnapshots(Callback):
     """Snapshots every ``every_n_steps`` optimizer steps; training waits for the copy, and
     for a write only when it is slower than the steps between snapshots.
 
-    The step copies what the next forward may change (buffers, random streams, the
-    trainer's state); a thread copies the parameters and the optimizer's state while the
-    next forward and backward run, and the optimizer step waits for it. A version check
-    proves nothing changed them meanwhile; if something did, that snapshot is dropped
-    and later ones are copied at once. The step that takes the next snapshot waits, after
-    its optimizer step and before it is logged, until the last one is written
-    (:meth:`before_log`): a kill then loses at most ``every_n_steps``. ``stall_seconds``
-    records how long each snapshot held training (at the step's end and before later
-    optimizer steps); ``write_waits`` the waits for a write.
+    A thread copies the parameters and the optimizer's state while the next forward and
+    backward run, and the optimizer step waits for it; if a version check finds them
+    changed meanwhile, that snapshot is dropped and later ones are copied at once. The
+    step that takes the next snapshot waits, before it is logged, until the last one is
+    written (:meth:`before_log`): a kill loses at most ``every_n_steps``.
+    ``stall_seconds`` records how long each snapshot held training; ``write_waits`` the
+    waits for a write.
 
     Example::
 
@@ -79,7 +73,7 @@ class MemorySnapshots(Callback):
         # Parameters and optimizer state are copied while the next step's forward and
         # backward run (off once a snapshot finds them changed meanwhile).
         self.overlap = True
-        self._config_dict: Optional[dict] = None
+        self._config: Optional[dict] = None  # trainer.args, shared by every snapshot
 
     def on_train_start(self, trainer: "RunView") -> None:
         # What a run before this one left (newer steps above all) must never be resumed.
@@ -100,7 +94,9 @@ class MemorySnapshots(Callback):
         if self.store.ready(trainer.global_step):
             trainer.writers.flush()  # metrics.jsonl holds every event up to the snapshot
             state = trainer.state_dict()
-            facts = manifest_facts(trainer, self.saver, state, self._config(trainer))
+            if self._config is None:  # as the manifests hold it; the run's does not change
+                self._config = dataclasses.asdict(trainer.args)
+            facts = manifest_facts(trainer, self.saver, state, self._config)
             # fsdp: this rank's rows, as plain tensors (no model mesh: nothing is sharded)
             local = local_shards(state) if self.checkpointer.mesh is not None else state
             replicated = local is state  # no shards: every rank holds the same (ddp)
@@ -115,13 +111,6 @@ class MemorySnapshots(Callback):
         self.stall_seconds.append(time.perf_counter() - started)
         if not self.store.copying:  # else said when the copy is settled, with its wait
             notify_save_end(trainer, "snapshot", self.stall_seconds[-1])  # the time account
-
-    def _config(self, trainer: "RunView") -> dict:
-        """``trainer.args`` as the manifests hold it: made once (the run's arguments do not
-        change), a deep copy each snapshot's facts share (the writer only reads them)."""
-        if self._config_dict is None:
-            self._config_dict = dataclasses.asdict(trainer.args)
-        return self._config_dict
 
     def on_backward_end(self, trainer: "RunView", samples: int) -> bool:
         """Before the optimizer step changes them: wait until the parameters and optimizer
@@ -263,9 +252,9 @@ def state_bytes(obj: Any) -> int:
 
 
 def stepped_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes ``optimizer``'s state holds once it has stepped (what it holds now if it has;
-    0 for an optimizer whose twin cannot step on ``meta`` tensors: the run checks again
-    after each snapshot)."""
+    """Bytes ``optimizer``'s state holds once it has stepped: a twin of it, on ``meta``
+    copies of this rank's parameters, takes one step (no memory used, the real optimizer
+    untouched); 0 when the twin cannot (the run checks again after each snapshot)."""
     inner = _inner(optimizer)
     if inner.state:
         return state_bytes(dict(inner.state))
