@@ -194,8 +194,7 @@ class MemoryStore:
 
     @property
     def copying(self) -> bool:
-        """Whether the last snapshot's parameters are still being copied (until
-        :meth:`settle`)."""
+        """Whether the last snapshot's parameters are still being copied."""
         return self._copying is not None
 
     def settle(self) -> Optional[bool]:
@@ -220,8 +219,7 @@ class MemoryStore:
         return unchanged
 
     def _stop(self, step: int, error: Optional[BaseException]) -> None:
-        """The file system is full: no more snapshots. The complete ones stay (a restart
-        may resume from the newest one every rank holds); unfinished ones go."""
+        """The file system is full: no more snapshots; the complete ones stay."""
         self.prune(keep_from=0)
         self._writer.close()
         self._staging.release()
@@ -299,8 +297,7 @@ class MemoryStore:
 
     # -- what is there -----------------------------------------------------------------
     def inventory(self) -> dict[int, dict[int, str]]:
-        """Rank -> step -> directory of every complete, intact snapshot of this run in this
-        node's directory (own or replica) that a rank can resume from (:func:`held`)."""
+        """Rank -> step -> directory of the snapshots a rank can resume from (:func:`held`)."""
         return held(self.root, self.world_size, self.run)
 
     def load(self, path: str) -> tuple[dict[str, Any], dict[str, Any], Any]:

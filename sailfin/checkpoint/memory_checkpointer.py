@@ -125,8 +125,8 @@ class MemoryFirstCheckpointer(Checkpointer):
     def _agree(self) -> dict[int, str]:
         """The two newest steps every rank holds, not older than the newest disk checkpoint
         (step -> this rank's snapshot directory); ranks whose node lost one get the
-        replica. Only the snapshot loaded is checked against its CRC-32s, by each rank at
-        once; a damaged one falls back to the one before."""
+        replica. Only the one loaded is checked against its CRC-32s (a damaged one falls
+        back to the one before)."""
         store, rank, world = self.store, self.store.rank, self.store.world_size
         mine = store.inventory()
         reports = store.peers.all_gather({r: sorted(s) for r, s in mine.items()})
