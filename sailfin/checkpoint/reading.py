@@ -1,16 +1,12 @@
 """Reading checkpoint files that may not be what they claim.
 
-A checkpoint directory is input like any other: a file may have been replaced by
-a named pipe (opening it would wait for a writer forever), by a symlink to
-``/dev/zero`` (reading it never ends), or by a directory, and a manifest may name
-``../../etc/hostname``. Every read of a checkpoint goes through here, so that it
-
-- takes only plain file names from a manifest (no separator, no ``..``): nothing
-  outside the checkpoint's directory is opened;
-- opens a local file without blocking and checks, on the open descriptor, that it
-  is a regular file whose real path lies inside the checkpoint directory;
-- compares its size with what the manifest promised (or with a bound, for the
-  manifest and pointers) before reading a byte.
+A file in a checkpoint may have been replaced by a named pipe (opening it waits for
+a writer forever), a symlink to ``/dev/zero`` (reading it never ends) or a directory,
+and a manifest may name ``../../etc/hostname``. Every read of a checkpoint goes
+through here: it takes only plain file names from a manifest, opens a local file
+without blocking, checks on the open descriptor that it is a regular file whose real
+path lies inside the checkpoint directory, and compares its size with what the
+manifest promised (or a bound) before reading a byte.
 
 Example::
 
@@ -26,6 +22,7 @@ import re
 import stat
 from typing import BinaryIO, Iterator, Optional
 
+from ..utils.voice import say
 from .errors import CheckpointCorrupt
 from .storage import Storage
 
@@ -97,8 +94,6 @@ def open_checked(storage: Storage, path: str, shown: str, *, what: str = "checkp
                                         "checkpoint files only inside it", shown)
         _check_size(info.st_size, shown, what, expected_size, limit)
         if info.st_size >= SAY_ABOVE_BYTES:  # checking it takes a while: say so first
-            from ..utils.voice import say
-
             say(f"checking {what} {shown} ({info.st_size / 2 ** 20:,.0f} MiB) against its "
                 "checksum before loading it")
         if hasattr(os, "O_NONBLOCK"):
@@ -115,12 +110,7 @@ def open_checked(storage: Storage, path: str, shown: str, *, what: str = "checkp
 def _open_remote(storage: Storage, path: str, shown: str, what: str,
                  expected_size: Optional[int], limit: Optional[int]) -> Iterator[BinaryIO]:
     try:
-        size = storage.size(path)
-    except (IsADirectoryError, NotADirectoryError):
-        raise CheckpointCorrupt(f"{what} {shown} is a directory, not a file: the checkpoint "
-                                "is damaged", shown) from None
-    _check_size(size, shown, what, expected_size, limit)
-    try:
+        _check_size(storage.size(path), shown, what, expected_size, limit)
         with storage.open_read(path) as fh:
             yield fh
     except (IsADirectoryError, NotADirectoryError):

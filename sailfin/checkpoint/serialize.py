@@ -2,16 +2,11 @@
 
 Every file is checksummed while it is written; its size and CRC-32 go into the
 manifest, and reading checks both before unpickling anything. CRC-32 finds
-truncation and damage at several GB/s, where a cryptographic hash would add
-to every save's stall and protect nothing more: whoever can rewrite a file
-can rewrite the manifest too. Large buffers are checksummed on a helper
-thread while the calling thread writes them (``sailfin.utils.crc.crc32`` and file writes
-both release the GIL), so the checksum adds to a save's CPU time but hardly to
-its duration. Loading never runs arbitrary unpickling: a file that would need
-it is refused.
-
-An asynchronous save copies the small state it writes here with :func:`cpu_copy`;
-the model, optimizers and callbacks' tensors are staged by DCP (see :mod:`.sharded`).
+truncation and damage at several GB/s, where a cryptographic hash would add to
+every save's stall and protect nothing more: whoever can rewrite a file can
+rewrite the manifest too. Large buffers are checksummed on a helper thread while
+they are written (both release the GIL). Loading never runs arbitrary
+unpickling: a file that would need it is refused.
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ import pickle
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -58,19 +53,13 @@ THREADED_CHECKSUM_BYTES = 1 << 20
 
 
 class _ChecksumWriter:
-    """A file-like that checksums and counts what passes through it.
-
-    With ``helper`` (a one-thread executor), a large buffer's CRC-32 runs on it
-    while this thread writes the buffer; both release the GIL, so the two
-    overlap. ``write`` returns only when both are done: the buffer may be
-    reused by the caller afterwards.
-    """
+    """A file-like that checksums and counts what passes through it. With ``helper`` (a
+    one-thread executor), a large buffer's CRC-32 runs there while this thread writes it;
+    ``write`` returns when both are done (the caller may then reuse the buffer)."""
 
     def __init__(self, fh: Any, helper: Optional[ThreadPoolExecutor] = None) -> None:
-        self.fh = fh
-        self.helper = helper
-        self.crc32 = 0
-        self.size = 0
+        self.fh, self.helper = fh, helper
+        self.crc32 = self.size = 0
         self.error: OSError | None = None  # torch.save hides it inside a RuntimeError
 
     def write(self, data: Any) -> int:
@@ -96,12 +85,11 @@ class _ChecksumWriter:
 def save_object(storage: Storage, path: str, obj: Any, overlap: bool = True) -> FileEntry:
     """``torch.save`` ``obj`` to ``path``; return its size and checksum.
 
-    ``overlap``: a thread checksums each large buffer while it is written (the file
-    is done sooner); False checksums it first on the calling thread (one core: a
-    background writer that must not take a second one from training).
-
-    A failed write (a full disk...) raises :class:`CheckpointWriteError` naming the
-    file and the OS's reason, not torch's ``unexpected pos`` RuntimeError.
+    ``overlap``: a thread checksums each large buffer while it is written; False
+    checksums on the calling thread (a background writer that must not take a second
+    core from training). A failed write (a full disk...) raises
+    :class:`CheckpointWriteError` naming the file and the OS's reason, not torch's
+    ``unexpected pos`` RuntimeError.
     """
     writer: _ChecksumWriter | None = None
     try:
@@ -136,7 +124,7 @@ def load_object(storage: Storage, path: str, entry: FileEntry, mmap: bool = Fals
     try:
         with open_checked(storage, path, shown, expected_size=entry.size, within=within) as fh:
             if local is not None:  # check it in chunks, then let torch read the file: 1x memory
-                size, crc = _checksum_stream(fh)
+                size, crc = checksum_stream(fh)
                 source: Any = local
             else:
                 data = fh.read()
@@ -151,9 +139,8 @@ def load_object(storage: Storage, path: str, entry: FileEntry, mmap: bool = Fals
         raise CheckpointCorrupt(f"checkpoint file {shown} does not match its CRC-32 in the "
                                 "manifest: it was altered or damaged after it was saved", shown)
     try:
-        if mmap and local is not None:
-            return torch.load(source, map_location="cpu", weights_only=True, mmap=True)
-        return torch.load(source, map_location="cpu", weights_only=True)
+        return torch.load(source, map_location="cpu", weights_only=True,
+                          mmap=mmap and local is not None)
     except pickle.UnpicklingError as exc:
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))
         what = f" (it needs {found.group(1)})" if found else ""
@@ -168,17 +155,18 @@ def load_object(storage: Storage, path: str, entry: FileEntry, mmap: bool = Fals
                                 f"cannot read it ({reason}): it is damaged", shown) from None
 
 
+def checksum_stream(stream: Any, update: Callable[..., int] = crc32) -> tuple[int, int]:
+    """(size, checksum) of what ``stream`` holds from its current position."""
+    size, crc = 0, 0
+    while chunk := stream.read(16 << 20):
+        size += len(chunk)
+        crc = update(chunk, crc)
+    return size, crc
+
+
 def _checksum_file(path: str) -> tuple[int, int]:
     with open(path, "rb") as fh:
-        return _checksum_stream(fh)
-
-
-def _checksum_stream(fh: Any) -> tuple[int, int]:
-    size, crc = 0, 0
-    while chunk := fh.read(16 << 20):
-        size += len(chunk)
-        crc = crc32(chunk, crc)
-    return size, crc
+        return checksum_stream(fh)
 
 
 def check_plain(obj: Any, where: str) -> None:
