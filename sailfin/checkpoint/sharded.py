@@ -1,31 +1,22 @@
 """Model and optimizer state on every backend, with DCP: each rank writes and reads its own rows.
 
-Every checkpoint holds the model and optimizer state as
-``torch.distributed.checkpoint`` (DCP) writes it, in ``shards/`` inside the
-checkpoint's directory, under the names PyTorch's distributed state dicts give
-(``get_model_state_dict`` / ``get_optimizer_state_dict``). Under ``fsdp`` the
-values are DTensor shards and every rank writes its own rows; under ``sp`` and
-``ddp`` they are plain tensors that DCP writes once (replicated state is
-de-duplicated over the ranks). Rank 0 writes the rest (``trainer.pt``). The
-directory protocol does not change: the shards are written under the temporary
-name, the manifest (which lists them with their CRC-32s) is written last, the
-directory is renamed, ``latest`` moves last.
-
-Layout::
+Every checkpoint holds the model and optimizer state as ``torch.distributed.checkpoint``
+(DCP) writes it, under the names PyTorch's distributed state dicts give
+(``get_model_state_dict`` / ``get_optimizer_state_dict``): DTensor shards under
+``fsdp`` (every rank writes its own rows), plain tensors under ``sp`` and ``ddp`` (DCP
+writes replicated state once). DCP re-cuts the rows on load, so a checkpoint resumes on
+any world size and under any backend. The shards are written under the temporary name
+like the rest; the manifest, written last, lists them with their CRC-32s::
 
     step-00000120/
         manifest.json         "sharded": {"format": "torch-dcp/1", "keys": ["module", "optimizers"],
                                           "files": {name: {"size": n, "crc32": hex}, ...}}
-        trainer.pt            schedulers, counters, ... (no model, no optimizers)
-        rng-rank00000.pt ...
+        trainer.pt            schedulers, counters, ... (rank 0; no model, no optimizers)
+        rng-rank00000.pt ...  one per rank: its random streams
         shards/.metadata      DCP's index: which rows of which tensor are in which file
         shards/__0_0.distcp   rank 0's rows
-        shards/__1_0.distcp   rank 1's rows
 
-DCP re-cuts the rows on load, so a checkpoint resumes on any world size and
-under any backend: the state to load into comes from PyTorch's distributed
-state dict API, which gives DTensor shards under fsdp and full tensors under
-sp and ddp. torch alone opens it::
+torch alone opens it::
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     dcp_to_torch_save("step-00000120/shards", "step-120.pt")   # {"module": ..., "optimizers": ...}
@@ -144,9 +135,8 @@ class ShardedWriter:
              later: frozenset = frozenset()) -> None:
         """``later``: storages an async save may copy while training goes on, until
         :meth:`settle` (the optimizers' state; see :mod:`.staging`)."""
-        import torch.distributed.checkpoint as dcp
-
         import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
 
         self.wait()
         path = self.storage.join(staging, SHARDS)
@@ -282,10 +272,9 @@ def locate_shards(storage: Storage, where: str, manifest: dict[str, Any],
                                 f"{info.get('format')!r}; this sailfin reads {FORMAT!r}", shown)
     path = storage.join(where, info.get("dir", SHARDS))
     files = info.get("files") or {}
-    if not isinstance(files, dict):
-        raise CheckpointCorrupt(f"checkpoint manifest in {shown} has a malformed shard list",
-                                shown)
     try:
+        if not isinstance(files, dict):
+            raise TypeError(files)
         verify(storage, path, files, rank, world_size)
     except (KeyError, TypeError, ValueError):
         raise CheckpointCorrupt(f"checkpoint manifest in {shown} has a malformed shard list",
