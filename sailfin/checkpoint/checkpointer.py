@@ -21,20 +21,16 @@ from ..utils.voice import say
 from . import manifest as manifests
 from .errors import CheckpointCorrupt, CheckpointError
 from .layout import _STEP, DirectoryLayout
-from .reading import read_checked
-from .serialize import FileEntry, cpu_copy, load_object, save_object
+from .serialize import FileEntry, cpu_copy, load_object, read_checked, save_object
 from .sharded import SHARDS, ShardedRef, ShardedWriter, locate_shards
 from .storage import Storage, open_storage
 
 
 @dataclass
 class Snapshot:
-    """One save as the trainer hands it to a checkpointer, on every rank.
-
-    ``shared`` (file stem -> object) is the same on every rank and rank 0
-    writes it; ``rank_state`` is this rank's own (its random streams).
-    ``facts`` are plain JSON values for the manifest.
-    """
+    """One save as the trainer hands it to a checkpointer, on every rank: ``shared`` (file
+    stem -> object, the same on every rank) rank 0 writes; ``rank_state`` is this rank's
+    own (its random streams); ``facts`` are plain JSON values for the manifest."""
 
     step: int
     facts: dict[str, Any]
@@ -66,10 +62,9 @@ class Loaded:
 class Checkpointer(abc.ABC):
     """Saves and loads checkpoints. Subclass it to keep them elsewhere or in another form.
 
-    Every rank calls :meth:`save` with its :class:`Snapshot` and :meth:`load`
-    to read back; ``barrier()`` waits for every rank. Configure a subclass with
-    ``trainer.checkpoint.class_path``; it is built as
-    ``cls(location, args, dist, barrier)``.
+    Every rank calls :meth:`save` with its :class:`Snapshot` and :meth:`load` to read
+    back; ``barrier()`` waits for every rank. ``trainer.checkpoint.class_path`` names a
+    subclass, built as ``cls(location, args, dist, barrier)``.
 
     Example::
 
@@ -118,9 +113,8 @@ class Checkpointer(abc.ABC):
         return f"remove {self.location}"
 
     def settle(self) -> bool:
-        """Called before each optimizer step while async saves are on: wait for what the
-        last save copies in the background (see :attr:`Snapshot.later`). True when there
-        was such a copy."""
+        """Before each optimizer step while async saves are on: wait for what the last save
+        copies in the background (:attr:`Snapshot.later`); True when there was such a copy."""
         return False
 
     def abort(self) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Optional
 from ..utils.voice import say
 from . import manifest as manifests
 from .errors import CheckpointCorrupt, CheckpointError
-from .reading import read_checked
+from .serialize import read_checked
 
 _STEP = re.compile(r"^step-(\d+)$")
 _LEFTOVER = re.compile(r"^\.(?:tmp|old)-step-(\d+)")

@@ -17,8 +17,7 @@ import math
 from typing import Any, Mapping
 
 from .errors import CheckpointCorrupt
-from .reading import plain_name
-from .serialize import FileEntry
+from .serialize import FileEntry, plain_name
 
 FORMAT = "sailfin-checkpoint/1"
 MANIFEST = "manifest.json"

@@ -28,8 +28,7 @@ from typing import Any, Callable, Optional
 
 from ..utils.crc import crc32
 from .errors import CheckpointCorrupt, CheckpointError
-from .reading import open_checked, plain_shard_name
-from .serialize import checksum_stream
+from .serialize import checksum_stream, open_checked, plain_shard_name
 from .storage import Storage
 
 # A write result that carries a rank's checksums to rank 0, never into DCP's index.

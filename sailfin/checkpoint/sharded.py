@@ -36,7 +36,7 @@ import torch
 
 from ..compat.torch import fsspec_reader, fsspec_writer
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError
-from .reading import plain_name
+from .serialize import plain_name
 from .shard_checksums import checksummed_writer, describe, verify
 from .staging import SplitStager
 from .storage import LocalStorage, Storage
@@ -61,9 +61,8 @@ DCP_KEYS = ("module", "optimizers")  # always in DCP, whatever the backend
 
 
 def _failures() -> tuple[type[BaseException], ...]:
-    """What a DCP call raises: DCP's CheckpointException (one error per failed rank) derives
-    from BaseException. Imported here, not at the top: importing torch.distributed.checkpoint
-    takes about a second, which every run would pay for a module only fsdp saves use."""
+    """What a DCP call raises: its CheckpointException (one error per failed rank) derives
+    from BaseException. Imported when needed: torch.distributed.checkpoint takes a second."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     return (Exception, CheckpointException)
@@ -109,8 +108,7 @@ def holds(value: Any, kind: type) -> bool:
 class ShardedWriter:
     """Writes a save's sharded state on every rank with ``dcp.save``; an async save is
     copied by DCP's stagers (:mod:`.staging`) and written by the run's one writer thread
-    (``async_save`` starts one per save: 3 ms of the step on a busy 2-core machine), on a
-    process group of its own (its collectives never interleave with training's).
+    (``dcp.async_save`` starts one per save), on a process group of its own.
 
     Example (on every rank)::
 
@@ -133,8 +131,7 @@ class ShardedWriter:
 
     def save(self, staging: str, state: dict[str, Any], async_save: bool, step: int = 0,
              later: frozenset = frozenset()) -> None:
-        """``later``: storages an async save may copy while training goes on, until
-        :meth:`settle` (the optimizers' state; see :mod:`.staging`)."""
+        """``later``: storages an async save may copy until :meth:`settle`."""
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
@@ -157,13 +154,10 @@ class ShardedWriter:
             return
         if self._group is None and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")  # every rank saves: collective is fine
-        if self._stager is None:  # its CPU copies are reused from save to save (no fresh
-            # allocation, no page faults on the step's path; pinned for CUDA tensors)
+        if self._stager is None:  # its CPU copies are reused from save to save
             self._stager = SplitStager(pinned=torch.cuda.is_available())
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="sailfin-dcp-save")
-        # This rank's state is copied to CPU memory now (``later``: by the thread, until
-        # settle()); the thread writes it.
-        staged, fill = self._stager.stage(state, later, step)
+        staged, fill = self._stager.stage(state, later, step)  # ``later``: by the thread
         self._pending = self._thread.submit(self._write, staged, fill, writer)
 
     def _write(self, staged: dict[str, Any], fill: Callable[[], None], writer: Any) -> None:
@@ -178,8 +172,7 @@ class ShardedWriter:
         dcp.save(staged, storage_writer=writer, process_group=self._group)
 
     def settle(self) -> bool:
-        """Before the next optimizer step: wait for the copy of the optimizers' state an
-        async save left to a thread (True: there was one); raise if it changed meanwhile."""
+        """See :meth:`.staging.SplitStager.settle`."""
         return self._stager is not None and self._stager.settle()
 
     def wait(self) -> None:
@@ -201,7 +194,6 @@ class ShardedWriter:
                 self._pending = None
 
     def close(self) -> None:
-        """Wait for the last shards, then free the staging copies."""
         try:
             self.wait()
         finally:
@@ -211,9 +203,8 @@ class ShardedWriter:
                 self._stager = self._thread = None
 
     def finish(self, staging: str) -> Optional[dict[str, Any]]:
-        """Rank 0, before the manifest: wait for the shards (DCP's async save completes on
-        rank 0 after every rank's files and the index are written) and describe them.
-        None when the save in ``staging`` wrote no shards."""
+        """Rank 0, before the manifest: wait for every rank's shards and the index, and
+        describe them (None when the save in ``staging`` wrote no shards)."""
         if staging != self._staging:
             return None
         self.wait()
@@ -257,9 +248,8 @@ class ShardedRef:
 def locate_shards(storage: Storage, where: str, manifest: dict[str, Any],
                   storage_options: Optional[dict] = None, rank: int = 0,
                   world_size: int = 1) -> Optional[ShardedRef]:
-    """The checkpoint's shards, checked against the manifest (sizes on every rank, this
-    rank's share of the checksums: see :func:`.shard_checksums.verify`); None if it has
-    none."""
+    """The checkpoint's shards (None if it has none), checked against the manifest: see
+    :func:`.shard_checksums.verify`."""
     info = manifest.get("sharded")
     if not info:
         return None
@@ -287,15 +277,10 @@ def load_sharded(ref: ShardedRef, module: torch.nn.Module,
                  callbacks: Optional[dict[str, Any]] = None,
                  skip: Iterable[str] = ()) -> dict[str, Any]:
     """The saved ``module`` and ``optimizers`` state, cut for this run's backend and world
-    size: DTensor shards under fsdp, full tensors under sp and ddp. ``callbacks``
-    (name -> object with ``state_dict()``): the saved state of those with sharded state
-    comes back as ``{"callbacks": {name: state}}``; shards of a callback this run lacks
-    are not read. ``skip``: model entries the checkpoint does not hold (the frozen
-    parameters a parameter-efficient fine-tune leaves out).
-
-    The targets come from PyTorch's distributed state dicts (parameter names as
-    keys, also for optimizer state); DCP reads into them the rows each rank needs.
-    """
+    size: DCP reads into PyTorch's distributed state dicts the rows each rank needs.
+    ``callbacks`` (name -> object with ``state_dict()``): the state of those saved in DCP
+    comes back as ``{"callbacks": {name: state}}`` (a callback this run lacks is not
+    read). ``skip``: model entries the checkpoint does not hold (a frozen base)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          get_optimizer_state_dict)
@@ -334,7 +319,7 @@ def load_sharded(ref: ShardedRef, module: torch.nn.Module,
 
 def _write_failure(storage: Storage, path: str, exc: BaseException) -> CheckpointWriteError:
     """DCP's failure to write shards, as one line; a full disk (torch.save reports it as
-    ``unexpected pos``, the OSError lost on the way) is told by the space left there."""
+    ``unexpected pos``, the OSError lost) is told by the space left there."""
     code = _errno_in(exc)
     if code is None and _full(storage, path):
         code = errno.ENOSPC

@@ -2,15 +2,11 @@
 (:class:`SafetensorsWriter`), and read one tensor at a time (:func:`load_into`).
 
 The format: an 8-byte little-endian header length N, N bytes of JSON (each tensor's
-dtype, shape and byte range; padded with spaces to a multiple of 8), then the tensors'
-raw little-endian bytes. Names, dtypes and shapes are all the header needs, so it can be
-written before any data, and each tensor appended as it arrives: a writer never holds
-more than the tensor it is given. Tensors are laid out as safetensors' ``save_file``
-lays them out (:func:`file_order`), so both write the same bytes for the same tensors.
-
-``trainer.init_from`` reads a ``.safetensors`` file or a ``model.pt`` into a module whose
-parameters may be sharded (DTensors under fsdp): each tensor is read and copied on its
-own, and of a sharded parameter only this rank's block is read.
+dtype, shape and byte range), then the tensors' raw bytes. The header needs only names,
+dtypes and shapes, so it is written first and each tensor appended as it arrives (a
+writer holds no more than the tensor it is given), in ``save_file``'s order
+(:func:`file_order`): both write the same bytes. ``trainer.init_from`` reads one tensor
+at a time too, of a sharded parameter (fsdp) only this rank's block.
 
 Example::
 
@@ -24,7 +20,9 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import struct
 import sys
@@ -51,12 +49,8 @@ _LAYOUT = ["U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16"
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """What the header says of one tensor: its name, dtype and (global) shape.
-
-    Example::
-
-        TensorSpec.of("layer.weight", param)   # a DTensor shard gives the full shape
-    """
+    """What the header says of one tensor: its name, dtype and (global) shape
+    (``TensorSpec.of("layer.weight", param)``: a DTensor gives the full shape)."""
 
     name: str
     dtype: torch.dtype
@@ -68,10 +62,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
 def file_order(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
@@ -97,10 +88,9 @@ def header_bytes(specs: Sequence[TensorSpec], metadata: Optional[Mapping[str, st
 class SafetensorsWriter:
     """A ``.safetensors`` file at ``path`` written one tensor at a time, in ``specs``' order.
 
-    The header goes first; :meth:`write` appends each tensor's bytes (it checks the
-    name, dtype and shape against the header). The file is written under a temporary
-    name and renamed to ``path`` when the context closes with every tensor written; an
-    error inside the context, or a tensor missing at its end, removes it instead.
+    :meth:`write` appends each tensor (checked against the header). The file is written
+    under a temporary name, renamed to ``path`` when the context closes with every
+    tensor written; an error inside the context, or a missing tensor, removes it.
 
     Example::
 
@@ -165,10 +155,8 @@ class SafetensorsWriter:
     def abort(self) -> None:
         """Close and remove the temporary file; ``path`` is left as it was."""
         self._fh.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.remove(self._tmp)
-        except FileNotFoundError:
-            pass
 
     def __enter__(self) -> "SafetensorsWriter":
         return self
@@ -181,20 +169,13 @@ class SafetensorsWriter:
 
 
 def save_weights(state: Mapping[str, torch.Tensor], path: str) -> str:
-    """A full state dict as safetensors at ``path``, written to a temporary name first."""
-    from safetensors.torch import save_file
-
-    directory = os.path.dirname(path)
-    if directory:
-        os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        save_file(untied(state), tmp, metadata={"format": "pt"})
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    os.replace(tmp, path)
+    """A full state dict as safetensors at ``path`` (the bytes ``save_file`` writes),
+    written to a temporary name first."""
+    tensors = untied(state)
+    specs = file_order([TensorSpec.of(name, t) for name, t in tensors.items()])
+    with SafetensorsWriter(path, specs) as out:
+        for spec in specs:
+            out.write(spec.name, tensors[spec.name])
     return path
 
 
