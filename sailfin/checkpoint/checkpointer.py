@@ -188,9 +188,8 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
         shards = self.shards.finish(staging)  # every rank's shards are on storage
         if shards is not None:
             snapshot.facts["sharded"] = shards  # the manifest lists them
-        files: dict[str, FileEntry] = {}
-        for stem, obj in snapshot.shared.items():
-            files[f"{stem}.pt"] = self.write_file(self.storage.join(staging, f"{stem}.pt"), obj)
+        files = {f"{stem}.pt": self.write_file(self.storage.join(staging, f"{stem}.pt"), obj)
+                 for stem, obj in snapshot.shared.items()}
         files.update(self._rank_entries(staging, own))
         self.commit(name, staging, files, snapshot)
         self.retain()

@@ -61,10 +61,7 @@ def plain_shard_name(name: object) -> bool:
 
 
 def _kind(mode: int) -> str:
-    for test, what in _KINDS:
-        if test(mode):
-            return what
-    return "not a regular file"
+    return next((what for test, what in _KINDS if test(mode)), "not a regular file")
 
 
 @contextlib.contextmanager

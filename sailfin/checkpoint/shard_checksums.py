@@ -1,18 +1,13 @@
 """Checksums of a sharded checkpoint's files: computed by the rank that wrote each file,
 listed in the manifest, checked before a resume uses the checkpoint.
 
-DCP writes each rank's rows to ``__R_0.distcp`` and rank 0 writes the index
-``.metadata``. :func:`checksummed_writer` wraps DCP's writer so that each rank,
-once its files are written, reads them back (from the page cache, just
-written) and computes their size and checksum; the figures travel to rank 0
-with DCP's own write results, and rank 0 adds the index's. The manifest then
-lists every file with ``{"size": ..., "crc32": "..."}``.
-
-On load, :func:`verify` splits the files among the ranks (file ``i`` is read by
-rank ``i % world``), so every byte is read once per job; any rank that finds
-a file unreadable, of the wrong size or with the wrong checksum raises
-:class:`CheckpointCorrupt` naming it, the ranks agree, and ``resume: auto``
-falls back to the next older checkpoint, as for a plain checkpoint's files.
+:func:`checksummed_writer` wraps DCP's writer: each rank reads back the files it just
+wrote (from the page cache) and checksums them; the figures travel to rank 0 with
+DCP's own write results, and rank 0 adds the index's (``.metadata``). On load,
+:func:`verify` splits the files among the ranks (file ``i`` is read by rank ``i %
+world``); a rank that finds a file unreadable, of the wrong size or checksum raises
+:class:`CheckpointCorrupt` naming it, and ``resume: auto`` falls back to the next older
+checkpoint.
 
 Example::
 

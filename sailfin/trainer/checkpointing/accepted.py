@@ -1,14 +1,11 @@
 """``trainer.resume_config: accept``: the accepted values take effect.
 
 Loading a checkpoint puts back the optimizers' ``param_groups`` and the schedulers'
-state as saved: the old ``lr``, ``weight_decay``, ``betas``, ``base_lrs``... would
-silently win over the values the recipe was just built with. After a resume that
-accepted changed keys, the hyper-parameters of the freshly built optimizers and
-schedulers (captured before the load) go back on top of the loaded state, all but the
-per-parameter state (momentum buffers, Adam moments) and the schedule's position; the
-schedule is replayed from its new start to the saved position, so the learning rate in
-effect is the one the new settings give at that step. Keys the loop reads from the
-config each step (``max_grad_norm``...) take effect by themselves.
+state as saved: the old ``lr``, ``betas``, ``base_lrs``... would silently win over the
+values the recipe was just built with. After a resume that accepted changed keys, the
+freshly built hyper-parameters (captured before the load) go back on top, all but the
+per-parameter state and the schedule's position; the schedule is replayed from its new
+start to the saved step, so the learning rate is the one the new settings give there.
 
 Example::
 

@@ -4,11 +4,9 @@ Resume jumps straight to the saved data position: the counters (epoch, step
 in the epoch) and the seed fix which samples come next, so nothing is
 replayed and the cost does not depend on how far into the epoch it was.
 
-A checkpoint read back must have the shape a save gives it and agree with its
-manifest: the checksums prove a file is the one that was written, not that what was
-written is a checkpoint (a file rewritten with its checksum fixed, a manifest whose
-step was edited). :func:`check_loaded` raises :class:`CheckpointCorrupt` naming the
-file, so ``resume: auto`` falls back to the previous checkpoint as for a damaged file.
+The checksums prove a file is the one that was written, not that it is a checkpoint
+(rewritten with its checksum fixed, a manifest's step edited): :func:`check_loaded`
+checks the shape a save gives it, so ``resume: auto`` falls back from such a file too.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """What a checkpoint holds of the trainer, and putting it back.
 
-The model's and the optimizers' state go through the backend: under fsdp they
-are this rank's shards. With the seed, the counters are the data position, so
-a resume replays no batch.
+The model's and the optimizers' state go through the backend (under fsdp, this rank's
+shards). With the seed, the counters are the data position: a resume replays no batch.
 
-A parameter-efficient fine-tune (LoRA through ``sailfin.hf``'s ``peft:``) sets
-``ModuleInterface.checkpoint_frozen_params = False``: its checkpoints and memory
-snapshots then hold only the parameters that train (plus buffers and the optimizers'
-state) and a fingerprint of the frozen base; a resume takes the frozen parameters
-from the module as built, after checking the fingerprint, so resuming onto another
-base stops before the first step. The fingerprint is, per frozen parameter, its
-name, shape, dtype and the sum and sum of squares of its values in float64 (under
-fsdp reduced over the ranks: the same on any world size), to 10 significant digits.
+With ``ModuleInterface.checkpoint_frozen_params = False`` (LoRA through ``peft:``),
+checkpoints hold only the parameters that train and a fingerprint of the frozen base:
+per frozen parameter its name, shape, dtype and the float64 sum and sum of squares of
+its values (reduced over the ranks under fsdp). A resume takes the frozen parameters
+from the module as built, after checking the fingerprint.
 """
 
 from __future__ import annotations
