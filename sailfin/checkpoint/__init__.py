@@ -24,11 +24,9 @@ __all__ = ["CheckpointArguments", "CheckpointCorrupt", "CheckpointError", "Check
 
 def build_checkpointer(args: TrainerArguments, dist: DistEnv,
                        barrier: Callable[[], None] = lambda: None) -> Checkpointer:
-    """The checkpointer ``args.checkpoint`` asks for, at its ``dir``.
-
-    The default dir is ``<output_dir>/checkpoints``. With ``trainer.checkpoint.memory``
-    it comes wrapped in a :class:`~.memory_checkpointer.MemoryFirstCheckpointer`.
-    """
+    """The checkpointer ``args.checkpoint`` asks for, at its ``dir`` (default
+    ``<output_dir>/checkpoints``); with ``trainer.checkpoint.memory``, wrapped in a
+    :class:`~.memory_checkpointer.MemoryFirstCheckpointer`."""
     ckpt = persisting_args(args)  # trainer.checkpoint.memory.persist_every_n_steps: async
     location = ckpt.dir or os.path.join(args.output_dir, "checkpoints")
     cls: type = DirectoryCheckpointer

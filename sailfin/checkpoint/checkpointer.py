@@ -28,8 +28,8 @@ from .storage import Storage, open_storage
 
 @dataclass
 class Snapshot:
-    """One save as the trainer hands it to a checkpointer, on every rank: ``shared`` (file
-    stem -> object, the same on every rank) rank 0 writes; ``rank_state`` is this rank's
+    """One save as the trainer hands it to a checkpointer, on every rank. Rank 0 writes
+    ``shared`` (file stem -> object, the same on every rank); ``rank_state`` is this rank's
     own (its random streams); ``facts`` are plain JSON values for the manifest."""
 
     step: int

@@ -45,12 +45,8 @@ def trim_metrics_log(path: str, step: int, validated: bool) -> int:
 
 
 def last_logged_step(path: str) -> Optional[int]:
-    """The largest ``step`` of a complete event in ``metrics.jsonl`` (None: no events).
-
-    After a crash it says how far the run had come: the steps between the checkpoint
-    and this one are lost (at least; training events are logged every
-    ``log_every_n_steps``).
-    """
+    """The largest ``step`` of a complete event in ``metrics.jsonl`` (None: no events):
+    after a crash, how far the run had come at least."""
     try:
         return max((e[0] for e in map(_event, _complete_lines(path)) if e), default=None)
     except FileNotFoundError:

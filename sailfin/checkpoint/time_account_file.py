@@ -29,10 +29,8 @@ def account_path(output_dir: str) -> str:
 
 
 def read_account(path: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
-    """The account at ``path`` and None, or (None, why it cannot be used).
-
-    A missing file is (None, None): a run that starts here for the first time.
-    """
+    """The account at ``path`` and None, or (None, why it cannot be used); a missing file
+    is (None, None): a run that starts here for the first time."""
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
