@@ -6,12 +6,11 @@ and hands it named state; resuming lives in ``sailfin.trainer.checkpointing``.
 
 from __future__ import annotations
 
-import importlib
 import os
 from typing import Callable
 
 from ..config.checkpoint import CheckpointArguments
-from ..config.errors import ConfigError, suggest
+from ..config.errors import ConfigError
 from ..config.trainer import TrainerArguments
 from ..distributed import DistEnv
 from .checkpointer import Checkpointer, DirectoryCheckpointer, Loaded, Snapshot
@@ -25,33 +24,18 @@ __all__ = ["CheckpointArguments", "CheckpointCorrupt", "CheckpointError", "Check
 
 def build_checkpointer(args: TrainerArguments, dist: DistEnv,
                        barrier: Callable[[], None] = lambda: None) -> Checkpointer:
-    """The checkpointer ``args.checkpoint`` asks for, at its ``dir``.
-
-    The default dir is ``<output_dir>/checkpoints``. With ``trainer.checkpoint.memory``
-    it comes wrapped in a :class:`~.memory_checkpointer.MemoryFirstCheckpointer`.
-    """
+    """The checkpointer ``args.checkpoint`` asks for, at its ``dir`` (default
+    ``<output_dir>/checkpoints``); with ``trainer.checkpoint.memory``, wrapped in a
+    :class:`~.memory_checkpointer.MemoryFirstCheckpointer`."""
     ckpt = persisting_args(args)  # trainer.checkpoint.memory.persist_every_n_steps: async
     location = ckpt.dir or os.path.join(args.output_dir, "checkpoints")
     cls: type = DirectoryCheckpointer
     if ckpt.class_path:
-        cls = _resolve(ckpt.class_path)
+        from ..config.loader import ComponentSpec
+
+        cls = ComponentSpec(ckpt.class_path).resolve("trainer.checkpoint")
+        if not (isinstance(cls, type) and issubclass(cls, Checkpointer)):
+            raise ConfigError(f"trainer.checkpoint.class_path {ckpt.class_path} is not a "
+                              "subclass of sailfin.checkpoint.Checkpointer")
     # trainer.checkpoint.memory: snapshots in shared memory, first in line on resume.
     return with_memory_snapshots(cls(location, ckpt, dist, barrier), args, dist)
-
-
-def _resolve(class_path: str) -> type:
-    module_name, _, attr = class_path.rpartition(".")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"trainer.checkpoint.class_path: cannot import module "
-                          f"'{module_name}' ({exc}); check the name and PYTHONPATH") from None
-    cls = getattr(module, attr, None)
-    if cls is None:
-        names = [n for n in dir(module) if not n.startswith("_")]
-        raise ConfigError(f"trainer.checkpoint.class_path: module '{module_name}' has no "
-                          f"'{attr}'{suggest(attr, names)}")
-    if not (isinstance(cls, type) and issubclass(cls, Checkpointer)):
-        raise ConfigError(f"trainer.checkpoint.class_path {class_path} is not a subclass of "
-                          "sailfin.checkpoint.Checkpointer")
-    return cls

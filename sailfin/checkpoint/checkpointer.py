@@ -1,19 +1,10 @@
 """Checkpointers: the abstract interface and the default, one directory per save.
 
-Layout of the default checkpointer's directory (local or any fsspec URL)::
-
-    step-00000120/
-        manifest.json           written last: the checkpoint is complete when it exists
-        shards/                 model and optimizers, with DCP, on every backend
-                                (torch.distributed.checkpoint opens it alone): see .sharded
-        trainer.pt              schedulers, counters, data position... (rank 0 writes)
-        rng-rank00000.pt        one per rank: that rank's random streams
-    latest                      name of the newest complete checkpoint (moved last)
-    best                        name of the best checkpoint (with trainer.checkpoint.best_metric)
-
-A local save writes ``.tmp-step-00000120/`` and renames it when complete. On
-an object store (no rename) files go straight to ``step-00000120/`` and the
-manifest, written last, is the commit.
+The default checkpointer's directory (local or any fsspec URL) holds ``step-*/``
+checkpoints (see :mod:`.sharded` for what is in one), ``latest`` (the newest complete
+one's name, moved last) and ``best``. A local save writes ``.tmp-step-00000120/`` and
+renames it when complete; on an object store (no rename) files go straight to
+``step-00000120/`` and the manifest, written last, is the commit.
 """
 
 from __future__ import annotations
@@ -26,25 +17,20 @@ from typing import Any, Callable, Optional
 
 from ..config.checkpoint import CheckpointArguments
 from ..distributed import DistEnv
+from ..utils.voice import say
 from . import manifest as manifests
 from .errors import CheckpointCorrupt, CheckpointError
-from ..utils.voice import say
 from .layout import _STEP, DirectoryLayout
-from .reading import read_checked
-from .serialize import FileEntry, cpu_copy, load_object, save_object
+from .serialize import FileEntry, cpu_copy, load_object, read_checked, save_object
 from .sharded import SHARDS, ShardedRef, ShardedWriter, locate_shards
 from .storage import Storage, open_storage
 
 
-
 @dataclass
 class Snapshot:
-    """One save as the trainer hands it to a checkpointer, on every rank.
-
-    ``shared`` (file stem -> object) is the same on every rank and rank 0
-    writes it; ``rank_state`` is this rank's own (its random streams).
-    ``facts`` are plain JSON values for the manifest.
-    """
+    """One save as the trainer hands it to a checkpointer, on every rank. Rank 0 writes
+    ``shared`` (file stem -> object, the same on every rank); ``rank_state`` is this rank's
+    own (its random streams); ``facts`` are plain JSON values for the manifest."""
 
     step: int
     facts: dict[str, Any]
@@ -52,11 +38,10 @@ class Snapshot:
     rank_state: Any
     is_best: bool = False
     sharded: dict[str, Any] = field(default_factory=dict)
-    """The model and optimizers (and any DTensor state), written with DCP by every rank
-    (under fsdp each its own rows); see :mod:`.sharded`."""
+    """The model and optimizers (and any DTensor state), written with DCP by every rank."""
     later: frozenset = frozenset()
-    """Storages in ``sharded`` an async save may copy while the next forward and backward
-    run, until :meth:`Checkpointer.settle` (the optimizers' state); see :mod:`.staging`."""
+    """Storages in ``sharded`` an async save may copy until :meth:`Checkpointer.settle`
+    (the optimizers' state; see :mod:`.staging`)."""
 
 
 @dataclass
@@ -70,17 +55,16 @@ class Loaded:
     rank_state: Optional[Any] = None
     """None when the checkpoint has no state for this rank (it ran on fewer ranks)."""
     sharded: Optional[ShardedRef] = None
-    """The checkpoint's DCP shards, read by :func:`.sharded.load_sharded` (None only in a
-    checkpoint of the previous format, whose model is ``shared["model"]``)."""
+    """The checkpoint's DCP shards, read by :func:`.sharded.load_sharded` (None: the model
+    is ``shared["model"]``, as in a memory snapshot)."""
 
 
 class Checkpointer(abc.ABC):
     """Saves and loads checkpoints. Subclass it to keep them elsewhere or in another form.
 
-    Every rank calls :meth:`save` with its :class:`Snapshot` and :meth:`load`
-    to read back; ``barrier()`` waits for every rank. Configure a subclass with
-    ``trainer.checkpoint.class_path``; it is built as
-    ``cls(location, args, dist, barrier)``.
+    Every rank calls :meth:`save` with its :class:`Snapshot` and :meth:`load` to read
+    back; ``barrier()`` waits for every rank. ``trainer.checkpoint.class_path`` names a
+    subclass, built as ``cls(location, args, dist, barrier)``.
 
     Example::
 
@@ -129,9 +113,8 @@ class Checkpointer(abc.ABC):
         return f"remove {self.location}"
 
     def settle(self) -> bool:
-        """Called before each optimizer step while async saves are on: wait for what the
-        last save copies in the background (see :attr:`Snapshot.later`). True when there
-        was such a copy."""
+        """Before each optimizer step while async saves are on: wait for what the last save
+        copies in the background (:attr:`Snapshot.later`); True when there was such a copy."""
         return False
 
     def abort(self) -> None:
@@ -140,8 +123,8 @@ class Checkpointer(abc.ABC):
 
 
 class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
-    """The default: one directory per save, atomic commit, keep-last and best. This
-    class writes and reads; :class:`.layout.DirectoryLayout` knows the directory's names.
+    """The default: one directory per save, atomic commit, keep-last and best (the names
+    and the tidying are :class:`.layout.DirectoryLayout`'s).
 
     Example::
 
@@ -185,34 +168,28 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
         self.barrier()
         if not self.dist.is_main:
             return
-        if background:
-            # Copy now (the next step changes the state), write in the background. The model,
-            # optimizers and callbacks' tensors are DCP's, staged by its stager: what is
-            # left here is small (counters, schedulers, the scaler).
-            snapshot = Snapshot(snapshot.step, dict(snapshot.facts),
-                                cpu_copy(snapshot.shared), snapshot.rank_state,
-                                snapshot.is_best)
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="sailfin-checkpoint")
-            self._pending = (snapshot.step,
-                             self._executor.submit(self._write_in_background, name, staging,
-                                                   snapshot, own_path))
-        else:
-            self._write_and_commit(name, staging, snapshot, own)
+        if not background:
+            self._write_and_commit(name, staging, snapshot, own_path, own)
+            return
+        # Copy now (the next step changes the state), write in the background. The model,
+        # optimizers and callbacks' tensors are DCP's, staged by its stager: what is left
+        # here is small (counters, schedulers, the scaler).
+        snapshot = Snapshot(snapshot.step, dict(snapshot.facts), cpu_copy(snapshot.shared),
+                            snapshot.rank_state, snapshot.is_best)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="sailfin-checkpoint")
+        self._pending = (snapshot.step, self._executor.submit(
+            self._write_and_commit, name, staging, snapshot, own_path))
 
-    def _write_in_background(self, name: str, staging: str, snapshot: Snapshot,
-                             own_path: str) -> None:
-        own = self.write_file(own_path, snapshot.rank_state)
-        self._write_and_commit(name, staging, snapshot, own)
-
-    def _write_and_commit(self, name: str, staging: str, snapshot: Snapshot,
-                          own: FileEntry) -> None:
-        shards = self.shards.finish(staging)  # every rank's shards are on storage (fsdp)
+    def _write_and_commit(self, name: str, staging: str, snapshot: Snapshot, own_path: str,
+                          own: Optional[FileEntry] = None) -> None:
+        if own is None:  # rank 0's own file, written in the background
+            own = self.write_file(own_path, snapshot.rank_state)
+        shards = self.shards.finish(staging)  # every rank's shards are on storage
         if shards is not None:
             snapshot.facts["sharded"] = shards  # the manifest lists them
-        files: dict[str, FileEntry] = {}
-        for stem, obj in snapshot.shared.items():
-            files[f"{stem}.pt"] = self.write_file(self.storage.join(staging, f"{stem}.pt"), obj)
+        files = {f"{stem}.pt": self.write_file(self.storage.join(staging, f"{stem}.pt"), obj)
+                 for stem, obj in snapshot.shared.items()}
         files.update(self._rank_entries(staging, own))
         self.commit(name, staging, files, snapshot)
         self.retain()
@@ -244,15 +221,7 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
         self.storage.write_bytes(self.storage.join(staging, manifests.MANIFEST),
                                  manifests.encode(facts, files))
         if self.storage.atomic_rename:
-            final = self.path(name)
-            if self.storage.exists(final):  # an older save of this step (a run resumed before it)
-                old = self.path(f".old-{name}")
-                self.storage.remove_tree(old)
-                self.storage.rename_dir(final, old)
-                self.storage.rename_dir(staging, final)
-                self.storage.remove_tree(old)
-            else:
-                self.storage.rename_dir(staging, final)
+            self.move_into_place(staging, name)
         self.storage.write_bytes(self.path("latest"), f"{name}\n".encode())
         if snapshot.is_best:
             self.storage.write_bytes(self.path("best"), f"{name}\n".encode())
@@ -264,18 +233,14 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
         try:
             self.shards.wait()
         finally:  # the background commit too, so that nothing is left running (abort)
-            self._wait_commit()
-
-    def _wait_commit(self) -> None:
-        if self._pending is None:
-            return
-        step, future = self._pending
-        self._pending = None
-        try:
-            future.result()
-        except Exception as exc:
-            raise CheckpointError(f"the background save of step {step} to "
-                                  f"{self.storage.display(self.root)} failed: {exc}") from exc
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                try:
+                    pending[1].result()
+                except Exception as exc:
+                    raise CheckpointError(f"the background save of step {pending[0]} to "
+                                          f"{self.storage.display(self.root)} failed: {exc}"
+                                          ) from exc
 
     def close(self) -> None:
         try:

@@ -4,20 +4,15 @@ from __future__ import annotations
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or used as it is.
-
-    ``every_rank`` is True when every rank raised it together (a collective write of
-    sharded state failed), False when one rank alone did (rank 0's commit).
-    """
+    """A checkpoint cannot be saved or used as it is. ``every_rank`` is True when every
+    rank raised it together (a collective write of sharded state failed)."""
 
     every_rank = False
 
 
 class CheckpointCorrupt(CheckpointError):
-    """A checkpoint file is missing, truncated or altered since it was saved.
-
-    ``resume: auto`` falls back to the next older complete checkpoint.
-    """
+    """A checkpoint file is missing, truncated or altered since it was saved; ``resume:
+    auto`` falls back to the next older complete checkpoint."""
 
     def __init__(self, message: str, file: str) -> None:
         super().__init__(message)

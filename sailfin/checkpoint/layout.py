@@ -12,10 +12,10 @@ import re
 import stat
 from typing import Any, Optional
 
+from ..utils.voice import say
 from . import manifest as manifests
 from .errors import CheckpointCorrupt, CheckpointError
-from ..utils.voice import say
-from .reading import read_checked
+from .serialize import read_checked
 
 _STEP = re.compile(r"^step-(\d+)$")
 _LEFTOVER = re.compile(r"^\.(?:tmp|old)-step-(\d+)")
@@ -111,33 +111,38 @@ class DirectoryLayout:
         was last written (a kill between the rename and the pointer). Then all ranks wait."""
         if self.dist.is_main:
             self._clear_bad_pointers()
-            entries = set(self.storage.listdir(self.root))
-            for entry in sorted(entries):
-                if _POINTER_TMP.match(entry):
-                    self.storage.remove(self.path(entry))
-            # .tmp- holds the newer save of a step, .old- the one it was replacing.
-            for prefix in ("tmp", "old"):
-                for entry in sorted(entries):
-                    match = _RENAMED.match(entry)
-                    if not (match and match.group(1) == prefix):
-                        continue
-                    name = match.group(2)
-                    if not self.storage.exists(self.path(entry, manifests.MANIFEST)):
-                        continue  # unfinished: retain() removes it after the next save
-                    if self.storage.exists(self.path(name, manifests.MANIFEST)):
-                        if prefix == "tmp":  # stopped before replacing the step: finish
-                            old = self.path(f".old-{name}")
-                            self.storage.remove_tree(old)
-                            self.storage.rename_dir(self.path(name), old)
-                            self.storage.rename_dir(self.path(entry), self.path(name))
-                            self.storage.remove_tree(old)
-                        continue
-                    self.storage.remove_tree(self.path(name))
-                    self.storage.rename_dir(self.path(entry), self.path(name))
-                    say(f"recovered checkpoint {self.storage.display(self.path(name))} "
-                        f"from {entry} (a save was stopped between its renames)")
+            entries = self.storage.listdir(self.root)
+            for entry in filter(_POINTER_TMP.match, entries):
+                self.storage.remove(self.path(entry))
+            # .tmp- holds the newer save of a step, .old- the one it was replacing: tmp first.
+            renamed = sorted((m.group(1) == "old", entry, m.group(2)) for entry in entries
+                             if (m := _RENAMED.match(entry)))
+            for is_old, entry, name in renamed:
+                if not self.storage.exists(self.path(entry, manifests.MANIFEST)):
+                    continue  # unfinished: retain() removes it after the next save
+                if self.storage.exists(self.path(name, manifests.MANIFEST)):
+                    if not is_old:  # stopped before replacing the step: finish
+                        self.move_into_place(self.path(entry), name)
+                    continue
+                self.storage.remove_tree(self.path(name))
+                self.storage.rename_dir(self.path(entry), self.path(name))
+                say(f"recovered checkpoint {self.storage.display(self.path(name))} "
+                    f"from {entry} (a save was stopped between its renames)")
             self._catch_up_latest()
         self.barrier()
+
+    def move_into_place(self, staging: str, name: str) -> None:
+        """Rename ``staging`` to ``name``; an older save of that step (a run resumed before
+        it) goes aside to ``.old-`` first and is removed last."""
+        final = self.path(name)
+        if not self.storage.exists(final):
+            self.storage.rename_dir(staging, final)
+            return
+        old = self.path(f".old-{name}")
+        self.storage.remove_tree(old)
+        self.storage.rename_dir(final, old)
+        self.storage.rename_dir(staging, final)
+        self.storage.remove_tree(old)
 
     def _clear_bad_pointers(self) -> None:
         """``latest`` or ``best`` that is not a small regular file (a directory, a pipe, a
@@ -205,16 +210,13 @@ class DirectoryLayout:
         complete = self.complete()
         if not complete:
             return
-        newest = complete[-1][0]
-        keep = {name for _, name in complete}
-        if self.args.keep_last is not None:
-            keep = {name for _, name in complete[-self.args.keep_last:]}
+        newest, names = complete[-1][0], [name for _, name in complete]
+        keep = set(names if self.args.keep_last is None else names[-self.args.keep_last:])
         keep |= {p for p in (self.pointer("latest"), self.pointer("best")) if p}
-        for _, name in complete:
+        for name in names:
             if name not in keep:
                 self.storage.remove_tree(self.path(name))
-        complete_names = {name for _, name in complete}
         for entry in self.storage.listdir(self.root):
             match = _LEFTOVER.match(entry) or _STEP.match(entry)
-            if match and entry not in complete_names and int(match.group(1)) < newest:
+            if match and entry not in names and int(match.group(1)) < newest:
                 self.storage.remove_tree(self.path(entry))  # an unfinished, superseded save

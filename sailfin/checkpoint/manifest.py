@@ -17,8 +17,7 @@ import math
 from typing import Any, Mapping
 
 from .errors import CheckpointCorrupt
-from .reading import plain_name
-from .serialize import FileEntry
+from .serialize import FileEntry, plain_name
 
 FORMAT = "sailfin-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -43,13 +42,13 @@ def decode(data: bytes, shown: str) -> dict[str, Any]:
                                 f"a manifest holds ({MAX_BYTES}): it is damaged", shown)
     try:
         body = json.loads(data.decode("utf-8"))
+        too_deep = _depth(body) > MAX_DEPTH
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointCorrupt(f"checkpoint manifest {shown} is not valid JSON ({exc}): it "
                                 "is damaged", shown) from None
     except RecursionError:
-        raise CheckpointCorrupt(f"checkpoint manifest {shown} nests deeper than "
-                                f"{MAX_DEPTH} levels: it is damaged", shown) from None
-    if _depth(body) > MAX_DEPTH:
+        too_deep = True
+    if too_deep:
         raise CheckpointCorrupt(f"checkpoint manifest {shown} nests deeper than "
                                 f"{MAX_DEPTH} levels: it is damaged", shown)
     if not isinstance(body, dict) or body.get("format") != FORMAT:

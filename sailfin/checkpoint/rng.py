@@ -1,11 +1,10 @@
 """Random streams: capture and restore them per rank, and keep the data loader off them.
 
-A resumed run draws the same dropout masks as the uninterrupted one only if
-every stream is where it was: Python's, NumPy's, torch's CPU generator and each
-CUDA device's. Creating a DataLoader iterator draws a worker base seed from
-torch's global generator, so the trainer gives each epoch's loader its own
-generator seeded by (seed, epoch, rank): iterators then draw nothing from the
-global stream, and the restored state stays exact wherever the epoch resumes.
+A resumed run draws the same dropout masks as the uninterrupted one only if every
+stream is where it was: Python's, NumPy's, torch's CPU generator and each CUDA
+device's. Creating a DataLoader iterator draws a worker base seed from torch's global
+generator, so each epoch's loader gets its own generator seeded by (seed, epoch, rank):
+the restored global state then stays exact wherever the epoch resumes.
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ def rng_state() -> dict[str, Any]:
 
 def restore_rng(state: dict[str, Any]) -> list[str]:
     """Put every stream back where :func:`rng_state` found it; return notes for the user."""
-    notes = []
     random.setstate(_as_tuples(state["python"]))
     np_state = state["numpy"]
     np.random.set_state({"bit_generator": np_state["bit_generator"],
@@ -45,33 +43,33 @@ def restore_rng(state: dict[str, Any]) -> list[str]:
                          "has_gauss": np_state["has_gauss"], "gauss": np_state["gauss"]})
     torch.set_rng_state(state["torch"])
     cuda = state.get("cuda")
-    if cuda:
-        if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
-            torch.cuda.set_rng_state_all(cuda)
-        else:
-            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            notes.append(f"the checkpoint holds random state for {len(cuda)} CUDA devices and "
-                         f"this process sees {have}: CUDA random streams start afresh")
-    return notes
+    if not cuda:
+        return []
+    if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda):
+        torch.cuda.set_rng_state_all(cuda)
+        return []
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [f"the checkpoint holds random state for {len(cuda)} CUDA devices and this "
+            f"process sees {have}: CUDA random streams start afresh"]
 
 
 def derive_rng(seed: int, rank: int, step: int) -> None:
     """Seed every stream from (seed, rank, step): for a rank the checkpoint has no state for."""
-    derived = int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0])
+    derived = _derived(seed, rank, step)
     random.seed(derived)
     np.random.seed(derived)
     torch.manual_seed(derived)
 
 
 def seed_loader(loader: Any, seed: int, epoch: int, rank: int) -> None:
-    """Give the loader its own generator for this epoch (worker seeds come from it).
-
-    sailfin's sampler decides the order, so the loader's generator only seeds
-    workers; without one, ``iter(loader)`` draws from torch's global stream.
-    """
+    """Give the loader its own generator for this epoch: sailfin's sampler decides the
+    order, so it only seeds workers, and ``iter(loader)`` draws nothing from torch's."""
     if hasattr(loader, "generator"):
-        derived = int(np.random.SeedSequence([seed, epoch, rank, 0x5A11]).generate_state(1)[0])
-        loader.generator = torch.Generator().manual_seed(derived)
+        loader.generator = torch.Generator().manual_seed(_derived(seed, epoch, rank, 0x5A11))
+
+
+def _derived(*key: int) -> int:
+    return int(np.random.SeedSequence(list(key)).generate_state(1)[0])
 
 
 def _as_tuples(value: Any) -> Any:

@@ -2,16 +2,19 @@
 
 Every file is checksummed while it is written; its size and CRC-32 go into the
 manifest, and reading checks both before unpickling anything. CRC-32 finds
-truncation and damage at several GB/s, where a cryptographic hash would add
-to every save's stall and protect nothing more: whoever can rewrite a file
-can rewrite the manifest too. Large buffers are checksummed on a helper
-thread while the calling thread writes them (``sailfin.utils.crc.crc32`` and file writes
-both release the GIL), so the checksum adds to a save's CPU time but hardly to
-its duration. Loading never runs arbitrary unpickling: a file that would need
-it is refused.
+truncation and damage at several GB/s, where a cryptographic hash would add to
+every save's stall and protect nothing more: whoever can rewrite a file can
+rewrite the manifest too. Large buffers are checksummed on a helper thread while
+they are written (both release the GIL). Loading never runs arbitrary
+unpickling: a file that would need it is refused.
 
-An asynchronous save copies the small state it writes here with :func:`cpu_copy`;
-the model, optimizers and callbacks' tensors are staged by DCP (see :mod:`.sharded`).
+A file in a checkpoint may have been replaced by a named pipe (opening it waits for
+a writer forever), a symlink to ``/dev/zero`` (reading it never ends) or a directory,
+and a manifest may name ``../../etc/hostname``. Every read of a checkpoint goes
+through :func:`open_checked`: it takes only plain file names from a manifest, opens a
+local file without blocking, checks on the open descriptor that it is a regular file
+whose real path lies inside the checkpoint directory, and compares its size with what
+the manifest promised (or a bound) before reading a byte.
 """
 
 from __future__ import annotations
@@ -20,19 +23,132 @@ import collections
 import contextlib
 import errno
 import io
+import os
 import pickle
 import re
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, BinaryIO, Callable, Iterator, Optional
 
 import torch
 
 from ..compat.torch import keep_state_dict_versions
 from ..utils.crc import crc32
+from ..utils.voice import say
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError
-from .reading import open_checked
 from .storage import Storage
+
+# What a manifest may name: one plain file name, never a path.
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"))
+
+#: A file at least this large is announced before it is read to check it (a resume
+#: that reads many gigabytes says why it takes a while).
+SAY_ABOVE_BYTES = 1 << 30
+
+
+def plain_name(name: object) -> bool:
+    """True for a file name a manifest may list: no directory part, no ``..``, no NUL."""
+    return isinstance(name, str) and len(name) <= 255 and bool(_PLAIN_NAME.match(name))
+
+
+def plain_shard_name(name: object) -> bool:
+    """A sharded checkpoint's file name: a plain name, or DCP's index ``.metadata``."""
+    return name == ".metadata" or plain_name(name)
+
+
+def _kind(mode: int) -> str:
+    return next((what for test, what in _KINDS if test(mode)), "not a regular file")
+
+
+@contextlib.contextmanager
+def open_checked(storage: Storage, path: str, shown: str, *, what: str = "checkpoint file",
+                 expected_size: Optional[int] = None, limit: Optional[int] = None,
+                 within: Optional[str] = None) -> Iterator[BinaryIO]:
+    """Open ``path`` for reading once it is known to be a regular file of the right size.
+
+    ``expected_size``: the manifest's size (a mismatch is damage); ``limit``: the most
+    bytes such a file may hold; ``within``: the directory its real path must lie in.
+    Raises :class:`CheckpointCorrupt` naming ``shown``; FileNotFoundError passes through.
+    """
+    local = storage.local_path(path)
+    if local is None:
+        with _open_remote(storage, path, shown, what, expected_size, limit) as fh:
+            yield fh
+        return
+    try:
+        # O_NONBLOCK: opening a FIFO does not wait for a writer; the fstat below refuses it.
+        fd = os.open(local, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
+    except (IsADirectoryError, NotADirectoryError):
+        raise CheckpointCorrupt(f"{what} {shown} is a directory, not a regular file: the "
+                                "checkpoint is damaged", shown) from None
+    except PermissionError as exc:
+        raise CheckpointCorrupt(f"{what} {shown} cannot be read ({exc.strerror}): give this "
+                                "user read permission, or move the checkpoint away",
+                                shown) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CheckpointCorrupt(f"{what} {shown} is {_kind(info.st_mode)}, not a regular "
+                                    "file: the checkpoint is damaged or was tampered with",
+                                    shown)
+        if within is not None:
+            real, root = os.path.realpath(local), os.path.realpath(within)
+            if os.path.commonpath([real, root]) != root:
+                raise CheckpointCorrupt(f"{what} {shown} is a link to {real}, outside the "
+                                        f"checkpoint directory {within}: sailfin reads "
+                                        "checkpoint files only inside it", shown)
+        _check_size(info.st_size, shown, what, expected_size, limit)
+        if info.st_size >= SAY_ABOVE_BYTES:  # checking it takes a while: say so first
+            say(f"checking {what} {shown} ({info.st_size / 2 ** 20:,.0f} MiB) against its "
+                "checksum before loading it")
+        if hasattr(os, "O_NONBLOCK"):
+            os.set_blocking(fd, True)
+        fh = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    with fh:
+        yield fh  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def _open_remote(storage: Storage, path: str, shown: str, what: str,
+                 expected_size: Optional[int], limit: Optional[int]) -> Iterator[BinaryIO]:
+    try:
+        _check_size(storage.size(path), shown, what, expected_size, limit)
+        with storage.open_read(path) as fh:
+            yield fh
+    except (IsADirectoryError, NotADirectoryError):
+        raise CheckpointCorrupt(f"{what} {shown} is a directory, not a file: the checkpoint "
+                                "is damaged", shown) from None
+
+
+def _check_size(size: int, shown: str, what: str, expected: Optional[int],
+                limit: Optional[int]) -> None:
+    if expected is not None and size != expected:
+        raise CheckpointCorrupt(f"{what} {shown} has {size} bytes; the manifest says "
+                                f"{expected}: it is truncated or was overwritten", shown)
+    if limit is not None and size > limit:
+        raise CheckpointCorrupt(f"{what} {shown} has {size} bytes, more than the {limit} such "
+                                "a file can hold: it is damaged or not a sailfin checkpoint",
+                                shown)
+
+
+def read_checked(storage: Storage, path: str, shown: str, *, what: str, limit: int,
+                 within: Optional[str] = None) -> bytes:
+    """The bytes of a small file (a manifest, a pointer), refused when larger than ``limit``
+    or not a regular file."""
+    with open_checked(storage, path, shown, what=what, limit=limit, within=within) as fh:
+        data = fh.read(limit + 1)
+    if len(data) > limit:  # grew since it was measured
+        _check_size(len(data), shown, what, None, limit)
+    return data
+
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
           torch.Size)
@@ -58,19 +174,13 @@ THREADED_CHECKSUM_BYTES = 1 << 20
 
 
 class _ChecksumWriter:
-    """A file-like that checksums and counts what passes through it.
-
-    With ``helper`` (a one-thread executor), a large buffer's CRC-32 runs on it
-    while this thread writes the buffer; both release the GIL, so the two
-    overlap. ``write`` returns only when both are done: the buffer may be
-    reused by the caller afterwards.
-    """
+    """A file-like that checksums and counts what passes through it. With ``helper`` (a
+    one-thread executor), a large buffer's CRC-32 runs there while this thread writes it;
+    ``write`` returns when both are done (the caller may then reuse the buffer)."""
 
     def __init__(self, fh: Any, helper: Optional[ThreadPoolExecutor] = None) -> None:
-        self.fh = fh
-        self.helper = helper
-        self.crc32 = 0
-        self.size = 0
+        self.fh, self.helper = fh, helper
+        self.crc32 = self.size = 0
         self.error: OSError | None = None  # torch.save hides it inside a RuntimeError
 
     def write(self, data: Any) -> int:
@@ -96,12 +206,11 @@ class _ChecksumWriter:
 def save_object(storage: Storage, path: str, obj: Any, overlap: bool = True) -> FileEntry:
     """``torch.save`` ``obj`` to ``path``; return its size and checksum.
 
-    ``overlap``: a thread checksums each large buffer while it is written (the file
-    is done sooner); False checksums it first on the calling thread (one core: a
-    background writer that must not take a second one from training).
-
-    A failed write (a full disk...) raises :class:`CheckpointWriteError` naming the
-    file and the OS's reason, not torch's ``unexpected pos`` RuntimeError.
+    ``overlap``: a thread checksums each large buffer while it is written; False
+    checksums on the calling thread (a background writer that must not take a second
+    core from training). A failed write (a full disk...) raises
+    :class:`CheckpointWriteError` naming the file and the OS's reason, not torch's
+    ``unexpected pos`` RuntimeError.
     """
     writer: _ChecksumWriter | None = None
     try:
@@ -130,13 +239,13 @@ def load_object(storage: Storage, path: str, entry: FileEntry, mmap: bool = Fals
     (``mmap``: a local file is memory-mapped, its tensors read when touched).
 
     Only a regular file of the manifest's size is read (inside ``within``, the checkpoint's
-    directory, when given): see :mod:`.reading`."""
+    directory, when given): see :func:`open_checked`."""
     shown = storage.display(path)
     local = storage.local_path(path)
     try:
         with open_checked(storage, path, shown, expected_size=entry.size, within=within) as fh:
             if local is not None:  # check it in chunks, then let torch read the file: 1x memory
-                size, crc = _checksum_stream(fh)
+                size, crc = checksum_stream(fh)
                 source: Any = local
             else:
                 data = fh.read()
@@ -151,9 +260,8 @@ def load_object(storage: Storage, path: str, entry: FileEntry, mmap: bool = Fals
         raise CheckpointCorrupt(f"checkpoint file {shown} does not match its CRC-32 in the "
                                 "manifest: it was altered or damaged after it was saved", shown)
     try:
-        if mmap and local is not None:
-            return torch.load(source, map_location="cpu", weights_only=True, mmap=True)
-        return torch.load(source, map_location="cpu", weights_only=True)
+        return torch.load(source, map_location="cpu", weights_only=True,
+                          mmap=mmap and local is not None)
     except pickle.UnpicklingError as exc:
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))
         what = f" (it needs {found.group(1)})" if found else ""
@@ -168,17 +276,18 @@ def load_object(storage: Storage, path: str, entry: FileEntry, mmap: bool = Fals
                                 f"cannot read it ({reason}): it is damaged", shown) from None
 
 
+def checksum_stream(stream: Any, update: Callable[..., int] = crc32) -> tuple[int, int]:
+    """(size, checksum) of what ``stream`` holds from its current position."""
+    size, crc = 0, 0
+    while chunk := stream.read(16 << 20):
+        size += len(chunk)
+        crc = update(chunk, crc)
+    return size, crc
+
+
 def _checksum_file(path: str) -> tuple[int, int]:
     with open(path, "rb") as fh:
-        return _checksum_stream(fh)
-
-
-def _checksum_stream(fh: Any) -> tuple[int, int]:
-    size, crc = 0, 0
-    while chunk := fh.read(16 << 20):
-        size += len(chunk)
-        crc = crc32(chunk, crc)
-    return size, crc
+        return checksum_stream(fh)
 
 
 def check_plain(obj: Any, where: str) -> None:

@@ -1,20 +1,13 @@
 """Checksums of a sharded checkpoint's files: computed by the rank that wrote each file,
 listed in the manifest, checked before a resume uses the checkpoint.
 
-DCP writes each rank's rows to ``__R_0.distcp`` and rank 0 writes the index
-``.metadata``. :func:`checksummed_writer` wraps DCP's writer so that each rank,
-once its files are written, reads them back (from the page cache, just
-written) and computes their size and checksum; the figures travel to rank 0
-with DCP's own write results, and rank 0 adds the index's. The manifest then
-lists every file with ``{"size": ..., "crc32": "..."}`` (zlib's CRC-32, computed by
-:mod:`sailfin.utils.crc` whatever else the machine has installed; the manifest names the
-algorithm).
-
-On load, :func:`verify` splits the files among the ranks (file ``i`` is read by
-rank ``i % world``), so every byte is read once per job; any rank that finds
-a file unreadable, of the wrong size or with the wrong checksum raises
-:class:`CheckpointCorrupt` naming it, the ranks agree, and ``resume: auto``
-falls back to the next older checkpoint, as for a plain checkpoint's files.
+:func:`checksummed_writer` wraps DCP's writer: each rank reads back the files it just
+wrote (from the page cache) and checksums them; the figures travel to rank 0 with
+DCP's own write results, and rank 0 adds the index's (``.metadata``). On load,
+:func:`verify` splits the files among the ranks (file ``i`` is read by rank ``i %
+world``); a rank that finds a file unreadable, of the wrong size or checksum raises
+:class:`CheckpointCorrupt` naming it, and ``resume: auto`` falls back to the next older
+checkpoint.
 
 Example::
 
@@ -25,17 +18,16 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 from ..utils.crc import crc32
 from .errors import CheckpointCorrupt, CheckpointError
-from .reading import open_checked, plain_shard_name
+from .serialize import checksum_stream, open_checked, plain_shard_name
 from .storage import Storage
 
-_CHUNK = 16 << 20
 # A write result that carries a rank's checksums to rank 0, never into DCP's index.
 _CARRIER = "__sailfin_checksums__"
-
 
 #: The one checksum of every file sailfin writes (zlib's CRC-32, from ISA-L where installed).
 #: Nothing a machine happens to have installed changes it: a checkpoint saved on one
@@ -43,26 +35,16 @@ _CARRIER = "__sailfin_checksums__"
 ALGORITHM = "crc32"
 
 
-def checksum_stream(stream: Any, update: Callable[..., int] = crc32) -> tuple[int, int]:
-    """(size, checksum) of what ``stream`` holds from its current position."""
-    size, crc = 0, 0
-    while chunk := stream.read(_CHUNK):
-        size += len(chunk)
-        crc = update(chunk, crc)
-    return size, crc
-
-
 def checksummed_writer(base: type, *args: Any, **kwargs: Any) -> Any:
     """A DCP writer of class ``base`` (``FileSystemWriter``, ``FsspecWriter``) built with
     ``args``, that checksums its files; after a save, rank 0's ``sailfin_checksums``
     holds every file's (size, checksum)."""
-    cls = _CLASSES.get(base)
-    if cls is None:
-        cls = _CLASSES[base] = type(f"Checksummed{base.__name__}", (_ChecksumMixin, base), {})
-    return cls(*args, **kwargs)
+    return _checksummed(base)(*args, **kwargs)
 
 
-_CLASSES: dict[type, type] = {}
+@functools.lru_cache(maxsize=None)
+def _checksummed(base: type) -> type:
+    return type(f"Checksummed{base.__name__}", (_ChecksumMixin, base), {})
 
 
 class _ChecksumMixin:
@@ -128,18 +110,18 @@ def verify(storage: Storage, path: str, files: dict[str, Any], rank: int = 0,
         expected_size = entry["size"] if isinstance(entry, dict) else entry
         if isinstance(expected_size, bool) or not isinstance(expected_size, int):
             raise ValueError(f"size {expected_size!r}")  # a malformed shard list
-        algorithm = _algorithm_of(entry)
+        algorithm = next((a for a in ("crc32c", ALGORITHM) if isinstance(entry, dict)
+                          and a in entry), None)
         checksum = algorithm is not None and i % world_size == rank
+        update = crc32
         if checksum and algorithm != ALGORITHM:
             # Written by a sailfin that picked CRC-32C when a package for it was importable.
-            update = _crc32c()
+            update = _crc32c()  # type: ignore[assignment]
             if update is None:
                 raise CheckpointError(
                     f"checkpoint shard {shown} carries a CRC-32C checksum (an older sailfin "
                     "wrote it on a machine with a crc32c package); install one to check it: "
                     "pip install google-crc32c")
-        else:
-            update = crc32
         try:
             # Every rank checks every size (a stat); a rank reads only its share.
             with open_checked(storage, file, shown, what="checkpoint shard",
@@ -156,15 +138,6 @@ def verify(storage: Storage, path: str, files: dict[str, Any], rank: int = 0,
             raise CheckpointCorrupt(f"checkpoint shard {shown} does not match its {algorithm} "
                                     "in the manifest: it was altered or damaged after it was "
                                     "saved", shown)
-
-
-def _algorithm_of(entry: Any) -> Optional[str]:
-    if not isinstance(entry, dict):
-        return None
-    for name in ("crc32c", "crc32"):
-        if name in entry:
-            return name
-    return None
 
 
 def _crc32c() -> Optional[Callable[..., int]]:

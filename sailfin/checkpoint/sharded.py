@@ -1,31 +1,22 @@
 """Model and optimizer state on every backend, with DCP: each rank writes and reads its own rows.
 
-Every checkpoint holds the model and optimizer state as
-``torch.distributed.checkpoint`` (DCP) writes it, in ``shards/`` inside the
-checkpoint's directory, under the names PyTorch's distributed state dicts give
-(``get_model_state_dict`` / ``get_optimizer_state_dict``). Under ``fsdp`` the
-values are DTensor shards and every rank writes its own rows; under ``sp`` and
-``ddp`` they are plain tensors that DCP writes once (replicated state is
-de-duplicated over the ranks). Rank 0 writes the rest (``trainer.pt``). The
-directory protocol does not change: the shards are written under the temporary
-name, the manifest (which lists them with their CRC-32s) is written last, the
-directory is renamed, ``latest`` moves last.
-
-Layout::
+Every checkpoint holds the model and optimizer state as ``torch.distributed.checkpoint``
+(DCP) writes it, under the names PyTorch's distributed state dicts give
+(``get_model_state_dict`` / ``get_optimizer_state_dict``): DTensor shards under
+``fsdp`` (every rank writes its own rows), plain tensors under ``sp`` and ``ddp`` (DCP
+writes replicated state once). DCP re-cuts the rows on load, so a checkpoint resumes on
+any world size and under any backend. The shards are written under the temporary name
+like the rest; the manifest, written last, lists them with their CRC-32s::
 
     step-00000120/
         manifest.json         "sharded": {"format": "torch-dcp/1", "keys": ["module", "optimizers"],
                                           "files": {name: {"size": n, "crc32": hex}, ...}}
-        trainer.pt            schedulers, counters, ... (no model, no optimizers)
-        rng-rank00000.pt ...
+        trainer.pt            schedulers, counters, ... (rank 0; no model, no optimizers)
+        rng-rank00000.pt ...  one per rank: its random streams
         shards/.metadata      DCP's index: which rows of which tensor are in which file
         shards/__0_0.distcp   rank 0's rows
-        shards/__1_0.distcp   rank 1's rows
 
-DCP re-cuts the rows on load, so a checkpoint resumes on any world size and
-under any backend: the state to load into comes from PyTorch's distributed
-state dict API, which gives DTensor shards under fsdp and full tensors under
-sp and ddp. torch alone opens it::
+torch alone opens it::
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     dcp_to_torch_save("step-00000120/shards", "step-120.pt")   # {"module": ..., "optimizers": ...}
@@ -45,7 +36,7 @@ import torch
 
 from ..compat.torch import fsspec_reader, fsspec_writer
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError
-from .reading import plain_name
+from .serialize import plain_name
 from .shard_checksums import checksummed_writer, describe, verify
 from .staging import SplitStager
 from .storage import LocalStorage, Storage
@@ -70,9 +61,8 @@ DCP_KEYS = ("module", "optimizers")  # always in DCP, whatever the backend
 
 
 def _failures() -> tuple[type[BaseException], ...]:
-    """What a DCP call raises: DCP's CheckpointException (one error per failed rank) derives
-    from BaseException. Imported here, not at the top: importing torch.distributed.checkpoint
-    takes about a second, which every run would pay for a module only fsdp saves use."""
+    """What a DCP call raises: its CheckpointException (one error per failed rank) derives
+    from BaseException. Imported when needed: torch.distributed.checkpoint takes a second."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     return (Exception, CheckpointException)
@@ -118,8 +108,7 @@ def holds(value: Any, kind: type) -> bool:
 class ShardedWriter:
     """Writes a save's sharded state on every rank with ``dcp.save``; an async save is
     copied by DCP's stagers (:mod:`.staging`) and written by the run's one writer thread
-    (``async_save`` starts one per save: 3 ms of the step on a busy 2-core machine), on a
-    process group of its own (its collectives never interleave with training's).
+    (``dcp.async_save`` starts one per save), on a process group of its own.
 
     Example (on every rank)::
 
@@ -142,11 +131,9 @@ class ShardedWriter:
 
     def save(self, staging: str, state: dict[str, Any], async_save: bool, step: int = 0,
              later: frozenset = frozenset()) -> None:
-        """``later``: storages an async save may copy while training goes on, until
-        :meth:`settle` (the optimizers' state; see :mod:`.staging`)."""
-        import torch.distributed.checkpoint as dcp
-
+        """``later``: storages an async save may copy until :meth:`settle`."""
         import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
 
         self.wait()
         path = self.storage.join(staging, SHARDS)
@@ -167,13 +154,10 @@ class ShardedWriter:
             return
         if self._group is None and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")  # every rank saves: collective is fine
-        if self._stager is None:  # its CPU copies are reused from save to save (no fresh
-            # allocation, no page faults on the step's path; pinned for CUDA tensors)
+        if self._stager is None:  # its CPU copies are reused from save to save
             self._stager = SplitStager(pinned=torch.cuda.is_available())
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="sailfin-dcp-save")
-        # This rank's state is copied to CPU memory now (``later``: by the thread, until
-        # settle()); the thread writes it.
-        staged, fill = self._stager.stage(state, later, step)
+        staged, fill = self._stager.stage(state, later, step)  # ``later``: by the thread
         self._pending = self._thread.submit(self._write, staged, fill, writer)
 
     def _write(self, staged: dict[str, Any], fill: Callable[[], None], writer: Any) -> None:
@@ -188,8 +172,7 @@ class ShardedWriter:
         dcp.save(staged, storage_writer=writer, process_group=self._group)
 
     def settle(self) -> bool:
-        """Before the next optimizer step: wait for the copy of the optimizers' state an
-        async save left to a thread (True: there was one); raise if it changed meanwhile."""
+        """See :meth:`.staging.SplitStager.settle`."""
         return self._stager is not None and self._stager.settle()
 
     def wait(self) -> None:
@@ -211,7 +194,6 @@ class ShardedWriter:
                 self._pending = None
 
     def close(self) -> None:
-        """Wait for the last shards, then free the staging copies."""
         try:
             self.wait()
         finally:
@@ -221,9 +203,8 @@ class ShardedWriter:
                 self._stager = self._thread = None
 
     def finish(self, staging: str) -> Optional[dict[str, Any]]:
-        """Rank 0, before the manifest: wait for the shards (DCP's async save completes on
-        rank 0 after every rank's files and the index are written) and describe them.
-        None when the save in ``staging`` wrote no shards."""
+        """Rank 0, before the manifest: wait for every rank's shards and the index, and
+        describe them (None when the save in ``staging`` wrote no shards)."""
         if staging != self._staging:
             return None
         self.wait()
@@ -267,9 +248,8 @@ class ShardedRef:
 def locate_shards(storage: Storage, where: str, manifest: dict[str, Any],
                   storage_options: Optional[dict] = None, rank: int = 0,
                   world_size: int = 1) -> Optional[ShardedRef]:
-    """The checkpoint's shards, checked against the manifest (sizes on every rank, this
-    rank's share of the checksums: see :func:`.shard_checksums.verify`); None if it has
-    none."""
+    """The checkpoint's shards (None if it has none), checked against the manifest: see
+    :func:`.shard_checksums.verify`."""
     info = manifest.get("sharded")
     if not info:
         return None
@@ -282,10 +262,9 @@ def locate_shards(storage: Storage, where: str, manifest: dict[str, Any],
                                 f"{info.get('format')!r}; this sailfin reads {FORMAT!r}", shown)
     path = storage.join(where, info.get("dir", SHARDS))
     files = info.get("files") or {}
-    if not isinstance(files, dict):
-        raise CheckpointCorrupt(f"checkpoint manifest in {shown} has a malformed shard list",
-                                shown)
     try:
+        if not isinstance(files, dict):
+            raise TypeError(files)
         verify(storage, path, files, rank, world_size)
     except (KeyError, TypeError, ValueError):
         raise CheckpointCorrupt(f"checkpoint manifest in {shown} has a malformed shard list",
@@ -298,15 +277,10 @@ def load_sharded(ref: ShardedRef, module: torch.nn.Module,
                  callbacks: Optional[dict[str, Any]] = None,
                  skip: Iterable[str] = ()) -> dict[str, Any]:
     """The saved ``module`` and ``optimizers`` state, cut for this run's backend and world
-    size: DTensor shards under fsdp, full tensors under sp and ddp. ``callbacks``
-    (name -> object with ``state_dict()``): the saved state of those with sharded state
-    comes back as ``{"callbacks": {name: state}}``; shards of a callback this run lacks
-    are not read. ``skip``: model entries the checkpoint does not hold (the frozen
-    parameters a parameter-efficient fine-tune leaves out).
-
-    The targets come from PyTorch's distributed state dicts (parameter names as
-    keys, also for optimizer state); DCP reads into them the rows each rank needs.
-    """
+    size: DCP reads into PyTorch's distributed state dicts the rows each rank needs.
+    ``callbacks`` (name -> object with ``state_dict()``): the state of those saved in DCP
+    comes back as ``{"callbacks": {name: state}}`` (a callback this run lacks is not
+    read). ``skip``: model entries the checkpoint does not hold (a frozen base)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          get_optimizer_state_dict)
@@ -345,7 +319,7 @@ def load_sharded(ref: ShardedRef, module: torch.nn.Module,
 
 def _write_failure(storage: Storage, path: str, exc: BaseException) -> CheckpointWriteError:
     """DCP's failure to write shards, as one line; a full disk (torch.save reports it as
-    ``unexpected pos``, the OSError lost on the way) is told by the space left there."""
+    ``unexpected pos``, the OSError lost) is told by the space left there."""
     code = _errno_in(exc)
     if code is None and _full(storage, path):
         code = errno.ENOSPC

@@ -1,11 +1,10 @@
 """An async save's copy to CPU memory, in two parts, on DCP's stagers.
 
-What the next forward and backward may change (parameters, buffers such as
-BatchNorm's running statistics, a callback's tensors) is copied before training
-goes on. The optimizers' state, which only the next optimizer step changes, is
-copied by the thread that writes the save, while that forward and backward run;
-:meth:`SplitStager.settle` waits for it before the optimizer step (the place the
-trainer calls it) and checks that nothing changed the optimizers' state meanwhile.
+What the next forward and backward may change (parameters, buffers, a callback's
+tensors) is copied before training goes on. The optimizers' state, which only the next
+optimizer step changes, is copied by the thread that writes the save while they run;
+:meth:`SplitStager.settle`, before that optimizer step, waits for it and checks that
+nothing changed the optimizers' state meanwhile.
 
 Example::
 
@@ -51,9 +50,8 @@ def _default_stager(pinned: bool) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def stager_reusable() -> bool:
-    """Whether one ``DefaultStager`` stages more than once. torch 2.11's fails its second
-    ``stage`` (``KeyError: <class 'type'>``, found on a GPU machine); 2.13's keeps its CPU
-    copies from one save to the next. Asked once per process, on a one-element tensor."""
+    """Whether one ``DefaultStager`` stages more than once (torch 2.11's second ``stage``
+    fails with ``KeyError: <class 'type'>``). Asked once per process, on a tiny tensor."""
     stager = _default_stager(False)
     try:
         for _ in range(2):
@@ -67,12 +65,11 @@ def stager_reusable() -> bool:
 
 class SplitStager:
     """DCP's :class:`DefaultStager` twice: one copies the state now, the other the tensors
-    whose storages are in ``later``, in the thread that then writes the save."""
+    whose storages are in ``later``, in the thread that then writes the save. Each keeps
+    its CPU copies from one save to the next where torch's stager can stage twice."""
 
     def __init__(self, pinned: bool) -> None:
         self._pinned = pinned
-        # Each keeps its CPU copies from one save to the next (no new allocation per save)
-        # where torch's stager can stage twice; elsewhere each save gets fresh ones.
         self._now, self._later = _default_stager(pinned), _default_stager(pinned)
         self._reuse = stager_reusable()
         self._staged_once = False
@@ -114,9 +111,8 @@ class SplitStager:
         return staged, fill
 
     def settle(self) -> bool:
-        """The training thread, before the optimizer step: wait for the copy ``fill``
-        makes (True: there was one, not settled before); raise if the optimizers' state
-        changed meanwhile."""
+        """Before the optimizer step: wait for the copy ``fill`` makes (True: there was one,
+        not settled before); raise if the optimizers' state changed meanwhile."""
         with self._lock:
             if self._copy is None or self._settled:
                 return False
@@ -132,8 +128,7 @@ class SplitStager:
 
     def consistent(self) -> bool:
         """Whether the last save's copy holds the state as it was at the save (waits for
-        the copy). Any thread may ask (rank 0's commit does): once the copy is done,
-        later changes cannot reach it, so the first answer stands."""
+        it). Any thread may ask; once the copy is done, the first answer stands."""
         with self._lock:
             if self._copy is None:
                 return True

@@ -22,22 +22,18 @@ class Storage:
 
     atomic_rename: bool = False
 
-    def join(self, *parts: str) -> str:
-        raise NotImplementedError
+    def join(self, *parts: str) -> str: ...
 
     def display(self, path: str) -> str:
         """The path as the user would write it (for messages)."""
         return path
 
-    def open_write(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
-        raise NotImplementedError
+    def open_write(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]: ...
 
     def write_bytes(self, path: str, data: bytes) -> None:
         """Replace ``path`` with ``data`` in one step: a reader sees the old or the new file."""
-        raise NotImplementedError
 
-    def open_read(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
-        raise NotImplementedError
+    def open_read(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]: ...
 
     def read_bytes(self, path: str) -> bytes:
         with self.open_read(path) as fh:
@@ -47,11 +43,9 @@ class Storage:
         """The OS path of ``path`` if it is a local file, else None."""
         return None
 
-    def exists(self, path: str) -> bool:
-        raise NotImplementedError
+    def exists(self, path: str) -> bool: ...
 
-    def size(self, path: str) -> int:
-        raise NotImplementedError
+    def size(self, path: str) -> int: ...
 
     def mtime(self, path: str) -> Optional[float]:
         """When ``path`` was last written (seconds), or None when the storage cannot say."""
@@ -59,19 +53,15 @@ class Storage:
 
     def listdir(self, path: str) -> list[str]:
         """Names directly under ``path``; empty when it does not exist."""
-        raise NotImplementedError
 
-    def makedirs(self, path: str) -> None:
-        raise NotImplementedError
+    def makedirs(self, path: str) -> None: ...
 
     def rename_dir(self, src: str, dst: str) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot rename directories")
 
-    def remove(self, path: str) -> None:
-        raise NotImplementedError
+    def remove(self, path: str) -> None: ...
 
-    def remove_tree(self, path: str) -> None:
-        raise NotImplementedError
+    def remove_tree(self, path: str) -> None: ...
 
 
 class LocalStorage(Storage):
@@ -170,6 +160,8 @@ class FsspecStorage(Storage):
     def open_read(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
         return self.fs.open(path, "rb")
 
+    # Some file systems (s3fs) cache what they saw; another rank or process may have
+    # written since, so each question goes to the store.
     def exists(self, path: str) -> bool:
         self.fs.invalidate_cache(path)
         return self.fs.exists(path)
@@ -179,8 +171,6 @@ class FsspecStorage(Storage):
         return int(self.fs.size(path))
 
     def listdir(self, path: str) -> list[str]:
-        # Listings are cached by some file systems (s3fs); another rank or process
-        # may have written since, so always ask the store.
         self.fs.invalidate_cache(path)
         try:
             entries = self.fs.ls(path, detail=False)

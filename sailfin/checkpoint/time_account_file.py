@@ -13,6 +13,8 @@ import os
 import time
 from typing import Any, Optional
 
+from .storage import LocalStorage
+
 ACCOUNT_FILE = "time_account.json"
 VERSION = 1
 
@@ -27,10 +29,8 @@ def account_path(output_dir: str) -> str:
 
 
 def read_account(path: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
-    """The account at ``path`` and None, or (None, why it cannot be used).
-
-    A missing file is (None, None): a run that starts here for the first time.
-    """
+    """The account at ``path`` and None, or (None, why it cannot be used); a missing file
+    is (None, None): a run that starts here for the first time."""
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
@@ -47,13 +47,13 @@ def read_account(path: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
 def write_account(path: str, account: dict[str, Any], durable: bool = False) -> None:
     """Replace the file atomically. ``durable`` also survives a power cut (fsync): the
     rename alone already survives the process being killed."""
+    data = (json.dumps(account, separators=(",", ":")) + "\n").encode("utf-8")
+    if durable:
+        LocalStorage().write_bytes(path, data)
+        return
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(account, fh, separators=(",", ":"))
-        fh.write("\n")
-        if durable:
-            fh.flush()
-            os.fsync(fh.fileno())
+    with open(tmp, "wb") as fh:
+        fh.write(data)
     os.replace(tmp, path)
 
 
@@ -63,13 +63,7 @@ def set_summary_field(path: str, key: str, value: Any) -> None:
     with open(path, encoding="utf-8") as fh:
         data = json.load(fh)
     data[key] = value
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    LocalStorage().write_bytes(path, (json.dumps(data, indent=2) + "\n").encode("utf-8"))
 
 
 def run_start_time() -> float:

@@ -1,12 +1,12 @@
-"""``.safetensors`` files written whole (:func:`save_weights`) or one tensor at a time
-(:class:`SafetensorsWriter`).
+"""``.safetensors`` files: written whole (:func:`save_weights`) or one tensor at a time
+(:class:`SafetensorsWriter`), and read one tensor at a time (:func:`load_into`).
 
 The format: an 8-byte little-endian header length N, N bytes of JSON (each tensor's
-dtype, shape and byte range; padded with spaces to a multiple of 8), then the tensors'
-raw little-endian bytes. Names, dtypes and shapes are all the header needs, so it can be
-written before any data, and each tensor appended as it arrives: a writer never holds
-more than the tensor it is given. Tensors are laid out as safetensors' ``save_file``
-lays them out (:func:`file_order`), so both write the same bytes for the same tensors.
+dtype, shape and byte range), then the tensors' raw bytes. The header needs only names,
+dtypes and shapes, so it is written first and each tensor appended as it arrives (a
+writer holds no more than the tensor it is given), in ``save_file``'s order
+(:func:`file_order`): both write the same bytes. ``trainer.init_from`` reads one tensor
+at a time too, of a sharded parameter (fsdp) only this rank's block.
 
 Example::
 
@@ -14,11 +14,15 @@ Example::
     with SafetensorsWriter("final/model.safetensors", specs) as out:
         for spec in specs:
             out.write(spec.name, state[spec.name])
+    with SafetensorsSource("final/model.safetensors") as source:
+        load_into(model, source)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import struct
 import sys
@@ -27,6 +31,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from ..compat.torch import local_shape_and_offset
 from .errors import CheckpointError
 
 _DTYPES = {
@@ -44,12 +49,8 @@ _LAYOUT = ["U64", "I64", "F64", "C64", "F32", "U32", "I32", "BF16", "F16", "U16"
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """What the header says of one tensor: its name, dtype and (global) shape.
-
-    Example::
-
-        TensorSpec.of("layer.weight", param)   # a DTensor shard gives the full shape
-    """
+    """What the header says of one tensor: its name, dtype and (global) shape
+    (``TensorSpec.of("layer.weight", param)``: a DTensor gives the full shape)."""
 
     name: str
     dtype: torch.dtype
@@ -61,10 +62,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
 def file_order(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
@@ -90,10 +88,9 @@ def header_bytes(specs: Sequence[TensorSpec], metadata: Optional[Mapping[str, st
 class SafetensorsWriter:
     """A ``.safetensors`` file at ``path`` written one tensor at a time, in ``specs``' order.
 
-    The header goes first; :meth:`write` appends each tensor's bytes (it checks the
-    name, dtype and shape against the header). The file is written under a temporary
-    name and renamed to ``path`` when the context closes with every tensor written; an
-    error inside the context, or a tensor missing at its end, removes it instead.
+    :meth:`write` appends each tensor (checked against the header). The file is written
+    under a temporary name, renamed to ``path`` when the context closes with every
+    tensor written; an error inside the context, or a missing tensor, removes it.
 
     Example::
 
@@ -158,10 +155,8 @@ class SafetensorsWriter:
     def abort(self) -> None:
         """Close and remove the temporary file; ``path`` is left as it was."""
         self._fh.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.remove(self._tmp)
-        except FileNotFoundError:
-            pass
 
     def __enter__(self) -> "SafetensorsWriter":
         return self
@@ -174,20 +169,13 @@ class SafetensorsWriter:
 
 
 def save_weights(state: Mapping[str, torch.Tensor], path: str) -> str:
-    """A full state dict as safetensors at ``path``, written to a temporary name first."""
-    from safetensors.torch import save_file
-
-    directory = os.path.dirname(path)
-    if directory:
-        os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        save_file(untied(state), tmp, metadata={"format": "pt"})
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    os.replace(tmp, path)
+    """A full state dict as safetensors at ``path`` (the bytes ``save_file`` writes),
+    written to a temporary name first."""
+    tensors = untied(state)
+    specs = file_order([TensorSpec.of(name, t) for name, t in tensors.items()])
+    with SafetensorsWriter(path, specs) as out:
+        for spec in specs:
+            out.write(spec.name, tensors[spec.name])
     return path
 
 
@@ -213,3 +201,89 @@ def _dtype_name(spec: TensorSpec) -> str:
         raise CheckpointError(f"tensor '{spec.name}' has dtype {spec.dtype}, which "
                               "safetensors cannot store; cast it (e.g. to float32) "
                               "before saving") from None
+
+
+class StateDictSource:
+    """Tensors by name for :func:`load_into`: a state dict in memory (or memory-mapped:
+    ``torch.load(mmap=True)``). :meth:`read` returns one whole, or its block ``index``."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], location: str) -> None:
+        self.state, self.location = state, location
+
+    def names(self) -> list[str]:
+        return [k for k, v in self.state.items() if isinstance(v, torch.Tensor)]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.state[name].shape)
+
+    def read(self, name: str, index: Optional[tuple[slice, ...]] = None) -> torch.Tensor:
+        tensor = self.state[name]
+        return tensor if index is None else tensor[index]
+
+    def __enter__(self) -> "StateDictSource":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+class SafetensorsSource(StateDictSource):
+    """A ``.safetensors`` file, opened with ``safe_open``: nothing is read until asked
+    (a block reads exactly its bytes)."""
+
+    def __init__(self, path: str) -> None:
+        from safetensors import safe_open
+
+        try:
+            self._file = safe_open(path, framework="pt", device="cpu")
+        except Exception as exc:  # safetensors raises its own error types
+            raise CheckpointError(f"trainer.init_from: {path} is not a readable .safetensors "
+                                  f"file: {exc}") from None
+        self.location = path
+
+    def names(self) -> list[str]:
+        return list(self._file.keys())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file.get_slice(name).get_shape())
+
+    def read(self, name: str, index: Optional[tuple[slice, ...]] = None) -> torch.Tensor:
+        if index is None:
+            return self._file.get_tensor(name)
+        return self._file.get_slice(name)[index]
+
+    def __exit__(self, *exc: Any) -> None:
+        self._file = None
+
+
+@torch.no_grad()
+def load_into(module: torch.nn.Module, source: StateDictSource) -> None:
+    """Copy ``source``'s tensors into ``module``'s parameters and persistent buffers, in
+    place, one at a time; a sharded parameter reads only its own block. Raises
+    :class:`CheckpointError` naming the file and the first key that does not fit."""
+    own = module.state_dict(keep_vars=True)
+    names = set(source.names())
+    # safetensors stores one tensor for tied weights: the twin of a loaded one is loaded.
+    loaded = {id(own[n]) for n in own if n in names}
+    missing = [n for n in own if n not in names and id(own[n]) not in loaded]
+    unexpected = sorted(names - set(own))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"trainer.init_from: the weights in {source.location} do not fit this model: "
+            f"missing keys {missing[:5]}{' ...' if len(missing) > 5 else ''}, unexpected keys "
+            f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}. Point it at weights "
+            "of the same architecture")
+    for name, tensor in own.items():
+        if name not in names:
+            continue
+        if source.shape(name) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"trainer.init_from: tensor '{name}' in {source.location} has shape "
+                f"{list(source.shape(name))}, this model's has {list(tensor.shape)}. Point it "
+                "at weights of the same architecture")
+        index = None
+        if hasattr(tensor, "device_mesh") and hasattr(tensor, "to_local"):  # a DTensor
+            shape, offset = local_shape_and_offset(tensor)  # the block this rank holds
+            index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+            tensor = tensor.to_local()
+        tensor.copy_(source.read(name, index))

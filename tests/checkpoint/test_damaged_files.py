@@ -275,7 +275,7 @@ def test_a_step_entry_linked_to_a_directory_outside_is_not_resumed(run_dir, tmp_
 def test_a_large_file_is_announced_before_it_is_read(run_dir, monkeypatch, capfd):
     """A file far larger than the state it should hold (sparse here, the manifest edited to
     match it, its CRC recomputed) is not read in silence: a line names it and its size."""
-    from sailfin.checkpoint import reading
+    from sailfin.checkpoint import serialize
 
     step = run_dir / "checkpoints" / "step-00000006"
     with open(step / "trainer.pt", "r+b") as fh:
@@ -284,7 +284,7 @@ def test_a_large_file_is_announced_before_it_is_read(run_dir, monkeypatch, capfd
     body = manifest_of(step)
     body["files"]["trainer.pt"] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
     write_manifest(step, body)
-    monkeypatch.setattr(reading, "SAY_ABOVE_BYTES", 4 << 20)
+    monkeypatch.setattr(serialize, "SAY_ABOVE_BYTES", 4 << 20)
     capfd.readouterr()
     _, trainer = train(run_dir, epochs=2, checkpoint=STEP)
     err = capfd.readouterr().err

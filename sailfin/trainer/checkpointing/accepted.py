@@ -1,19 +1,11 @@
 """``trainer.resume_config: accept``: the accepted values take effect.
 
-Loading a checkpoint puts back the optimizers' ``param_groups`` and the
-schedulers' state as they were saved: the old ``lr``, ``weight_decay``,
-``betas``, ``momentum``, ``base_lrs``, ``gamma``... would silently win over the
-values the recipe was just built with. When a resume accepted changed keys,
-the hyper-parameters of the freshly built optimizers and schedulers (captured
-before the load) are put back on top of the loaded state: everything but the
-per-parameter state (momentum buffers, Adam moments) and the schedule's
-position. The schedule is replayed from its new start to the saved position,
-so the learning rate in effect is the one the new settings give at that step.
-
-Keys the loop reads from the config each step (``max_grad_norm``, the batch
-plan's ``train_batch_size``, ``seed`` at an epoch boundary) take effect by
-themselves; a change that cannot (the model's shape, the batch mid-epoch) stops
-the run before its first step with the way out (see ``resume.apply``).
+Loading a checkpoint puts back the optimizers' ``param_groups`` and the schedulers'
+state as saved: the old ``lr``, ``betas``, ``base_lrs``... would silently win over the
+values the recipe was just built with. After a resume that accepted changed keys, the
+freshly built hyper-parameters (captured before the load) go back on top, all but the
+per-parameter state and the schedule's position; the schedule is replayed from its new
+start to the saved step, so the learning rate is the one the new settings give there.
 
 Example::
 
@@ -89,20 +81,14 @@ def _reapply_scheduler(scheduler: Any, fresh: Mapping[str, Any]) -> None:
     scheduler.load_state_dict(merged)
 
 
-def accepted_changes(manifest: Mapping[str, Any], trainer: Any) -> list[str]:
-    """The keys this resume accepted (``resume_config: accept``) that define the training."""
-    if trainer.args.resume_config != "accept":
-        return []
-    recorded = recorded_config(manifest)
-    if recorded is None:
-        return []
-    return [c.key for c in compare(recorded, current_config(trainer)) if not c.allowed]
-
-
 def apply_accepted(trainer: Any, fresh: FreshHyperparameters, say: Any) -> Optional[list[str]]:
-    """After a resume that accepted changes: the recipe's new hyper-parameters take effect."""
+    """After a resume that accepted changes (``resume_config: accept``) of keys that define
+    the training: the recipe's new hyper-parameters take effect."""
     loaded = trainer.resumed_from
-    if loaded is None or not accepted_changes(loaded.manifest, trainer):
+    if loaded is None or trainer.args.resume_config != "accept":
+        return None
+    recorded = recorded_config(loaded.manifest)
+    if recorded is None or all(c.allowed for c in compare(recorded, current_config(trainer))):
         return None
     changed = fresh.reapply(trainer.optimizers, trainer.schedulers)
     if trainer.dist.is_main:

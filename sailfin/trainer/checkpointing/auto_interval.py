@@ -2,15 +2,12 @@
 how often the run fails.
 
 A save every ``tau`` seconds of training costs ``save / tau`` of the time; a failure
-loses on average ``tau / 2`` of training. The sum is least at Young and Daly's
-``tau = sqrt(2 * save * MTBF)``. ``save`` is the measured stall of this run's saves,
-``MTBF`` is ``trainer.checkpoint.mtbf_hours`` or, when that is null, the wall time
-per failure this run's time account has seen (24 hours until it has seen one).
-The interval in steps is ``tau`` over the measured step time, of steady steps: the
-run's first step (allocations, loader workers starting, a compilation) is left out, and
-the first choice comes after a few more. It is chosen again after
-every save (the measurements move: a larger state, a slower disk, a first failure),
-the same on every rank (one small all-reduce per save), and said when it changes.
+loses on average ``tau / 2``. The sum is least at Young and Daly's ``tau = sqrt(2 *
+save * MTBF)``: ``save`` is the measured stall of this run's saves, ``MTBF`` is
+``trainer.checkpoint.mtbf_hours`` or, when null, the wall time per failure this run's
+time account has seen (24 hours until it has seen one). The interval in steps is
+``tau`` over the measured time of steady steps (the run's first step is left out). It
+is chosen again after every save, the same on every rank, and said when it changes.
 """
 
 from __future__ import annotations
@@ -46,16 +43,8 @@ def young_daly_seconds(save_seconds: float, mtbf_seconds: float) -> float:
 
 class IntervalChooser:
     """The measurements and the chosen interval of one kind of save (``checkpoint`` or
-    ``snapshot``); the callback that saves asks :meth:`due` and reports each save.
-
-    Example::
-
-        chooser = IntervalChooser("checkpoint", mtbf_hours=12)
-        chooser.start(trainer)
-        if chooser.due(trainer.global_step):
-            ...  # save, then:
-            chooser.saved(trainer, started, stall_seconds=[...], saved=True)
-    """
+    ``memory snapshot``): the callback that saves calls :meth:`start` before the first
+    step, asks :meth:`due` after each and reports each save to :meth:`saved`."""
 
     def __init__(self, kind: str, mtbf_hours: Optional[float]) -> None:
         self.kind, self.mtbf_hours = kind, mtbf_hours

@@ -1,18 +1,12 @@
 """On resume, compare this run's config with the one the checkpoint recorded.
 
-A checkpoint's manifest records the resolved config: ``config`` (the
-``trainer:`` section) and, when the run was built from a config, ``recipe``
-(the ``module:`` and ``data:`` sections). Resuming with a different config
-would silently mix two settings in one run, so each difference is sorted:
-
-- keys that may change on a resume (the table :data:`MAY_CHANGE` below: how
-  and where the run executes, what it reports, how long it goes on) are
-  allowed, and each is printed in one line;
-- every other key (module and data arguments, seed, global batch, optimizer
-  and schedule settings, and any key not in the table) defines the training:
-  a difference stops the run before its first step, with the differences and
-  the ways out, unless ``trainer.resume_config: accept``.
-
+A checkpoint's manifest records the resolved config: ``config`` (the ``trainer:``
+section) and, when the run was built from a config, ``recipe`` (the ``module:`` and
+``data:`` sections). Keys that may change on a resume (:data:`MAY_CHANGE`: how and
+where the run executes, what it reports, how long it goes on) are allowed and each is
+printed in one line; a difference in any other key (module and data arguments, seed,
+global batch, optimizer and schedule settings) defines the training and stops the run
+before its first step, with the ways out, unless ``trainer.resume_config: accept``.
 Checkpoints written before configs were recorded resume without a check.
 
 Example::
@@ -38,37 +32,28 @@ if TYPE_CHECKING:
 #: resumes, and why. Anything not here defines the training and must match the checkpoint.
 MAY_CHANGE: dict[str, str] = {
     # how long the run goes on (extending a run is checked against its schedulers)
-    "epochs": "the run's length",
-    "max_steps": "the run's length",
+    **dict.fromkeys(("epochs", "max_steps"), "the run's length"),
     # how and where a step executes: world size, strategy, precision, memory
-    "backend": "how a step executes",
+    **dict.fromkeys(("backend", "compile", "compile_mode"), "how a step executes"),
     "amp_dtype": "precision",
-    "compile": "how a step executes",
-    "compile_mode": "how a step executes",
     "activation_checkpointing": "memory, not the result",
     "device": "where the run executes",
-    "micro_batch_size": "the global batch stays the same",
-    "gpu_batch_size_limit": "the global batch stays the same",
+    **dict.fromkeys(("micro_batch_size", "gpu_batch_size_limit"),
+                    "the global batch stays the same"),
     "val_batch_size": "validation batching, not the metric",
     "distributed": "process-group settings",
     "fsdp": "how the model is sharded",
     "hang_seconds": "the hang watchdog",
     # what the run reports, and when
-    "writers": "reporting",
-    "mlflow_tracking_uri": "reporting",
-    "mlflow_experiment": "reporting",
-    "progress": "reporting",
-    "progress_interval": "reporting",
-    "profile_steps": "reporting",
+    **dict.fromkeys(("writers", "mlflow_tracking_uri", "mlflow_experiment", "progress",
+                     "progress_interval", "profile_steps", "count_flops", "peak_tflops"),
+                    "reporting"),
     "log_every_n_steps": "reporting cadence",
-    "val_every_n_epochs": "validation cadence",
-    "val_every_n_steps": "validation cadence",
+    **dict.fromkeys(("val_every_n_epochs", "val_every_n_steps"), "validation cadence"),
     "max_val_steps_per_epoch": "validation extent",
     "sanity_val_batches": "a start-up check",
     "ema": "an averaged copy of the weights, beside the training",
     "early_stopping": "when the run ends",
-    "count_flops": "reporting",
-    "peak_tflops": "reporting",
     "compile_check": "a start-up measurement",
     "preemption_check_every_n_steps": "how soon a SIGTERM is acted on",
     "on_nonfinite": "what a non-finite loss does",
@@ -79,8 +64,7 @@ MAY_CHANGE: dict[str, str] = {
     # where outputs and checkpoints go, how often, and how this run starts
     "output_dir": "where outputs go",
     "checkpoint": "checkpoint cadence and place",
-    "resume": "how this run starts",
-    "resume_config": "how this run starts",
+    **dict.fromkeys(("resume", "resume_config"), "how this run starts"),
     "init_from": "not used when resuming",
 }
 

@@ -22,8 +22,8 @@ from ...checkpoint.checkpointer import DirectoryCheckpointer
 from ...utils.voice import say
 from ...checkpoint.errors import CheckpointError
 from ...checkpoint.sharded import load_sharded
-from ...checkpoint.weights import SafetensorsSource, StateDictSource, load_into
-from .frozen import frozen_names
+from ...checkpoint.weights_file import SafetensorsSource, StateDictSource, load_into
+from .state import frozen_names
 
 if TYPE_CHECKING:
     from ..core.view import RunView

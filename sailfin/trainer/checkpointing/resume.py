@@ -3,6 +3,10 @@
 Resume jumps straight to the saved data position: the counters (epoch, step
 in the epoch) and the seed fix which samples come next, so nothing is
 replayed and the cost does not depend on how far into the epoch it was.
+
+The checksums prove a file is the one that was written, not that it is a checkpoint
+(rewritten with its checksum fixed, a manifest's step edited): :func:`check_loaded`
+checks the shape a save gives it, so ``resume: auto`` falls back from such a file too.
 """
 
 from __future__ import annotations
@@ -12,16 +16,16 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from .frozen import frozen_names
 from ...checkpoint.checkpointer import Checkpointer, Loaded
-from ...utils.voice import say
-from .config_diff import check_config
 from ...checkpoint.errors import CheckpointCorrupt, CheckpointError
-from .init_from import load_initial_weights
-from .loaded_shape import check_loaded
+from ...checkpoint.manifest import MANIFEST
 from ...checkpoint.metrics_log import last_logged_step, trim_metrics_log
 from ...checkpoint.rng import derive_rng, restore_rng
 from ...checkpoint.sharded import load_sharded
+from ...utils.voice import say
+from .config_diff import check_config
+from .init_from import load_initial_weights
+from .state import frozen_names
 
 if TYPE_CHECKING:
     from ..core.view import RunView
@@ -103,7 +107,7 @@ def _first_loadable(trainer: "RunView", checkpointer: Checkpointer) -> Optional[
 
 def _try_load(checkpointer: Checkpointer, name: str, rank: int
               ) -> tuple[Optional[Loaded], Optional[CheckpointError]]:
-    """Read ``name`` and check it has the shape a save gives it (see :mod:`.loaded_shape`)."""
+    """Read ``name`` and check it has the shape a save gives it."""
     try:
         loaded = checkpointer.load(name)
         check_loaded(loaded, rank)
@@ -180,3 +184,70 @@ def _check_data_position(trainer: "RunView", manifest: dict, where: str) -> None
                 f"{manifest['epoch']} with {what} = {data[key]!r}; this run has {now!r}, so "
                 "the rest of the epoch would skip or repeat samples. Resume with the same "
                 f"{what}, or from a checkpoint taken at an epoch end")
+
+
+# trainer.pt's entries (see .state.trainer_state) and the type each must have.
+_TRAINER_KEYS: dict[str, tuple[type, ...]] = {
+    "module_state": (object,), "optimizers": (list,), "schedulers": (list,),
+    "backend": (dict,), "counters": (dict,), "last_val_metrics": (object,),
+    "callbacks": (dict,)}
+# counters in trainer.pt -> the manifest's name for the same count
+_COUNTERS = {"global_step": "step", "epoch": "epoch", "step_in_epoch": "step_in_epoch",
+             "samples_seen": "samples_seen"}
+
+
+def check_loaded(loaded: Loaded, rank: int) -> None:
+    """Raise :class:`CheckpointCorrupt` when ``loaded`` (read by ``rank``) is not what a save
+    writes."""
+    def damaged(file: str, what: str) -> CheckpointCorrupt:
+        shown = f"{loaded.location}/{file}"
+        return CheckpointCorrupt(f"checkpoint file {shown} {what}: it is damaged or was "
+                                 "rewritten after the save", shown)
+
+    trainer = loaded.shared.get("trainer")
+    if not isinstance(trainer, dict):
+        raise damaged("trainer.pt", "is missing from the manifest" if trainer is None else
+                      f"holds a {type(trainer).__name__}, not the trainer's state (a dict)")
+    in_shards = set(loaded.sharded.keys) if loaded.sharded is not None else set()
+    for key, types in _TRAINER_KEYS.items():
+        if key in in_shards and key not in trainer:
+            continue  # saved under fsdp: in the shards, checked by their checksums
+        if key not in trainer:
+            raise damaged("trainer.pt", f"lacks {key!r}")
+        if not isinstance(trainer[key], types):
+            raise damaged("trainer.pt", f"holds {key!r} as a {type(trainer[key]).__name__}")
+    counters = trainer["counters"]
+    for key, manifest_key in _COUNTERS.items():
+        value = counters.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise damaged("trainer.pt", f"has counter {key} = {value!r}, not a count")
+        if value != loaded.manifest[manifest_key]:
+            shown = f"{loaded.location}/{MANIFEST}"
+            raise CheckpointCorrupt(
+                f"checkpoint manifest {shown} says {manifest_key} "
+                f"{loaded.manifest[manifest_key]}, but trainer.pt holds {value}: the manifest "
+                "was altered after the save", shown)
+    if loaded.sharded is None:  # under fsdp the model is in the shards
+        _check_model(loaded.shared.get("model"), damaged)
+    rng = loaded.rank_state
+    if rng is not None and not (isinstance(rng, dict)
+                                and isinstance(rng.get("python"), (tuple, list))
+                                and isinstance(rng.get("numpy"), dict)
+                                and isinstance(rng.get("torch"), torch.Tensor)
+                                and rng["torch"].dtype == torch.uint8):
+        raise damaged(f"rng-rank{rank:05d}.pt", "does not hold random-stream state")
+
+
+def _check_model(model: Any, damaged: Any) -> None:
+    if model is None:
+        raise damaged("model.pt", "is missing from the manifest")
+    if not isinstance(model, dict):
+        raise damaged("model.pt", f"holds a {type(model).__name__}, not a state dict "
+                      "(parameter name -> tensor)")
+    for name, value in model.items():
+        if not isinstance(name, str):
+            raise damaged("model.pt", f"has a key of type {type(name).__name__}")
+        if not isinstance(value, torch.Tensor) and not name.endswith("_extra_state"):
+            raise damaged("model.pt", f"holds {name!r} as a {type(value).__name__}, "
+                          "not a tensor")
+

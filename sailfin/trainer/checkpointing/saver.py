@@ -172,10 +172,8 @@ class CheckpointCallback(Callback):
 
 
 class StepCheckpointCallback(CheckpointCallback):
-    """Also saves every ``every_n_steps`` optimizer steps.
-
-    A separate class so that runs without step saves make no call per step.
-    """
+    """Also saves every ``every_n_steps`` optimizer steps (a class of its own: runs without
+    step saves make no call per step)."""
 
     def on_step_end(self, trainer: "RunView") -> None:
         if trainer.global_step % self.args.every_n_steps == 0:  # type: ignore[operator]

@@ -1,19 +1,28 @@
 """What a checkpoint holds of the trainer, and putting it back.
 
-The model's and the optimizers' state go through the backend: under fsdp they
-are this rank's shards. With the seed, the counters are the data position, so
-a resume replays no batch.
+The model's and the optimizers' state go through the backend (under fsdp, this rank's
+shards). With the seed, the counters are the data position: a resume replays no batch.
+
+With ``ModuleInterface.checkpoint_frozen_params = False`` (LoRA through ``peft:``),
+checkpoints hold only the parameters that train and a fingerprint of the frozen base:
+per frozen parameter its name, shape, dtype and the float64 sum and sum of squares of
+its values (reduced over the ranks under fsdp). A resume takes the frozen parameters
+from the module as built, after checking the fingerprint.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any, Mapping
 
-from .frozen import excludes_frozen, fingerprint, frozen_names, mismatch
+import torch
 
 if TYPE_CHECKING:
     from ..core.callbacks import Callback
     from ..core.view import RunView
+
+_FROZEN: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[frozenset, list]]" = (
+    weakref.WeakKeyDictionary())
 
 
 def trainer_state(trainer: "RunView") -> dict[str, Any]:
@@ -92,3 +101,50 @@ def _with_frozen(trainer: "RunView", state: Mapping[str, Any]) -> dict[str, Any]
 def state_key(callback: "Callback") -> str:
     """Where a callback's state sits in a checkpoint: its ``state_key``, else its class name."""
     return getattr(callback, "state_key", type(callback).__name__)
+
+
+def excludes_frozen(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s checkpoints leave its frozen parameters out."""
+    return not getattr(module, "checkpoint_frozen_params", True)
+
+
+def frozen_names(module: torch.nn.Module) -> frozenset[str]:
+    """The state-dict names of ``module``'s parameters that do not train."""
+    return _frozen(module)[0]
+
+
+def fingerprint(module: torch.nn.Module) -> list[list[Any]]:
+    """What identifies the frozen base (computed once per module: it does not change)."""
+    return _frozen(module)[1]
+
+
+def _frozen(module: torch.nn.Module) -> tuple[frozenset, list]:
+    cached = _FROZEN.get(module)
+    if cached is None:
+        frozen = [(name, p) for name, p in module.named_parameters(remove_duplicate=False)
+                  if not p.requires_grad]
+        prints = [[name, list(p.shape), str(p.dtype).replace("torch.", ""),
+                   _figure(p.detach().double().sum()),
+                   _figure(p.detach().double().square().sum())] for name, p in frozen]
+        cached = _FROZEN[module] = (frozenset(n for n, _ in frozen), prints)
+    return cached
+
+
+def _figure(value: torch.Tensor) -> float:
+    full = getattr(value, "full_tensor", None)  # a DTensor (fsdp): reduced over the ranks
+    return float(f"{float(full() if full else value):.10g}")
+
+
+def mismatch(saved: list, now: list) -> str:
+    """Why ``saved`` (a checkpoint's fingerprint) is not ``now``'s; "" when they agree."""
+    saved_by = {entry[0]: entry for entry in saved}
+    now_by = {entry[0]: entry for entry in now}
+    if set(saved_by) != set(now_by):
+        extra = sorted(set(saved_by) ^ set(now_by))[:3]
+        return (f"the frozen parameters differ by name ({len(saved_by)} saved, {len(now_by)} "
+                f"now; e.g. {', '.join(extra)})")
+    for name, entry in now_by.items():
+        if saved_by[name] != entry:
+            return (f"frozen parameter {name} differs (saved shape/dtype/sum "
+                    f"{saved_by[name][1:]}, now {entry[1:]})")
+    return ""
