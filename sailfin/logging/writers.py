@@ -89,8 +89,8 @@ class Writers(Writer):
 # name -> (module, factory name, pip extra or None). Modules are imported when chosen.
 WRITER_MODULES: dict[str, tuple[str, str, Optional[str]]] = {
     "stdout": ("sailfin.logging.stdout", "StdoutWriter", None),
-    "jsonl": ("sailfin.logging.jsonl", "JsonlWriter", None),
-    "csv": ("sailfin.logging.csv_writer", "CsvWriter", None),
+    "jsonl": ("sailfin.logging.files", "JsonlWriter", None),
+    "csv": ("sailfin.logging.files", "CsvWriter", None),
     "tensorboard": ("sailfin.logging.tensorboard_writer", "TensorBoardWriter", "tensorboard"),
     "mlflow": ("sailfin.logging.mlflow_writer", "MlflowWriter", "mlflow"),
 }

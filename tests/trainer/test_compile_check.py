@@ -9,7 +9,7 @@ import torch
 
 from sailfin import Trainer
 from sailfin.trainer.features.compile_check import CompileCheck, compile_verdict
-from sailfin.trainer.features.observe import build_observers
+from sailfin.trainer.features.loop_features import build_observers
 from sailfin.distributed import DistEnv
 from tests.recipes import IdData, LinearRecipe, args
 

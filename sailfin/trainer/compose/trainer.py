@@ -11,13 +11,12 @@ from ...utils.memory import gc_spares_existing_objects
 from ...utils.voice import configure
 from ..checkpointing.state import load_trainer_state, trainer_state
 from ..core.trainer import Loop
-from .watchdog import start_watchdog
 from ..safety.preemption import Preemption
 from ..safety.run_lock import RunLock, take_run_lock
 from ..safety.startup_checks import (check_schedulers_fit, nothing_to_train, sanity_validate,
                                      train_output_checker)
 from .outputs import finish_run
-from .setup import build_run, start_run
+from .setup import build_run, start_run, start_watchdog
 
 
 class Trainer(Loop):

@@ -17,11 +17,15 @@ includes the recomputed forwards (a recipe's ``flops_per_sample`` avoids that).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from ...utils.voice import say
+from ..core.callbacks import Callback
+
+if TYPE_CHECKING:
+    from ..core.view import RunView
 
 # Dense peak TFLOP/s of one GPU, from the vendors' datasheets. Datasheets often
 # quote tensor-core figures "with sparsity", twice these. Keys: bf16 / fp16
@@ -143,3 +147,31 @@ def build_flops_meter(module: Any, args: Any, world_size: int, device: Any,
             "recipe a flops_per_sample for tflops/mfu")
         count = False
     return FlopsMeter(world_size, peak, given, count)
+
+
+class FirstStepFlops(Callback):
+    """``trainer.count_flops``: counts the FLOPs of the first step's forwards and
+    backwards with ``meter``. A step run again (a smaller micro-batch after running out
+    of memory) is counted afresh; once a step is counted it leaves the loop.
+
+    Example::
+
+        Trainer(module, args, callbacks=[FirstStepFlops(FlopsMeter())]).train()
+    """
+
+    def __init__(self, meter: FlopsMeter) -> None:
+        self.meter = meter
+
+    def on_step_begin(self, trainer: "RunView") -> None:
+        if self.meter.pending:
+            self.meter.abort()  # an attempt that did not reach on_backward_end
+            self.meter.start()
+
+    def on_backward_end(self, trainer: "RunView", samples: int) -> bool:
+        if self.meter.pending:
+            self.meter.stop(samples)  # before the optimizer step: forwards and backwards
+        return False
+
+    def on_step_end(self, trainer: "RunView") -> None:
+        if not self.meter.pending:  # counted: no call at all from the next step on
+            trainer.remove_callback(self)
