@@ -29,7 +29,6 @@ from .strict_yaml import load_yaml_file
 from .trainer import TrainerArguments
 
 SECTIONS = ("data", "module", "trainer")
-COMPONENT_KEYS = ("class_path", "init_args")
 
 
 @dataclass

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from ..features.loop_features import finish_summary
-from ..features.run_stats import peak_memory
+from ...utils.memory import peak_rss_bytes
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -75,3 +75,14 @@ def _jsonable(value: Any) -> Any:
         return value.item()
     return str(value)
 
+
+def peak_memory(device: Any = None) -> dict[str, Optional[int]]:
+    """Peak resident memory of this process and, on CUDA, peak allocated tensor memory.
+
+    Both in bytes; ``None`` where the platform cannot tell (Windows; no CUDA device).
+    """
+    rss = peak_rss_bytes()
+    cuda: Optional[int] = None
+    if device is not None and getattr(device, "type", None) == "cuda":
+        cuda = int(torch.cuda.max_memory_allocated(device))
+    return {"cpu_rss_bytes": rss, "cuda_max_allocated_bytes": cuda}

@@ -77,9 +77,6 @@ class EarlyStopping(Callback):
         if not metrics:
             return None
         flat = flat_metrics(metrics)
-        if len(metrics) == 1:  # a single set also answers to "<set name>/<metric>"
-            name = next(iter(metrics))
-            flat.update({f"{name}/{k}": v for k, v in metrics[name].items()})
         key = self.args.metric
         if key not in flat:
             raise ConfigError(f"trainer.early_stopping.metric {key!r} is not among the "

@@ -9,6 +9,7 @@ from ...config.dp import DPArguments
 from ...config.errors import ConfigError
 from ...utils.voice import say
 from ..core.callbacks import Callback
+from ..safety.startup_checks import steps_left
 
 if TYPE_CHECKING:
     from ..core.view import RunView
@@ -36,7 +37,7 @@ class PrivacyCallback(Callback):
 
     def on_train_start(self, trainer: "RunView") -> None:
         self.backend = trainer.backend
-        note = self.backend.begin_segment(remaining_steps(trainer))
+        note = self.backend.begin_segment(steps_left(trainer))
         if note and trainer.dist.is_main:
             say(note, warning=True)
         limit = self.args.max_epsilon
@@ -73,12 +74,3 @@ class PrivacyCallback(Callback):
         """summary.json's ``privacy``: epsilon, delta, noise, sampling rate, segments."""
         return {"privacy": self.backend.privacy_facts()} if self.backend is not None else {}
 
-
-def remaining_steps(trainer: "RunView") -> int:
-    """The optimizer steps this run may still take: the rest of its epochs, at most up to
-    ``max_steps`` (the loop's own bounds; early stopping can only end it sooner)."""
-    args = trainer.args
-    left = (args.epochs - trainer.epoch) * trainer.steps_per_epoch - trainer.step_in_epoch
-    if args.max_steps is not None:
-        left = min(left, args.max_steps - trainer.global_step)
-    return max(0, left)

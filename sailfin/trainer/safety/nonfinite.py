@@ -82,20 +82,13 @@ class NonFiniteGuard:
         """True: go on with the optimizer step; False: skip it. Several processes: every
         rank must take the same decision, so the losses are reduced first."""
         value = self._reduce(loss.detach().clone()).item()
-        if math.isfinite(value):
-            return True
-        self._found(value, global_step, epoch, step, applied=False)
-        return self.policy == "warn"
+        return math.isfinite(value) or self._found(value, global_step, epoch, step, False)
 
     def _observe_local(self, loss: torch.Tensor, global_step: int, epoch: int,
                        step: int) -> bool:
-        """One process: this rank's own loss decides (``_observe_now`` without the
-        collective)."""
+        """One process: this rank's own loss decides (no collective)."""
         value = loss.item()
-        if math.isfinite(value):
-            return True
-        self._found(value, global_step, epoch, step, applied=False)
-        return self.policy == "warn"
+        return math.isfinite(value) or self._found(value, global_step, epoch, step, False)
 
     def _observe_deferred(self, loss: torch.Tensor, global_step: int, epoch: int,
                           step: int) -> bool:
@@ -121,7 +114,8 @@ class NonFiniteGuard:
                             applied=True, steps_after=len(values) - i - 1)
 
     def _found(self, value: float, global_step: int, epoch: int, step: int, applied: bool,
-               steps_after: int = 0) -> None:
+               steps_after: int = 0) -> bool:
+        """Raise (stop) or warn; True: the step goes on (warn), False: skip it."""
         self.count += 1
         where = (f"the loss of train_step at global_step={global_step} (epoch {epoch}, "
                  f"step {step} of the epoch, counted from 0) is {value}")
@@ -145,3 +139,4 @@ class NonFiniteGuard:
         action = "skipped that step" if self.policy == "skip" else "carrying on"
         warnings.warn(f"{where}; {action} (on_nonfinite={self.policy}; {self.count} so far)",
                       NonFiniteLossWarning, stacklevel=3)
+        return self.policy == "warn"

@@ -48,19 +48,6 @@ class TrainingPreempted(Exception):
                          "command again to resume from it")
 
 
-def save_and_stop(trainer: Any) -> None:
-    """Every rank: save this step (unless saved already), wait until it is on storage,
-    and raise :class:`TrainingPreempted`."""
-    from ..checkpointing.saver import CheckpointCallback
-
-    saver = trainer.saver or CheckpointCallback(trainer.checkpointer, trainer.args.checkpoint)
-    saver.save(trainer)
-    trainer.checkpointer.wait()
-    latest = trainer.checkpointer.latest()
-    raise TrainingPreempted(trainer.preemption.signal_name or "a signal", trainer.global_step,
-                            f"{trainer.checkpointer.location}/{latest}" if latest else None)
-
-
 class Preemption:
     """Notes SIGTERM/SIGINT and tells the loop when every rank should stop.
 
@@ -136,9 +123,18 @@ class Preemption:
 
     # -- the loop's question -------------------------------------------------------------
     def save_and_stop(self, trainer: Any) -> None:
-        """Every rank: save this step, wait until it is on storage, and raise
-        :class:`TrainingPreempted` (the loop calls it once :meth:`poll` said stop)."""
-        save_and_stop(trainer)
+        """Every rank: save this step (unless saved already), wait until it is on storage,
+        and raise :class:`TrainingPreempted` (the loop calls it once :meth:`poll` said
+        stop)."""
+        from ..checkpointing.saver import CheckpointCallback
+
+        saver = trainer.saver or CheckpointCallback(trainer.checkpointer,
+                                                    trainer.args.checkpoint)
+        saver.save(trainer)
+        trainer.checkpointer.wait()
+        latest = trainer.checkpointer.latest()
+        raise TrainingPreempted(self.signal_name or "a signal", trainer.global_step,
+                                f"{trainer.checkpointer.location}/{latest}" if latest else None)
 
     def poll(self, global_step: int) -> bool:
         """True when every rank stops after ``global_step``; with several ranks, one small

@@ -60,10 +60,6 @@ class RunLock:
         self.took_over: Optional[dict[str, Any]] = None
         """The owner a dead run left in the file, when this run took its lock over."""
 
-    @property
-    def held(self) -> bool:
-        return self._file is not None
-
     def acquire(self, grace_seconds: float = GRACE_SECONDS) -> "RunLock":
         """Take the lock; a holder still there after ``grace_seconds`` is another run."""
         import fcntl
