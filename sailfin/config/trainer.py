@@ -74,7 +74,7 @@ class TrainerArguments:
     compile_mode: Literal["default", "reduce-overhead", "max-autotune",
                           "max-autotune-no-cudagraphs"] = "default"
     """torch.compile's mode (with compile)."""
-    # -- compile check: is torch.compile paying? (sailfin/trainer/features/compile_check.py) --
+    # -- compile check: is torch.compile paying? (trainer/features/speed_checks.py) --
     compile_check: bool = True
     """With ``compile``: after warm-up, time a few compiled steps against the same number
     run eagerly (once, at fixed global steps) and warn when compiling does not pay."""

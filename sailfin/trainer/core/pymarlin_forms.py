@@ -1,18 +1,15 @@
 """PyMarlin's forms of a recipe's returns and callbacks, accepted and made exact.
 
-- ``train_step`` may return ``(loss, {name: scalar})`` (sailfin's stats, logged) or
-  PyMarlin's ``(loss, t1, t2, ...)``: the extra outputs of the step's last micro-batch
-  go to ``on_end_train_step(global_step, loss, t1, t2, ...)``.
-- ``val_step`` may return a dict or PyMarlin's tuple ``(t1, t2, ...)``; a tuple's
-  gathered columns go to ``on_end_val_epoch(global_step, *columns, key=name)`` by
-  position, as PyMarlin passed them: into ``*inputs`` or into named parameters
-  (``on_end_val_epoch(self, global_step, losses, logits, labels, key="default")``).
-- A 0-d tensor from ``val_step`` is that batch's mean: it is repeated once per sample of
-  the batch, so the epoch's mean of the column is the exact per-sample mean, whatever
-  the batch size, the short last batch and the world size.
-- Callbacks written with PyMarlin's shorter signatures (``on_end_train_step(self,
-  global_step, loss)``) get the arguments they take; the signature is read once, when
-  the loop is built, not at every step.
+- ``train_step`` may return ``(loss, {name: scalar})`` (stats, logged) or PyMarlin's
+  ``(loss, t1, t2, ...)``: the extras of the step's last micro-batch go to
+  ``on_end_train_step(global_step, loss, t1, t2, ...)``.
+- ``val_step`` may return a dict or PyMarlin's tuple, whose gathered columns go to
+  ``on_end_val_epoch(global_step, *columns, key=name)`` by position, as PyMarlin passed
+  them (into ``*inputs`` or named parameters).
+- A 0-d tensor from ``val_step`` is that batch's mean: repeated once per sample, so a
+  column's mean is the exact per-sample mean whatever the batch sizes and world size.
+- Callbacks with PyMarlin's shorter signatures get the arguments they take (the
+  signature is read once, when the loop is built).
 
 Example::
 

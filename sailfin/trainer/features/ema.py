@@ -1,11 +1,9 @@
 """``trainer.ema``: an exponential moving average of the weights, kept on their device.
 
-After every ``every_n_steps``-th optimizer step, ``ema = decay * ema + (1 - decay) * w``
-for each parameter, starting from the weights the run began with. The average
-is one fused lerp (``sailfin.compat.torch.lerp_all_``) over the module's parameters, whatever they are:
-plain tensors, parameters DDP keeps equal on every rank (so every rank's
-average is equal too, with no communication), or sharded parameters (each rank
-averages its own shard; ``clone`` and the foreach ops keep the tensor type).
+After every ``every_n_steps``-th optimizer step, ``ema = decay * ema + (1 - decay) * w``,
+starting from the weights the run began with: one fused lerp
+(``sailfin.compat.torch.lerp_all_``) whatever the parameters are (plain, DDP's, equal on
+every rank, or fsdp shards, each rank averaging its own).
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Model FLOPs of a training step, achieved TFLOP/s and model FLOPs utilisation (MFU).
 
-The FLOPs of one training step (forward and backward) are counted once, on the
-first step this process runs, with :class:`torch.utils.flop_counter.FlopCounterMode`
-around that step's micro-batches: the step itself runs as any other (the mode
-only counts), so the training result is unchanged. A recipe may give the count
-itself (an attribute or method ``flops_per_sample``: forward + backward FLOPs
-of one sample), e.g. ``6 * n_params * tokens`` for a transformer, or when
-``torch.compile`` hides the operators from the counter.
-
-Each train log line then carries ``tflops``: model TFLOP/s achieved per
-device (FLOPs per sample x samples/s / world size), and ``mfu``: that over the
-device's dense peak (``trainer.peak_tflops``, or :data:`PEAK_TFLOPS` for a
-known GPU). The counter counts what runs: with activation checkpointing that
-includes the recomputed forwards (a recipe's ``flops_per_sample`` avoids that).
+The FLOPs of one training step (forward and backward) are counted once, on the first
+step this process runs, under :class:`torch.utils.flop_counter.FlopCounterMode` (it only
+counts: the result is unchanged), unless the recipe gives ``flops_per_sample`` (an
+attribute or method: forward + backward FLOPs of one sample, e.g. ``6 * n_params *
+tokens``; needed under ``torch.compile``). Each train log line then carries ``tflops``
+per device and ``mfu``: that over the device's dense peak (``trainer.peak_tflops`` or
+:data:`PEAK_TFLOPS`). The counter counts what runs, recomputed forwards included.
 """
 
 from __future__ import annotations

@@ -15,14 +15,13 @@ from ...config.trainer import TrainerArguments
 from ...distributed import DistEnv
 from ...logging.writers import Writer, Writers, build_writers
 from ..core.callbacks import Callback
-from .bf16_check import bf16_cpu_check
-from .compile_check import CompileCheck
 from .early_stopping import EarlyStopping
 from .ema import WeightAverage
 from .flops import FirstStepFlops, FlopsMeter, build_flops_meter
 from .privacy import PrivacyCallback
 from .profiler import StepProfiler
 from .progress import Progress
+from .speed_checks import CompileCheck, bf16_cpu_check
 
 if TYPE_CHECKING:
     from ..core.view import RunView

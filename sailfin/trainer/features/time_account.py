@@ -1,25 +1,18 @@
 """The time account: where a run's wall time went, from its first start to its end,
 across every restart, and its goodput (the share that became kept training).
 
-Each start of the run (the first, a torchrun restart, a resume after a kill or a
-preemption) is a *segment* of ``<output_dir>/time_account.json``. A segment's
-seconds are split into components that sum to it:
+Each start of the run (the first, a torchrun restart, a resume) is a *segment* of
+``<output_dir>/time_account.json``, whose seconds split into components that sum to it:
+``productive`` (training of kept steps); ``replayed`` (training a restart threw away;
+after the account's last write, estimated from the steps ``metrics.jsonl`` logged);
+``startup`` (process start to the first step); ``restart_gap`` (the previous segment's
+last sign of life to this start); ``data_wait``, ``checkpoint`` and ``snapshot``
+(stalls), ``validation``, ``oom_retries`` (steps ``micro_batch_size: auto`` ran again);
+``other`` (the rest: the final weights, end-of-run work).
 
-- ``productive``: training of steps that were kept;
-- ``replayed``: training a restart threw away (the steps after the checkpoint it
-  resumed from, trained again since); the part after the account's last write
-  is estimated from the steps ``metrics.jsonl`` logged and the segment's step time;
-- ``startup``: process start (imports, build, loading the checkpoint, reaching
-  the data position) to the first step;
-- ``restart_gap``: the previous segment's last sign of life to this start;
-- ``data_wait``, ``checkpoint`` and ``snapshot`` (stalls), ``validation``,
-  ``oom_retries`` (steps ``micro_batch_size: auto`` ran again); ``other``: the rest
-  (writing the final weights, end-of-run work).
-
-``goodput = productive / wall``. Rank 0 keeps the account, on its own clock.
-Nothing runs per step: the account is updated and written at the boundaries
-that already exist (start, each checkpoint or snapshot, each epoch end, the
-end), and the data wait is sampled off the step (:class:`PhaseSampler`).
+``goodput = productive / wall``. Rank 0 keeps the account, on its own clock, at the
+boundaries that already exist (start, each save, each epoch end, the end): nothing runs
+per step, and the data wait is sampled off the step (:class:`PhaseSampler`).
 """
 
 from __future__ import annotations
@@ -48,9 +41,7 @@ _SNAPSHOT_WRITE = 1.0  # seconds between writes when snapshots come every step
 
 class TimeAccount(Callback):
     """Keeps ``<output_dir>/time_account.json`` and puts its totals in ``summary.json``.
-
-    The trainer builds one for every run (before resume, which trims
-    ``metrics.jsonl``: the steps a killed run logged tell how far it came).
+    The trainer builds one for every run, before the resume trims ``metrics.jsonl``.
 
     Example::
 

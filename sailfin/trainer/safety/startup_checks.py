@@ -1,14 +1,8 @@
-"""Checks that fail a run at its start rather than after an epoch.
-
-- :func:`check_schedulers_fit`: a scheduler built for a fixed number of steps
-  (``OneCycleLR``'s ``total_steps``) cannot run past them; a run extended with
-  more epochs or ``max_steps`` stops before its first step, naming it.
-- :func:`sanity_validate`: ``trainer.sanity_val_batches`` validation batches go
-  through ``val_step`` before the first training step, their outputs are
-  checked, and ``on_end_val_epoch`` runs on them (its signature is checked). It draws nothing from the training's random streams, so the run's
-  result is the same with or without it.
-- :func:`train_output_checker`: the first ``train_step`` return value is
-  checked once; the loop then unpacks returns without checking.
+"""Checks that fail a run at its start rather than after an epoch: a scheduler built for
+fewer steps than the run takes (:func:`check_schedulers_fit`), a few validation batches
+through ``val_step`` and ``on_end_val_epoch``'s signature (:func:`sanity_validate`,
+drawing nothing from the training's random streams), and the first ``train_step``
+return (:func:`train_output_checker`).
 
 Example::
 
