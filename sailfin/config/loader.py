@@ -27,8 +27,6 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-import yaml
-
 from .coerce import build_dataclass, coerce, field_types, parse_cli_value
 from .errors import ConfigError, short_repr, suggest, unknown_key
 from .strict_yaml import file_kind, load_yaml_file

@@ -3,13 +3,14 @@ report`` reads) and ``metrics.csv``."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
 import numbers
 import os
 import time
-from typing import Any, Optional
+from typing import Optional
 
 from .destination import check_directory, destination_error
 from .writers import Writer
@@ -73,24 +74,14 @@ class TextFileWriter(Writer):
     def _close_quietly(self) -> None:
         fh = getattr(self, "_fh", None)
         if fh is not None and not fh.closed:
-            try:
+            with contextlib.suppress(OSError):  # the flush already reported the failure
                 fh.close()
-            except OSError:
-                pass  # the flush already reported the failure
-
-
-def jsonable(value: Any) -> Any:
-    """JSON has no NaN or infinity: write them as null."""
-    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 class JsonlWriter(TextFileWriter):
-    """``metrics.jsonl``: one JSON object per event with step, epoch and split.
-
-    Each event reaches the operating system as it is logged (one write every
-    ``log_every_n_steps``), so a killed process loses none: a resumed run
-    reads from it how far the run had come. ``flush_seconds`` > 0 batches
-    writes instead. Non-finite floats are written as null (JSON has no NaN).
+    """``metrics.jsonl``: one JSON object per event with step, epoch and split. Each event
+    reaches the operating system as it is logged, so a killed process loses none (a
+    resumed run reads how far it had come); ``flush_seconds`` > 0 batches writes instead.
 
     Example::
 
@@ -103,8 +94,8 @@ class JsonlWriter(TextFileWriter):
 
     def log_metrics(self, metrics, step, epoch, split):
         record = {"step": step, "epoch": epoch, "split": split}
-        for k, v in metrics.items():
-            record[k] = jsonable(v)
+        for k, v in metrics.items():  # JSON has no NaN or infinity: null
+            record[k] = None if isinstance(v, float) and not math.isfinite(v) else v
         self._fh.write(json.dumps(record) + "\n")
         self._written()
 
@@ -113,15 +104,11 @@ COLUMNS = ("step", "epoch", "split", "name", "value")
 
 
 class CsvWriter(TextFileWriter):
-    """``metrics.csv`` with columns ``step, epoch, split, name, value``.
-
-    One row per value keeps the header fixed while the set of metrics changes
-    (training and validation log different names); a spreadsheet pivot or
-    ``pandas.read_csv(...).pivot_table(index="step", columns="name")`` turns it
-    wide. A validation set's name prefixes its metrics (``test/accuracy``) when
-    there are several. Non-numeric values are left out; non-finite ones are
-    written as ``nan``/``inf``. The header is written and flushed at start-up,
-    so an unwritable destination fails before training.
+    """``metrics.csv`` with columns ``step, epoch, split, name, value``: one row per value
+    keeps the header fixed while the metrics change (``pandas.read_csv(...).pivot_table(
+    index="step", columns="name")`` turns it wide). With several validation sets, the
+    set's name prefixes its metrics (``test/accuracy``). Non-numeric values are left out;
+    non-finite ones are written as ``nan``/``inf``.
 
     Example::
 

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 
-from .pymarlin_forms import loggable
 
 if TYPE_CHECKING:
     from .trainer import Loop
@@ -68,7 +67,7 @@ class TrainLog:
         metrics: dict[str, float] = {"loss": loss,
                                      "lr": trainer.optimizers[0].param_groups[0]["lr"]}
         metrics.update(stragglers)
-        if loggable(stats):
+        if isinstance(stats, Mapping):  # PyMarlin's extra outputs go to the callback
             metrics.update(reduce_stats(stats, backend, trainer.dist.is_distributed))
         if trainer.nonfinite.count:
             metrics["nonfinite_steps"] = trainer.nonfinite.count

@@ -1,9 +1,8 @@
 """The training loop. It owns the loop; the backend supplies each step's pieces.
 
-:class:`Loop` runs epochs and steps over pieces it is given: the composition root
-(:class:`sailfin.trainer.Trainer`, ``trainer/compose/``) builds them from the config
-(``setup``), runs the start-up checks and writes the run's outputs. The loop imports
-no feature: features follow it as callbacks and see it through
+:class:`Loop` runs epochs and steps over the pieces the composition root
+(:class:`sailfin.trainer.Trainer`, ``trainer/compose/``) builds from the config. It
+imports no feature: features follow it as callbacks and see it as a
 :class:`~sailfin.trainer.core.view.RunView`.
 """
 
@@ -35,11 +34,8 @@ from .view import StopSignal
 
 class Loop(Run):
     """The epochs, the steps and validation of a run: the run's pieces (a :class:`Run`'s
-    fields, which :meth:`attach` takes from the one ``setup`` built), its counters and
-    the loop over them.
-
-    Users construct :class:`sailfin.trainer.Trainer`, which adds the set-up, the
-    start-up checks and the run's outputs around this loop.
+    fields, which :meth:`attach` takes), its counters and the loop over them. Users
+    construct :class:`sailfin.trainer.Trainer`, which adds set-up, checks and outputs.
     """
 
     # The pieces (Run's fields, core/run.py) come from the composition root: attach().
@@ -85,8 +81,8 @@ class Loop(Run):
 
     @property
     def hparams(self) -> Optional[Mapping[str, Any]]:
-        """The hyper-parameters given to the trainer (what ``sailfin train`` passes: the
-        run's config); None: the writers log the trainer settings."""
+        """The hyper-parameters the writers log (``sailfin train``: the run's config);
+        None: the trainer settings."""
         return self._hparams
 
     # -- the epochs ---------------------------------------------------------------

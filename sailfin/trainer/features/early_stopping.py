@@ -16,12 +16,10 @@ if TYPE_CHECKING:
 
 
 class EarlyStopping(Callback):
-    """Counts validations without improvement; at ``patience`` it asks the trainer to stop.
-
-    The trainer then ends as at its last step: the end-of-run checkpoint, the final
-    weights and ``summary.json`` (whose ``stopped_early`` says why). The count and
-    the best value travel in checkpoints: a resumed run goes on counting, and a
-    run that had stopped stops again at once (raise ``patience`` to continue it).
+    """Counts validations without improvement; at ``patience`` it asks the trainer to stop
+    (the run then ends as at its last step; ``summary.json``'s ``stopped_early`` says
+    why). The count and the best value travel in checkpoints: a resumed run goes on
+    counting, and one that had stopped stops again at once (raise ``patience``).
 
     Example::
 

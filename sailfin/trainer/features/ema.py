@@ -69,16 +69,15 @@ class WeightAverage(Callback):
         if trainer.global_step % self.every == 0:
             self.update()
 
-    def current_decay(self) -> float:
-        if not self.args.warmup:
-            return self.decay
-        return min(self.decay, (1 + self.updates) / (10 + self.updates))
-
     @torch.no_grad()
     def update(self) -> None:
-        """ema += (1 - decay) * (w - ema): one fused op over every parameter."""
+        """ema += (1 - decay) * (w - ema): one fused op over every parameter (with warm-up,
+        the n-th update's decay is min(decay, (1 + n) / (10 + n)))."""
+        decay = self.decay
+        if self.args.warmup:
+            decay = min(decay, (1 + self.updates) / (10 + self.updates))
         if self._lerp_shadow:
-            lerp_all_(self._lerp_shadow, self._lerp_params, 1.0 - self.current_decay())
+            lerp_all_(self._lerp_shadow, self._lerp_params, 1.0 - decay)
         self.updates += 1
 
     # -- using the averaged weights --------------------------------------------------

@@ -65,14 +65,6 @@ def device_peak_tflops(device: Any, precision: str) -> Optional[float]:
     return None
 
 
-def recipe_flops_per_sample(module: Any) -> Optional[float]:
-    """The recipe's own ``flops_per_sample`` (a number or a method), if it has one."""
-    given = getattr(module, "flops_per_sample", None)
-    if callable(given):
-        given = given()
-    return None if given is None else float(given)
-
-
 class FlopsMeter:
     """Counts the first step's FLOPs (unless the recipe gave them) and turns the
     trainer's samples/s into ``tflops`` and ``mfu``.
@@ -132,7 +124,10 @@ def build_flops_meter(module: Any, args: Any, world_size: int, device: Any,
                       precision: str, compiled: bool,
                       say: Callable[[str], None] = say) -> FlopsMeter:
     """The meter ``trainer.count_flops`` and ``trainer.peak_tflops`` ask for."""
-    given = recipe_flops_per_sample(module)
+    given = getattr(module, "flops_per_sample", None)  # the recipe's: a number or a method
+    if callable(given):
+        given = given()
+    given = None if given is None else float(given)
     peak = args.peak_tflops or device_peak_tflops(device, precision)
     count = args.count_flops and given is None
     if count and compiled:

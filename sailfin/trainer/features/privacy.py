@@ -16,13 +16,11 @@ if TYPE_CHECKING:
 
 
 class PrivacyCallback(Callback):
-    """Before the first step: has the backend choose this run's noise for the steps it
-    may still take (``target_epsilon`` is a bound across resumes) and finds the step
-    after which ``trainer.dp.max_epsilon`` would be passed. Each step then costs an index
-    into a table and a comparison: epsilon at ``delta`` is logged every
-    ``log_every_n_steps``, the run stops before a step would pass ``max_epsilon``, and
-    ``privacy`` goes into summary.json. The accountant itself is backend state (in every
-    checkpoint).
+    """Before the first step, has the backend choose this run's noise for the steps it may
+    still take (``target_epsilon`` bounds the whole run, across resumes) and finds the
+    step after which ``trainer.dp.max_epsilon`` would be passed. Then epsilon is logged
+    every ``log_every_n_steps``, the run stops before passing ``max_epsilon``, and
+    ``privacy`` goes into summary.json (the accountant itself is backend state).
 
     Example (the trainer adds it for a ``*-dp`` backend)::
 

@@ -79,11 +79,9 @@ def mebibytes(n: Optional[int]) -> str:
 class Progress(Writer, Callback):
     """Step, epoch, loss, learning rate, samples/s (moving and run average), ETA.
 
-    ``mode``: ``bar`` (tqdm, redrawn in place on stderr), ``lines`` (a plain
-    line on stdout every ``interval`` seconds, for logs and CI), or ``auto``
-    (bar when stderr is a terminal). The trainer builds one on rank 0 from
-    ``trainer.progress``; pass one yourself with ``progress: none`` to change
-    its streams.
+    ``mode``: ``bar`` (tqdm on stderr), ``lines`` (a plain line on stdout every
+    ``interval`` seconds, for logs and CI), or ``auto`` (bar when stderr is a terminal).
+    The trainer builds one on rank 0 from ``trainer.progress``.
 
     Example::
 

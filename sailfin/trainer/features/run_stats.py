@@ -22,11 +22,8 @@ def flat_metrics(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 
 class RunStats(Callback):
     """Follows validation to keep the best value of one metric and the step it came at.
-
-    ``metric`` is a validation metric name (``accuracy``; ``test/accuracy`` when
-    there are several validation sets; ``val/accuracy`` also matches a single
-    set named ``val``). With ``metric=None`` it follows ``loss`` (mode ``min``)
-    if validation reports one, else nothing.
+    ``metric`` as :func:`flat_metrics` names it; ``None``: ``loss`` (mode ``min``) if
+    validation reports one, else nothing.
 
     Example::
 
