@@ -106,7 +106,7 @@ class MlflowWriter(Writer):
 
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:
         # Sent now, in this thread: a store that refuses them fails before training.
-        params = [Param(str(k)[:250], _param_text(v)) for k, v in hparams.items()]
+        params = [Param(str(k)[:250], str(v)[:_MAX_PARAM_CHARS]) for k, v in hparams.items()]
         for i in range(0, len(params), _MAX_PARAMS_PER_BATCH):
             self._send([], params[i:i + _MAX_PARAMS_PER_BATCH])
 
@@ -166,7 +166,3 @@ class MlflowWriter(Writer):
         if self._error is not None and not self._reported:
             self._reported = True  # once: the run goes on without MLflow after that
             raise self._error
-
-
-def _param_text(value: Any) -> str:
-    return str(value)[:_MAX_PARAM_CHARS]
