@@ -1,8 +1,6 @@
-"""Typed conversion of YAML values and command-line strings into dataclass fields.
-
-Only the types the schema uses are supported: bool, int, float, str, Optional[T],
-list[T], Literal[...], nested dataclasses and plain dicts. Anything else is a
-programming error in the schema, reported as such.
+"""Typed conversion of YAML values and command-line strings into dataclass fields: bool,
+int, float, str, Optional[T], list[T], Literal[...], nested dataclasses and plain dicts
+(anything else in the schema is a programming error, reported as such).
 """
 
 from __future__ import annotations

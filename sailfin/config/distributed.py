@@ -13,11 +13,9 @@ Launcher = Literal["auto", "torchrun", "slurm", "mpi", "manual", "none"]
 
 @dataclass
 class DistArguments:
-    """Rank discovery and process-group settings.
-
-    ``launcher: auto`` reads torchrun's, SLURM's or an MPI launcher's variables;
-    ``manual`` takes ``rank``, ``world_size``, ``master_addr`` and
-    ``master_port`` from here (for launchers sailfin does not know).
+    """Rank discovery and process-group settings. ``launcher: auto`` reads torchrun's,
+    SLURM's or an MPI launcher's variables; ``manual`` takes ``rank``, ``world_size``,
+    ``master_addr`` and ``master_port`` from here.
 
     Example::
 

@@ -10,11 +10,10 @@ from .errors import ConfigError, short_repr
 
 @dataclass
 class FSDPArguments:
-    """Which submodules become FSDP units, and how they hold their parameters.
-
-    A unit's parameters are gathered just before its forward (and backward)
-    and freed again after: the fewer parameters per unit, the lower the peak
-    memory; the more units, the more (smaller) collectives.
+    """Which submodules become FSDP units, and how they hold their parameters: a unit's
+    parameters are gathered just before its forward (and backward) and freed after, so
+    fewer parameters per unit lower the peak memory and more units mean more, smaller
+    collectives.
 
     Example::
 

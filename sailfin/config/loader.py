@@ -8,6 +8,12 @@ A run config has three sections::
 
 Overrides are ``--trainer.backend sp-amp`` or ``--trainer.backend=sp-amp``; their
 types come from the schema, or for ``init_args`` from the class's signature.
+
+A top-level ``extends:`` names a YAML file, or a list of them, each relative to the file
+that names it. The bases are merged first, in order, then the file itself, then the
+overrides: mappings merge key by key at every depth; anything else (a number, a string,
+a list, ``null``) replaces the earlier value whole. A base may extend others in turn; a
+cycle, or a base that does not exist, is an error naming the files.
 """
 
 from __future__ import annotations
@@ -16,20 +22,17 @@ import dataclasses
 import importlib
 import inspect
 import os
+import stat
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-import yaml
-
 from .coerce import build_dataclass, coerce, field_types, parse_cli_value
 from .errors import ConfigError, short_repr, suggest, unknown_key
-from .extends import resolve_extends
-from .strict_yaml import load_yaml_file
+from .strict_yaml import file_kind, load_yaml_file
 from .trainer import TrainerArguments
 
 SECTIONS = ("data", "module", "trainer")
-COMPONENT_KEYS = ("class_path", "init_args")
 
 
 @dataclass
@@ -169,12 +172,65 @@ def load_config(path: Optional[str | os.PathLike] = None,
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {path} must hold a mapping with sections "
                               f"{', '.join(SECTIONS)}; got {type(raw).__name__}")
-        raw = resolve_extends(raw, path)  # base files first (config/extends.py)
+        if EXTENDS in raw:  # base files first
+            here = os.path.realpath(os.fspath(path))
+            raw = _resolve_extends(raw, here, [here])
     pairs = parse_overrides(overrides)
     for key, text in pairs:
         _replace_per_device_batch(raw, key, [k for k, _ in pairs])
         apply_override(raw, key, text)
     return from_dict(raw)
+
+
+EXTENDS = "extends"
+
+
+def _resolve_extends(raw: dict, here: str, chain: list[str]) -> dict:
+    bases = _base_paths(raw.get(EXTENDS), here)
+    merged: dict = {}
+    for base in bases:
+        if base in chain:
+            loop = " -> ".join(chain[chain.index(base):] + [base])
+            raise ConfigError(f"config files extend each other in a cycle: {loop}; "
+                              f"remove one 'extends:'")
+        if not os.path.exists(base):
+            raise ConfigError(f"config file {base} (in 'extends:' of {here}) not found; "
+                              f"paths are relative to the file that names them")
+        mode = os.stat(base).st_mode
+        if not stat.S_ISREG(mode):  # a FIFO would wait for a writer, /dev/zero never ends
+            what = "a directory" if stat.S_ISDIR(mode) else file_kind(mode)
+            raise ConfigError(f"config file {base} (in 'extends:' of {here}) is {what}, not "
+                              "a regular file; name a YAML file")
+        content = load_yaml_file(base) or {}  # the same checks as the file named
+        if not isinstance(content, dict):
+            raise ConfigError(f"config file {base} must hold a mapping; "
+                              f"got {type(content).__name__}")
+        if EXTENDS in content:
+            content = _resolve_extends(content, base, chain + [base])
+        merged = merge(merged, content)
+    own = {k: v for k, v in raw.items() if k != EXTENDS}
+    return merge(merged, own)
+
+
+def _base_paths(value: Any, here: str) -> list[str]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items or not all(
+            isinstance(v, str) and v.strip() for v in items):
+        raise ConfigError(f"'extends:' in {here} must be a file path or a list of them, "
+                          f"got {short_repr(value)}")
+    folder = os.path.dirname(here)
+    return [os.path.realpath(os.path.join(folder, os.path.expanduser(v))) for v in items]
+
+
+def merge(base: dict, over: dict) -> dict:
+    """``over`` on top of ``base``: mappings merge at every depth; other values replace."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 # One setting in two spellings: the exact micro batch, or PyMarlin's ceiling.

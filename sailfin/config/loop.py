@@ -11,11 +11,9 @@ from .errors import ConfigError, short_repr
 
 @dataclass
 class EarlyStoppingArguments:
-    """Stop training after ``patience`` validations in a row without improvement.
-
-    Off while ``metric`` is null. A validation improves when the metric beats
-    the best so far by more than ``min_delta`` (below it for ``mode: min``,
-    above it for ``max``).
+    """Stop training after ``patience`` validations in a row without improvement (off
+    while ``metric`` is null): an improvement beats the best so far by more than
+    ``min_delta`` (below it for ``mode: min``, above it for ``max``).
 
     Example::
 
@@ -53,12 +51,8 @@ class EarlyStoppingArguments:
 
 @dataclass
 class EmaArguments:
-    """An exponential moving average of the weights, kept beside them.
-
-    Off while ``decay`` is null. Every ``every_n_steps`` optimizer steps,
-    ``ema = decay * ema + (1 - decay) * weights``, starting from the initial
-    weights. ``warmup: true`` uses ``min(decay, (1 + n) / (10 + n))`` for the
-    n-th update, so that the average forgets the initial weights sooner.
+    """An exponential moving average of the weights, kept beside them (off while
+    ``decay`` is null).
 
     Example::
 

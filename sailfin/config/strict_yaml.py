@@ -1,9 +1,6 @@
-"""Reading a config file strictly: UTF-8 text, safe YAML tags only, no key given twice.
-
-PyYAML's ``safe_load`` keeps the last of two equal keys in a mapping without a
-word, so a config that sets ``lr`` twice trains with whichever came last. Here
-that is an error naming the key and both lines. A byte that is not UTF-8 is an
-error naming the file, line and byte offset, not a ``UnicodeDecodeError``.
+"""Reading a config file strictly: UTF-8 text, safe YAML tags only, no key given twice
+(PyYAML's ``safe_load`` silently keeps the last of two equal keys), bounded size,
+nesting and alias expansion; every error names the file, and the line where known.
 """
 
 from __future__ import annotations

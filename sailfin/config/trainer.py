@@ -7,11 +7,12 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Union, get_args, get_type_hints
 
 from .checkpoint import CheckpointArguments, check_resume
+from .coerce import build_dataclass
 from .distributed import DistArguments
 from .dp import DPArguments, is_private
-from .loop import EarlyStoppingArguments, EmaArguments
-from .errors import ConfigError, short_repr
+from .errors import ConfigError, short_repr, suggest
 from .fsdp import FSDPArguments
+from .loop import EarlyStoppingArguments, EmaArguments
 
 WRITERS = ("stdout", "jsonl", "csv", "tensorboard", "mlflow")
 
@@ -73,7 +74,7 @@ class TrainerArguments:
     compile_mode: Literal["default", "reduce-overhead", "max-autotune",
                           "max-autotune-no-cudagraphs"] = "default"
     """torch.compile's mode (with compile)."""
-    # -- compile check: is torch.compile paying? (sailfin/trainer/features/compile_check.py) --
+    # -- compile check: is torch.compile paying? (trainer/features/speed_checks.py) --
     compile_check: bool = True
     """With ``compile``: after warm-up, time a few compiled steps against the same number
     run eagerly (once, at fixed global steps) and warn when compiling does not pay."""
@@ -194,28 +195,26 @@ class TrainerArguments:
         if self.init_from is not None and not self.init_from.strip():
             raise ConfigError("trainer.init_from is empty; give a checkpoint directory or a "
                               ".safetensors file, or null")
-        if isinstance(self.checkpoint, dict):  # TrainerArguments(checkpoint={...}) from Python
-            from .coerce import build_dataclass
-            self.checkpoint = build_dataclass(CheckpointArguments, self.checkpoint,
-                                              prefix="trainer.checkpoint.")
+        # TrainerArguments(checkpoint={...}) from Python: each section from its dict.
+        for name, cls in (("checkpoint", CheckpointArguments), ("fsdp", FSDPArguments),
+                          ("dp", DPArguments), ("early_stopping", EarlyStoppingArguments),
+                          ("ema", EmaArguments)):
+            if isinstance(getattr(self, name), dict):
+                setattr(self, name, build_dataclass(cls, getattr(self, name),
+                                                    prefix=f"trainer.{name}."))
         self._check_loop_features()
-        if isinstance(self.fsdp, dict):  # TrainerArguments(fsdp={...}) from Python
-            from .coerce import build_dataclass
-            self.fsdp = build_dataclass(FSDPArguments, self.fsdp, prefix="trainer.fsdp.")
         self._check_dp()
         hints = get_type_hints(type(self))
         for name in ("amp_dtype", "compile_mode", "on_nonfinite",
                      "resume_config"):  # also when built in Python
             allowed = get_args(hints[name])
             if getattr(self, name) not in allowed:
-                from .errors import suggest
                 value = str(getattr(self, name))
                 raise ConfigError(f"trainer.{name} is {short_repr(value)}"
                                   f"{suggest(value, allowed)}; "
                                   f"expected one of: {', '.join(allowed)}")
         for i, name in enumerate(self.writers):
             if name not in WRITERS:
-                from .errors import suggest
                 raise ConfigError(
                     f"trainer.writers[{i}] is '{name}'{suggest(name, WRITERS)}; "
                     f"available writers: {', '.join(WRITERS)}")
@@ -232,9 +231,6 @@ class TrainerArguments:
 
     def _check_dp(self) -> None:
         """trainer.dp against the backend and the settings DP-SGD cannot honour."""
-        if isinstance(self.dp, dict):  # TrainerArguments(dp={...}) from Python
-            from .coerce import build_dataclass
-            self.dp = build_dataclass(DPArguments, self.dp, prefix="trainer.dp.")
         self.dp.check_for(self.backend)
         if not is_private(self.backend):
             return
@@ -252,16 +248,10 @@ class TrainerArguments:
                                   f"{self.backend}: {why}")
 
     def _check_loop_features(self) -> None:
-        """val_every_n_steps, early_stopping, ema, peak_tflops."""
-        from .coerce import build_dataclass
+        """val_every_n_steps, early_stopping, peak_tflops."""
         if self.val_every_n_steps is not None and self.val_every_n_steps < 1:
             raise ConfigError(f"trainer.val_every_n_steps must be >= 1 or null, "
                               f"got {self.val_every_n_steps}")
-        if isinstance(self.early_stopping, dict):  # from Python: TrainerArguments(ema={...})
-            self.early_stopping = build_dataclass(EarlyStoppingArguments, self.early_stopping,
-                                                  prefix="trainer.early_stopping.")
-        if isinstance(self.ema, dict):
-            self.ema = build_dataclass(EmaArguments, self.ema, prefix="trainer.ema.")
         if self.peak_tflops is not None and not 0 < self.peak_tflops < math.inf:
             raise ConfigError(f"trainer.peak_tflops must be > 0 (dense TFLOP/s of one device) "
                               f"or null, got {self.peak_tflops}")

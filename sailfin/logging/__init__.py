@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .csv_writer import CsvWriter
-from .jsonl import JsonlWriter
+from .files import CsvWriter, JsonlWriter
 from .stdout import StdoutWriter
 from .writers import Writer, WriterError, Writers, build_writers, writer_class
 

@@ -28,28 +28,19 @@ _MAX_PARAM_CHARS = 6000
 CLOSE_TIMEOUT_SECONDS = 300.0
 
 
-def default_tracking_uri(output_dir: str) -> str:
-    """``MLFLOW_TRACKING_URI`` if set, else a SQLite store in the output directory."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or (
-        "sqlite:///" + os.path.abspath(os.path.join(output_dir, "mlflow.db")))
-
-
 class MlflowWriter(Writer):
     """One MLflow run per training run: trainer settings as params, metrics by step.
 
     The store is ``tracking_uri``, else ``MLFLOW_TRACKING_URI``, else
-    ``sqlite:///<output_dir>/mlflow.db`` (MLflow's plain-file store is frozen
-    upstream; SQLite is its supported local store). Metrics are named
-    ``<split>/<name>`` like TensorBoard's tags, buffered, and handed every
-    ``flush_seconds`` (and at each validation) to a background thread that
-    sends them: a store write takes about a third of a millisecond per value,
-    which a training step must not wait for. ``close`` waits until everything
-    is sent; a failed send is raised by the next call, naming the store.
+    ``sqlite:///<output_dir>/mlflow.db`` (SQLite: MLflow's supported local store).
+    Metrics are named ``<split>/<name>`` like TensorBoard's tags, buffered, and handed
+    every ``flush_seconds`` to a background thread that sends them: a store write takes
+    about a third of a millisecond per value, which a step must not wait for. ``close``
+    waits until everything is sent; a failed send is raised by the next call.
 
     Example::
 
         w = MlflowWriter("outputs/run1")            # -> outputs/run1/mlflow.db
-        w.log_hparams({"trainer.epochs": 3})
         w.log_metrics({"loss": 0.5}, step=10, epoch=0, split="train")
         w.close()   # then: mlflow ui --backend-store-uri sqlite:///outputs/run1/mlflow.db
     """
@@ -59,7 +50,8 @@ class MlflowWriter(Writer):
     def __init__(self, output_dir: str, tracking_uri: Optional[str] = None,
                  experiment: str = "sailfin", run_name: Optional[str] = None,
                  flush_seconds: float = 10.0) -> None:
-        self.tracking_uri = tracking_uri or default_tracking_uri(output_dir)
+        self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or (
+            "sqlite:///" + os.path.abspath(os.path.join(output_dir, "mlflow.db")))
         self.flush_seconds = flush_seconds
         self._pending: list[Metric] = []
         self._last_flush = time.monotonic()
@@ -114,7 +106,7 @@ class MlflowWriter(Writer):
 
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:
         # Sent now, in this thread: a store that refuses them fails before training.
-        params = [Param(str(k)[:250], _param_text(v)) for k, v in hparams.items()]
+        params = [Param(str(k)[:250], str(v)[:_MAX_PARAM_CHARS]) for k, v in hparams.items()]
         for i in range(0, len(params), _MAX_PARAMS_PER_BATCH):
             self._send([], params[i:i + _MAX_PARAMS_PER_BATCH])
 
@@ -174,7 +166,3 @@ class MlflowWriter(Writer):
         if self._error is not None and not self._reported:
             self._reported = True  # once: the run goes on without MLflow after that
             raise self._error
-
-
-def _param_text(value: Any) -> str:
-    return str(value)[:_MAX_PARAM_CHARS]

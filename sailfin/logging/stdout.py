@@ -38,14 +38,10 @@ def _shown(key: str, value: Any) -> str:
 class StdoutWriter(Writer):
     """One readable line per event: ``[train] epoch 1 step 20 | loss 0.4321 | ...``.
 
-    Epochs are counted from 1 here, as the progress bar counts them (``epoch 15`` is
-    the bar's ``epoch 15/15``); metrics.jsonl and the other writers keep the 0-based
-    epoch index. Model FLOP/s read as ``149 MFLOP/s``, as on the bar.
-
-    Validation lines are flushed at once; training lines at most once a second
-    (a flush is a system call, and a log file or pipe does not need every line
-    the moment it is written). ``stream`` is a file, or a function returning
-    one (looked up at each write, so a progress bar can print above itself).
+    Epochs are counted from 1 here, as on the progress bar (metrics.jsonl keeps the
+    0-based index). Validation lines are flushed at once, training lines at most once a
+    second (a flush is a system call). ``stream`` is a file, or a function returning one
+    (looked up at each write, so a progress bar can print above itself).
 
     Example::
 

@@ -18,13 +18,10 @@ from .writers import Writer
 
 
 class TensorBoardWriter(Writer):
-    """Event files under ``log_dir`` (``<output_dir>/tensorboard``).
-
-    Scalars are tagged ``<split>/<name>`` (``train/loss``, ``val/accuracy``;
-    ``val/<dataset>/<name>`` with several validation sets); hyper-parameters go
-    to TensorBoard's HParams tab. TensorBoard's own writer queues events and
-    writes them from a background thread, flushed every ``flush_seconds`` and
-    at close, so a step never waits for the disk.
+    """Event files under ``log_dir`` (``<output_dir>/tensorboard``): scalars tagged
+    ``<split>/<name>`` (``val/<dataset>/<name>`` with several validation sets),
+    hyper-parameters in the HParams tab. TensorBoard's writer queues events and writes
+    them from its own thread, so a step never waits for the disk.
 
     Example::
 

@@ -1,10 +1,7 @@
-"""Writers: where logged metrics go. A base that does nothing, a list that
-forwards to each, and :func:`build_writers`, which makes the ones a config names.
-
-Only rank 0 builds writers. Each checks its destination when it is built, so
-a bad path, a read-only directory or a full disk fails before training starts,
-not hours in. Heavy back ends (TensorBoard, MLflow) are imported only when
-chosen.
+"""Writers: where logged metrics go. A base that does nothing, a list that forwards to
+each, and :func:`build_writers`, which makes the ones a config names (rank 0 only). Each
+checks its destination when built, so a bad path or a full disk fails before training;
+heavy back ends (TensorBoard, MLflow) are imported only when chosen.
 """
 
 from __future__ import annotations
@@ -86,13 +83,15 @@ class Writers(Writer):
             raise error
 
 
-# name -> (module, factory name, pip extra or None). Modules are imported when chosen.
-WRITER_MODULES: dict[str, tuple[str, str, Optional[str]]] = {
-    "stdout": ("sailfin.logging.stdout", "StdoutWriter", None),
-    "jsonl": ("sailfin.logging.jsonl", "JsonlWriter", None),
-    "csv": ("sailfin.logging.csv_writer", "CsvWriter", None),
-    "tensorboard": ("sailfin.logging.tensorboard_writer", "TensorBoardWriter", "tensorboard"),
-    "mlflow": ("sailfin.logging.mlflow_writer", "MlflowWriter", "mlflow"),
+# name -> (module, factory name, pip extra or None, where in output_dir). Modules are
+# imported when chosen.
+WRITER_MODULES: dict[str, tuple[str, str, Optional[str], str]] = {
+    "stdout": ("sailfin.logging.stdout", "StdoutWriter", None, ""),
+    "jsonl": ("sailfin.logging.files", "JsonlWriter", None, "metrics.jsonl"),
+    "csv": ("sailfin.logging.files", "CsvWriter", None, "metrics.csv"),
+    "tensorboard": ("sailfin.logging.tensorboard_writer", "TensorBoardWriter", "tensorboard",
+                    "tensorboard"),
+    "mlflow": ("sailfin.logging.mlflow_writer", "MlflowWriter", "mlflow", ""),
 }
 
 
@@ -101,11 +100,9 @@ def build_writers(names: Iterable[str], output_dir: str, *,
                   run_name: Optional[str] = None,
                   mlflow_tracking_uri: Optional[str] = None,
                   mlflow_experiment: str = "sailfin") -> Writers:
-    """The writers named in ``trainer.writers``.
-
-    ``stdout`` returns the stream the stdout writer prints to (a progress bar
-    passes one that prints above the bar). Writers already built are closed
-    if a later one fails.
+    """The writers named in ``trainer.writers``. ``stdout`` returns the stream the stdout
+    writer prints to (a progress bar passes one that prints above the bar). Writers
+    already built are closed if a later one fails.
 
     Example::
 
@@ -120,15 +117,11 @@ def build_writers(names: Iterable[str], output_dir: str, *,
             cls = writer_class(name)
             if name == "stdout":
                 built.append(cls(stream=stdout))
-            elif name == "jsonl":
-                built.append(cls(os.path.join(output_dir, "metrics.jsonl")))
-            elif name == "csv":
-                built.append(cls(os.path.join(output_dir, "metrics.csv")))
-            elif name == "tensorboard":
-                built.append(cls(os.path.join(output_dir, "tensorboard")))
-            else:
+            elif name == "mlflow":
                 built.append(cls(output_dir, tracking_uri=mlflow_tracking_uri,
                                  experiment=mlflow_experiment, run_name=run_name))
+            else:
+                built.append(cls(os.path.join(output_dir, WRITER_MODULES[name][3])))
     except BaseException:
         Writers(built).close()
         raise
@@ -137,7 +130,7 @@ def build_writers(names: Iterable[str], output_dir: str, *,
 
 def writer_class(name: str) -> type:
     """Import the module of writer ``name``; a missing extra names what to install."""
-    module_name, attr, extra = WRITER_MODULES[name]
+    module_name, attr, extra, _ = WRITER_MODULES[name]
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

@@ -5,8 +5,8 @@ import logging
 import torch
 
 from sailfin import Trainer
-from sailfin.trainer.features import bf16_check
-from sailfin.trainer.features.bf16_check import Bf16CpuCheck, native_bf16
+from sailfin.trainer.features import speed_checks as bf16_check
+from sailfin.trainer.features.speed_checks import Bf16CpuCheck, native_bf16
 from tests.recipes import IdData, LinearRecipe, args
 
 

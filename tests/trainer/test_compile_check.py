@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from sailfin import Trainer
-from sailfin.trainer.features.compile_check import CompileCheck, compile_verdict
-from sailfin.trainer.features.observe import build_observers
+from sailfin.trainer.features.speed_checks import CompileCheck, compile_verdict
+from sailfin.trainer.features.loop_features import build_observers
 from sailfin.distributed import DistEnv
 from tests.recipes import IdData, LinearRecipe, args
 
@@ -94,7 +94,7 @@ def test_short_runs_and_compile_off_say_nothing():
 
 
 def test_eager_stance_restores_the_previous_one():
-    from sailfin.trainer.features.compile_check import EagerStance
+    from sailfin.trainer.features.speed_checks import EagerStance
     from torch._dynamo import eval_frame
 
     before = eval_frame._stance.stance
@@ -110,8 +110,8 @@ def test_trainer_with_compile_runs_the_check(tmp_path, monkeypatch, caplog):
 
     monkeypatch.setattr(strategy_module, "compile_in_place",
                         lambda runner, mode: runner.compile(backend="aot_eager"))
-    monkeypatch.setattr("sailfin.trainer.features.compile_check.WARMUP_STEPS", 2)
-    monkeypatch.setattr("sailfin.trainer.features.compile_check.WINDOW_STEPS", 2)
+    monkeypatch.setattr("sailfin.trainer.features.speed_checks.WARMUP_STEPS", 2)
+    monkeypatch.setattr("sailfin.trainer.features.speed_checks.WINDOW_STEPS", 2)
     module = LinearRecipe(IdData(100, 0))
     trainer = Trainer(module, args(tmp_path, train_batch_size=10, compile=True, device="cpu"))
     with caplog.at_level(logging.INFO, logger="sailfin"):

@@ -236,7 +236,7 @@ def test_flops_of_a_known_mlp(tmp_path):
 
 def test_the_flops_counter_leaves_the_loop_after_the_first_step(tmp_path):
     """Counted once, the callback is removed: no per-step call for the rest of the run."""
-    from sailfin.trainer.features.flops_count import FirstStepFlops
+    from sailfin.trainer.features.flops import FirstStepFlops
 
     calls = []
 

@@ -11,7 +11,7 @@ from sailfin.checkpoint import CheckpointError
 from sailfin.config import ConfigError, TrainerArguments
 from sailfin.distributed import DistEnv
 from sailfin.logging import Writer
-from sailfin.trainer.features.observe import build_observers
+from sailfin.trainer.features.loop_features import build_observers
 from tests.recipes import IdData, LinearRecipe, args
 
 

@@ -9,7 +9,7 @@ import torch
 from sailfin import Callback, Trainer
 from sailfin.checkpoint.time_account_file import COMPONENTS
 from sailfin.logging import Writer
-from sailfin.logging.jsonl import JsonlWriter
+from sailfin.logging.files import JsonlWriter
 from sailfin.trainer.compose import setup
 from tests.checkpoint.helpers import SlowLinear
 from tests.recipes import IdData, args

@@ -5,11 +5,13 @@ the writers (:func:`start_run`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Sequence
+import os
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ...checkpoint import build_checkpointer
 from ...data.plan import BatchPlan
-from ...interfaces import RecipeError
+from ...distributed.watchdog import DATA, build_watchdog
+from ...interfaces import ModuleInterface, RecipeError
 from ...logging.destination import check_directory
 from ...utils.seed import seed_everything
 from ...utils.voice import say
@@ -19,13 +21,11 @@ from ..checkpointing.resume import resume
 from ..checkpointing.saver import checkpoint_callback, checkpoint_callbacks
 from ..features.autobatch import auto_micro_batch
 from ..features.loop_features import build_loop_features
-from ..features.observe import build_observers
+from ..features.loop_features import build_observers
 from ..features.run_stats import RunStats
 from ..features.time_account import TimeAccount
-from .watchdog import start_watchdog
 from ..safety.nonfinite import NonFiniteGuard
 from ..core.callbacks import Callback
-from ..core.hooks import as_list, overridden
 from ..core.run import Run
 from ..core.loaders import build_train_loader, build_val_loaders, dataset_set_epoch
 from ..core.pymarlin_forms import train_step_end_caller, val_epoch_end_caller
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 # The callbacks in the order the loop calls them, by the piece that gives them; each
 # piece's place and why. ``build_run`` fills them (in_order); nothing else orders them.
 CALLBACK_ORDER = (
-    "given",             # Trainer(callbacks=...), then the recipe's own (recipe_callbacks)
+    "given",             # Trainer(callbacks=...), then the recipe's configure_callbacks()
     "features",          # EMA, step validation, early stopping: before the saver, which
     #                      saves their state
     "run_stats",         # the best metric so far: stateful, so before the saver too
@@ -76,7 +76,7 @@ def build_run(trainer: "Trainer") -> Run:
     train_loader, train_sampler = build_train_loader(module, plan, dist, args)
     steps_per_epoch = plan.steps_in_epoch(train_sampler.num_samples)
     optimizers, schedulers = module.get_optimizers_schedulers(steps_per_epoch, args.epochs)
-    optimizers, schedulers = as_list(optimizers, "optimizers"), as_list(schedulers, "schedulers")
+    optimizers, schedulers = as_list(optimizers), as_list(schedulers)
     if not optimizers:
         raise RecipeError("get_optimizers_schedulers returned no optimizer: return "
                           "([optimizer, ...], [scheduler, ...]) (the schedulers may be [])")
@@ -128,6 +128,20 @@ def build_run(trainer: "Trainer") -> Run:
         dataset_epoch_hook=dataset_set_epoch(train_loader))
 
 
+def as_list(value: Any) -> list:
+    """None -> [], a list or tuple -> a list, one object -> a list of it."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def overridden(module: ModuleInterface, name: str) -> Any:
+    """The module's callback if the recipe overrides it, else None (skip the call)."""
+    if getattr(type(module), name, None) is getattr(ModuleInterface, name):
+        return None
+    return getattr(module, name)
+
+
 def start_run(trainer: "Trainer") -> None:
     """Put ``trainer``'s run (attached) where its checkpoint left it, as
     ``trainer.resume`` says; then open the writers (called once, by :meth:`Trainer.setup`)."""
@@ -143,3 +157,32 @@ def start_run(trainer: "Trainer") -> None:
                                 trainer.callbacks)
     trainer.writers = observers.writers
     trainer.callbacks = [*trainer.callbacks, *observers.callbacks]  # CALLBACK_ORDER's last
+
+
+def start_watchdog(trainer: "Trainer", in_setup: bool = False) -> None:
+    """Start ``trainer.watchdog`` as ``trainer.distributed.hang_seconds`` asks (once).
+
+    Set-up has collectives of its own (the model's broadcast, the resume's agreement,
+    the start-up checks' batches), and a rank stopped there leaves the others waiting as
+    surely as one stopped in a step: so the watchdog starts as the group is joined
+    (``in_setup``), in phase ``starting``. A single process has no partner to wait for
+    in set-up: its watchdog starts with the first step instead. Called again as training
+    begins, it publishes the rank's record at once."""
+    if trainer.watchdog is None and not (in_setup and trainer.dist.world_size == 1):
+        args = trainer.args
+        # A hang ends this process (exit 75) or raises HangDetected in it:
+        # trainer.end_process_on_hang when set (the sailfin command sets True), else only
+        # in a worker torchrun started (it restarts the job); a notebook or test that
+        # trains in-process is never ended by the library.
+        chosen = trainer.end_process_on_hang
+        end = bool(chosen) if chosen is not None else "TORCHELASTIC_RUN_ID" in os.environ
+        trainer.watchdog = build_watchdog(
+            args.distributed.hang_seconds, trainer.dist.rank, trainer.dist.world_size,
+            trainer.backend.group_store(), trainer.heartbeat,
+            os.path.join(args.output_dir, "hang"), args.distributed.hang_seconds_slow_phases,
+            end=end)
+    if not in_setup and trainer.watchdog is not None:
+        # Training begins: said now, not at the thread's next tick, so that a rank stopped
+        # in its first second is reported in its first step.
+        trainer.heartbeat.phase = DATA
+        trainer.watchdog.publish_now()

@@ -1,23 +1,27 @@
 """The public Trainer: the loop (:class:`~sailfin.trainer.core.trainer.Loop`) with what a
 run needs around it: set-up from the config, the run lock, the start-up checks,
-preemption, the hang watchdog, the run's outputs and the checkpoint state."""
+preemption, the hang watchdog, the checkpoint state and the files a finished run leaves
+behind (summary.json, final/model.safetensors)."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from typing import Any, Mapping, Optional
 
-from ...utils.memory import gc_spares_existing_objects
+import torch
+
+from ...utils.memory import gc_spares_existing_objects, peak_rss_bytes
 from ...utils.voice import configure
 from ..checkpointing.state import load_trainer_state, trainer_state
 from ..core.trainer import Loop
-from .watchdog import start_watchdog
+from ..features.loop_features import finish_summary
 from ..safety.preemption import Preemption
 from ..safety.run_lock import RunLock, take_run_lock
 from ..safety.startup_checks import (check_schedulers_fit, nothing_to_train, sanity_validate,
                                      train_output_checker)
-from .outputs import finish_run
-from .setup import build_run, start_run
+from .setup import build_run, start_run, start_watchdog
 
 
 class Trainer(Loop):
@@ -153,3 +157,76 @@ class Trainer(Loop):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Put back what :meth:`state_dict` returned (after :meth:`setup` built the pieces)."""
         load_trainer_state(self, state)
+
+
+def finish_run(trainer: Trainer, write: bool = True) -> dict[str, Any]:
+    """The run's summary; the final weights (and EMA weights) and summary.json written
+    (unless not ``write``: a run that trained nothing leaves the finished one's files).
+    Every rank calls it: under fsdp, gathering each full tensor is a collective."""
+    summary = {
+        "global_step": trainer.global_step,
+        "epoch": trainer.epoch,
+        "samples_seen": trainer.samples_seen,
+        "train_seconds": round(trainer.train_seconds, 4),
+        "samples_per_second": (trainer.samples_seen / trainer.train_seconds
+                               if trainer.train_seconds > 0 else None),
+        "world_size": trainer.dist.world_size,
+        "nonfinite_steps": trainer.nonfinite.count,
+        "val": _flat_val(trainer.last_val_metrics),
+        "best": trainer.run_stats.best,
+        "peak_memory": peak_memory(trainer.device),
+        "micro_batch_size": trainer.plan.micro_batch,
+    }
+    summary.update(finish_summary(trainer))  # stopped_early, tflops, mfu, ema
+    for callback in trainer.callbacks:  # e.g. privacy (dp)
+        fields = getattr(callback, "summary_fields", None)
+        if callable(fields):
+            summary.update(fields())
+    if trainer.autobatch is not None:
+        summary["auto_micro_batch"] = trainer.autobatch.summary()
+    if not write:
+        return summary
+    backend, output_dir, is_main = trainer.backend, trainer.args.output_dir, trainer.dist.is_main
+    # Every rank takes part (fsdp gathers one tensor at a time); rank 0 writes.
+    backend.save_final_weights(trainer.module,
+                               os.path.join(output_dir, "final", "model.safetensors"), is_main)
+    if trainer.ema is not None:  # final/ema.safetensors, the same names
+        trainer.ema.save_final(trainer.module, output_dir, backend.save_final_weights, is_main)
+    if is_main:
+        write_json_atomic(os.path.join(output_dir, "summary.json"), summary)
+    return summary
+
+
+def _flat_val(results: dict[str, dict[str, float]]) -> dict[str, Any]:
+    if len(results) == 1:
+        return next(iter(results.values()))
+    return results
+
+
+def write_json_atomic(path: str, data: Any) -> None:
+    """Write JSON to a temporary file and rename it: a reader never sees half a file."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2, default=_jsonable)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return str(value)
+
+
+def peak_memory(device: Any = None) -> dict[str, Optional[int]]:
+    """Peak resident memory of this process and, on CUDA, peak allocated tensor memory.
+
+    Both in bytes; ``None`` where the platform cannot tell (Windows; no CUDA device).
+    """
+    rss = peak_rss_bytes()
+    cuda: Optional[int] = None
+    if device is not None and getattr(device, "type", None) == "cuda":
+        cuda = int(torch.cuda.max_memory_allocated(device))
+    return {"cpu_rss_bytes": rss, "cuda_max_allocated_bytes": cuda}

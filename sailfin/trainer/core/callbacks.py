@@ -1,9 +1,6 @@
-"""Trainer callbacks: components (checkpoints, progress, profiling, the loop's optional
-features) that follow the loop through these named hooks.
-
-The recipe's own callbacks live on the ModuleInterface; these are for pieces
-of sailfin and for users who want to watch a run without touching the recipe.
-"""
+"""Trainer callbacks: the named hooks through which sailfin's features (checkpoints,
+progress, profiling...) and a user's watchers follow the loop. The recipe's own
+callbacks live on the ModuleInterface."""
 
 from __future__ import annotations
 
@@ -26,9 +23,7 @@ class Callback:
     """
 
     #: True: the tensors of ``state_dict()`` keep their shapes for the whole run (EMA's
-    #: averages), so checkpoints write them with DCP beside the model (staged with it by an
-    #: async save, re-cut on another world size) and a resume loads into this callback's
-    #: own ``state_dict()``. False (default): they go in ``trainer.pt`` as they are.
+    #: averages): checkpoints write them with DCP beside the model. False: in ``trainer.pt``.
     state_in_dcp = False
 
     def on_train_start(self, trainer: "RunView") -> None: ...

@@ -1,11 +1,8 @@
-"""The recipe's data loaders, built around sailfin's samplers and checked.
-
-The recipe builds its loaders (``get_train_dataloader(sampler, batch_size)``,
-``get_val_dataloaders``); sailfin hands it the samplers that decide which
-samples form each optimizer step and which share of a validation set each
-rank sees, then checks that the loader kept them. Where the loader reads
-in-memory tensors, it is rebuilt to gather each micro-batch in one call
-(:mod:`sailfin.data.batched`), with bit-identical batches.
+"""The recipe's data loaders, built around sailfin's samplers and checked: the recipe
+builds them (``get_train_dataloader(sampler, batch_size)``, ``get_val_dataloaders``) with
+the samplers sailfin hands it, which decide which samples form each optimizer step and
+which share each rank sees. A loader over in-memory tensors is rebuilt to gather each
+micro-batch in one call (:mod:`sailfin.data.batched`), with bit-identical batches.
 """
 
 from __future__ import annotations

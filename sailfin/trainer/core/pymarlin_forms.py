@@ -1,18 +1,15 @@
 """PyMarlin's forms of a recipe's returns and callbacks, accepted and made exact.
 
-- ``train_step`` may return ``(loss, {name: scalar})`` (sailfin's stats, logged) or
-  PyMarlin's ``(loss, t1, t2, ...)``: the extra outputs of the step's last micro-batch
-  go to ``on_end_train_step(global_step, loss, t1, t2, ...)``.
-- ``val_step`` may return a dict or PyMarlin's tuple ``(t1, t2, ...)``; a tuple's
-  gathered columns go to ``on_end_val_epoch(global_step, *columns, key=name)`` by
-  position, as PyMarlin passed them: into ``*inputs`` or into named parameters
-  (``on_end_val_epoch(self, global_step, losses, logits, labels, key="default")``).
-- A 0-d tensor from ``val_step`` is that batch's mean: it is repeated once per sample of
-  the batch, so the epoch's mean of the column is the exact per-sample mean, whatever
-  the batch size, the short last batch and the world size.
-- Callbacks written with PyMarlin's shorter signatures (``on_end_train_step(self,
-  global_step, loss)``) get the arguments they take; the signature is read once, when
-  the loop is built, not at every step.
+- ``train_step`` may return ``(loss, {name: scalar})`` (stats, logged) or PyMarlin's
+  ``(loss, t1, t2, ...)``: the extras of the step's last micro-batch go to
+  ``on_end_train_step(global_step, loss, t1, t2, ...)``.
+- ``val_step`` may return a dict or PyMarlin's tuple, whose gathered columns go to
+  ``on_end_val_epoch(global_step, *columns, key=name)`` by position, as PyMarlin passed
+  them (into ``*inputs`` or named parameters).
+- A 0-d tensor from ``val_step`` is that batch's mean: repeated once per sample, so a
+  column's mean is the exact per-sample mean whatever the batch sizes and world size.
+- Callbacks with PyMarlin's shorter signatures get the arguments they take (the
+  signature is read once, when the loop is built).
 
 Example::
 
@@ -42,11 +39,6 @@ def unpack(out: Any) -> tuple[Any, Any]:
     if len(out) == 2 and (out[1] is None or isinstance(out[1], Mapping)):
         return out[0], out[1]
     return out[0], Extras(out[1:])
-
-
-def loggable(stats: Any) -> Optional[Mapping[str, Any]]:
-    """The stats to log (PyMarlin's extra outputs go to the callback, not the log)."""
-    return stats if isinstance(stats, Mapping) else None
 
 
 def train_step_end_caller(module: ModuleInterface) -> Optional[Callable[[int, Any, Any], None]]:
@@ -93,8 +85,16 @@ def val_epoch_end_caller(module: ModuleInterface, check_only: bool = False
             # val_step returned a tuple: PyMarlin's on_end_val_epoch(global_step, *inputs)
             columns = tuple(outputs.values())
             kwargs = {"key": name} if keyed or signature is None else {}
-            if signature is not None:
-                _check_binds(signature, (global_step, *columns), kwargs)
+            try:
+                if signature is not None:
+                    signature.bind(global_step, *columns, **kwargs)
+            except TypeError as err:
+                count = len(columns)
+                raise CallbackSignatureError(
+                    f"on_end_val_epoch{signature} cannot take what val_step's tuple gives "
+                    f"it: global_step, its {count} column(s) by position and key=: {err}; "
+                    f"take (global_step, {', '.join(f'c{i}' for i in range(count))}, "
+                    "key=\"default\") or (global_step, *outputs, key=\"default\")") from None
             return (global_step, *columns), kwargs
         if spread:
             return (global_step, outputs), {"key": name}
@@ -114,30 +114,6 @@ def val_epoch_end_caller(module: ModuleInterface, check_only: bool = False
         return None if check_only else hook(*args, **kwargs)
 
     return call
-
-
-def _check_binds(signature: inspect.Signature, args: tuple, kwargs: dict) -> None:
-    try:
-        signature.bind(*args, **kwargs)
-    except TypeError as err:
-        count = len(args) - 1
-        raise CallbackSignatureError(
-            f"on_end_val_epoch{signature} cannot take what val_step's tuple gives it: "
-            f"global_step, its {count} column(s) by position and key=: {err}; take "
-            f"(global_step, {', '.join(f'c{i}' for i in range(count))}, key=\"default\") "
-            f"or (global_step, *outputs, key=\"default\")") from None
-
-
-def as_columns(out: Any) -> Any:
-    """A tuple/list ``val_step`` return as a dict of columns "0", "1", ... (else as is)."""
-    if isinstance(out, (tuple, list)):
-        return {str(i): v for i, v in enumerate(out)}
-    return out
-
-
-def per_sample(value: torch.Tensor, count: int) -> torch.Tensor:
-    """A 0-d batch mean as one entry per sample of its batch (an exact weighted mean)."""
-    return value.reshape(1).expand(count)
 
 
 def batch_size(batch: Any, out: Any = None) -> int:

@@ -1,11 +1,7 @@
-"""The pieces a run is made of, each a typed field: what the composition root builds from
-the config (``compose/setup.py`` ``build_run`` returns a :class:`Run`) and the loop runs
-with (:meth:`Loop.attach <sailfin.trainer.core.trainer.Loop.attach>` takes it).
-
-The loop holds them as its own attributes, so a step reads ``self.plan``, not
-``self.run.plan``; what changes them during a run (``replan``, the resume) changes the
-loop's. ``tests/test_architecture.py`` checks that the composition root sets on the
-trainer nothing but these fields and the few the loop declares itself.
+"""The pieces a run is made of, each a typed field: what ``build_run``
+(``compose/setup.py``) builds from the config and :meth:`Loop.attach
+<sailfin.trainer.core.trainer.Loop.attach>` takes. The loop holds them as its own
+attributes (a step reads ``self.plan``), so ``replan`` and the resume change the loop's.
 """
 
 from __future__ import annotations

@@ -1,19 +1,24 @@
 """The train log line every ``log_every_n_steps``: loss, lr, throughput, the recipe's stats.
 
-It is the loop's only host-device sync. With several ranks each rank's own
-step time rides in the same collective as the loss (see
-:mod:`sailfin.trainer.core.stragglers`).
+It is the loop's only host-device sync. With several ranks it also carries the
+straggler figures: the slowest and the median rank's step time. Ranks wait for each
+other in the gradient all-reduce, so their wall-clock step times are all the same;
+what differs is each rank's own work before it can exchange gradients (loading its
+data, its forwards and backwards up to the step's last backward; on CUDA, the host's
+part of them). The loop adds that "ready time" up per step; at a log line each rank's
+mean per step travels in the all-gather that also carries the loss, and rank 0 logs
+``step_time_median``, ``step_time_slowest`` and ``slowest_rank``. A slow disk, a
+throttled device or a busy host shows there before it hangs anything.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 
-from .stragglers import loss_and_stragglers
-from .pymarlin_forms import loggable
 
 if TYPE_CHECKING:
     from .trainer import Loop
@@ -62,7 +67,7 @@ class TrainLog:
         metrics: dict[str, float] = {"loss": loss,
                                      "lr": trainer.optimizers[0].param_groups[0]["lr"]}
         metrics.update(stragglers)
-        if loggable(stats):
+        if isinstance(stats, Mapping):  # PyMarlin's extra outputs go to the callback
             metrics.update(reduce_stats(stats, backend, trainer.dist.is_distributed))
         if trainer.nonfinite.count:
             metrics["nonfinite_steps"] = trainer.nonfinite.count
@@ -75,6 +80,20 @@ class TrainLog:
         if skipped:
             metrics["skipped_samples"] = skipped
         trainer.writers.log_metrics(metrics, trainer.global_step, trainer.epoch, "train")
+
+
+def loss_and_stragglers(backend: Any, step_loss: torch.Tensor, ready_seconds: float,
+                        steps: int) -> tuple[float, dict[str, float]]:
+    """The loss averaged over ranks, and the straggler metrics (one all-gather)."""
+    local = torch.stack([step_loss.detach().float().reshape(()),
+                         torch.tensor(ready_seconds / max(1, steps),
+                                      device=step_loss.device)])
+    rows = backend.gather_scalars(local).cpu()
+    times = rows[:, 1].tolist()
+    slowest = max(range(len(times)), key=times.__getitem__)
+    return rows[:, 0].mean().item(), {"step_time_median": statistics.median(times),
+                                      "step_time_slowest": times[slowest],
+                                      "slowest_rank": slowest}
 
 
 def reduce_stats(stats: Mapping[str, Any], backend: Any, distributed: bool) -> dict[str, Any]:

@@ -1,9 +1,8 @@
 """The training loop. It owns the loop; the backend supplies each step's pieces.
 
-:class:`Loop` runs epochs and steps over pieces it is given: the composition root
-(:class:`sailfin.trainer.Trainer`, ``trainer/compose/``) builds them from the config
-(``setup``), runs the start-up checks and writes the run's outputs. The loop imports
-no feature: features follow it as callbacks and see it through
+:class:`Loop` runs epochs and steps over the pieces the composition root
+(:class:`sailfin.trainer.Trainer`, ``trainer/compose/``) builds from the config. It
+imports no feature: features follow it as callbacks and see it as a
 :class:`~sailfin.trainer.core.view.RunView`.
 """
 
@@ -25,7 +24,6 @@ from ...distributed.watchdog import (BACKWARD, DATA, END_OF_EPOCH, END_OF_STEP, 
 from ...interfaces import ModuleInterface
 from ...logging import Writer
 from .callbacks import Callback
-from .hooks import any_says_again, overriding, padding_micro_batch, recipe_callbacks
 from .loaders import build_train_loader, build_val_loaders, dataset_set_epoch
 from .pymarlin_forms import unpack
 from .run import Run
@@ -36,11 +34,8 @@ from .view import StopSignal
 
 class Loop(Run):
     """The epochs, the steps and validation of a run: the run's pieces (a :class:`Run`'s
-    fields, which :meth:`attach` takes from the one ``setup`` built), its counters and
-    the loop over them.
-
-    Users construct :class:`sailfin.trainer.Trainer`, which adds the set-up, the
-    start-up checks and the run's outputs around this loop.
+    fields, which :meth:`attach` takes), its counters and the loop over them. Users
+    construct :class:`sailfin.trainer.Trainer`, which adds set-up, checks and outputs.
     """
 
     # The pieces (Run's fields, core/run.py) come from the composition root: attach().
@@ -58,8 +53,10 @@ class Loop(Run):
         self.backend = backend if backend is not None else build_backend(self.args, self.dist)
         self._writers = writers
         self._hparams = hparams  # logged by the writers; default: the trainer settings
-        # The recipe's own components (e.g. sailfin.hf's final/hf/ writer) follow the loop too.
-        self.callbacks: list[Callback] = [*callbacks, *recipe_callbacks(module)]
+        # The recipe's own components (configure_callbacks(), e.g. sailfin.hf's final/hf/
+        # writer) follow the loop too.
+        own = getattr(module, "configure_callbacks", None)
+        self.callbacks: list[Callback] = [*callbacks, *(own() if callable(own) else ())]
         # Counters: together with the seed they say where the data order stands.
         self.global_step = 0      # optimizer steps done
         self.epoch = 0
@@ -84,8 +81,8 @@ class Loop(Run):
 
     @property
     def hparams(self) -> Optional[Mapping[str, Any]]:
-        """The hyper-parameters given to the trainer (what ``sailfin train`` passes: the
-        run's config); None: the writers log the trainer settings."""
+        """The hyper-parameters the writers log (``sailfin train``: the run's config);
+        None: the trainer settings."""
         return self._hparams
 
     # -- the epochs ---------------------------------------------------------------
@@ -167,8 +164,10 @@ class Loop(Run):
     def _hook_lists(self) -> tuple[list[Callback], ...]:
         """Each per-step hook's callbacks, looked up once: one that is off costs nothing."""
         self._hooks_changed = False
-        return tuple(overriding(self.callbacks, hook) for hook in (
-            "on_step_begin", "on_backward_end", "on_step_end", "on_out_of_memory"))
+        return tuple([c for c in self.callbacks
+                      if getattr(type(c), hook) is not getattr(Callback, hook)]
+                     for hook in ("on_step_begin", "on_backward_end", "on_step_end",
+                                  "on_out_of_memory"))
 
     def remove_callback(self, callback: Callback) -> None:
         """Stop calling ``callback``, from the next step on (a feature whose work is done,
@@ -223,7 +222,7 @@ class Loop(Run):
             for callback in out_of_memory:
                 callback.on_out_of_memory(self)
             return None, None  # returning drops the traceback that holds the activations
-        self.train_log.ready_seconds += ready - started  # straggler figures (stragglers.py)
+        self.train_log.ready_seconds += ready - started  # straggler figures (train_log.py)
         return step_loss, stats
 
     def _optimizer_step(self, step_loss: torch.Tensor) -> None:
@@ -279,3 +278,29 @@ class Loop(Run):
     def _notify(self, event: str, *args: Any) -> None:
         for callback in self.callbacks:
             getattr(callback, event)(self, *args)
+
+
+def any_says_again(callbacks: list[Callback], trainer: Loop, micros: Any) -> bool:
+    """``on_backward_end`` in order, until one asks for the step again."""
+    samples = sum(m.count for m in micros)
+    return any(c.on_backward_end(trainer, samples) for c in callbacks)
+
+
+def padding_micro_batch(backend: Any, module: Any, global_step: int, batch: Any,
+                        step_loss: Optional[torch.Tensor], stats: Optional[Mapping[str, Any]]
+                        ) -> tuple[torch.Tensor, Optional[Mapping[str, Any]]]:
+    """Run a weight-0 padding micro-batch (see :mod:`sailfin.data.plan`): this rank
+    joins its partners' collectives and the gradient all-reduce, and adds nothing.
+    ``module.padding_batch`` is True meanwhile, so a recipe can leave it out of its
+    own counts. The step's stats stay those of its last real micro-batch; a rank
+    with none takes the padding's, so every rank logs the same stat names."""
+    module.padding_batch = True
+    try:
+        out = backend.train_step(module, global_step, batch, True)
+    finally:
+        module.padding_batch = False
+    loss, pad_stats = unpack(out)
+    loss = loss * 0.0
+    backend.backward(loss)
+    step_loss = loss if step_loss is None else step_loss.detach() + loss.detach()
+    return step_loss, pad_stats if stats is None else stats

@@ -12,7 +12,7 @@ import torch
 from ...checkpoint.rng import seed_loader
 from ...config.trainer import TrainerArguments
 from ...distributed.watchdog import VALIDATION, VALIDATION_GATHER
-from .pymarlin_forms import as_columns, batch_size, per_sample
+from .pymarlin_forms import batch_size
 from .train_log import scalar
 
 if TYPE_CHECKING:
@@ -28,14 +28,17 @@ def run_validation(trainer: "Loop") -> dict[str, dict[str, float]]:
     # Every rank validates with the buffers (BatchNorm statistics) that are saved: rank 0's.
     trainer.backend.sync_buffers(module)
     module.eval()
-    with torch.no_grad(), validation_weights(trainer):
+    # The EMA weights swapped in for validation when trainer.ema.validate says.
+    swapped = (trainer.ema.swapped_in(module) if trainer.ema is not None and args.ema.validate
+               else contextlib.nullcontext())
+    with torch.no_grad(), swapped:
         for name, loader in trainer.val_loaders.items():
             # Validating draws nothing from the training's random streams.
             seed_loader(loader, args.seed, trainer.global_step, trainer.dist.rank)
             sizes: list[int] = []  # samples per batch: a 0-d output counts once per sample
             local = merge_outputs(trainer.backend.validation_outputs(
                 module, trainer.global_step,
-                trainer.heartbeat.count(val_batches(loader, args, sizes))), sizes=sizes)
+                trainer.heartbeat.count(_counted(loader, args, sizes))), sizes=sizes)
             trainer.heartbeat.phase = VALIDATION_GATHER  # done here: a slower rank is behind
             outputs = trainer.backend.gather_outputs(local)
             trainer.heartbeat.phase = VALIDATION
@@ -58,15 +61,7 @@ def due_after_epoch(args: TrainerArguments, epoch: int) -> bool:
     return bool(every) and ((epoch + 1) % every == 0 or epoch + 1 == args.epochs)
 
 
-def validation_weights(trainer: "Loop") -> Any:
-    """The EMA weights swapped in for validation when ``trainer.ema.validate`` says."""
-    if trainer.ema is not None and trainer.args.ema.validate:
-        return trainer.ema.swapped_in(trainer.module)
-    return contextlib.nullcontext()
-
-
-def merge_outputs(batches: list[Any], where: str = "val_step",
-                  sizes: Optional[list[int]] = None) -> dict[str, Any]:
+def merge_outputs(batches: list[Any], sizes: Optional[list[int]] = None) -> dict[str, Any]:
     """Merge per-batch ``val_step`` dicts into one dict, concatenating once per key.
 
     Tensors are concatenated on their first dimension; a 0-d tensor is the batch's mean
@@ -80,44 +75,37 @@ def merge_outputs(batches: list[Any], where: str = "val_step",
     keys = None
     columns: dict[str, list[Any]] = {}
     for i, out in enumerate(batches):
-        out = as_columns(out)
-        zero_d = [k for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() == 0] \
-            if isinstance(out, dict) else []
-        if zero_d:
-            count = sizes[i] if sizes is not None and i < len(sizes) else batch_size(None, out)
-            out = {k: per_sample(v, count) if k in zero_d else v for k, v in out.items()}
+        if isinstance(out, (tuple, list)):  # PyMarlin's tuple: columns "0", "1", ...
+            out = {str(j): v for j, v in enumerate(out)}
         if not isinstance(out, dict):
-            raise TypeError(f"{where} must return a dict of tensors (first dim = batch); "
+            raise TypeError(f"val_step must return a dict of tensors (first dim = batch); "
                             f"batch {i} returned {type(out).__name__}")
+        zero_d = [k for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() == 0]
+        if zero_d:  # a batch mean: one entry per sample of its batch (an exact mean)
+            count = sizes[i] if sizes is not None and i < len(sizes) else batch_size(None, out)
+            out = {k: v.reshape(1).expand(count) if k in zero_d else v for k, v in out.items()}
         if keys is None:
             keys = list(out)
             columns = {k: [] for k in keys}
-        elif list(out) != keys and set(out) != set(keys):
-            raise ValueError(f"{where} returned keys {sorted(out)} for batch {i} but "
+        elif set(out) != set(keys):
+            raise ValueError(f"val_step returned keys {sorted(out)} for batch {i} but "
                              f"{sorted(keys)} before; return the same keys every batch")
         for k in keys:
             columns[k].append(out[k])
-    return {k: _concat(v, k, where) for k, v in columns.items()}
+    return {k: _concat(v) for k, v in columns.items()}
 
 
-def val_batches(loader: Iterable[Any], args: TrainerArguments,
-                sizes: Optional[list[int]] = None) -> Iterable[Any]:
+def _counted(loader: Iterable[Any], args: TrainerArguments, sizes: list[int]
+             ) -> Iterator[Any]:
     """The loader's batches, at most ``max_val_steps_per_epoch`` of them (this rank's);
     each batch's sample count is appended to ``sizes`` (a 0-d output's weight)."""
     limit = args.max_val_steps_per_epoch
-    batches = loader if limit is None else itertools.islice(loader, limit)
-    if sizes is None:
-        return batches
-    return _counted(batches, sizes)
-
-
-def _counted(batches: Iterable[Any], sizes: list[int]) -> Iterator[Any]:
-    for batch in batches:
+    for batch in loader if limit is None else itertools.islice(loader, limit):
         sizes.append(batch_size(batch))
         yield batch
 
 
-def _concat(values: list[Any], key: str, where: str) -> Any:
+def _concat(values: list[Any]) -> Any:
     first = values[0]
     if isinstance(first, torch.Tensor):
         return torch.cat(values)

@@ -1,11 +1,8 @@
 """What a feature may read and call on the run: the door between the loop and the
 modules in ``trainer/features``, ``trainer/checkpointing`` and ``trainer/safety``.
-
-Every callback hook receives the run as a :class:`RunView`. The trainer has more
-attributes than these; the others are the loop's own and may change with it. A
-feature that needs something more adds it here, with a line saying what it is
-(``tests/test_architecture.py`` reads this class: a feature reaching for a name
-not listed here fails it, and ``docs/architecture.md`` lists the same names).
+Every hook receives the run as a :class:`RunView`; a feature that needs more adds it
+here, with a line saying what it is (``tests/test_architecture.py`` checks the rooms
+reach nothing else, and that ``docs/architecture.md`` lists the same names).
 
 Example::
 

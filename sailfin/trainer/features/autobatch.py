@@ -1,31 +1,21 @@
 """``micro_batch_size: auto``: the largest micro-batch that fits, the global batch untouched.
 
-The search starts from the largest micro-batch the batch plan allows on this
-world size (the global batch over the world size, or a ceiling) and walks
-down :meth:`BatchPlan.micro_batch_sizes`. When a step's micro-batches raise
-``torch.OutOfMemoryError``, the step's gradients are dropped, memory is freed,
-the plan and the loaders are rebuilt with the next smaller size, and the step
-runs again from its first micro-batch. The sampler is positioned at the step,
-so the same samples form it; nothing has touched the optimizer or the
-learning-rate schedule yet, because the optimizer step comes after the
-micro-batches. The result is the run with that micro-batch fixed.
+The search walks down :meth:`BatchPlan.micro_batch_sizes` from the largest size the
+plan allows. When a step's micro-batches raise ``torch.OutOfMemoryError``, the step's
+gradients are dropped, memory is freed, the plan and loaders are rebuilt with the next
+size, and the step runs again from its first micro-batch: the sampler is positioned at
+the step, and the optimizer and schedule have not moved yet.
 
-Several ranks must agree, and a rank that runs out of memory must not leave
-its partners waiting in DDP's gradient all-reduce. So for its first
-``PROBE_STEPS`` steps at a size (after a start, a resume, a resize or a size
-change) a multi-rank run *probes*: every micro-batch keeps its gradients local
-(``backend.local_gradients``), then one small all-reduce (the smallest size
-any rank proposes) says whether every rank got through; if so the gradients
-are averaged in one flat all-reduce (``backend.reduce_gradients``), if not
-every rank moves to the agreed size. Peak memory comes in the second step at a
-size (the first one creates the optimizer's state), hence two probing steps.
-After them a step costs nothing extra: no collective, no host sync, a ``try``
-block. A rank that still runs out of memory later (inputs that grow: longer
-sequences) cannot tell its partners in time; it stops with an error that
-names the size to fix. On one process any step may retry.
-
-The size is kept in checkpoints: a resume on the same world size starts from
-it; a resize searches again.
+A rank that runs out of memory must not leave its partners waiting in DDP's gradient
+all-reduce. So for a size's first ``PROBE_STEPS`` steps (after a start, a resume, a
+resize or a size change) a multi-rank run *probes*: gradients stay local
+(``backend.local_gradients``), one small all-reduce agrees on the smallest size any
+rank proposes, and if every rank got through the gradients are averaged in one flat
+all-reduce (``backend.reduce_gradients``). Peak memory comes in the second step (the
+first creates the optimizer's state), hence two. After them a step costs a ``try``
+block; a rank that runs out of memory later (longer sequences) stops with an error
+naming the size to set. On one process any step may retry. The size is kept in
+checkpoints: a resume on the same world size starts from it; a resize searches again.
 """
 
 from __future__ import annotations
@@ -46,8 +36,7 @@ if TYPE_CHECKING:
     from ..core.view import RunView
 
 
-PROBE_STEPS = 2
-"""Steps at a new size during which ranks agree after every step (see the module doc)."""
+PROBE_STEPS = 2  # steps at a new size during which ranks agree after every step
 
 
 class MicroBatchError(RuntimeError):
@@ -57,9 +46,8 @@ class MicroBatchError(RuntimeError):
 class AutoMicroBatch(Callback):
     """Finds and keeps the micro-batch size for ``trainer.micro_batch_size: auto``.
 
-    The trainer builds one (see :func:`auto_micro_batch`); as a callback it wraps each
-    step's micro-batches (:meth:`begin_step`, :meth:`out_of_memory`, :meth:`end_step`)
-    and changes the micro-batch through ``trainer.replan``.
+    As a callback it wraps each step's micro-batches and changes the micro-batch
+    through ``trainer.replan``.
 
     Example::
 
@@ -108,19 +96,13 @@ class AutoMicroBatch(Callback):
 
     # -- the step hooks ------------------------------------------------------------
     def on_step_begin(self, trainer: "RunView") -> None:
-        self.begin_step(trainer.backend)
-
-    def on_out_of_memory(self, trainer: "RunView") -> None:
-        self.out_of_memory(trainer.step_in_epoch, trainer.global_step)
-
-    def on_backward_end(self, trainer: "RunView", samples: int) -> bool:
-        return self.end_step(trainer, trainer.step_in_epoch)
-
-    def begin_step(self, backend: Any) -> None:
         self._step_started = time.perf_counter()  # a failed attempt's time: oom_retries
         if self.probing:
             self._local = contextlib.ExitStack()
-            self._local.enter_context(backend.local_gradients())
+            self._local.enter_context(trainer.backend.local_gradients())
+
+    def on_out_of_memory(self, trainer: "RunView") -> None:
+        self.out_of_memory(trainer.step_in_epoch, trainer.global_step)
 
     def out_of_memory(self, step: int, global_step: int) -> None:
         """Called in the trainer's ``except torch.OutOfMemoryError``."""
@@ -137,7 +119,7 @@ class AutoMicroBatch(Callback):
         say(f"micro_batch_size auto: rank {self.rank} ran out of memory at step "
             f"{global_step + 1} with micro-batch {self.size}", warning=True)
 
-    def end_step(self, trainer: "RunView", step: int) -> bool:
+    def on_backward_end(self, trainer: "RunView", samples: int) -> bool:
         """After the step's micro-batches: True if the step must run again (the trainer
         replanned for a smaller size)."""
         failed, self._failed = self._failed, False

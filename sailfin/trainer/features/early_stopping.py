@@ -16,12 +16,10 @@ if TYPE_CHECKING:
 
 
 class EarlyStopping(Callback):
-    """Counts validations without improvement; at ``patience`` it asks the trainer to stop.
-
-    The trainer then ends as at its last step: the end-of-run checkpoint, the final
-    weights and ``summary.json`` (whose ``stopped_early`` says why). The count and
-    the best value travel in checkpoints: a resumed run goes on counting, and a
-    run that had stopped stops again at once (raise ``patience`` to continue it).
+    """Counts validations without improvement; at ``patience`` it asks the trainer to stop
+    (the run then ends as at its last step; ``summary.json``'s ``stopped_early`` says
+    why). The count and the best value travel in checkpoints: a resumed run goes on
+    counting, and one that had stopped stops again at once (raise ``patience``).
 
     Example::
 
@@ -77,9 +75,6 @@ class EarlyStopping(Callback):
         if not metrics:
             return None
         flat = flat_metrics(metrics)
-        if len(metrics) == 1:  # a single set also answers to "<set name>/<metric>"
-            name = next(iter(metrics))
-            flat.update({f"{name}/{k}": v for k, v in metrics[name].items()})
         key = self.args.metric
         if key not in flat:
             raise ConfigError(f"trainer.early_stopping.metric {key!r} is not among the "

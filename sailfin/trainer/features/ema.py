@@ -1,11 +1,9 @@
 """``trainer.ema``: an exponential moving average of the weights, kept on their device.
 
-After every ``every_n_steps``-th optimizer step, ``ema = decay * ema + (1 - decay) * w``
-for each parameter, starting from the weights the run began with. The average
-is one fused lerp (``sailfin.compat.torch.lerp_all_``) over the module's parameters, whatever they are:
-plain tensors, parameters DDP keeps equal on every rank (so every rank's
-average is equal too, with no communication), or sharded parameters (each rank
-averages its own shard; ``clone`` and the foreach ops keep the tensor type).
+After every ``every_n_steps``-th optimizer step, ``ema = decay * ema + (1 - decay) * w``,
+starting from the weights the run began with: one fused lerp
+(``sailfin.compat.torch.lerp_all_``) whatever the parameters are (plain, DDP's, equal on
+every rank, or fsdp shards, each rank averaging its own).
 """
 
 from __future__ import annotations
@@ -71,16 +69,15 @@ class WeightAverage(Callback):
         if trainer.global_step % self.every == 0:
             self.update()
 
-    def current_decay(self) -> float:
-        if not self.args.warmup:
-            return self.decay
-        return min(self.decay, (1 + self.updates) / (10 + self.updates))
-
     @torch.no_grad()
     def update(self) -> None:
-        """ema += (1 - decay) * (w - ema): one fused op over every parameter."""
+        """ema += (1 - decay) * (w - ema): one fused op over every parameter (with warm-up,
+        the n-th update's decay is min(decay, (1 + n) / (10 + n)))."""
+        decay = self.decay
+        if self.args.warmup:
+            decay = min(decay, (1 + self.updates) / (10 + self.updates))
         if self._lerp_shadow:
-            lerp_all_(self._lerp_shadow, self._lerp_params, 1.0 - self.current_decay())
+            lerp_all_(self._lerp_shadow, self._lerp_params, 1.0 - decay)
         self.updates += 1
 
     # -- using the averaged weights --------------------------------------------------

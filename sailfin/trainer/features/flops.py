@@ -1,27 +1,25 @@
 """Model FLOPs of a training step, achieved TFLOP/s and model FLOPs utilisation (MFU).
 
-The FLOPs of one training step (forward and backward) are counted once, on the
-first step this process runs, with :class:`torch.utils.flop_counter.FlopCounterMode`
-around that step's micro-batches: the step itself runs as any other (the mode
-only counts), so the training result is unchanged. A recipe may give the count
-itself (an attribute or method ``flops_per_sample``: forward + backward FLOPs
-of one sample), e.g. ``6 * n_params * tokens`` for a transformer, or when
-``torch.compile`` hides the operators from the counter.
-
-Each train log line then carries ``tflops``: model TFLOP/s achieved per
-device (FLOPs per sample x samples/s / world size), and ``mfu``: that over the
-device's dense peak (``trainer.peak_tflops``, or :data:`PEAK_TFLOPS` for a
-known GPU). The counter counts what runs: with activation checkpointing that
-includes the recomputed forwards (a recipe's ``flops_per_sample`` avoids that).
+The FLOPs of one training step (forward and backward) are counted once, on the first
+step this process runs, under :class:`torch.utils.flop_counter.FlopCounterMode` (it only
+counts: the result is unchanged), unless the recipe gives ``flops_per_sample`` (an
+attribute or method: forward + backward FLOPs of one sample, e.g. ``6 * n_params *
+tokens``; needed under ``torch.compile``). Each train log line then carries ``tflops``
+per device and ``mfu``: that over the device's dense peak (``trainer.peak_tflops`` or
+:data:`PEAK_TFLOPS`). The counter counts what runs, recomputed forwards included.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from ...utils.voice import say
+from ..core.callbacks import Callback
+
+if TYPE_CHECKING:
+    from ..core.view import RunView
 
 # Dense peak TFLOP/s of one GPU, from the vendors' datasheets. Datasheets often
 # quote tensor-core figures "with sparsity", twice these. Keys: bf16 / fp16
@@ -65,14 +63,6 @@ def device_peak_tflops(device: Any, precision: str) -> Optional[float]:
                 precision = "fp32"
             return peaks.get(precision)
     return None
-
-
-def recipe_flops_per_sample(module: Any) -> Optional[float]:
-    """The recipe's own ``flops_per_sample`` (a number or a method), if it has one."""
-    given = getattr(module, "flops_per_sample", None)
-    if callable(given):
-        given = given()
-    return None if given is None else float(given)
 
 
 class FlopsMeter:
@@ -134,7 +124,10 @@ def build_flops_meter(module: Any, args: Any, world_size: int, device: Any,
                       precision: str, compiled: bool,
                       say: Callable[[str], None] = say) -> FlopsMeter:
     """The meter ``trainer.count_flops`` and ``trainer.peak_tflops`` ask for."""
-    given = recipe_flops_per_sample(module)
+    given = getattr(module, "flops_per_sample", None)  # the recipe's: a number or a method
+    if callable(given):
+        given = given()
+    given = None if given is None else float(given)
     peak = args.peak_tflops or device_peak_tflops(device, precision)
     count = args.count_flops and given is None
     if count and compiled:
@@ -143,3 +136,31 @@ def build_flops_meter(module: Any, args: Any, world_size: int, device: Any,
             "recipe a flops_per_sample for tflops/mfu")
         count = False
     return FlopsMeter(world_size, peak, given, count)
+
+
+class FirstStepFlops(Callback):
+    """``trainer.count_flops``: counts the FLOPs of the first step's forwards and
+    backwards with ``meter``. A step run again (a smaller micro-batch after running out
+    of memory) is counted afresh; once a step is counted it leaves the loop.
+
+    Example::
+
+        Trainer(module, args, callbacks=[FirstStepFlops(FlopsMeter())]).train()
+    """
+
+    def __init__(self, meter: FlopsMeter) -> None:
+        self.meter = meter
+
+    def on_step_begin(self, trainer: "RunView") -> None:
+        if self.meter.pending:
+            self.meter.abort()  # an attempt that did not reach on_backward_end
+            self.meter.start()
+
+    def on_backward_end(self, trainer: "RunView", samples: int) -> bool:
+        if self.meter.pending:
+            self.meter.stop(samples)  # before the optimizer step: forwards and backwards
+        return False
+
+    def on_step_end(self, trainer: "RunView") -> None:
+        if not self.meter.pending:  # counted: no call at all from the next step on
+            trainer.remove_callback(self)

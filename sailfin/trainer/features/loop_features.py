@@ -1,25 +1,54 @@
 """Builds the optional pieces of the loop from the config: EMA weights, validation
-every N steps, early stopping, and the FLOPs meter; and their part of summary.json."""
+every N steps, early stopping, the FLOPs meter (and their part of summary.json); then
+what watches the run: writers and the progress display (rank 0 only), the profiler."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 
 from ...config.dp import is_private
 from ...config.trainer import TrainerArguments
 from ...distributed import DistEnv
+from ...logging.writers import Writer, Writers, build_writers
 from ..core.callbacks import Callback
-from .bf16_check import bf16_cpu_check
 from .early_stopping import EarlyStopping
 from .ema import WeightAverage
-from .flops import FlopsMeter, build_flops_meter
-from .flops_count import FirstStepFlops
+from .flops import FirstStepFlops, FlopsMeter, build_flops_meter
 from .privacy import PrivacyCallback
-from .step_validation import StepValidation
+from .profiler import StepProfiler
+from .progress import Progress
+from .speed_checks import CompileCheck, bf16_cpu_check
 
 if TYPE_CHECKING:
     from ..core.view import RunView
+
+
+class StepValidation(Callback):
+    """``trainer.val_every_n_steps``: calls ``trainer.validate()`` after steps N, 2N, ...
+    (a function of the global step, so a resumed run validates where the uninterrupted
+    one would have). The time spent validating is not training time: it leaves
+    ``train_seconds`` and the throughput of the next train log line.
+
+    Example::
+
+        Trainer(module, args, callbacks=[StepValidation(500)]).train()  # or val_every_n_steps
+    """
+
+    def __init__(self, every: int) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.every = every
+
+    def on_step_end(self, trainer: "RunView") -> None:
+        if trainer.global_step % self.every:
+            return
+        started = time.perf_counter()
+        trainer.validate()
+        trainer.exclude_time(time.perf_counter() - started)
 
 
 @dataclass
@@ -71,4 +100,68 @@ def finish_summary(trainer: "RunView") -> dict[str, Any]:
     if trainer.ema is not None:
         out["ema"] = {"decay": trainer.ema.decay, "updates": trainer.ema.updates,
                       "validated_with_ema": trainer.args.ema.validate}
+    return out
+
+
+@dataclass
+class Observers:
+    writers: Writers
+    callbacks: list[Callback]
+
+
+def build_observers(args: TrainerArguments, dist: DistEnv,
+                    writers: Optional[Iterable[Writer]] = None,
+                    hparams: Optional[Mapping[str, Any]] = None,
+                    callbacks: Iterable[Callback] = ()) -> Observers:
+    """Writers (``writers`` if given, else ``args.writers``), progress and profiler.
+
+    Ranks other than 0 get no writers and no progress display. Writers check
+    their destinations here, before the first step. ``hparams`` (default: the
+    trainer settings) are logged once, flattened to dotted keys. A callback
+    that is also a :class:`Writer` (a :class:`Progress` passed in ``callbacks``)
+    receives the logged values too.
+    """
+    made: list[Callback] = []
+    progress: Optional[Progress] = None
+    built = Writers()
+    if dist.is_main:
+        if args.progress != "none":
+            progress = Progress(args.progress, interval=args.progress_interval)
+        if writers is not None:
+            built = Writers(writers)
+        else:
+            built = build_writers(
+                args.writers, args.output_dir,
+                stdout=progress.console if progress is not None else None,
+                mlflow_tracking_uri=args.mlflow_tracking_uri,
+                mlflow_experiment=args.mlflow_experiment)
+        try:
+            built.log_hparams(flatten(hparams if hparams is not None
+                                      else {"trainer": dataclasses.asdict(args)}))
+        except BaseException:
+            built.close()
+            raise
+        # The progress display shows the values the trainer logs: it is a writer too.
+        built.writers.extend(c for c in callbacks if isinstance(c, Writer))
+        if progress is not None:
+            built.writers.append(progress)
+            made.append(progress)
+    if args.profile_steps is not None:
+        start, end = args.profile_steps
+        made.append(StepProfiler(
+            start, end, os.path.join(args.output_dir, "profile"), rank=dist.rank,
+            stream=progress.console() if progress is not None else None))
+    if args.compile and args.compile_check:  # is compiling paying? measured once, in the log
+        made.append(CompileCheck())
+    return Observers(built, made)
+
+
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"trainer": {"epochs": 3}}`` -> ``{"trainer.epochs": 3}``."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
     return out

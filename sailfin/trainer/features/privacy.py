@@ -9,19 +9,18 @@ from ...config.dp import DPArguments
 from ...config.errors import ConfigError
 from ...utils.voice import say
 from ..core.callbacks import Callback
+from ..safety.startup_checks import steps_left
 
 if TYPE_CHECKING:
     from ..core.view import RunView
 
 
 class PrivacyCallback(Callback):
-    """Before the first step: has the backend choose this run's noise for the steps it
-    may still take (``target_epsilon`` is a bound across resumes) and finds the step
-    after which ``trainer.dp.max_epsilon`` would be passed. Each step then costs an index
-    into a table and a comparison: epsilon at ``delta`` is logged every
-    ``log_every_n_steps``, the run stops before a step would pass ``max_epsilon``, and
-    ``privacy`` goes into summary.json. The accountant itself is backend state (in every
-    checkpoint).
+    """Before the first step, has the backend choose this run's noise for the steps it may
+    still take (``target_epsilon`` bounds the whole run, across resumes) and finds the
+    step after which ``trainer.dp.max_epsilon`` would be passed. Then epsilon is logged
+    every ``log_every_n_steps``, the run stops before passing ``max_epsilon``, and
+    ``privacy`` goes into summary.json (the accountant itself is backend state).
 
     Example (the trainer adds it for a ``*-dp`` backend)::
 
@@ -36,7 +35,7 @@ class PrivacyCallback(Callback):
 
     def on_train_start(self, trainer: "RunView") -> None:
         self.backend = trainer.backend
-        note = self.backend.begin_segment(remaining_steps(trainer))
+        note = self.backend.begin_segment(steps_left(trainer))
         if note and trainer.dist.is_main:
             say(note, warning=True)
         limit = self.args.max_epsilon
@@ -73,12 +72,3 @@ class PrivacyCallback(Callback):
         """summary.json's ``privacy``: epsilon, delta, noise, sampling rate, segments."""
         return {"privacy": self.backend.privacy_facts()} if self.backend is not None else {}
 
-
-def remaining_steps(trainer: "RunView") -> int:
-    """The optimizer steps this run may still take: the rest of its epochs, at most up to
-    ``max_steps`` (the loop's own bounds; early stopping can only end it sooner)."""
-    args = trainer.args
-    left = (args.epochs - trainer.epoch) * trainer.steps_per_epoch - trainer.step_in_epoch
-    if args.max_steps is not None:
-        left = min(left, args.max_steps - trainer.global_step)
-    return max(0, left)

@@ -15,16 +15,11 @@ TOP_OPERATORS = 15
 
 
 class StepProfiler(Callback):
-    """Records optimizer steps ``start`` to ``end`` (counted from 1, inclusive)
-    with :mod:`torch.profiler`, then writes ``<out_dir>/trace_rank<R>.json``
-    (open in Perfetto or ``chrome://tracing``) and ``top_ops_rank<R>.txt``, and
-    prints the top operators on rank 0.
-
-    The step before ``start`` runs as the profiler's warm-up (its start-up
-    cost would skew the first recorded step). Each recorded optimizer step is
-    marked ``ProfilerStep#N`` in the trace. Validation that falls
-    inside the range is recorded too. Every rank records its own trace (a slow
-    rank shows up); only rank 0 prints.
+    """Records optimizer steps ``start`` to ``end`` (counted from 1, inclusive) with
+    :mod:`torch.profiler` (the step before runs as its warm-up; validation inside the
+    range is recorded too), then writes ``<out_dir>/trace_rank<R>.json`` (Perfetto,
+    ``chrome://tracing``) and ``top_ops_rank<R>.txt`` on every rank, and prints the top
+    operators on rank 0.
 
     Example::
 

@@ -1,10 +1,7 @@
-"""Rank 0's view of a run: a progress bar in a terminal, plain lines elsewhere,
-and a short summary at the end.
-
-The progress object is both a :class:`Writer` (it receives the loss, learning
-rate and throughput the trainer logs every ``log_every_n_steps``, so it never
-reads a tensor itself) and a :class:`Callback` (it counts steps). Per step it
-does one counter update; the terminal is redrawn at most twice a second.
+"""Rank 0's view of a run: a progress bar in a terminal, plain lines elsewhere, and a
+short summary at the end. It is a :class:`Writer` (it shows the values the trainer logs,
+never reading a tensor) and a :class:`Callback` (one counter update per step; the
+terminal is redrawn at most twice a second).
 """
 
 from __future__ import annotations
@@ -82,11 +79,9 @@ def mebibytes(n: Optional[int]) -> str:
 class Progress(Writer, Callback):
     """Step, epoch, loss, learning rate, samples/s (moving and run average), ETA.
 
-    ``mode``: ``bar`` (tqdm, redrawn in place on stderr), ``lines`` (a plain
-    line on stdout every ``interval`` seconds, for logs and CI), or ``auto``
-    (bar when stderr is a terminal). The trainer builds one on rank 0 from
-    ``trainer.progress``; pass one yourself with ``progress: none`` to change
-    its streams.
+    ``mode``: ``bar`` (tqdm on stderr), ``lines`` (a plain line on stdout every
+    ``interval`` seconds, for logs and CI), or ``auto`` (bar when stderr is a terminal).
+    The trainer builds one on rank 0 from ``trainer.progress``.
 
     Example::
 

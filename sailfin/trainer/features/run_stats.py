@@ -1,12 +1,10 @@
-"""What the end-of-run summary reports beyond counters: the best validation
-value (and its step) and peak memory."""
+"""The best validation value of a run and the step it came at (summary.json's ``best``)."""
 
 from __future__ import annotations
 
 import math
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
-from ...utils.memory import peak_rss_bytes
 from ..core.callbacks import Callback
 
 if TYPE_CHECKING:
@@ -14,19 +12,18 @@ if TYPE_CHECKING:
 
 
 def flat_metrics(results: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """``{"val": {"acc": 1}}`` -> ``{"acc": 1}``; with several sets ``{"a/acc": ...}``."""
+    """``{"val": {"acc": 1}}`` -> ``{"acc": 1, "val/acc": 1}`` (a single set also answers
+    to "<set name>/<metric>"); with several sets ``{"a/acc": ...}``."""
+    flat = {f"{name}/{k}": v for name, metrics in results.items() for k, v in metrics.items()}
     if len(results) == 1:
-        return dict(next(iter(results.values())))
-    return {f"{name}/{k}": v for name, metrics in results.items() for k, v in metrics.items()}
+        return {**next(iter(results.values())), **flat}
+    return flat
 
 
 class RunStats(Callback):
     """Follows validation to keep the best value of one metric and the step it came at.
-
-    ``metric`` is a validation metric name (``accuracy``; ``test/accuracy`` when
-    there are several validation sets; ``val/accuracy`` also matches a single
-    set named ``val``). With ``metric=None`` it follows ``loss`` (mode ``min``)
-    if validation reports one, else nothing.
+    ``metric`` as :func:`flat_metrics` names it; ``None``: ``loss`` (mode ``min``) if
+    validation reports one, else nothing.
 
     Example::
 
@@ -45,9 +42,6 @@ class RunStats(Callback):
 
     def on_validation_end(self, trainer: "RunView", metrics) -> None:
         flat = flat_metrics(metrics)
-        if len(metrics) == 1:  # a single set also answers to "<set name>/<metric>"
-            name = next(iter(metrics))
-            flat.update({f"{name}/{k}": v for k, v in metrics[name].items()})
         key, mode = self.metric, self.mode
         if key is None:
             if "loss" not in flat:
@@ -64,7 +58,6 @@ class RunStats(Callback):
             self.best = {"metric": key, "mode": mode, "value": float(value),
                          "step": trainer.global_step}
 
-
     # -- carried in checkpoints: a resumed run still knows its best so far ---------------
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best}
@@ -72,15 +65,3 @@ class RunStats(Callback):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.best = state.get("best")
 
-
-def peak_memory(device: Any = None) -> dict[str, Optional[int]]:
-    """Peak resident memory of this process and, on CUDA, peak allocated tensor memory.
-
-    Both in bytes; ``None`` where the platform cannot tell (Windows; no CUDA device).
-    """
-    rss = peak_rss_bytes()
-    cuda: Optional[int] = None
-    if device is not None and getattr(device, "type", None) == "cuda":
-        import torch
-        cuda = int(torch.cuda.max_memory_allocated(device))
-    return {"cpu_rss_bytes": rss, "cuda_max_allocated_bytes": cuda}

@@ -1,40 +1,35 @@
 """The time account: where a run's wall time went, from its first start to its end,
 across every restart, and its goodput (the share that became kept training).
 
-Each start of the run (the first, a torchrun restart, a resume after a kill or a
-preemption) is a *segment* of ``<output_dir>/time_account.json``. A segment's
-seconds are split into components that sum to it:
+Each start of the run (the first, a torchrun restart, a resume) is a *segment* of
+``<output_dir>/time_account.json``, whose seconds split into components that sum to it:
+``productive`` (training of kept steps); ``replayed`` (training a restart threw away;
+after the account's last write, estimated from the steps ``metrics.jsonl`` logged);
+``startup`` (process start to the first step); ``restart_gap`` (the previous segment's
+last sign of life to this start); ``data_wait``, ``checkpoint`` and ``snapshot``
+(stalls), ``validation``, ``oom_retries`` (steps ``micro_batch_size: auto`` ran again);
+``other`` (the rest: the final weights, end-of-run work).
 
-- ``productive``: training of steps that were kept;
-- ``replayed``: training a restart threw away (the steps after the checkpoint it
-  resumed from, trained again since); the part after the account's last write
-  is estimated from the steps ``metrics.jsonl`` logged and the segment's step time;
-- ``startup``: process start (imports, build, loading the checkpoint, reaching
-  the data position) to the first step;
-- ``restart_gap``: the previous segment's last sign of life to this start;
-- ``data_wait``, ``checkpoint`` and ``snapshot`` (stalls), ``validation``,
-  ``oom_retries`` (steps ``micro_batch_size: auto`` ran again); ``other``: the rest
-  (writing the final weights, end-of-run work).
-
-``goodput = productive / wall``. Rank 0 keeps the account, on its own clock.
-Nothing runs per step: the account is updated and written at the boundaries
-that already exist (start, each checkpoint or snapshot, each epoch end, the
-end), and the data wait is sampled off the step (:mod:`.phase_sampler`).
+``goodput = productive / wall``. Rank 0 keeps the account, on its own clock, at the
+boundaries that already exist (start, each save, each epoch end, the end): nothing runs
+per step, and the data wait is sampled off the step (:class:`PhaseSampler`).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
 from ...checkpoint.metrics_log import last_logged_step
 from ...checkpoint.time_account_file import (COMPONENTS, VERSION, account_path, account_totals,
                                              read_account, run_start_time, set_summary_field,
                                              write_account)
+from ...distributed.watchdog import DATA
 from ...utils.voice import say
 from ..core.callbacks import Callback
-from .phase_sampler import PhaseSampler
 
 if TYPE_CHECKING:
     from ..core.view import RunView
@@ -46,9 +41,7 @@ _SNAPSHOT_WRITE = 1.0  # seconds between writes when snapshots come every step
 
 class TimeAccount(Callback):
     """Keeps ``<output_dir>/time_account.json`` and puts its totals in ``summary.json``.
-
-    The trainer builds one for every run (before resume, which trims
-    ``metrics.jsonl``: the steps a killed run logged tell how far it came).
+    The trainer builds one for every run, before the resume trims ``metrics.jsonl``.
 
     Example::
 
@@ -285,3 +278,67 @@ def _roll_back(seg: dict[str, Any], step: int) -> None:
 def _retry_seconds(trainer: "RunView") -> float:
     autobatch = getattr(trainer, "autobatch", None)
     return float(getattr(autobatch, "retry_seconds", 0.0)) if autobatch is not None else 0.0
+
+
+class PhaseSampler:
+    """How much of training waits for data, measured without touching the step.
+
+    The loop already writes its phase into the heartbeat (``data loading`` while it
+    waits in ``next(batches)``). A background thread reads it every ``interval``
+    seconds and counts; the share of readings in the data phase, times the training
+    time, is the data wait. The thread takes the GIL for a few microseconds 50 times a
+    second. It is a sample: good to a fraction of a percent over minutes, rough over
+    seconds.
+
+    Example::
+
+        sampler = PhaseSampler(trainer.heartbeat)
+        sampler.start()
+        ...                                   # training
+        sampler.stop()
+        sampler.data_share()                  # 0.07: 7 % of the readings were data waits
+    """
+
+    def __init__(self, heartbeat: Any, interval: float = 0.02) -> None:
+        self.heartbeat, self.interval = heartbeat, interval
+        self.readings = 0
+        self.data_readings = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        # The thread holds the sampler weakly: a trainer that failed and was dropped
+        # without stop() does not keep a thread alive.
+        self._thread = threading.Thread(target=_sample, args=(weakref.ref(self), self._stop,
+                                                              self.interval),
+                                        name="sailfin-phase-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+
+    def data_share(self) -> float:
+        """The share of readings taken while the loop waited for data."""
+        return self.data_readings / self.readings if self.readings else 0.0
+
+    def _read(self) -> None:
+        self.readings += 1
+        if self.heartbeat.phase == DATA:
+            self.data_readings += 1
+
+    def __del__(self) -> None:
+        self._stop.set()
+
+
+def _sample(ref: "weakref.ref[PhaseSampler]", stop: threading.Event, interval: float) -> None:
+    while not stop.wait(interval):
+        sampler = ref()
+        if sampler is None:
+            return
+        sampler._read()
+        del sampler

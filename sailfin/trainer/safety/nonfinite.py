@@ -1,21 +1,17 @@
 """What a NaN or infinite loss does to a run (``trainer.on_nonfinite``).
 
-* ``stop`` (default): the run ends with :class:`NonFiniteLossError`, naming the
-  step, its epoch and the dataset indices of the step's samples.
-* ``skip``: the step's gradients are dropped: no optimizer step, no scheduler
-  step; the step's samples still count as consumed. Counted and logged.
+* ``stop`` (default): the run ends with :class:`NonFiniteLossError`, naming the step,
+  its epoch and the dataset indices of its samples.
+* ``skip``: the step's gradients are dropped (no optimizer or scheduler step; its
+  samples count as consumed). Counted and logged.
 * ``warn``: a warning, counted and logged; the step runs as usual.
 
-Cost. On one CPU process the loss is read on the host each step (a read, not a
-device sync) and ``stop`` ends the run before the bad step touches the
-weights. On an accelerator, or across processes, ``stop`` and ``warn`` keep the
-losses on the device and read them where the loop syncs anyway: every
-``log_every_n_steps``, at the end of each epoch and before a checkpoint is
-written, so the default adds no per-step sync; the step named is still exact,
-but the weights have had the steps since then applied. ``skip`` must know
-before the optimizer steps, so it reads every step's loss: one host-device
-sync per step (and, across processes, one small all-reduce, so every rank
-skips the same steps).
+Cost. On one CPU process the loss is read each step (no device sync) and ``stop`` ends
+the run before the bad step touches the weights. On an accelerator or across processes,
+``stop`` and ``warn`` keep the losses on the device and read them where the loop syncs
+anyway (each log line, epoch end, before a checkpoint): the step named is still exact,
+but later steps have been applied. ``skip`` must know before the optimizer step: one
+sync per step (and, across processes, one small all-reduce, so all ranks skip alike).
 """
 
 from __future__ import annotations
@@ -82,20 +78,13 @@ class NonFiniteGuard:
         """True: go on with the optimizer step; False: skip it. Several processes: every
         rank must take the same decision, so the losses are reduced first."""
         value = self._reduce(loss.detach().clone()).item()
-        if math.isfinite(value):
-            return True
-        self._found(value, global_step, epoch, step, applied=False)
-        return self.policy == "warn"
+        return math.isfinite(value) or self._found(value, global_step, epoch, step, False)
 
     def _observe_local(self, loss: torch.Tensor, global_step: int, epoch: int,
                        step: int) -> bool:
-        """One process: this rank's own loss decides (``_observe_now`` without the
-        collective)."""
+        """One process: this rank's own loss decides (no collective)."""
         value = loss.item()
-        if math.isfinite(value):
-            return True
-        self._found(value, global_step, epoch, step, applied=False)
-        return self.policy == "warn"
+        return math.isfinite(value) or self._found(value, global_step, epoch, step, False)
 
     def _observe_deferred(self, loss: torch.Tensor, global_step: int, epoch: int,
                           step: int) -> bool:
@@ -121,7 +110,8 @@ class NonFiniteGuard:
                             applied=True, steps_after=len(values) - i - 1)
 
     def _found(self, value: float, global_step: int, epoch: int, step: int, applied: bool,
-               steps_after: int = 0) -> None:
+               steps_after: int = 0) -> bool:
+        """Raise (stop) or warn; True: the step goes on (warn), False: skip it."""
         self.count += 1
         where = (f"the loss of train_step at global_step={global_step} (epoch {epoch}, "
                  f"step {step} of the epoch, counted from 0) is {value}")
@@ -145,3 +135,4 @@ class NonFiniteGuard:
         action = "skipped that step" if self.policy == "skip" else "carrying on"
         warnings.warn(f"{where}; {action} (on_nonfinite={self.policy}; {self.count} so far)",
                       NonFiniteLossWarning, stacklevel=3)
+        return self.policy == "warn"

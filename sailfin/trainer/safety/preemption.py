@@ -1,19 +1,15 @@
 """Preemption: SIGTERM (or a first Ctrl-C) ends the run cleanly, with a checkpoint.
 
-SLURM, Kubernetes and spot instances send SIGTERM some time before they kill.
-The handler only notes the signal; the training loop finishes the optimizer
-step it is in, every rank saves a checkpoint of the same step, the writers are
-closed and the run exits with :data:`PREEMPTED_EXIT_CODE` and one line saying
-so. Running the same command again resumes from that checkpoint. A second
-Ctrl-C aborts at once (``KeyboardInterrupt``, exit 130); the previous
-checkpoints are safe whatever moment it lands.
+SLURM, Kubernetes and spot instances send SIGTERM some time before they kill. The
+handler only notes the signal; the loop finishes its optimizer step, every rank saves a
+checkpoint of the same step, and the run exits with :data:`PREEMPTED_EXIT_CODE`; the
+same command resumes from it. A second Ctrl-C aborts at once (``KeyboardInterrupt``,
+exit 130); earlier checkpoints are safe whenever it lands.
 
-Ranks must stop at the same step, but a signal reaches each worker at its own
-moment. A single process stops after the step in progress. With several ranks
-they agree every ``trainer.preemption_check_every_n_steps`` optimizer steps
-(default 10) with one all-reduce of a single number; a stop lands at most that
-many steps after the signal. Between those steps the loop pays one integer
-comparison per step, nothing else.
+Ranks must stop at the same step, but a signal reaches each at its own moment: a
+single process stops after the step in progress; several ranks agree every
+``trainer.preemption_check_every_n_steps`` steps with one all-reduce of one number.
+Between those steps the loop pays one integer comparison per step.
 """
 
 from __future__ import annotations
@@ -48,25 +44,8 @@ class TrainingPreempted(Exception):
                          "command again to resume from it")
 
 
-def save_and_stop(trainer: Any) -> None:
-    """Every rank: save this step (unless saved already), wait until it is on storage,
-    and raise :class:`TrainingPreempted`."""
-    from ..checkpointing.saver import CheckpointCallback
-
-    saver = trainer.saver or CheckpointCallback(trainer.checkpointer, trainer.args.checkpoint)
-    saver.save(trainer)
-    trainer.checkpointer.wait()
-    latest = trainer.checkpointer.latest()
-    raise TrainingPreempted(trainer.preemption.signal_name or "a signal", trainer.global_step,
-                            f"{trainer.checkpointer.location}/{latest}" if latest else None)
-
-
 class Preemption:
     """Notes SIGTERM/SIGINT and tells the loop when every rank should stop.
-
-    The loop tests ``global_step >= preemption.check_at`` after each step,
-    calls :meth:`poll` only when that holds, and :meth:`save_and_stop` when it says
-    stop.
 
     Example::
 
@@ -77,8 +56,7 @@ class Preemption:
             for step in range(1, n + 1):
                 train_one_step()
                 if step >= preemption.check_at and preemption.poll(step):
-                    save()
-                    break
+                    preemption.save_and_stop(trainer)   # raises TrainingPreempted
         finally:
             preemption.uninstall()
     """
@@ -136,9 +114,18 @@ class Preemption:
 
     # -- the loop's question -------------------------------------------------------------
     def save_and_stop(self, trainer: Any) -> None:
-        """Every rank: save this step, wait until it is on storage, and raise
-        :class:`TrainingPreempted` (the loop calls it once :meth:`poll` said stop)."""
-        save_and_stop(trainer)
+        """Every rank: save this step (unless saved already), wait until it is on storage,
+        and raise :class:`TrainingPreempted` (the loop calls it once :meth:`poll` said
+        stop)."""
+        from ..checkpointing.saver import CheckpointCallback
+
+        saver = trainer.saver or CheckpointCallback(trainer.checkpointer,
+                                                    trainer.args.checkpoint)
+        saver.save(trainer)
+        trainer.checkpointer.wait()
+        latest = trainer.checkpointer.latest()
+        raise TrainingPreempted(self.signal_name or "a signal", trainer.global_step,
+                                f"{trainer.checkpointer.location}/{latest}" if latest else None)
 
     def poll(self, global_step: int) -> bool:
         """True when every rank stops after ``global_step``; with several ranks, one small

@@ -1,23 +1,15 @@
 """A run owns its output directory: an OS file lock held for the run's life.
 
-Rank 0 takes ``<output_dir>/.sailfin.lock`` with ``fcntl.flock`` before it
-writes anything there, and writes the owner (host, pid, start time) into the
-file. A second run into the same directory stops at once with a message
-naming the owner. The kernel releases the lock when its process dies, however
-it dies (SIGKILL, OOM killer, power loss on a local disk); the next run then
-finds the lock free but the owner's line still in the file, and says that it
-takes over from a run that is no longer running. A run that ends normally
-empties the file before it lets go.
+Rank 0 takes ``<output_dir>/.sailfin.lock`` with ``fcntl.flock`` before it writes
+anything there, and writes its owner (host, pid, start time) into it; a second run into
+the directory stops at once, naming the owner. The kernel releases the lock when its
+process dies, however it dies: the next run finds the owner's line still there and says
+it takes over from a run no longer running. A run that ends normally empties the file.
 
-Shared file systems: on Linux NFS (v3 through the lock manager, v4 natively)
-``flock`` is carried out as a whole-file byte-range lock that every client
-sees, so two nodes cannot both hold it; a client that loses its lease (a
-crashed node) has its locks released by the server after the lease time.
-File systems that do not support locks (some FUSE mounts; NFS mounted with
-``nolock`` or ``local_lock=all``) lock only within one node: see
-docs/robustness.md. Object stores have no locks at all: this lock protects
-``output_dir`` (metrics, summary, final weights, and checkpoints when they are
-kept there), not a ``trainer.checkpoint.dir`` that is a URL.
+On Linux NFS, ``flock`` is a whole-file byte-range lock every client sees (a crashed
+client's locks go after the lease time). File systems without locks (some FUSE mounts,
+NFS with ``nolock`` or ``local_lock=all``) lock within one node only (docs/robustness.md).
+Object stores have no locks: this protects ``output_dir``, not a checkpoint URL.
 """
 
 from __future__ import annotations
@@ -59,10 +51,6 @@ class RunLock:
         self._file: Optional[IO[str]] = None
         self.took_over: Optional[dict[str, Any]] = None
         """The owner a dead run left in the file, when this run took its lock over."""
-
-    @property
-    def held(self) -> bool:
-        return self._file is not None
 
     def acquire(self, grace_seconds: float = GRACE_SECONDS) -> "RunLock":
         """Take the lock; a holder still there after ``grace_seconds`` is another run."""

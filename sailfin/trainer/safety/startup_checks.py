@@ -1,14 +1,8 @@
-"""Checks that fail a run at its start rather than after an epoch.
-
-- :func:`check_schedulers_fit`: a scheduler built for a fixed number of steps
-  (``OneCycleLR``'s ``total_steps``) cannot run past them; a run extended with
-  more epochs or ``max_steps`` stops before its first step, naming it.
-- :func:`sanity_validate`: ``trainer.sanity_val_batches`` validation batches go
-  through ``val_step`` before the first training step, their outputs are
-  checked, and ``on_end_val_epoch`` runs on them (its signature is checked). It draws nothing from the training's random streams, so the run's
-  result is the same with or without it.
-- :func:`train_output_checker`: the first ``train_step`` return value is
-  checked once; the loop then unpacks returns without checking.
+"""Checks that fail a run at its start rather than after an epoch: a scheduler built for
+fewer steps than the run takes (:func:`check_schedulers_fit`), a few validation batches
+through ``val_step`` and ``on_end_val_epoch``'s signature (:func:`sanity_validate`,
+drawing nothing from the training's random streams), and the first ``train_step``
+return (:func:`train_output_checker`).
 
 Example::
 
@@ -56,13 +50,10 @@ def steps_left(trainer: "RunView") -> int:
 
 
 def nothing_to_train(trainer: "RunView") -> Optional[dict[str, Any]]:
-    """When the run resumed at the end its config asks for (the same command run again, or
-    fewer epochs): what it finished at and the message that says so (rank 0 prints it);
-    None otherwise. The run then trains nothing and writes nothing; ``Trainer.train``
-    returns the finished run's summary with this as ``nothing_trained``, and
-    ``sailfin train`` exits 3 (:data:`~sailfin.distributed.exit_codes.NOTHING_TO_TRAIN_EXIT_CODE`).
-    A restart of a finished job (torchrun ``--max-restarts``, a Slurm requeue) is no such
-    case: the job is done."""
+    """When the run resumed at the end its config asks for (the same command again, or
+    fewer epochs): what it finished at and the message saying so (rank 0 prints it); the
+    run then trains and writes nothing, and ``sailfin train`` exits 3. None otherwise,
+    also for a restart of a finished job (torchrun ``--max-restarts``): the job is done."""
     if steps_left(trainer) or trainer.resumed_from is None:
         return None
     args = trainer.args
@@ -191,8 +182,8 @@ def train_output_checker(step: int) -> Callable[[Any], None]:
         else:
             loss = out
         if not isinstance(loss, torch.Tensor):
-            raise StartupCheckError(f"{where} returned {_describe(loss)} as the loss; it must "
-                                    f"return {TRAIN_STEP_FORMS}")
+            raise StartupCheckError(f"{where} returned {type(loss).__name__} as the loss; it "
+                                    f"must return {TRAIN_STEP_FORMS}")
         if loss.numel() != 1:
             raise StartupCheckError(
                 f"{where} returned a loss of shape {list(loss.shape)}; return the batch's "
@@ -206,8 +197,3 @@ def train_output_checker(step: int) -> Callable[[Any], None]:
 
     return check
 
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"Tensor of shape {list(value.shape)}"
-    return type(value).__name__
