@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from . import manifest as manifests
 from .errors import CheckpointCorrupt
-from .serialize import _checksum_file
+from .serialize import checksum_file
 
 DEFAULT_PARENT = "/dev/shm"
 PREFIX = "sailfin-"
@@ -237,7 +237,7 @@ def intact(path: str, world_size: Optional[int] = None, run: Optional[str] = Non
             return None
         if run is not None and about.get("run") != run:
             return None
-        if all((_checksum_file(os.path.join(path, name)) == (entry.size, entry.crc32))
+        if all((checksum_file(os.path.join(path, name)) == (entry.size, entry.crc32))
                if verify else os.path.getsize(os.path.join(path, name)) == entry.size
                for name, entry in files.items()):
             return manifest

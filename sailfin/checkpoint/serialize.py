@@ -285,7 +285,7 @@ def checksum_stream(stream: Any, update: Callable[..., int] = crc32) -> tuple[in
     return size, crc
 
 
-def _checksum_file(path: str) -> tuple[int, int]:
+def checksum_file(path: str) -> tuple[int, int]:
     with open(path, "rb") as fh:
         return checksum_stream(fh)
 
