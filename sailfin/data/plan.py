@@ -1,23 +1,16 @@
 """The batch plan: which global positions form each optimizer step, per rank.
 
-``train_batch_size`` is the GLOBAL batch G. With micro batch m and world W the
-plan accumulates A = G / (m * W) micro-batches per step. Step k of an epoch
-consumes global positions ``[k*G, min((k+1)*G, N))``; inside a step the
-positions split contiguously and as evenly as possible over the ranks, and each
-rank cuts its share into micro-batches of m (the last one may be short).
+``train_batch_size`` is the GLOBAL batch G; with micro batch m and world W a step
+accumulates A = G / (m * W) micro-batches. Step k consumes positions
+``[k*G, min((k+1)*G, N))``, split contiguously and evenly over the ranks, each
+share cut into micro-batches of m. Only an epoch's last step can be short.
 
-Only the last step of an epoch can be short. Each micro-batch's mean loss is
-weighted by ``count * W / n_step``: DDP averages gradients over W ranks, so the
-summed gradient equals the mean-loss gradient of one process over the whole
-step, whatever W, m and A are.
-
-Every rank runs the same number of micro-batches in every step, so a
-collective inside the forward (an all-gather for a contrastive loss,
-SyncBatchNorm) meets its partners on the other ranks. In a short step the
-largest share needs ``ceil(ceil(n_step / W) / m)`` micro-batches; a rank whose
-share fills one fewer (its share is an exact multiple of m, or empty when the
-step has fewer samples than ranks) runs one more micro-batch of one padding
-sample, the step's first, with weight 0: it changes no gradient.
+Each micro-batch's mean loss is weighted by ``count * W / n_step``: DDP averages
+over W ranks, so the summed gradient is the mean-loss gradient of the whole step,
+whatever W, m and A are. Every rank runs the same number of micro-batches per
+step, so a collective inside the forward (SyncBatchNorm, a contrastive
+all-gather) meets its partners: a rank whose share fills one fewer runs one
+padding micro-batch (the step's first sample) with weight 0.
 """
 
 from __future__ import annotations
@@ -178,15 +171,19 @@ def _split(n: int, parts: int, i: int) -> tuple[int, int]:
     return lo, lo + base + (1 if i < extra else 0)
 
 
-@lru_cache(maxsize=256)
-def _micro_batches(micro: int, world: int, n_step: int, rank: int) -> tuple[MicroBatch, ...]:
+@lru_cache(maxsize=1024)
+def _micro_batches(micro: int, world: int, n_step: int, rank: int, private: bool = False
+                   ) -> tuple[MicroBatch, ...]:
+    """``private`` (DP-SGD): weight 1, and at least one micro-batch (an empty step too)."""
     lo, hi = _split(n_step, world, rank)
     share = hi - lo
     # Every rank runs as many micro-batches as the largest share (rank 0's) needs.
     count = math.ceil(math.ceil(n_step / world) / micro)
+    count = max(1, count) if private else count
     real = math.ceil(share / micro)  # count or count - 1 (the shares differ by at most 1)
     sizes = [micro] * (real - 1) + [share - micro * (real - 1)] if real else []
-    out = [MicroBatch(c, c * world / n_step, i == count - 1) for i, c in enumerate(sizes)]
+    out = [MicroBatch(c, 1.0 if private else c * world / n_step, i == count - 1)
+           for i, c in enumerate(sizes)]
     if real < count:
         out.append(MicroBatch(count=1, weight=0.0, last=True, padding=True))
     return tuple(out)

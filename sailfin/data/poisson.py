@@ -1,23 +1,18 @@
 """The batch plan and sampler of differentially private training.
 
 DP-SGD clips each sample's gradient, so a micro-batch's mean loss is never
-re-weighted (weight 1; Opacus's hooks undo the mean): :class:`PrivatePlan`.
-With Poisson sampling (:class:`PoissonPlan`, what DP accounting assumes) step
-``k`` of epoch ``e`` takes each of the N samples independently with
-probability ``q = train_batch_size / N``: its logical batch varies around the
-global batch. The draw is a pure function of (seed, e, k), the same on every
-rank and world size, so the sampler's state is the data position the
-checkpoint already holds (epoch, step): a resumed run draws the same batches.
-Inside a step the drawn samples split over the ranks and into micro-batches of
-at most ``micro_batch_size`` as for fixed batches (what Opacus's
-``BatchMemoryManager`` does); every rank runs as many micro-batches as the
-largest share needs, padding with weight-0 samples, and an empty step is one
-padding micro-batch: its noise is still added and its step still accounted.
+re-weighted (weight 1): :class:`PrivatePlan`. With Poisson sampling
+(:class:`PoissonPlan`, what DP accounting assumes) step ``k`` of epoch ``e``
+takes each of the N samples with probability ``q = train_batch_size / N``. The
+draw is a pure function of (seed, e, k), the same on every rank and world size,
+so a resumed run draws the same batches from the (epoch, step) the checkpoint
+holds. The drawn samples split over ranks and micro-batches as fixed batches do
+(Opacus's ``BatchMemoryManager``); an empty step is one weight-0 padding
+micro-batch: its noise is still added and its step still accounted.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Iterator, Optional
@@ -25,7 +20,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from .plan import BatchPlan, MicroBatch, _split
+from .plan import BatchPlan, MicroBatch, _micro_batches, _split
 from .sampler import ResumableSampler
 
 
@@ -47,7 +42,7 @@ class PrivatePlan(BatchPlan):
 
     def micro_batches(self, step: int, num_samples: int, rank: int) -> tuple[MicroBatch, ...]:
         start, stop = self.step_positions(step, num_samples)
-        return private_micro_batches(self.micro_batch, self.world_size, stop - start, rank)
+        return _micro_batches(self.micro_batch, self.world_size, stop - start, rank, True)
 
     def sampler(self, num_samples: int, rank: int = 0, seed: int = 0, shuffle: bool = True,
                 order: Any = None) -> "PrivateSampler":
@@ -55,8 +50,8 @@ class PrivatePlan(BatchPlan):
 
 
 class PrivateSampler(ResumableSampler):
-    """The fixed-size batches of ``poisson_sampling: false``: a :class:`ResumableSampler`
-    whose loader must sample with it alone (:func:`check_loader`)."""
+    """A :class:`ResumableSampler` whose loader must sample with it alone
+    (:func:`check_loader`): ``poisson_sampling: false``, and the base of Poisson's."""
 
     def check_loader(self, loader: Any) -> None:
         check_loader(loader, self)
@@ -86,27 +81,6 @@ class PoissonPlan(PrivatePlan):
         return PoissonSampler(num_samples, self, rank, seed if self.seed is None else self.seed)
 
 
-def private_micro_batches(micro: int, world: int, n_step: int, rank: int
-                          ) -> tuple[MicroBatch, ...]:
-    """This rank's micro-batches of a step of ``n_step`` samples: weight 1, at least one
-    (a weight-0 padding sample when its share needs fewer than the largest share)."""
-    return _private_micro_batches(micro, world, n_step, rank)
-
-
-@lru_cache(maxsize=1024)
-def _private_micro_batches(micro: int, world: int, n_step: int, rank: int
-                           ) -> tuple[MicroBatch, ...]:
-    lo, hi = _split(n_step, world, rank)
-    share = hi - lo
-    count = max(1, math.ceil(math.ceil(n_step / world) / micro))
-    real = math.ceil(share / micro)
-    sizes = [micro] * (real - 1) + [share - micro * (real - 1)] if real else []
-    out = [MicroBatch(c, 1.0, i == count - 1) for i, c in enumerate(sizes)]
-    if real < count:
-        out.append(MicroBatch(count=1, weight=0.0, last=True, padding=True))
-    return tuple(out)
-
-
 @lru_cache(maxsize=64)
 def poisson_draw(num_samples: int, rate: float, seed: int, epoch: int, step: int
                  ) -> np.ndarray:
@@ -120,7 +94,7 @@ def poisson_draw(num_samples: int, rate: float, seed: int, epoch: int, step: int
     return drawn
 
 
-class PoissonSampler(ResumableSampler):
+class PoissonSampler(PrivateSampler):
     """This rank's dataset indices for the Poisson steps ``[start_step, steps_in_epoch)``.
 
     Iterated flat it yields every micro-batch's indices in order; :meth:`batches`
@@ -143,8 +117,8 @@ class PoissonSampler(ResumableSampler):
         return poisson_draw(self.num_samples, self.rate, self.seed, epoch, step)
 
     def micro_batches(self, step: int) -> tuple[MicroBatch, ...]:
-        return private_micro_batches(self.plan.micro_batch, self.plan.world_size,
-                                     len(self.draw(step)), self.rank)
+        return _micro_batches(self.plan.micro_batch, self.plan.world_size,
+                              len(self.draw(step)), self.rank, True)
 
     def step_samples(self, step: int) -> int:
         return len(self.draw(step))
@@ -170,9 +144,6 @@ class PoissonSampler(ResumableSampler):
 
     def __len__(self) -> int:
         return sum(len(b) for b in self.batches())
-
-    def check_loader(self, loader: Any) -> None:
-        check_loader(loader, self)
 
     def wrap_loader(self, loader: Any) -> Any:
         """The recipe's loader rebuilt to read this sampler's micro-batches of varying size

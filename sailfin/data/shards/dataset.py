@@ -12,14 +12,11 @@ import numpy as np
 import torch
 
 from ...utils.voice import say
+from ..sampler import window_order
 from .codecs import DECODE_MODES, Decoder, decoder_for
-from .counter import SharedCounter
-from .errors import ShardError, where
-from .index import ShardIndex, Table
-from .indexing import check_size, load_index
-from .order import window_order
-from .remote import ShardCache
-from .urls import Urls, expand_urls, kind, local_path
+from .errors import ShardError, SharedCounter, where
+from .index import ShardIndex, Table, check_size, load_index
+from .remote import ShardCache, Urls, expand_urls, kind, local_path
 
 ON_ERROR = ("raise", "skip")
 
