@@ -27,18 +27,14 @@ _REBUILT = {"dataset", "shuffle", "batch_sampler", "collate_fn"}
 
 
 class GatheredTensors(torch.utils.data.Dataset):
-    """A view of a ``TensorDataset`` (or nested ``Subset`` of one) that gathers batches.
-
-    ``view[i]`` is ``source[i]``; ``view.__getitems__(indices)`` returns the
-    already collated micro-batch (what ``default_collate`` would make of
-    ``[source[i] for i in indices]``), to be passed through by
-    :func:`pass_through`. ``source`` is the recipe's dataset.
+    """A view of a ``TensorDataset`` (or nested ``Subset`` of one) that gathers batches:
+    ``view[i]`` is ``source[i]``; ``view.__getitems__(indices)`` is the micro-batch
+    ``default_collate`` would make (the loader's collate is then :func:`pass_through`).
 
     Example::
 
         ds = TensorDataset(torch.randn(100, 4), torch.arange(100))
-        view = GatheredTensors(ds)
-        x, y = view.__getitems__([3, 1, 2])     # y == tensor([3, 1, 2])
+        x, y = GatheredTensors(ds).__getitems__([3, 1, 2])     # y == tensor([3, 1, 2])
     """
 
     def __init__(self, source: Any) -> None:

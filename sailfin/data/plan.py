@@ -40,8 +40,7 @@ class BatchPlan:
     Example::
 
         plan = BatchPlan.create(global_batch=64, micro_batch=16, world_size=2)
-        plan.accumulation            # 2
-        plan.steps_in_epoch(1000)    # 16 (the 16th step has 40 samples)
+        plan.accumulation, plan.steps_in_epoch(1000)    # 2, 16 (the last has 40 samples)
     """
 
     global_batch: int
@@ -56,10 +55,9 @@ class BatchPlan:
                drop_last: bool = False, max_steps_per_epoch: Optional[int] = None,
                micro_batch_limit: Optional[int] = None,
                note: Optional[Callable[[str], None]] = None) -> "BatchPlan":
-        """``micro_batch`` is exact, except that one larger than a rank's share of the
-        global batch is lowered to that share (the global batch, and so every step's
-        samples and the result, unchanged; ``note`` gets one line saying so): the
-        natural setting on one device, micro = global, runs as is on several.
+        """``micro_batch`` is exact, except that one above a rank's share of the global batch
+        is lowered to that share (``note`` gets one line saying so; the result is the
+        same), so micro = global from one device runs as is on several.
         ``micro_batch_limit`` (PyMarlin's ``gpu_batch_size_limit``) is a ceiling: the
         largest micro batch within it that divides this world's share."""
         if world_size < 1:
@@ -96,12 +94,7 @@ class BatchPlan:
                           ceiling: Optional[int] = None) -> tuple[int, ...]:
         """Every micro-batch size a plan for (global batch, world size) allows, largest
         first, none above ``ceiling``: the sizes ``micro_batch_size: auto`` tries.
-
-        Example::
-
-            BatchPlan.micro_batch_sizes(24, 2)            # (12, 6, 4, 3, 2, 1)
-            BatchPlan.micro_batch_sizes(24, 2, ceiling=5)  # (4, 3, 2, 1)
-        """
+        E.g. ``BatchPlan.micro_batch_sizes(24, 2, ceiling=5)`` is ``(4, 3, 2, 1)``."""
         if world_size < 1 or global_batch % world_size:
             raise ConfigError(
                 f"trainer.train_batch_size={global_batch} does not split over {world_size} "
@@ -149,11 +142,8 @@ class BatchPlan:
 
 
 def largest_micro_batch(global_batch: int, world_size: int, limit: int) -> int:
-    """The largest m <= ``limit`` with ``global_batch`` a multiple of m x ``world_size``.
-
-    Example: ``largest_micro_batch(64, 2, 64)`` is 32 (no accumulation);
-    ``largest_micro_batch(96, 1, 40)`` is 32 (3 accumulation steps).
-    """
+    """The largest m <= ``limit`` with ``global_batch`` a multiple of m x ``world_size``:
+    ``largest_micro_batch(96, 1, 40)`` is 32 (3 accumulation steps)."""
     if global_batch % world_size:
         lower = global_batch - global_batch % world_size
         raise ConfigError(

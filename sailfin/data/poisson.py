@@ -31,8 +31,7 @@ class PrivatePlan(BatchPlan):
 
     Example::
 
-        plan = PrivatePlan.from_plan(BatchPlan.create(64, 16, 1))
-        plan.micro_batches(0, 1000, 0)[0].weight     # 1.0
+        PrivatePlan.from_plan(BatchPlan.create(64, 16, 1)).micro_batches(0, 1000, 0)[0].weight  # 1
     """
 
     @classmethod
@@ -51,24 +50,46 @@ class PrivatePlan(BatchPlan):
 
 class PrivateSampler(ResumableSampler):
     """A :class:`ResumableSampler` whose loader must sample with it alone
-    (:func:`check_loader`): ``poisson_sampling: false``, and the base of Poisson's."""
+    (:meth:`check_loader`): ``poisson_sampling: false``, and the base of Poisson's."""
 
     def check_loader(self, loader: Any) -> None:
-        check_loader(loader, self)
+        """Refuse a training loader that does not sample with this sampler alone: the
+        privacy accountant assumes sailfin's sampling, so a recipe's own sampler or batch
+        sampler, ``drop_last`` or another dataset would make epsilon wrong silently."""
+        from torch.utils.data import BatchSampler, DataLoader
+
+        name = type(loader).__name__
+        if not isinstance(loader, DataLoader):
+            wrong = "is not a torch DataLoader: sailfin cannot see how it samples"
+        elif not (type(loader.batch_sampler) is BatchSampler
+                  and loader.batch_sampler.sampler is loader.sampler):
+            wrong = (f"samples with its own batch sampler "
+                     f"({type(loader.batch_sampler).__name__})")
+        elif loader.sampler is not self:
+            wrong = f"samples with its own sampler ({type(loader.sampler).__name__})"
+        elif loader.drop_last:
+            wrong = "drops the last micro-batch (drop_last=True)"
+        elif len(loader.dataset) != self.num_samples:
+            wrong = (f"reads a dataset of {len(loader.dataset)} samples, not the "
+                     f"{self.num_samples} it passed to sampler(dataset)")
+        else:
+            return
+        raise ValueError(
+            f"get_train_dataloader returned a {name} that {wrong}; under a -dp backend each "
+            "step's samples must be the ones sailfin's sampler draws (the privacy accountant "
+            "assumes its sampling rate): build it as DataLoader(dataset, batch_size=batch_size, "
+            "sampler=sampler(dataset))")
 
 
 @dataclass(frozen=True)
 class PoissonPlan(PrivatePlan):
-    """Poisson sampling: the global batch is the expected logical batch of a step.
-
+    """Poisson sampling: the global batch is the expected logical batch of a step;
     ``seed`` replaces the run's seed for the draws (``trainer.dp.secure_rng``).
 
     Example::
 
-        plan = PoissonPlan.from_plan(BatchPlan.create(64, 16, 1))
-        sampler = plan.sampler(1000, rank=0, seed=42)
-        sampler.set_epoch(0)
-        sampler.micro_batches(0)     # this step's micro-batches, e.g. 5 of sizes 16,16,16,16,3
+        sampler = PoissonPlan.from_plan(BatchPlan.create(64, 16, 1)).sampler(1000, seed=42)
+        sampler.micro_batches(0)     # this step's micro-batches, e.g. sizes 16, 16, 16, 16, 3
     """
 
     seed: Optional[int] = None
@@ -95,10 +116,8 @@ def poisson_draw(num_samples: int, rate: float, seed: int, epoch: int, step: int
 
 
 class PoissonSampler(PrivateSampler):
-    """This rank's dataset indices for the Poisson steps ``[start_step, steps_in_epoch)``.
-
-    Iterated flat it yields every micro-batch's indices in order; :meth:`batches`
-    yields them micro-batch by micro-batch (the train loader's batch sampler).
+    """This rank's dataset indices for the Poisson steps ``[start_step, steps_in_epoch)``:
+    flat when iterated, per micro-batch from :meth:`batches` (the loader's batch sampler).
 
     Example::
 
@@ -147,39 +166,21 @@ class PoissonSampler(PrivateSampler):
 
     def wrap_loader(self, loader: Any) -> Any:
         """The recipe's loader rebuilt to read this sampler's micro-batches of varying size
-        (as Opacus's ``DPDataLoader`` rebuilds one with its batch sampler)."""
-        return poisson_loader(loader, self)
+        (as Opacus's ``DPDataLoader`` rebuilds one with its batch sampler): same dataset,
+        collate function, workers and pinning."""
+        from .batched import GatheredTensors, can_gather, pass_through
 
-
-def check_loader(loader: Any, sampler: ResumableSampler) -> None:
-    """Refuse a training loader that does not sample with ``sampler`` alone: the privacy
-    accountant assumes sailfin's sampling (each sample with probability q per step, or
-    sailfin's fixed-size batches), so a recipe's own sampler or batch sampler (a weighted
-    one, a fixed-size one under Poisson accounting), ``drop_last`` or another dataset
-    would make the reported epsilon wrong without a word."""
-    from torch.utils.data import BatchSampler, DataLoader
-
-    name = type(loader).__name__
-    if not isinstance(loader, DataLoader):
-        wrong = "is not a torch DataLoader: sailfin cannot see how it samples"
-    elif not (type(loader.batch_sampler) is BatchSampler
-              and loader.batch_sampler.sampler is loader.sampler):
-        wrong = (f"samples with its own batch sampler "
-                 f"({type(loader.batch_sampler).__name__})")
-    elif loader.sampler is not sampler:
-        wrong = f"samples with its own sampler ({type(loader.sampler).__name__})"
-    elif loader.drop_last:
-        wrong = "drops the last micro-batch (drop_last=True)"
-    elif len(loader.dataset) != sampler.num_samples:
-        wrong = (f"reads a dataset of {len(loader.dataset)} samples, not the "
-                 f"{sampler.num_samples} it passed to sampler(dataset)")
-    else:
-        return
-    raise ValueError(
-        f"get_train_dataloader returned a {name} that {wrong}; under a -dp backend each "
-        "step's samples must be the ones sailfin's sampler draws (the privacy accountant "
-        "assumes its sampling rate): build it as DataLoader(dataset, batch_size=batch_size, "
-        "sampler=sampler(dataset))")
+        dataset, collate = loader.dataset, loader.collate_fn
+        if can_gather(loader, self):  # in-memory tensors: one gather per micro-batch
+            dataset, collate = GatheredTensors(loader.dataset), pass_through
+        workers = loader.num_workers
+        return torch.utils.data.DataLoader(
+            dataset, batch_sampler=_Batches(self), collate_fn=collate, num_workers=workers,
+            pin_memory=loader.pin_memory, timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+            prefetch_factor=loader.prefetch_factor if workers else None,
+            persistent_workers=loader.persistent_workers if workers else False)
 
 
 class _Batches(torch.utils.data.Sampler[list[int]]):
@@ -191,22 +192,3 @@ class _Batches(torch.utils.data.Sampler[list[int]]):
 
     def __len__(self) -> int:
         return sum(1 for _ in self.sampler.batches())
-
-
-def poisson_loader(loader: Any, sampler: PoissonSampler) -> torch.utils.data.DataLoader:
-    """``loader`` with ``sampler``'s micro-batches as its batch sampler: same dataset,
-    collate function, workers and pinning."""
-    from torch.utils.data import DataLoader
-    from .batched import GatheredTensors, can_gather, pass_through
-
-    dataset, collate = loader.dataset, loader.collate_fn
-    if can_gather(loader, sampler):  # in-memory tensors: one gather per micro-batch
-        dataset, collate = GatheredTensors(loader.dataset), pass_through
-    workers = loader.num_workers
-    return DataLoader(dataset, batch_sampler=_Batches(sampler), collate_fn=collate,
-                      num_workers=workers, pin_memory=loader.pin_memory,
-                      timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-                      multiprocessing_context=loader.multiprocessing_context,
-                      generator=loader.generator,
-                      prefetch_factor=loader.prefetch_factor if workers else None,
-                      persistent_workers=loader.persistent_workers if workers else False)

@@ -26,8 +26,8 @@ def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """A 64-bit seed for sample ``index`` in ``epoch``: random augmentation drawn from it
-    is the same whichever rank, DataLoader worker or resumed run loads the sample.
+    """A 64-bit seed for sample ``index`` in ``epoch``: augmentation drawn from it is the
+    same whichever rank, worker or resumed run loads the sample.
 
     Example (a dataset whose ``set_epoch`` the trainer calls before each epoch)::
 
@@ -77,11 +77,9 @@ EpochOrder = Callable[[int, int], np.ndarray]
 
 @runtime_checkable
 class OrderedDataset(Protocol):
-    """A dataset that chooses its own epoch order (a sharded one reads shard by shard).
-
-    ``epoch_order(seed, epoch)`` returns a permutation of ``range(len(dataset))``
-    that depends on nothing else (not the world size, not the workers).
-    """
+    """A dataset that chooses its own epoch order (a sharded one reads shard by shard):
+    ``epoch_order(seed, epoch)``, a permutation of ``range(len(dataset))`` that depends
+    on nothing else."""
 
     def __len__(self) -> int: ...
 
@@ -89,11 +87,9 @@ class OrderedDataset(Protocol):
 
 
 class ResumableSampler(torch.utils.data.Sampler[int]):
-    """This rank's dataset indices for the steps ``[start_step, steps_in_epoch)``.
-
-    ``order(seed, epoch)``, when given, replaces the default permutation (an
-    :class:`OrderedDataset`'s ``epoch_order``); ``shuffle=False`` still means
-    the natural order.
+    """This rank's dataset indices for the steps ``[start_step, steps_in_epoch)``, in the
+    order ``order(seed, epoch)`` gives (an :class:`OrderedDataset`'s ``epoch_order``)
+    or the default permutation; ``shuffle=False``: the natural order.
 
     Example::
 

@@ -13,21 +13,16 @@ a small JSON document::
      "sizes": [1, 873, ...],          # per member: data size in bytes
      "crc32": [2212294583, ...]}      # per member: zlib.crc32 of its data (optional)
 
-``crc32`` is checked by the reader on every sample (``verify_checksums``):
-a changed byte in a member raises ShardError naming shard, sample and offset.
-Indexes written before it existed have no ``crc32`` and are read unchecked.
+Indexes without ``crc32`` (older ones) are read unchecked. Members group into
+samples as WebDataset's do: ``dir/000123.x.npy`` has key ``dir/000123`` and
+extension ``x.npy``; consecutive members with one key form a sample, so one
+positional read fetches a whole sample. Members without an extension belong to none.
 
-Members are grouped into samples as WebDataset does: ``dir/000123.x.npy`` has key
-``dir/000123`` and extension ``x.npy``; consecutive members with one key form a
-sample, so one positional read fetches a whole sample. Members without an
-extension belong to no sample.
-
-Where the index comes from, at start-up: for a local shard, the ``.idx`` beside it
-(checked against the shard's size), else one cached earlier (keyed by path, size and
-modification time), else the tar's headers are scanned and the index written beside
-the shard (into the cache when that directory is read-only). For a remote shard, the
-cached index, else ``URL.idx``, else the shard is downloaded (it will be read
-anyway), scanned, and the index cached.
+At start-up a local shard's index is the ``.idx`` beside it (checked against the
+shard's size), else one cached (keyed by path, size and mtime), else the tar is
+scanned and the index written beside it (into the cache when read-only). A remote
+shard's is the cached one, else ``URL.idx``, else the shard is downloaded (it will
+be read anyway), scanned, and the index cached.
 """
 
 from __future__ import annotations
@@ -61,7 +56,6 @@ class ShardIndex:
     Example::
 
         index = ShardIndex.from_members(tarformat.scan(fd, size), size)
-        index.num_samples, index.keys[0]
         index.save("shard-000000.tar.idx")
     """
 
@@ -83,10 +77,7 @@ class ShardIndex:
         exts: dict[str, int] = {}
         keys: list[str] = []
         counts: list[int] = []
-        ext_ids: list[int] = []
-        offsets: list[int] = []
-        sizes: list[int] = []
-        crcs: Optional[list[int]] = []
+        ext_ids, offsets, sizes, crcs = [], [], [], []
         for m in members:
             key, ext = split_name(m.name)
             if not ext:
@@ -98,10 +89,8 @@ class ShardIndex:
             ext_ids.append(exts.setdefault(ext, len(exts)))
             offsets.append(m.offset)
             sizes.append(m.size)
-            if crcs is not None:  # all members have one, or the index has none
-                crcs = None if m.crc32 is None else crcs
-                if crcs is not None:
-                    crcs.append(m.crc32)  # type: ignore[arg-type]
+            crcs.append(m.crc32)
+        crcs = None if None in crcs else crcs  # all members have one, or the index has none
         return cls._build(tar_bytes, tuple(exts), keys, counts, ext_ids, offsets, sizes, crcs)
 
     @classmethod
@@ -258,12 +247,10 @@ def load_index(url: str, cache: ShardCache, skip_bad: bool) -> ShardIndex:
                 raise ShardError(str(exc), url) from None
             _save(index, cached)
             return index
-    path = cache.fetch(url)
-    index = _scan(path, url, skip_bad)
-    if index is not None:
+    index, whole = _scan(cache.fetch(url), url, skip_bad)
+    if whole:
         _save(index, cached)
-        return index
-    return _scan_partial(path, url)
+    return index
 
 
 def _local_index(url: str, cache: ShardCache, skip_bad: bool) -> ShardIndex:
@@ -282,9 +269,9 @@ def _local_index(url: str, cache: ShardCache, skip_bad: bool) -> ShardIndex:
         + INDEX_SUFFIX
     if os.path.exists(cached):
         return _read(cached)
-    index = _scan(path, url, skip_bad)
-    if index is None:
-        return _scan_partial(path, url)
+    index, whole = _scan(path, url, skip_bad)
+    if not whole:
+        return index
     try:
         index.save(beside)
     except OSError:  # a read-only data directory: keep the index in the cache instead
@@ -324,28 +311,10 @@ def _save(index: ShardIndex, path: str) -> None:
         say(f"could not cache the shard index at {path} ({exc})", warning=True)
 
 
-def _scan(path: str, url: str, skip_bad: bool) -> Optional[ShardIndex]:
-    """Index by scanning headers; None when the tar is damaged and ``skip_bad``."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        try:
-            index = ShardIndex.from_members(scan(fd, size), size)
-            index.add_checksums(fd)  # one read of the shard: later changes are found
-            return index
-        except TarFormatError as exc:
-            if not skip_bad:
-                raise ShardError(f"{where(url, offset=exc.offset)}: {exc}; re-create the "
-                                 "shard, or set on_error='skip' to use the samples before "
-                                 "the damage", url, offset=exc.offset) from None
-            return None
-    finally:
-        os.close(fd)
-
-
-def _scan_partial(path: str, url: str) -> ShardIndex:
-    """The samples before the first damaged header (not saved: a repaired shard is
-    indexed again). The last of them may miss members that came after the damage."""
+def _scan(path: str, url: str, skip_bad: bool) -> tuple[ShardIndex, bool]:
+    """Index by scanning headers, and whether it is whole (then checksummed, to keep).
+    A damaged tar with ``skip_bad``: the samples before the damage (the last may miss
+    members after it), not to keep (a repaired shard is indexed again)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
@@ -354,9 +323,16 @@ def _scan_partial(path: str, url: str) -> ShardIndex:
             for member in scan(fd, size):
                 members.append(member)
         except TarFormatError as exc:
+            if not skip_bad:
+                raise ShardError(f"{where(url, offset=exc.offset)}: {exc}; re-create the "
+                                 "shard, or set on_error='skip' to use the samples before "
+                                 "the damage", url, offset=exc.offset) from None
             say(f"{where(url, offset=exc.offset)}: {exc}; using the {len(members)} members "
                 "before it", warning=True)
-        # tar_bytes is the real size: the reader must not treat the shard as truncated.
-        return ShardIndex.from_members(members, size)
+            # tar_bytes is the real size: the reader must not treat the shard as truncated.
+            return ShardIndex.from_members(members, size), False
+        index = ShardIndex.from_members(members, size)
+        index.add_checksums(fd)  # one read of the shard: later changes are found
+        return index, True
     finally:
         os.close(fd)

@@ -67,16 +67,16 @@ def expand_urls(urls: Urls, allow_pipe: bool = False) -> list[str]:
             found = _resolve(url, allow_pipe)
             if not found:
                 raise ShardURLError(f"shard pattern '{pattern}' matches no shard ({url} is an "
-                                 "empty directory or a glob without matches)")
+                                    "empty directory or a glob without matches)")
             out.extend(found)
     if not out:
         raise ShardURLError("the shard list is empty: give a list of shard URLs, a glob, a "
-                         "directory or brace notation such as shard-{000000..000009}.tar")
+                            "directory or brace notation such as shard-{000000..000009}.tar")
     seen: set[str] = set()
     for url in out:
         if url in seen:
             raise ShardURLError(f"shard {url} is listed twice: its samples would be read twice "
-                             "per epoch; remove the duplicate from the shard list")
+                                "per epoch; remove the duplicate from the shard list")
         seen.add(url)
     return out
 
@@ -102,7 +102,7 @@ def _resolve(url: str, allow_pipe: bool) -> list[str]:
         return sorted(fs.unstrip_protocol(p) for p in paths if not p.endswith(".idx"))
     if where == "http" and _GLOB.search(url.split("?", 1)[0].split("://", 1)[1]):
         raise ShardURLError(f"cannot glob over HTTP ('{url}'): name the shards with brace "
-                         "notation, e.g. https://host/shard-{000000..000099}.tar")
+                            "notation, e.g. https://host/shard-{000000..000099}.tar")
     return [url]
 
 
@@ -130,7 +130,7 @@ def _alternatives(body: str, pattern: str) -> list[str]:
         lo, hi = int(a), int(b)
         if hi < lo:
             raise ShardURLError(f"range {{{body}}} in shard pattern '{pattern}' counts down; "
-                             f"write {{{b}..{a}}}")
+                                f"write {{{b}..{a}}}")
         padded = (a.startswith("0") and len(a) > 1) or (b.startswith("0") and len(b) > 1)
         width = max(len(a), len(b)) if padded else 0
         return [str(i).zfill(width) for i in range(lo, hi + 1)]
@@ -184,8 +184,7 @@ class ShardCache:
 
     Example::
 
-        cache = ShardCache("/tmp/shards", limit=20 * 2**30)
-        path = cache.fetch("https://host/shard-000000.tar")   # downloads once
+        path = ShardCache("/tmp/shards", limit="20GB").fetch("https://host/shard-000000.tar")
     """
 
     def __init__(self, directory: Optional[str] = None, limit: Union[int, str] = "20GB",

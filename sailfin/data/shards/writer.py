@@ -14,17 +14,11 @@ from .tarformat import END_OF_ARCHIVE, Member, header, padding
 class ShardWriter:
     """Writes samples into ``{prefix}-{NNNNNN}.tar`` shards of ``samples_per_shard`` each.
 
-    A sample is a dict with ``"__key__"`` and ``extension -> value``; values are
-    encoded by extension (bytes, str, int, numpy arrays as ``.npy`` or images,
-    PIL images, dicts as ``.json``: see :mod:`sailfin.data.shards.codecs`). Each
-    shard is written under a temporary name with its index
-    (``shard-000000.tar.idx``) and both are renamed into place when the shard is
-    complete; an exception inside the ``with`` block discards only the shard
-    being written, never one already finished.
-
-    To write in parallel, give each process a disjoint ``start_index`` range
-    (or its own ``prefix``): process p writing items ``[p*k*N, (p+1)*k*N)`` with
-    ``start_index=p*k`` produces exactly the shards one process would.
+    A sample is a dict of ``"__key__"`` and ``extension -> value``, values encoded by
+    extension (see :mod:`sailfin.data.shards.codecs`). Each shard and its index
+    (``.tar.idx``) are written under temporary names and renamed when complete; an
+    exception in the ``with`` block discards only the shard being written. To write in
+    parallel, give each process a disjoint ``start_index`` range (or its own ``prefix``).
 
     Example::
 
