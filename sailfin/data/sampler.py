@@ -179,10 +179,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
 
 
 class EvalSampler(torch.utils.data.Sampler[int]):
-    """A contiguous, in-order share of the dataset: rank r's outputs come before rank r+1's.
-
-    No padding: concatenating every rank's outputs in rank order gives dataset order.
-    """
+    """A contiguous, in-order share of the dataset, no padding: every rank's outputs
+    concatenated in rank order are in dataset order."""
 
     def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1) -> None:
         self.lo, self.hi = _split(num_samples, world_size, rank)

@@ -36,17 +36,14 @@ class ShardWriter:
             raise ValueError(f"start_index must be >= 0, got {start_index}")
         if "/" in prefix or not prefix:
             raise ValueError(f"prefix must be a plain file name part, got {prefix!r}")
-        self.directory = directory
-        self.samples_per_shard = samples_per_shard
-        self.prefix = prefix
+        self.directory, self.samples_per_shard, self.prefix = directory, samples_per_shard, prefix
         self.next_index = start_index
         self.shards: list[str] = []       # finished shards, in order
-        self._file: Optional[Any] = None
+        self._file: Optional[Any] = None  # the shard being written, at self._path
         self._path = ""
         self._members: list[Member] = []
         self._keys: set[str] = set()
-        self._count = 0
-        self._pos = 0
+        self._count = self._pos = 0
         os.makedirs(directory, exist_ok=True)
 
     def __enter__(self) -> "ShardWriter":
