@@ -1,29 +1,17 @@
 """Batched fetching: a micro-batch of in-memory tensors in one gather, not one call per sample.
 
-A standard ``DataLoader`` over a ``TensorDataset`` calls ``dataset[i]`` once per
-sample (each a tuple of tensor views) and then ``default_collate`` stacks them:
-for a small model that is a large share of the step. sailfin owns the sampler,
-so when a recipe's loader is the documented
+A ``DataLoader`` over a ``TensorDataset`` calls ``dataset[i]`` per sample, then
+``default_collate`` stacks them: for a small model a large share of the step.
+When a recipe's loader is the documented
 ``DataLoader(dataset, batch_size=batch_size, sampler=sampler(dataset))`` over a
-``TensorDataset`` (or a ``Subset`` of one, as ``random_split`` makes), sailfin
-rebuilds the same loader (same sampler, workers, pinning, generator) over a
-view that gathers each micro-batch with one ``index_select`` per tensor.
-
-The batches are bit-identical to the standard loader's: the same samples in
-the same order, the same dtypes and shapes, and the same container (the list
-``default_collate`` makes of a tuple sample). Where that cannot be promised the
-recipe's loader is used as it is:
-
-- a ``collate_fn`` other than ``default_collate`` (it expects a list of samples);
-- a dataset that is not exactly ``TensorDataset``/``Subset`` (a subclass may
-  change ``__getitem__``), or that has ``set_epoch`` (per-sample, per-epoch work);
-- a ``DataLoader`` subclass, a loader whose sampler is not sailfin's, or one
-  built with a ``batch_sampler``.
-
-A dataset that defines ``__getitems__(indices)`` itself needs none of this:
-the standard ``DataLoader`` already calls it once per micro-batch with the
-indices sailfin's sampler chose. Padding micro-batches of the batch plan (one
-sample, the step's first) are fetched the same way as any other.
+``TensorDataset`` (or ``Subset`` of one), sailfin rebuilds it (same sampler,
+workers, pinning, generator) over a view that gathers each micro-batch with one
+``index_select`` per tensor. The batches are bit-identical (same samples, order,
+dtypes, shapes, and the list ``default_collate`` makes of a tuple sample); where
+that cannot be promised the loader is used as it is: another ``collate_fn``, a
+dataset that is not exactly ``TensorDataset``/``Subset`` or has ``set_epoch``, a
+``DataLoader`` subclass, or another sampler or a ``batch_sampler``. (A dataset
+with its own ``__getitems__`` needs none of this: ``DataLoader`` calls it.)
 """
 
 from __future__ import annotations
@@ -39,18 +27,14 @@ _REBUILT = {"dataset", "shuffle", "batch_sampler", "collate_fn"}
 
 
 class GatheredTensors(torch.utils.data.Dataset):
-    """A view of a ``TensorDataset`` (or nested ``Subset`` of one) that gathers batches.
-
-    ``view[i]`` is ``source[i]``; ``view.__getitems__(indices)`` returns the
-    already collated micro-batch (what ``default_collate`` would make of
-    ``[source[i] for i in indices]``), to be passed through by
-    :func:`pass_through`. ``source`` is the recipe's dataset.
+    """A view of a ``TensorDataset`` (or nested ``Subset`` of one) that gathers batches:
+    ``view[i]`` is ``source[i]``; ``view.__getitems__(indices)`` is the micro-batch
+    ``default_collate`` would make (the loader's collate is then :func:`pass_through`).
 
     Example::
 
         ds = TensorDataset(torch.randn(100, 4), torch.arange(100))
-        view = GatheredTensors(ds)
-        x, y = view.__getitems__([3, 1, 2])     # y == tensor([3, 1, 2])
+        x, y = GatheredTensors(ds).__getitems__([3, 1, 2])     # y == tensor([3, 1, 2])
     """
 
     def __init__(self, source: Any) -> None:

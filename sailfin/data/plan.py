@@ -1,23 +1,16 @@
 """The batch plan: which global positions form each optimizer step, per rank.
 
-``train_batch_size`` is the GLOBAL batch G. With micro batch m and world W the
-plan accumulates A = G / (m * W) micro-batches per step. Step k of an epoch
-consumes global positions ``[k*G, min((k+1)*G, N))``; inside a step the
-positions split contiguously and as evenly as possible over the ranks, and each
-rank cuts its share into micro-batches of m (the last one may be short).
+``train_batch_size`` is the GLOBAL batch G; with micro batch m and world W a step
+accumulates A = G / (m * W) micro-batches. Step k consumes positions
+``[k*G, min((k+1)*G, N))``, split contiguously and evenly over the ranks, each
+share cut into micro-batches of m. Only an epoch's last step can be short.
 
-Only the last step of an epoch can be short. Each micro-batch's mean loss is
-weighted by ``count * W / n_step``: DDP averages gradients over W ranks, so the
-summed gradient equals the mean-loss gradient of one process over the whole
-step, whatever W, m and A are.
-
-Every rank runs the same number of micro-batches in every step, so a
-collective inside the forward (an all-gather for a contrastive loss,
-SyncBatchNorm) meets its partners on the other ranks. In a short step the
-largest share needs ``ceil(ceil(n_step / W) / m)`` micro-batches; a rank whose
-share fills one fewer (its share is an exact multiple of m, or empty when the
-step has fewer samples than ranks) runs one more micro-batch of one padding
-sample, the step's first, with weight 0: it changes no gradient.
+Each micro-batch's mean loss is weighted by ``count * W / n_step``: DDP averages
+over W ranks, so the summed gradient is the mean-loss gradient of the whole step,
+whatever W, m and A are. Every rank runs the same number of micro-batches per
+step, so a collective inside the forward (SyncBatchNorm, a contrastive
+all-gather) meets its partners: a rank whose share fills one fewer runs one
+padding micro-batch (the step's first sample) with weight 0.
 """
 
 from __future__ import annotations
@@ -47,8 +40,7 @@ class BatchPlan:
     Example::
 
         plan = BatchPlan.create(global_batch=64, micro_batch=16, world_size=2)
-        plan.accumulation            # 2
-        plan.steps_in_epoch(1000)    # 16 (the 16th step has 40 samples)
+        plan.accumulation, plan.steps_in_epoch(1000)    # 2, 16 (the last has 40 samples)
     """
 
     global_batch: int
@@ -63,10 +55,9 @@ class BatchPlan:
                drop_last: bool = False, max_steps_per_epoch: Optional[int] = None,
                micro_batch_limit: Optional[int] = None,
                note: Optional[Callable[[str], None]] = None) -> "BatchPlan":
-        """``micro_batch`` is exact, except that one larger than a rank's share of the
-        global batch is lowered to that share (the global batch, and so every step's
-        samples and the result, unchanged; ``note`` gets one line saying so): the
-        natural setting on one device, micro = global, runs as is on several.
+        """``micro_batch`` is exact, except that one above a rank's share of the global batch
+        is lowered to that share (``note`` gets one line saying so; the result is the
+        same), so micro = global from one device runs as is on several.
         ``micro_batch_limit`` (PyMarlin's ``gpu_batch_size_limit``) is a ceiling: the
         largest micro batch within it that divides this world's share."""
         if world_size < 1:
@@ -103,12 +94,7 @@ class BatchPlan:
                           ceiling: Optional[int] = None) -> tuple[int, ...]:
         """Every micro-batch size a plan for (global batch, world size) allows, largest
         first, none above ``ceiling``: the sizes ``micro_batch_size: auto`` tries.
-
-        Example::
-
-            BatchPlan.micro_batch_sizes(24, 2)            # (12, 6, 4, 3, 2, 1)
-            BatchPlan.micro_batch_sizes(24, 2, ceiling=5)  # (4, 3, 2, 1)
-        """
+        E.g. ``BatchPlan.micro_batch_sizes(24, 2, ceiling=5)`` is ``(4, 3, 2, 1)``."""
         if world_size < 1 or global_batch % world_size:
             raise ConfigError(
                 f"trainer.train_batch_size={global_batch} does not split over {world_size} "
@@ -156,11 +142,8 @@ class BatchPlan:
 
 
 def largest_micro_batch(global_batch: int, world_size: int, limit: int) -> int:
-    """The largest m <= ``limit`` with ``global_batch`` a multiple of m x ``world_size``.
-
-    Example: ``largest_micro_batch(64, 2, 64)`` is 32 (no accumulation);
-    ``largest_micro_batch(96, 1, 40)`` is 32 (3 accumulation steps).
-    """
+    """The largest m <= ``limit`` with ``global_batch`` a multiple of m x ``world_size``:
+    ``largest_micro_batch(96, 1, 40)`` is 32 (3 accumulation steps)."""
     if global_batch % world_size:
         lower = global_batch - global_batch % world_size
         raise ConfigError(
@@ -178,15 +161,19 @@ def _split(n: int, parts: int, i: int) -> tuple[int, int]:
     return lo, lo + base + (1 if i < extra else 0)
 
 
-@lru_cache(maxsize=256)
-def _micro_batches(micro: int, world: int, n_step: int, rank: int) -> tuple[MicroBatch, ...]:
+@lru_cache(maxsize=1024)
+def _micro_batches(micro: int, world: int, n_step: int, rank: int, private: bool = False
+                   ) -> tuple[MicroBatch, ...]:
+    """``private`` (DP-SGD): weight 1, and at least one micro-batch (an empty step too)."""
     lo, hi = _split(n_step, world, rank)
     share = hi - lo
     # Every rank runs as many micro-batches as the largest share (rank 0's) needs.
     count = math.ceil(math.ceil(n_step / world) / micro)
+    count = max(1, count) if private else count
     real = math.ceil(share / micro)  # count or count - 1 (the shares differ by at most 1)
     sizes = [micro] * (real - 1) + [share - micro * (real - 1)] if real else []
-    out = [MicroBatch(c, c * world / n_step, i == count - 1) for i, c in enumerate(sizes)]
+    out = [MicroBatch(c, 1.0 if private else c * world / n_step, i == count - 1)
+           for i, c in enumerate(sizes)]
     if real < count:
         out.append(MicroBatch(count=1, weight=0.0, last=True, padding=True))
     return tuple(out)

@@ -1,23 +1,18 @@
 """The batch plan and sampler of differentially private training.
 
 DP-SGD clips each sample's gradient, so a micro-batch's mean loss is never
-re-weighted (weight 1; Opacus's hooks undo the mean): :class:`PrivatePlan`.
-With Poisson sampling (:class:`PoissonPlan`, what DP accounting assumes) step
-``k`` of epoch ``e`` takes each of the N samples independently with
-probability ``q = train_batch_size / N``: its logical batch varies around the
-global batch. The draw is a pure function of (seed, e, k), the same on every
-rank and world size, so the sampler's state is the data position the
-checkpoint already holds (epoch, step): a resumed run draws the same batches.
-Inside a step the drawn samples split over the ranks and into micro-batches of
-at most ``micro_batch_size`` as for fixed batches (what Opacus's
-``BatchMemoryManager`` does); every rank runs as many micro-batches as the
-largest share needs, padding with weight-0 samples, and an empty step is one
-padding micro-batch: its noise is still added and its step still accounted.
+re-weighted (weight 1): :class:`PrivatePlan`. With Poisson sampling
+(:class:`PoissonPlan`, what DP accounting assumes) step ``k`` of epoch ``e``
+takes each of the N samples with probability ``q = train_batch_size / N``. The
+draw is a pure function of (seed, e, k), the same on every rank and world size,
+so a resumed run draws the same batches from the (epoch, step) the checkpoint
+holds. The drawn samples split over ranks and micro-batches as fixed batches do
+(Opacus's ``BatchMemoryManager``); an empty step is one weight-0 padding
+micro-batch: its noise is still added and its step still accounted.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Iterator, Optional
@@ -25,7 +20,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from .plan import BatchPlan, MicroBatch, _split
+from .plan import BatchPlan, MicroBatch, _micro_batches, _split
 from .sampler import ResumableSampler
 
 
@@ -36,8 +31,7 @@ class PrivatePlan(BatchPlan):
 
     Example::
 
-        plan = PrivatePlan.from_plan(BatchPlan.create(64, 16, 1))
-        plan.micro_batches(0, 1000, 0)[0].weight     # 1.0
+        PrivatePlan.from_plan(BatchPlan.create(64, 16, 1)).micro_batches(0, 1000, 0)[0].weight  # 1
     """
 
     @classmethod
@@ -47,7 +41,7 @@ class PrivatePlan(BatchPlan):
 
     def micro_batches(self, step: int, num_samples: int, rank: int) -> tuple[MicroBatch, ...]:
         start, stop = self.step_positions(step, num_samples)
-        return private_micro_batches(self.micro_batch, self.world_size, stop - start, rank)
+        return _micro_batches(self.micro_batch, self.world_size, stop - start, rank, True)
 
     def sampler(self, num_samples: int, rank: int = 0, seed: int = 0, shuffle: bool = True,
                 order: Any = None) -> "PrivateSampler":
@@ -55,25 +49,47 @@ class PrivatePlan(BatchPlan):
 
 
 class PrivateSampler(ResumableSampler):
-    """The fixed-size batches of ``poisson_sampling: false``: a :class:`ResumableSampler`
-    whose loader must sample with it alone (:func:`check_loader`)."""
+    """A :class:`ResumableSampler` whose loader must sample with it alone
+    (:meth:`check_loader`): ``poisson_sampling: false``, and the base of Poisson's."""
 
     def check_loader(self, loader: Any) -> None:
-        check_loader(loader, self)
+        """Refuse a training loader that does not sample with this sampler alone: the
+        privacy accountant assumes sailfin's sampling, so a recipe's own sampler or batch
+        sampler, ``drop_last`` or another dataset would make epsilon wrong silently."""
+        from torch.utils.data import BatchSampler, DataLoader
+
+        name = type(loader).__name__
+        if not isinstance(loader, DataLoader):
+            wrong = "is not a torch DataLoader: sailfin cannot see how it samples"
+        elif not (type(loader.batch_sampler) is BatchSampler
+                  and loader.batch_sampler.sampler is loader.sampler):
+            wrong = (f"samples with its own batch sampler "
+                     f"({type(loader.batch_sampler).__name__})")
+        elif loader.sampler is not self:
+            wrong = f"samples with its own sampler ({type(loader.sampler).__name__})"
+        elif loader.drop_last:
+            wrong = "drops the last micro-batch (drop_last=True)"
+        elif len(loader.dataset) != self.num_samples:
+            wrong = (f"reads a dataset of {len(loader.dataset)} samples, not the "
+                     f"{self.num_samples} it passed to sampler(dataset)")
+        else:
+            return
+        raise ValueError(
+            f"get_train_dataloader returned a {name} that {wrong}; under a -dp backend each "
+            "step's samples must be the ones sailfin's sampler draws (the privacy accountant "
+            "assumes its sampling rate): build it as DataLoader(dataset, batch_size=batch_size, "
+            "sampler=sampler(dataset))")
 
 
 @dataclass(frozen=True)
 class PoissonPlan(PrivatePlan):
-    """Poisson sampling: the global batch is the expected logical batch of a step.
-
+    """Poisson sampling: the global batch is the expected logical batch of a step;
     ``seed`` replaces the run's seed for the draws (``trainer.dp.secure_rng``).
 
     Example::
 
-        plan = PoissonPlan.from_plan(BatchPlan.create(64, 16, 1))
-        sampler = plan.sampler(1000, rank=0, seed=42)
-        sampler.set_epoch(0)
-        sampler.micro_batches(0)     # this step's micro-batches, e.g. 5 of sizes 16,16,16,16,3
+        sampler = PoissonPlan.from_plan(BatchPlan.create(64, 16, 1)).sampler(1000, seed=42)
+        sampler.micro_batches(0)     # this step's micro-batches, e.g. sizes 16, 16, 16, 16, 3
     """
 
     seed: Optional[int] = None
@@ -84,27 +100,6 @@ class PoissonPlan(PrivatePlan):
     def sampler(self, num_samples: int, rank: int = 0, seed: int = 0, shuffle: bool = True,
                 order: Any = None) -> "PoissonSampler":
         return PoissonSampler(num_samples, self, rank, seed if self.seed is None else self.seed)
-
-
-def private_micro_batches(micro: int, world: int, n_step: int, rank: int
-                          ) -> tuple[MicroBatch, ...]:
-    """This rank's micro-batches of a step of ``n_step`` samples: weight 1, at least one
-    (a weight-0 padding sample when its share needs fewer than the largest share)."""
-    return _private_micro_batches(micro, world, n_step, rank)
-
-
-@lru_cache(maxsize=1024)
-def _private_micro_batches(micro: int, world: int, n_step: int, rank: int
-                           ) -> tuple[MicroBatch, ...]:
-    lo, hi = _split(n_step, world, rank)
-    share = hi - lo
-    count = max(1, math.ceil(math.ceil(n_step / world) / micro))
-    real = math.ceil(share / micro)
-    sizes = [micro] * (real - 1) + [share - micro * (real - 1)] if real else []
-    out = [MicroBatch(c, 1.0, i == count - 1) for i, c in enumerate(sizes)]
-    if real < count:
-        out.append(MicroBatch(count=1, weight=0.0, last=True, padding=True))
-    return tuple(out)
 
 
 @lru_cache(maxsize=64)
@@ -120,11 +115,9 @@ def poisson_draw(num_samples: int, rate: float, seed: int, epoch: int, step: int
     return drawn
 
 
-class PoissonSampler(ResumableSampler):
-    """This rank's dataset indices for the Poisson steps ``[start_step, steps_in_epoch)``.
-
-    Iterated flat it yields every micro-batch's indices in order; :meth:`batches`
-    yields them micro-batch by micro-batch (the train loader's batch sampler).
+class PoissonSampler(PrivateSampler):
+    """This rank's dataset indices for the Poisson steps ``[start_step, steps_in_epoch)``:
+    flat when iterated, per micro-batch from :meth:`batches` (the loader's batch sampler).
 
     Example::
 
@@ -143,8 +136,8 @@ class PoissonSampler(ResumableSampler):
         return poisson_draw(self.num_samples, self.rate, self.seed, epoch, step)
 
     def micro_batches(self, step: int) -> tuple[MicroBatch, ...]:
-        return private_micro_batches(self.plan.micro_batch, self.plan.world_size,
-                                     len(self.draw(step)), self.rank)
+        return _micro_batches(self.plan.micro_batch, self.plan.world_size,
+                              len(self.draw(step)), self.rank, True)
 
     def step_samples(self, step: int) -> int:
         return len(self.draw(step))
@@ -171,44 +164,23 @@ class PoissonSampler(ResumableSampler):
     def __len__(self) -> int:
         return sum(len(b) for b in self.batches())
 
-    def check_loader(self, loader: Any) -> None:
-        check_loader(loader, self)
-
     def wrap_loader(self, loader: Any) -> Any:
         """The recipe's loader rebuilt to read this sampler's micro-batches of varying size
-        (as Opacus's ``DPDataLoader`` rebuilds one with its batch sampler)."""
-        return poisson_loader(loader, self)
+        (as Opacus's ``DPDataLoader`` rebuilds one with its batch sampler): same dataset,
+        collate function, workers and pinning."""
+        from .batched import GatheredTensors, can_gather, pass_through
 
-
-def check_loader(loader: Any, sampler: ResumableSampler) -> None:
-    """Refuse a training loader that does not sample with ``sampler`` alone: the privacy
-    accountant assumes sailfin's sampling (each sample with probability q per step, or
-    sailfin's fixed-size batches), so a recipe's own sampler or batch sampler (a weighted
-    one, a fixed-size one under Poisson accounting), ``drop_last`` or another dataset
-    would make the reported epsilon wrong without a word."""
-    from torch.utils.data import BatchSampler, DataLoader
-
-    name = type(loader).__name__
-    if not isinstance(loader, DataLoader):
-        wrong = "is not a torch DataLoader: sailfin cannot see how it samples"
-    elif not (type(loader.batch_sampler) is BatchSampler
-              and loader.batch_sampler.sampler is loader.sampler):
-        wrong = (f"samples with its own batch sampler "
-                 f"({type(loader.batch_sampler).__name__})")
-    elif loader.sampler is not sampler:
-        wrong = f"samples with its own sampler ({type(loader.sampler).__name__})"
-    elif loader.drop_last:
-        wrong = "drops the last micro-batch (drop_last=True)"
-    elif len(loader.dataset) != sampler.num_samples:
-        wrong = (f"reads a dataset of {len(loader.dataset)} samples, not the "
-                 f"{sampler.num_samples} it passed to sampler(dataset)")
-    else:
-        return
-    raise ValueError(
-        f"get_train_dataloader returned a {name} that {wrong}; under a -dp backend each "
-        "step's samples must be the ones sailfin's sampler draws (the privacy accountant "
-        "assumes its sampling rate): build it as DataLoader(dataset, batch_size=batch_size, "
-        "sampler=sampler(dataset))")
+        dataset, collate = loader.dataset, loader.collate_fn
+        if can_gather(loader, self):  # in-memory tensors: one gather per micro-batch
+            dataset, collate = GatheredTensors(loader.dataset), pass_through
+        workers = loader.num_workers
+        return torch.utils.data.DataLoader(
+            dataset, batch_sampler=_Batches(self), collate_fn=collate, num_workers=workers,
+            pin_memory=loader.pin_memory, timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+            prefetch_factor=loader.prefetch_factor if workers else None,
+            persistent_workers=loader.persistent_workers if workers else False)
 
 
 class _Batches(torch.utils.data.Sampler[list[int]]):
@@ -220,22 +192,3 @@ class _Batches(torch.utils.data.Sampler[list[int]]):
 
     def __len__(self) -> int:
         return sum(1 for _ in self.sampler.batches())
-
-
-def poisson_loader(loader: Any, sampler: PoissonSampler) -> torch.utils.data.DataLoader:
-    """``loader`` with ``sampler``'s micro-batches as its batch sampler: same dataset,
-    collate function, workers and pinning."""
-    from torch.utils.data import DataLoader
-    from .batched import GatheredTensors, can_gather, pass_through
-
-    dataset, collate = loader.dataset, loader.collate_fn
-    if can_gather(loader, sampler):  # in-memory tensors: one gather per micro-batch
-        dataset, collate = GatheredTensors(loader.dataset), pass_through
-    workers = loader.num_workers
-    return DataLoader(dataset, batch_sampler=_Batches(sampler), collate_fn=collate,
-                      num_workers=workers, pin_memory=loader.pin_memory,
-                      timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-                      multiprocessing_context=loader.multiprocessing_context,
-                      generator=loader.generator,
-                      prefetch_factor=loader.prefetch_factor if workers else None,
-                      persistent_workers=loader.persistent_workers if workers else False)

@@ -1,13 +1,13 @@
-"""Samplers that follow the batch plan and resume at any step.
+"""Epoch orders, and the samplers that follow the batch plan and resume at any step.
 
-The order of epoch ``e`` is a pure function of (dataset length, seed, e): it
-does not depend on the world size, the micro batch or the worker count, so a
-run resumed on another world size continues the same order.
+The order of epoch ``e`` is a pure function of (dataset length, seed, e) (for
+shards: of samples per shard, seed, e, window): not of the world size, the micro
+batch or the worker count, so a run resumed on another world size continues it.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional, Protocol, runtime_checkable
+from typing import Callable, Iterator, Optional, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
@@ -26,8 +26,8 @@ def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """A 64-bit seed for sample ``index`` in ``epoch``: random augmentation drawn from it
-    is the same whichever rank, DataLoader worker or resumed run loads the sample.
+    """A 64-bit seed for sample ``index`` in ``epoch``: augmentation drawn from it is the
+    same whichever rank, worker or resumed run loads the sample.
 
     Example (a dataset whose ``set_epoch`` the trainer calls before each epoch)::
 
@@ -39,16 +39,47 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return int(state[0]) << 32 | int(state[1])
 
 
+def window_order(counts: Sequence[int], seed: int, epoch: int, window: int,
+                 shuffle: bool = True) -> np.ndarray:
+    """The epoch order over shards of ``counts`` samples each (shards in the order given):
+    shards shuffled, then samples shuffled within windows of ``window`` consecutive
+    shards. Any stretch of positions (a step, a rank's share) then reads from at most two
+    windows: a bounded set of shards, which keeps a remote cache small.
+
+    Example::
+
+        window_order([3, 2, 4], seed=0, epoch=0, window=2)   # a permutation of range(9)
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    total = int(counts.sum())
+    if not shuffle:
+        return np.arange(total)
+    if window < 1:
+        raise ValueError(f"shuffle_window must be >= 1, got {window}")
+    starts = np.zeros(len(counts), dtype=np.int64)
+    np.cumsum(counts[:-1], out=starts[1:])
+    # A generator of its own, with a tag distinct from epoch_order's (see there).
+    rng = np.random.default_rng([seed, epoch, 0x5A4D])
+    shards = rng.permutation(len(counts))
+    out = np.empty(total, dtype=np.int64)
+    pos = 0
+    for w in range(0, len(shards), window):
+        chosen = shards[w:w + window]
+        ids = np.concatenate([np.arange(starts[s], starts[s] + counts[s]) for s in chosen])
+        rng.shuffle(ids)
+        out[pos:pos + len(ids)] = ids
+        pos += len(ids)
+    return out
+
+
 EpochOrder = Callable[[int, int], np.ndarray]
 
 
 @runtime_checkable
 class OrderedDataset(Protocol):
-    """A dataset that chooses its own epoch order (a sharded one reads shard by shard).
-
-    ``epoch_order(seed, epoch)`` returns a permutation of ``range(len(dataset))``
-    that depends on nothing else (not the world size, not the workers).
-    """
+    """A dataset that chooses its own epoch order (a sharded one reads shard by shard):
+    ``epoch_order(seed, epoch)``, a permutation of ``range(len(dataset))`` that depends
+    on nothing else."""
 
     def __len__(self) -> int: ...
 
@@ -56,11 +87,9 @@ class OrderedDataset(Protocol):
 
 
 class ResumableSampler(torch.utils.data.Sampler[int]):
-    """This rank's dataset indices for the steps ``[start_step, steps_in_epoch)``.
-
-    ``order(seed, epoch)``, when given, replaces the default permutation (an
-    :class:`OrderedDataset`'s ``epoch_order``); ``shuffle=False`` still means
-    the natural order.
+    """This rank's dataset indices for the steps ``[start_step, steps_in_epoch)``, in the
+    order ``order(seed, epoch)`` gives (an :class:`OrderedDataset`'s ``epoch_order``)
+    or the default permutation; ``shuffle=False``: the natural order.
 
     Example::
 
@@ -77,14 +106,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                               "filters and sizes)")
         if not 0 <= rank < plan.world_size:
             raise ValueError(f"rank {rank} is outside world size {plan.world_size}")
-        self.num_samples = num_samples
-        self.plan = plan
-        self.rank = rank
-        self.seed = seed
-        self.shuffle = shuffle
-        self.order = order
-        self.epoch = 0
-        self.start_step = 0
+        self.num_samples, self.plan, self.rank = num_samples, plan, rank
+        self.seed, self.shuffle, self.order = seed, shuffle, order
+        self.epoch = self.start_step = 0
 
     def set_epoch(self, epoch: int, start_step: int = 0) -> None:
         self.epoch = epoch
@@ -155,10 +179,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
 
 
 class EvalSampler(torch.utils.data.Sampler[int]):
-    """A contiguous, in-order share of the dataset: rank r's outputs come before rank r+1's.
-
-    No padding: concatenating every rank's outputs in rank order gives dataset order.
-    """
+    """A contiguous, in-order share of the dataset, no padding: every rank's outputs
+    concatenated in rank order are in dataset order."""
 
     def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1) -> None:
         self.lo, self.hi = _split(num_samples, world_size, rank)

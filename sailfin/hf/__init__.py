@@ -1,19 +1,16 @@
 """Hugging Face ``transformers`` models as sailfin recipes, configured from YAML.
 
-``pip install 'sailfin[hf]'``. The pieces: :class:`TextData` (JSON lines / CSV
-tokenized into memory or into sailfin shards, padded per micro-batch), the
-modules :class:`SequenceClassification`, :class:`TokenClassification`,
-:class:`CausalLM` and :class:`Seq2SeqLM` (a model from ``model_name_or_path``
-or from a ``config:`` block; AdamW with a linear schedule after warm-up), and
-``final/hf/`` written with ``save_pretrained``. See docs/hf.md.
+``pip install 'sailfin[hf]'``. :class:`TextData` (JSON lines / CSV tokenized into
+memory or shards, padded per micro-batch); the modules :class:`SequenceClassification`,
+:class:`TokenClassification`, :class:`CausalLM` and :class:`Seq2SeqLM` (a model from
+``model_name_or_path`` or a ``config:`` block); ``final/hf/`` by ``save_pretrained``.
+Importing this package imports ``transformers`` only when a name is first used.
 
 Example::
 
     data = TextData("my-model", "train.jsonl", "val.jsonl", max_length=128)
     module = SequenceClassification(data, model_name_or_path="my-model", num_labels=2)
     sailfin.Trainer(module, args).train()      # -> outputs/final/hf/
-
-Importing this package imports ``transformers`` only when a name is first used.
 """
 
 from __future__ import annotations
@@ -23,11 +20,11 @@ from typing import Any
 
 _LAZY = {
     "TextData": "sailfin.hf.text_data",
-    "TokenizeText": "sailfin.hf.tokenize",
+    "TokenizeText": "sailfin.hf.tokenizers",
     "SequenceClassification": "sailfin.hf.tasks",
     "TokenClassification": "sailfin.hf.tasks",
     "CausalLM": "sailfin.hf.tasks",
-    "Seq2SeqLM": "sailfin.hf.seq2seq",
+    "Seq2SeqLM": "sailfin.hf.tasks",
     "HFModule": "sailfin.hf.module",
     "SavePretrained": "sailfin.hf.export",
     "HFConfigError": "sailfin.hf.errors",

@@ -1,13 +1,11 @@
 """Parameter-efficient fine-tuning (LoRA and the other PEFT methods) from a config's fields.
 
-The ``peft`` package does the work: :func:`peft_config` turns the YAML's
-``module.init_args.peft`` mapping into its config object (``peft_type`` defaults to
-LORA, ``task_type`` to the module's task) and :func:`apply_peft` wraps a model with
-``peft.get_peft_model``. The recipe is then marked ``checkpoint_frozen_params =
-False``: its checkpoints hold the trainable parameters only (and a fingerprint of the
-frozen base).
+``peft`` does the work: :func:`peft_config` turns ``module.init_args.peft`` into its
+config object, :func:`apply_peft` wraps the model with ``peft.get_peft_model`` and
+marks the recipe ``checkpoint_frozen_params = False`` (its checkpoints hold the
+trainable parameters and a fingerprint of the frozen base).
 
-Example (a recipe of one's own, one call)::
+Example (a recipe of one's own)::
 
     self.model = apply_peft(self, AutoModelForCausalLM.from_pretrained(path),
                             {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]})

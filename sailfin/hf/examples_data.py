@@ -1,14 +1,10 @@
 """Example data the machine already has: functions of Python's standard library.
 
-:class:`StdlibTextData` writes JSON lines for one task family and trains a
-byte-level BPE tokenizer on the same text (both once, into ``out_dir``), then
-reads them as :class:`TextData`. The rows, per task:
-
-- ``classification``: a function's source -> the stdlib package it comes from;
-- ``token_classification``: the first Python tokens of a function -> tags
-  (``KW`` keywords, ``REF`` dotted names as one entity, ``STR``, ``NUM``, ``O``);
-- ``causal_lm``: a function's source;
-- ``seq2seq``: a function's body -> its name as words (``read_file`` -> "read file").
+:class:`StdlibTextData` writes JSON lines for one task and trains a byte-level BPE
+tokenizer on the same text (once, into ``out_dir``). Rows: ``classification``, a
+function's source -> its package; ``token_classification``, its first Python tokens
+-> tags (``KW``, ``REF`` dotted names, ``STR``, ``NUM``, ``O``); ``causal_lm``, its
+source; ``seq2seq``, its body -> its name as words (``read_file`` -> "read file").
 """
 
 from __future__ import annotations
@@ -24,6 +20,7 @@ import tokenize as pytokenize
 import zlib
 from typing import Any, Iterator, Optional
 
+from ..data.shards.index import write_atomic
 from .text_data import TextData
 from .tokenizers import train_tokenizer
 
@@ -47,7 +44,7 @@ def stdlib_functions(packages: tuple[str, ...] = PACKAGES, per_package: int = 20
                 tree = ast.parse(text)
             except (OSError, SyntaxError, UnicodeDecodeError):
                 continue
-            lines = _lines(text)
+            lines = _LINE.findall(text)
             for node in ast.walk(tree):
                 if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     continue
@@ -69,18 +66,8 @@ def stdlib_functions(packages: tuple[str, ...] = PACKAGES, per_package: int = 20
                 break
 
 
-_NEWLINE = re.compile(r"\r\n|\r|\n")
-
-
-def _lines(text: str) -> list[str]:
-    """``text``'s lines with their ends, cut where the parser cuts (not at form feeds)."""
-    out, start = [], 0
-    for m in _NEWLINE.finditer(text):
-        out.append(text[start:m.end()])
-        start = m.end()
-    if start < len(text):
-        out.append(text[start:])
-    return out
+# A line with its end, cut where the parser cuts (not at form feeds, as splitlines does).
+_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
 
 
 def _segment(lines: list[str], node: ast.AST) -> str:
@@ -161,21 +148,17 @@ def write_example_files(out_dir: str, task: str, per_package: int = 200,
         split = val if zlib.crc32(fn["key"].encode()) % 100 < val_percent else train
         parts[split].append(json.dumps(row))
     for path, lines in parts.items():
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write("\n".join(lines) + "\n")
-        os.replace(tmp, path)
+        write_atomic(path, ("\n".join(lines) + "\n").encode("utf-8"))
     return train, val
 
 
 class StdlibTextData(TextData):
-    """:class:`TextData` over standard-library functions, with a tokenizer trained on
-    them; ``task`` picks the rows (see the module docstring). Files go to ``out_dir``.
+    """:class:`TextData` over standard-library functions for ``task`` (see the module
+    docstring), with a tokenizer trained on them; files go to ``out_dir``.
 
     Example::
 
         data = StdlibTextData("classification", "outputs/hf-data", per_package=50)
-        module = SequenceClassification(data, config={"model_type": "bert", ...})
     """
 
     def __init__(self, task: str, out_dir: str = "outputs/hf-data", per_package: int = 200,

@@ -26,10 +26,10 @@ if TYPE_CHECKING:
 
 
 class SavePretrained(Callback):
-    """After training, rank 0 turns ``final/model.safetensors`` (which the trainer has
-    just written: under fsdp, gathered one tensor at a time) into ``final/hf/``: ``config.json``,
-    ``model.safetensors`` and the tokenizer, written under a temporary name and renamed.
-    No rank gathers the weights a second time.
+    """After training, rank 0 turns ``final/model.safetensors`` (just written by the
+    trainer, gathered one tensor at a time under fsdp) into ``final/hf/`` (config,
+    weights, tokenizer), written under a temporary name and renamed: nothing is
+    gathered twice.
 
     Example (the HF modules add it themselves)::
 
@@ -104,11 +104,10 @@ TMP, ASIDE = ".tmp-", ".old-"
 
 
 def replace_dir(new: str, out_dir: str) -> None:
-    """Put the complete directory ``new`` at ``out_dir``: the old one is renamed aside,
-    the new one renamed in, then the old one deleted. A kill at any point leaves at
-    ``out_dir`` the previous export whole, the new one whole, or (between the renames)
-    none: never a half-deleted directory that still loads. What it leaves aside is
-    removed by the next export (:func:`remove_stale`)."""
+    """Put the complete directory ``new`` at ``out_dir`` (old one renamed aside, new one
+    renamed in, old one deleted): a kill leaves the previous export whole, the new one
+    whole, or (between the renames) none, never half of one; :func:`remove_stale`
+    removes what it left aside."""
     aside = f"{out_dir}{ASIDE}{os.getpid()}"
     shutil.rmtree(aside, ignore_errors=True)
     had_one = os.path.lexists(out_dir)
@@ -161,15 +160,12 @@ def _model_from(module: "HFModule", state: dict[str, torch.Tensor], where: str) 
 
 def export_checkpoint(checkpoint: str, out_dir: str) -> str:
     """``sailfin export CHECKPOINT OUT``: the recipe the checkpoint's manifest records is
-    built (its data and model settings), the checkpoint's weights loaded into it as
-    ``trainer.init_from`` loads them (any backend's checkpoint: sharded ones through DCP),
-    and ``OUT`` written as ``final/hf`` would be: a ``save_pretrained`` directory, or a
-    PEFT adapter directory (merged with ``peft_merge``).
+    built, the weights loaded as ``trainer.init_from`` loads them (any backend's
+    checkpoint), and ``OUT`` written as ``final/hf`` would be.
 
     Example::
 
         export_checkpoint("outputs/run/checkpoints/step-00000120", "exported")
-        AutoModelForSequenceClassification.from_pretrained("exported")
     """
     import dataclasses
     from types import SimpleNamespace

@@ -1,4 +1,5 @@
-"""HFModule: a ``transformers`` model as a sailfin recipe (the part every task shares)."""
+"""HFModule: a ``transformers`` model as a sailfin recipe (the part every task shares), and
+HFStart: what it checks and settles when training starts."""
 
 from __future__ import annotations
 
@@ -10,19 +11,19 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..backends.fsdp_units import select_units
 from ..interfaces import ModuleInterface
+from ..trainer import Callback
+from ..utils.voice import say
 from .errors import HFConfigError, require
-from .sharding import shard_blocks
 from .text_data import TextData
 
 
 class HFModule(ModuleInterface):
     """The model (``model_name_or_path`` or a ``config:`` block), AdamW with a linear
-    schedule after ``warmup_steps`` (no weight decay on biases and norm weights, as HF
-    ``Trainer``), dynamic-padding loaders, a per-token loss averaged per sample and
-    then over samples (``loss_per: sample``: exact under any micro-batch and world
-    size; ``token``: the model's own micro-batch token mean), FSDP units from the model, FLOPs from the
-    model's own count, and ``final/hf/`` written with ``save_pretrained``.
+    schedule after warm-up (no weight decay on 1-D parameters, as HF ``Trainer``),
+    dynamic-padding loaders, a loss per sample (``loss_per: sample``) or the model's
+    own token mean (``token``), FSDP units and FLOPs from the model, ``final/hf/``.
 
     Subclasses set ``task`` and ``auto_class`` and implement ``val_step`` /
     ``on_end_val_epoch``. Example (a subclass in use)::
@@ -58,7 +59,6 @@ class HFModule(ModuleInterface):
         if loss_per not in ("sample", "token"):
             raise HFConfigError(f"module.init_args.loss_per is '{loss_per}'; use 'sample' or "
                                 "'token'")
-        self.loss_per = loss_per
         if not isinstance(data, TextData):
             raise HFConfigError(f"{type(self).__name__} needs data of class sailfin.hf.TextData "
                                 f"(data.class_path), got {type(data).__name__}")
@@ -66,14 +66,12 @@ class HFModule(ModuleInterface):
             raise HFConfigError(f"module.init_args: give exactly one of model_name_or_path "
                                 f"(a save_pretrained directory) and config (a model from "
                                 f"scratch), got {'both' if config else 'neither'}")
-        self.data = data.prepare(self.task)
-        self.tokenizer = data.tokenizer
-        self.lr, self.weight_decay, self.warmup_steps = lr, weight_decay, warmup_steps
-        self.warmup_ratio = warmup_ratio
-        self.peft_merge, self.load_best_model_at_end = peft_merge, load_best_model_at_end
+        self.data, self.tokenizer = data.prepare(self.task), data.tokenizer
+        self.lr, self.weight_decay, self.loss_per = lr, weight_decay, loss_per
+        self.warmup_steps, self.warmup_ratio = warmup_steps, warmup_ratio
         self.adam_betas, self.adam_eps = tuple(adam_betas), adam_eps
-        self.fsdp_units = fsdp_units
-        self.save_hf = save_hf
+        self.peft_merge, self.load_best_model_at_end = peft_merge, load_best_model_at_end
+        self.fsdp_units, self.save_hf = fsdp_units, save_hf
         self.model = self._build(model_name_or_path, config)
         self._check_model()
         if activation_checkpointing:  # the model's own per-block checkpointing
@@ -204,16 +202,36 @@ class HFModule(ModuleInterface):
             if self.shift_labels is None:
                 return torch.nn.functional.cross_entropy(out.logits.float(), labels,
                                                          reduction="none")
-            return per_sample_loss(out.logits, labels, self.shift_labels, reduce=False)
+            nll, tokens = token_nll(out.logits, labels, self.shift_labels)
+            return nll / tokens.clamp(min=1)
         if self.shift_labels is None or self.loss_per == "token":
             return out.loss  # the model's own: a mean over this micro-batch's tokens
-        return per_sample_loss(out.logits, batch["labels"].to(device), self.shift_labels)
+        # The mean over samples of each sample's mean token loss: sailfin weights each
+        # micro-batch by its samples, so this is the same whatever the micro-batch and
+        # world size (a mean over one micro-batch's tokens is not: loss_per: token).
+        nll, tokens = token_nll(out.logits, batch["labels"].to(device), self.shift_labels)
+        return (nll / tokens.clamp(min=1)).mean()
 
     # -- sharding, FLOPs, outputs ---------------------------------------------------------
     def configure_sharding(self, shard: Callable[[torch.nn.Module], torch.nn.Module]) -> None:
-        """FSDP units: ``fsdp_units`` (class names) or the model's ``_no_split_modules``
-        (or, where the model has none, the class of its repeated blocks)."""
-        shard_blocks(self.model, self.fsdp_units or None, shard)
+        """FSDP units, innermost first: every submodule of a class in ``fsdp_units``, or
+        the model's ``_no_split_modules`` (or, where it has none, its repeated blocks,
+        less those holding one side of a tie)."""
+        model, classes = self.model, self.fsdp_units
+        if not classes:
+            chosen = select_units(model, None)
+        else:
+            present = {type(m).__name__ for m in model.modules()}
+            for i, name in enumerate(classes):
+                if name not in present:
+                    raise HFConfigError(f"module.init_args.fsdp_units[{i}] is '{name}', but "
+                                        f"{type(model).__name__} has no submodule of that "
+                                        "class")
+            chosen = [(name, m) for name, m in model.named_modules()
+                      if m is not model and type(m).__name__ in set(classes)]
+            chosen.sort(key=lambda item: -item[0].count("."))  # children before their parents
+        for _, module in chosen:
+            shard(module)
 
     def flops_per_sample(self) -> Optional[float]:
         """The model's own count for a sample of the train set's mean length:
@@ -229,7 +247,6 @@ class HFModule(ModuleInterface):
 
     def configure_callbacks(self) -> list:
         from .export import SavePretrained
-        from .start import HFStart
 
         return [HFStart(self)] + ([SavePretrained(self)] if self.save_hf else [])
 
@@ -273,19 +290,15 @@ def _saved_dtype(cfg: Any) -> Optional[torch.dtype]:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
-def per_sample_loss(logits: torch.Tensor, labels: torch.Tensor, shift: bool,
-                    reduce: bool = True) -> torch.Tensor:
-    """The mean over samples of each sample's mean token loss (``reduce=False``: each
-    sample's). sailfin weights each micro-batch by its samples, so this is the same
-    whatever the micro-batch size and world size (a mean over one micro-batch's tokens
-    is not: ``loss_per: token``)."""
+def token_nll(logits: torch.Tensor, labels: torch.Tensor, shift: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's summed token loss and its count of labelled tokens (-100: skipped);
+    ``shift``: token t predicts label t + 1 (causal)."""
     if shift:
         logits, labels = logits[:, :-1], labels[:, 1:]
     nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels,
                                             ignore_index=-100, reduction="none")
-    tokens = (labels != -100).sum(1)
-    per_sample = nll.sum(1) / tokens.clamp(min=1)
-    return per_sample.mean() if reduce else per_sample
+    return nll.sum(1), (labels != -100).sum(1)
 
 
 def fusable(params: list[torch.Tensor]) -> bool:
@@ -295,3 +308,36 @@ def fusable(params: list[torch.Tensor]) -> bool:
         type(p.data) is torch.Tensor and p.device.type in ("cpu", "cuda")
         and p.dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
         for p in params)
+
+
+class HFStart(Callback):
+    """Before the first step: ``load_best_model_at_end`` needs a best metric; a run that
+    does not clip gradients says so once (``transformers.Trainer`` clips at 1.0); under
+    ghost clipping ``train_step`` returns each sample's loss.
+
+    Example (the HF modules add it themselves)::
+
+        Trainer(module, args, callbacks=[HFStart(module)]).train()
+    """
+
+    def __init__(self, module: HFModule) -> None:
+        self.module = module
+
+    def on_train_start(self, trainer: Any) -> None:
+        args, module = trainer.args, self.module
+        if module.load_best_model_at_end and not args.checkpoint.best_metric:
+            raise HFConfigError("module.init_args.load_best_model_at_end needs "
+                                "trainer.checkpoint.best_metric (the validation metric that "
+                                "picks the best checkpoint, e.g. loss)")
+        private = args.backend.endswith("-dp")
+        module.per_sample_losses = private and args.dp.clipping == "ghost"
+        if module.per_sample_losses and module.loss_per == "token":
+            raise HFConfigError("module.init_args.loss_per token does not combine with "
+                                "trainer.dp.clipping ghost (Opacus needs each sample's "
+                                "loss); use loss_per: sample")
+        if args.max_grad_norm is None and not private and trainer.dist.is_main \
+                and trainer.global_step == 0:
+            # The one default that changes results when a Trainer script is ported.
+            say("sailfin.hf: trainer.max_grad_norm is null: gradients are not clipped "
+                "(transformers.Trainer clips at 1.0 by default; set trainer.max_grad_norm: "
+                "1.0 for the same)")

@@ -1,4 +1,4 @@
-"""The encoder and decoder tasks: sequence classification, token classification, causal LM."""
+"""The tasks: sequence classification, token classification, causal LM, seq2seq LM."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any, Optional
 import torch
 
 from .errors import HFConfigError
-from .metrics import accuracy, entity_f1, f1_scores, perplexity
-from .module import HFModule
+from .metrics import accuracy, entity_f1, f1_scores, perplexity, rouge
+from .module import HFModule, token_nll
 from .text_data import TextData
 
 
@@ -33,16 +33,14 @@ class _Labelled(HFModule):
 
 
 class SequenceClassification(_Labelled):
-    """``AutoModelForSequenceClassification`` on ``TextData`` (text, optional text pair,
-    a label per row). Reports ``loss``, ``accuracy``, ``f1`` (binary F1 of the second
-    label with two labels, else macro) and ``f1_macro``.
+    """``AutoModelForSequenceClassification`` on text (and text pair) with a label per row.
+    Reports ``loss``, ``accuracy``, ``f1`` (binary F1 of the second label with two
+    labels, else macro) and ``f1_macro``.
 
     Example::
 
-        data = TextData("tok", "train.jsonl", "val.jsonl", label_column="label")
-        module = SequenceClassification(data, config={"model_type": "bert",
-            "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-            "intermediate_size": 64}, lr=1e-3)
+        module = SequenceClassification(TextData("tok", "train.jsonl", "val.jsonl"),
+                                        model_name_or_path="my-bert", lr=1e-3)
     """
 
     task = "classification"
@@ -63,14 +61,13 @@ class SequenceClassification(_Labelled):
 
 
 class TokenClassification(_Labelled):
-    """``AutoModelForTokenClassification`` on words and their tags (a list each per row);
-    the first sub-word of each word carries its tag. Reports ``entity_f1`` (spans,
-    seqeval's definition), ``entity_precision``, ``entity_recall``, ``token_accuracy``.
+    """``AutoModelForTokenClassification`` on words and their tags (a list each per row;
+    a word's first sub-word carries its tag). Reports ``entity_f1`` (spans, as
+    seqeval), ``entity_precision``, ``entity_recall``, ``token_accuracy``.
 
     Example::
 
-        data = TextData("tok", "train.jsonl", "val.jsonl", text_column="words",
-                        label_column="tags")
+        data = TextData("tok", "train.jsonl", text_column="words", label_column="tags")
         module = TokenClassification(data, model_name_or_path="my-bert")
     """
 
@@ -98,14 +95,13 @@ class TokenClassification(_Labelled):
 
 
 class CausalLM(HFModule):
-    """``AutoModelForCausalLM`` on text; labels are the inputs (padding skipped).
-    Reports the token-level ``loss`` over the validation set and its ``perplexity``.
+    """``AutoModelForCausalLM`` on text, the labels its inputs (padding skipped). Reports
+    the token-level ``loss`` over the validation set and its ``perplexity``.
 
     Example::
 
-        data = TextData("tok", "train.jsonl", "val.jsonl", max_length=256)
-        module = CausalLM(data, config={"model_type": "gpt2", "n_layer": 2, "n_embd": 32,
-                                        "n_head": 2, "n_positions": 256})
+        module = CausalLM(TextData("tok", "train.jsonl", max_length=256),
+                          config={"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2})
     """
 
     task = "causal_lm"
@@ -115,12 +111,54 @@ class CausalLM(HFModule):
     def val_step(self, global_step: int, batch: dict[str, torch.Tensor], device: torch.device
                  ) -> dict[str, torch.Tensor]:
         out = self.forward_batch(batch, device)
-        logits = out.logits[:, :-1].float()
-        targets = batch["labels"][:, 1:].to(device)
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets,
-                                                ignore_index=-100, reduction="none")
-        return {"nll": nll.sum(1), "tokens": (targets != -100).sum(1)}
+        nll, tokens = token_nll(out.logits, batch["labels"].to(device), shift=True)
+        return {"nll": nll, "tokens": tokens}
 
     def on_end_val_epoch(self, global_step: int, outputs: dict[str, Any], key: str = "val"
                          ) -> dict[str, float]:
         return perplexity(outputs["nll"], outputs["tokens"])
+
+
+class Seq2SeqLM(HFModule):
+    """``AutoModelForSeq2SeqLM`` on ``text_column`` -> ``target_column``. Reports the
+    target ``loss``/``perplexity`` and ROUGE-1/2/L F1 of what it generates
+    (``num_beams``, ``max_new_tokens``; ``generate: false`` skips it).
+
+    Example::
+
+        data = TextData("tok", "train.jsonl", "val.jsonl", target_column="summary")
+        module = Seq2SeqLM(data, model_name_or_path="my-bart", num_beams=2, max_new_tokens=16)
+    """
+
+    task = "seq2seq"
+    auto_class = "AutoModelForSeq2SeqLM"
+    shift_labels = False
+
+    def __init__(self, data: TextData, num_beams: int = 1, max_new_tokens: int = 32,
+                 generate: bool = True, **kwargs: Any) -> None:
+        super().__init__(data, **kwargs)
+        self.num_beams, self.max_new_tokens, self.generate = num_beams, max_new_tokens, generate
+
+    def val_step(self, global_step: int, batch: dict[str, torch.Tensor], device: torch.device
+                 ) -> dict[str, Any]:
+        out = self.forward_batch(batch, device)
+        nll, tokens = token_nll(out.logits, batch["labels"].to(device), shift=False)
+        result: dict[str, Any] = {"nll": nll, "tokens": tokens}
+        if self.generate:
+            generated = self.model.generate(
+                input_ids=batch["input_ids"].to(device),
+                attention_mask=batch["attention_mask"].to(device),
+                num_beams=self.num_beams, max_new_tokens=self.max_new_tokens)
+            refs = batch["labels"].masked_fill(batch["labels"] == -100,
+                                               self.tokenizer.pad_token_id)
+            decode = self.tokenizer.batch_decode
+            result["prediction"] = decode(generated.cpu(), skip_special_tokens=True)
+            result["reference"] = decode(refs, skip_special_tokens=True)
+        return result
+
+    def on_end_val_epoch(self, global_step: int, outputs: dict[str, Any], key: str = "val"
+                         ) -> Optional[dict[str, float]]:
+        metrics = perplexity(outputs["nll"], outputs["tokens"])
+        if self.generate:
+            metrics.update(rouge(outputs["prediction"], outputs["reference"]))
+        return metrics

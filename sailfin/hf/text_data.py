@@ -10,35 +10,29 @@ from typing import Any, Optional, Union
 import torch
 
 from ..data.shards import ShardDataset
+from ..data.shards.index import write_atomic
 from ..interfaces import DataInterface
 from ..utils.progress_line import ProgressLine
-from .collate import PadCollate
 from .errors import HFConfigError
 from .files import check_columns, read_rows
-from .tokenize import TASKS, TokenizeText, from_shard_sample
-from .tokenizers import load_tokenizer
+from .tokenizers import TASKS, TokenizeText, from_shard_sample, load_tokenizer
 
 ROWS_PER_JOB = 10_000  # rows tokenized between two looks at the progress line
 
 
 class TextData(DataInterface):
-    """Text files (JSON lines / CSV, or ``datasets`` objects) for a ``sailfin.hf`` module.
+    """Text files (JSON lines, CSV, parquet, or ``datasets`` objects) for a ``sailfin.hf`` module.
 
-    The module names the task (``classification``, ``token_classification``,
-    ``causal_lm``, ``seq2seq``) when it is built, and the files are tokenized then,
-    before the first step: ``process_count`` processes in parallel, into memory, or
-    with ``shards_dir`` into sailfin shards (written once, then streamed; a run
-    resumes exactly either way). Batches are padded to their longest sample
-    (:class:`PadCollate`), not to ``max_length``. A text longer than ``max_length``
-    is truncated and counted (``truncated``), or refused with ``truncation: refuse``.
-
-    Labels (classification and token tags) are the sorted distinct values of the
-    train file's ``label_column``, or ``labels`` as given.
+    The module names the task when it is built, and the files are tokenized then, by
+    ``process_count`` processes, into memory or with ``shards_dir`` into sailfin shards
+    (written once, then streamed). Batches are padded to their longest sample
+    (:class:`PadCollate`). A text longer than ``max_length`` is truncated and counted
+    (``truncated``), or refused with ``truncation: refuse``. Labels are the sorted
+    distinct values of ``label_column``, or ``labels`` as given.
 
     Example::
 
-        data = TextData("my-model", "train.jsonl", "val.jsonl", text_column="text",
-                        label_column="label", max_length=128)
+        data = TextData("my-model", "train.jsonl", "val.jsonl", max_length=128)
         module = SequenceClassification(data, model_name_or_path="my-model")
     """
 
@@ -94,15 +88,11 @@ class TextData(DataInterface):
         processor = TokenizeText(self.tokenizer_path, task, label2id=label2id,
                                  samples_per_shard=self.samples_per_shard, **self.options)
         processor._tokenizer = self.tokenizer
-        lengths = []
         for split, source in self.files.items():
-            ds, truncated, split_lengths = self._tokenize(processor, split, source,
-                                                          len(rows[split]))
-            self.datasets[split] = ds
-            self.truncated[split] = truncated
+            self.datasets[split], self.truncated[split], lengths = self._tokenize(
+                processor, split, source, len(rows[split]))
             if split == "train":
-                lengths = split_lengths
-        self.mean_tokens = sum(lengths) / max(1, len(lengths))
+                self.mean_tokens = sum(lengths) / max(1, len(lengths))
         pad = self.tokenizer.pad_token_id
         self.collate = PadCollate(pad, label_pad=-100 if task != "classification" else None,
                                   causal=task == "causal_lm")
@@ -158,7 +148,10 @@ class TextData(DataInterface):
                     [n for p in done for n in p["lengths"]])
         out = os.path.join(self.shards_dir, split)
         meta_path = os.path.join(out, "meta.json")
-        meta = self._shard_meta(source)
+        stat = os.stat(source)
+        meta = {"source": os.path.abspath(source), "size": stat.st_size, "mtime": stat.st_mtime,
+                "task": self.task, "labels": self.labels,
+                "tokenizer": os.path.abspath(self.tokenizer_path), **self.options}
         if not _same_meta(meta_path, meta):
             # Whole shards per job: a job starts at a multiple of samples_per_shard.
             step = max(1, math.ceil(per_job / self.samples_per_shard)) * self.samples_per_shard
@@ -170,21 +163,13 @@ class TextData(DataInterface):
             meta["truncated"] = sum(p["truncated"] for p in done)
             meta["lengths"] = [n for p in done for n in p["lengths"]]
             meta["shards"] = [os.path.basename(s) for p in done for s in p["shards"]]
-            tmp = f"{meta_path}.tmp-{os.getpid()}"
-            with open(tmp, "w") as fh:
-                json.dump(meta, fh)
-            os.replace(tmp, meta_path)  # written last: the shards are complete
+            # Written last: the shards are complete.
+            write_atomic(meta_path, json.dumps(meta).encode())
         with open(meta_path) as fh:
             meta = json.load(fh)
         urls = [os.path.join(out, s) for s in meta["shards"]]
         ds = ShardDataset(urls, decode="numpy", transform=from_shard_sample, shuffle=False)
         return ds, meta["truncated"], meta["lengths"]
-
-    def _shard_meta(self, source: str) -> dict[str, Any]:
-        stat = os.stat(source)
-        return {"source": os.path.abspath(source), "size": stat.st_size,
-                "mtime": stat.st_mtime, "task": self.task, "labels": self.labels,
-                "tokenizer": os.path.abspath(self.tokenizer_path), **self.options}
 
     # -- DataInterface ------------------------------------------------------------------
     def get_train_dataset(self) -> torch.utils.data.Dataset:
@@ -212,6 +197,47 @@ class ListDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self.samples[i]
+
+
+class PadCollate:
+    """Pads a list of ``{"input_ids": [...], "labels": ...}`` to its longest sample:
+    ``input_ids`` with ``pad_id``, plus an ``attention_mask``; list labels with
+    ``label_pad`` (-100: the loss skips it); int labels become a 1-D tensor.
+    ``causal``: the labels are the inputs, -100 at padding.
+
+    Example::
+
+        batch = PadCollate(pad_id=0)([{"input_ids": [5, 6, 7], "labels": [1, 2, 1]},
+                                      {"input_ids": [5], "labels": [0]}])
+        batch["input_ids"].shape      # torch.Size([2, 3])
+    """
+
+    def __init__(self, pad_id: int, label_pad: Optional[int] = -100, causal: bool = False
+                 ) -> None:
+        self.pad_id, self.label_pad, self.causal = pad_id, label_pad, causal
+
+    def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        ids = [s["input_ids"] for s in samples]
+        input_ids = _pad(ids, self.pad_id)
+        mask = _pad([[1] * len(x) for x in ids], 0)
+        batch = {"input_ids": input_ids, "attention_mask": mask}
+        if self.causal:
+            batch["labels"] = input_ids.masked_fill(mask == 0, -100)
+        elif "labels" in samples[0]:
+            labels = [s["labels"] for s in samples]
+            if isinstance(labels[0], list):
+                batch["labels"] = _pad(labels, -100 if self.label_pad is None else self.label_pad)
+            else:
+                batch["labels"] = torch.tensor(labels, dtype=torch.long)
+        return batch
+
+
+def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
+    longest = max(len(r) for r in rows)
+    out = torch.full((len(rows), longest), value, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.as_tensor(r, dtype=torch.long)
+    return out
 
 
 def _same_meta(path: str, meta: dict[str, Any]) -> bool:

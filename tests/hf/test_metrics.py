@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sailfin.hf.metrics import accuracy, entity_f1, entity_spans, f1_scores, perplexity
-from sailfin.hf.rouge import lcs_length, rouge
+from sailfin.hf.metrics import lcs_length, rouge
 
 sklearn_metrics = pytest.importorskip("sklearn.metrics")
 

@@ -5,12 +5,11 @@ See the README section "Streaming from shards". The pieces: :class:`ShardWriter`
 storage), :func:`window_order` (the epoch order), :class:`ShardError` (bad data).
 """
 
+from ..sampler import window_order
 from .dataset import ShardDataset
 from .errors import ShardError
 from .index import ShardIndex
-from .order import window_order
-from .remote import ShardCache
-from .urls import expand_urls
+from .remote import ShardCache, expand_urls
 from .writer import ShardWriter
 
 __all__ = ["ShardCache", "ShardDataset", "ShardError", "ShardIndex", "ShardWriter",

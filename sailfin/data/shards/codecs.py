@@ -104,9 +104,9 @@ def decoder_for(ext: str, mode: str) -> Decoder:
     if kind in IMAGE_FORMATS:
         return _image_decoder(IMAGE_FORMATS[kind], as_array=mode == "numpy")
     if kind in INT_EXTS:
-        return _decode_int
+        return int  # int(b"3") == 3
     if kind in TEXT_EXTS:
-        return _decode_text
+        return bytes.decode  # UTF-8
     if kind == "json":
         return json.loads
     if kind == "pth":
@@ -154,14 +154,6 @@ def _parse_npy_header(head: bytes) -> tuple[np.dtype, tuple, str, int]:
     return dtype, tuple(shape), "F" if fortran else "C", int(np.prod(shape, dtype=np.int64))
 
 
-def _decode_int(data: bytes) -> int:
-    return int(data)
-
-
-def _decode_text(data: bytes) -> str:
-    return data.decode("utf-8")
-
-
 def _decode_pth(data: bytes) -> Any:
     import torch
 
@@ -174,20 +166,16 @@ def _image_decoder(fmt: str, as_array: bool) -> Decoder:
     def decode(data: bytes) -> Any:
         # Naming the format skips Pillow's probing of every registered plugin.
         image = _pil().open(io.BytesIO(data), formats=formats)
-        if image.mode in ("P", "1", "CMYK"):  # palettes and bit maps: give pixels
-            image = image.convert(_pixel_mode(image))
+        if image.mode == "1":  # bit maps, palettes, CMYK: give pixels
+            image = image.convert("L")
+        elif image.mode in ("P", "CMYK"):
+            image = image.convert("RGBA" if "transparency" in image.info else "RGB")
         if not as_array:
             image.load()
             return image
         return np.array(image)  # writable (asarray's view of PIL's bytes is read-only)
 
     return decode
-
-
-def _pixel_mode(image: Any) -> str:
-    if image.mode == "1":
-        return "L"
-    return "RGBA" if "transparency" in image.info else "RGB"
 
 
 def _pil():

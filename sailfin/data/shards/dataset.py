@@ -12,14 +12,11 @@ import numpy as np
 import torch
 
 from ...utils.voice import say
+from ..sampler import window_order
 from .codecs import DECODE_MODES, Decoder, decoder_for
-from .counter import SharedCounter
-from .errors import ShardError, where
-from .index import ShardIndex, Table
-from .indexing import check_size, load_index
-from .order import window_order
-from .remote import ShardCache
-from .urls import Urls, expand_urls, kind, local_path
+from .errors import ShardError, SharedCounter, where
+from .index import ShardIndex, Table, check_size, load_index
+from .remote import ShardCache, Urls, expand_urls, kind, local_path
 
 ON_ERROR = ("raise", "skip")
 
@@ -27,22 +24,16 @@ ON_ERROR = ("raise", "skip")
 class ShardDataset(torch.utils.data.Dataset):
     """Samples stored in tar shards (the WebDataset layout), readable by index.
 
-    ``urls`` is a path, URL, glob, directory or brace pattern, or a list of them:
-    local files, ``http(s)://``, or any fsspec URL (``s3://``, ``gs://``...,
-    with ``pip install 'sailfin[remote]'``). Every shard's index is loaded here,
-    so a bad pattern or an unreachable URL fails now, not mid-epoch.
-
-    ``ds[i]`` is sample ``i`` (shards in list order, samples in file order):
-    a dict ``{"__key__", "__url__", ext: value}`` decoded by extension, the
-    tuple of ``fields`` if given, or whatever ``decode(raw_dict)`` returns;
-    then ``transform`` is applied. ``epoch_order(seed, epoch)`` is the order
-    the trainer's sampler follows: shards shuffled, then samples shuffled
-    within windows of ``shuffle_window`` shards (``shuffle=False``: natural
-    order). ``on_error="skip"`` drops unreadable samples from their
-    micro-batch and counts them (:attr:`skipped_samples`). Each member is
-    checked against the CRC-32 its index records (``verify_checksums=False``
-    skips that; indexes without checksums are read unchecked); a mismatch is
-    a ShardError naming shard, sample and offset, handled like any bad sample.
+    ``urls``: a path, URL, glob, directory or brace pattern, or a list of them (local,
+    ``http(s)://``, or any fsspec URL with ``pip install 'sailfin[remote]'``). Every
+    index loads here, so a bad pattern or unreachable URL fails now, not mid-epoch.
+    ``ds[i]`` (shards in list order, samples in file order) is a dict ``{"__key__",
+    "__url__", ext: value}`` decoded by extension, the tuple of ``fields``, or what
+    ``decode(raw_dict)`` returns; then ``transform`` applies. ``epoch_order`` (what the
+    trainer's sampler follows) is :func:`window_order`. ``on_error="skip"`` drops
+    unreadable samples from their micro-batch and counts them (:attr:`skipped_samples`).
+    Each member is checked against its index's CRC-32 (``verify_checksums``); a
+    mismatch is a ShardError naming shard, sample and offset, like any bad sample.
 
     Example::
 
@@ -71,11 +62,8 @@ class ShardDataset(torch.utils.data.Dataset):
         if isinstance(fields, str):
             fields = (fields,)
         self.fields = tuple(fields) if fields is not None else None
-        self.transform = transform
-        self.shuffle = shuffle
-        self.shuffle_window = shuffle_window
-        self.on_error = on_error
-        self.verify_checksums = verify_checksums
+        self.transform, self.shuffle, self.shuffle_window = transform, shuffle, shuffle_window
+        self.on_error, self.verify_checksums = on_error, verify_checksums
         self.max_open_shards = max_open_shards
         self.cache = ShardCache(cache_dir, cache_limit, attempts=download_attempts)
         self.indexes = self._load_indexes(index_threads)
@@ -142,8 +130,13 @@ class ShardDataset(torch.utils.data.Dataset):
                 raise ShardError(f"{where(self.urls[shard], key, lo)}: needs {hi - lo} bytes "
                                  f"but the shard ends after {len(buf)} of them (truncated "
                                  "shard); re-create it", self.urls[shard], key, lo)
-            if self.verify_checksums:
-                check_members(table, j, buf, lo, self.urls[shard], key)
+            bad = table.damaged_member(j, buf, lo) if self.verify_checksums else None
+            if bad is not None:
+                raise ShardError(f"{where(self.urls[shard], key, bad[1])}: member '.{bad[0]}' "
+                                 "does not match its CRC-32 in the shard index: the shard was "
+                                 "changed or damaged after it was written. Re-create it, or "
+                                 "set on_error='skip' to leave such samples out",
+                                 self.urls[shard], key, bad[1])
             sample = self._decode(shard, key, lo, buf, members)
         except ShardError as exc:
             if self._skipped is None:
@@ -292,18 +285,6 @@ class ShardDataset(torch.utils.data.Dataset):
                 f"cache_limit={self.cache.limit} bytes cannot hold two shuffle windows of "
                 f"shards ({need} bytes for shuffle_window={self.shuffle_window}): raise "
                 "cache_limit or lower shuffle_window")
-
-
-def check_members(table: Table, j: int, buf: bytes, lo: int, url: str, key: str) -> None:
-    """ShardError if a member of sample ``j`` (``buf``, read from byte ``lo``) differs
-    from its CRC-32 in the index."""
-    bad = table.damaged_member(j, buf, lo)
-    if bad is not None:
-        ext, offset = bad
-        raise ShardError(f"{where(url, key, offset)}: member '.{ext}' does not match its CRC-32 "
-                         "in the shard index: the shard was changed or damaged after it was "
-                         "written. Re-create it, or set on_error='skip' to leave such samples "
-                         "out", url, key, offset)
 
 
 def _suggest(value: Any, choices: Sequence[str]) -> str:

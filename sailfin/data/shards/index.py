@@ -13,16 +13,16 @@ a small JSON document::
      "sizes": [1, 873, ...],          # per member: data size in bytes
      "crc32": [2212294583, ...]}      # per member: zlib.crc32 of its data (optional)
 
-``crc32`` is checked by the reader on every sample (``verify_checksums``):
-a changed byte in a member raises ShardError naming shard, sample and offset.
-Indexes written before it existed have no ``crc32`` and are read unchecked.
+Indexes without ``crc32`` (older ones) are read unchecked. Members group into
+samples as WebDataset's do: ``dir/000123.x.npy`` has key ``dir/000123`` and
+extension ``x.npy``; consecutive members with one key form a sample, so one
+positional read fetches a whole sample. Members without an extension belong to none.
 
-Members are grouped into samples as WebDataset does: a member ``dir/000123.x.npy``
-has key ``dir/000123`` and extension ``x.npy`` (everything after the first dot of
-the base name), and consecutive members with the same key form one sample. A
-sample's members are therefore contiguous, so one positional read of
-``[offset of its first member, end of its last)`` fetches the whole sample.
-Members without an extension are not part of any sample.
+At start-up a local shard's index is the ``.idx`` beside it (checked against the
+shard's size), else one cached (keyed by path, size and mtime), else the tar is
+scanned and the index written beside it (into the cache when read-only). A remote
+shard's is the cached one, else ``URL.idx``, else the shard is downloaded (it will
+be read anyway), scanned, and the index cached.
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ from typing import Iterable, NamedTuple, Optional
 import numpy as np
 
 from ...utils.crc import crc32
-from .tarformat import Member
+from ...utils.voice import say
+from .errors import ShardError, where
+from .remote import ShardCache, kind, local_path
+from .tarformat import Member, TarFormatError, scan
 
 FORMAT = "sailfin-shard-index"
 VERSION = 1
@@ -53,7 +56,6 @@ class ShardIndex:
     Example::
 
         index = ShardIndex.from_members(tarformat.scan(fd, size), size)
-        index.num_samples, index.keys[0]
         index.save("shard-000000.tar.idx")
     """
 
@@ -75,10 +77,7 @@ class ShardIndex:
         exts: dict[str, int] = {}
         keys: list[str] = []
         counts: list[int] = []
-        ext_ids: list[int] = []
-        offsets: list[int] = []
-        sizes: list[int] = []
-        crcs: Optional[list[int]] = []
+        ext_ids, offsets, sizes, crcs = [], [], [], []
         for m in members:
             key, ext = split_name(m.name)
             if not ext:
@@ -90,10 +89,8 @@ class ShardIndex:
             ext_ids.append(exts.setdefault(ext, len(exts)))
             offsets.append(m.offset)
             sizes.append(m.size)
-            if crcs is not None:  # all members have one, or the index has none
-                crcs = None if m.crc32 is None else crcs
-                if crcs is not None:
-                    crcs.append(m.crc32)  # type: ignore[arg-type]
+            crcs.append(m.crc32)
+        crcs = None if None in crcs else crcs  # all members have one, or the index has none
         return cls._build(tar_bytes, tuple(exts), keys, counts, ext_ids, offsets, sizes, crcs)
 
     @classmethod
@@ -232,3 +229,110 @@ def write_atomic(path: str, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def load_index(url: str, cache: ShardCache, skip_bad: bool) -> ShardIndex:
+    """The index of shard ``url``; ShardError (naming the URL) if it cannot be had."""
+    if kind(url) == "local":
+        return _local_index(url, cache, skip_bad)
+    cached = cache.path_for(url) + INDEX_SUFFIX
+    if os.path.exists(cached):
+        return _read(cached)
+    if kind(url) != "pipe":
+        data = cache.read_small(url + INDEX_SUFFIX)
+        if data is not None:
+            try:
+                index = ShardIndex.from_json(data, url + INDEX_SUFFIX)
+            except ValueError as exc:
+                raise ShardError(str(exc), url) from None
+            _save(index, cached)
+            return index
+    index, whole = _scan(cache.fetch(url), url, skip_bad)
+    if whole:
+        _save(index, cached)
+    return index
+
+
+def _local_index(url: str, cache: ShardCache, skip_bad: bool) -> ShardIndex:
+    path = local_path(url)
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ShardError(f"shard {url} does not exist: check the path or the shard "
+                         "pattern", url) from None
+    beside = path + INDEX_SUFFIX
+    if os.path.exists(beside):
+        index = _read(beside)
+        check_size(index, st.st_size, url, beside, skip_bad)
+        return index
+    cached = cache.path_for(f"{os.path.abspath(path)}@{st.st_size}@{st.st_mtime_ns}") \
+        + INDEX_SUFFIX
+    if os.path.exists(cached):
+        return _read(cached)
+    index, whole = _scan(path, url, skip_bad)
+    if not whole:
+        return index
+    try:
+        index.save(beside)
+    except OSError:  # a read-only data directory: keep the index in the cache instead
+        _save(index, cached)
+    return index
+
+
+def check_size(index: ShardIndex, size: int, url: str, index_name: str, skip_bad: bool) -> None:
+    """A shard must be as long as its index says: shorter means truncated."""
+    if size == index.tar_bytes:
+        return
+    message = (f"shard {url} is {size} bytes but its index {index_name} describes "
+               f"{index.tar_bytes} bytes")
+    if size < index.tar_bytes and skip_bad:
+        say(f"{message}: the shard is truncated; samples past byte {size} will be skipped",
+            warning=True)
+        return
+    raise ShardError(f"{message}: the shard is truncated or was rewritten after it was "
+                     "indexed. Re-create the shard, or delete the index to index it again "
+                     "(a truncated shard then fails at the damaged member)", url)
+
+
+def _read(path: str) -> ShardIndex:
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return ShardIndex.from_json(data, path)
+    except ValueError as exc:
+        raise ShardError(str(exc), path) from None
+
+
+def _save(index: ShardIndex, path: str) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_atomic(path, index.to_json().encode())
+    except OSError as exc:  # an index we cannot keep is rebuilt next time: not fatal
+        say(f"could not cache the shard index at {path} ({exc})", warning=True)
+
+
+def _scan(path: str, url: str, skip_bad: bool) -> tuple[ShardIndex, bool]:
+    """Index by scanning headers, and whether it is whole (then checksummed, to keep).
+    A damaged tar with ``skip_bad``: the samples before the damage (the last may miss
+    members after it), not to keep (a repaired shard is indexed again)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        members = []
+        try:
+            for member in scan(fd, size):
+                members.append(member)
+        except TarFormatError as exc:
+            if not skip_bad:
+                raise ShardError(f"{where(url, offset=exc.offset)}: {exc}; re-create the "
+                                 "shard, or set on_error='skip' to use the samples before "
+                                 "the damage", url, offset=exc.offset) from None
+            say(f"{where(url, offset=exc.offset)}: {exc}; using the {len(members)} members "
+                "before it", warning=True)
+            # tar_bytes is the real size: the reader must not treat the shard as truncated.
+            return ShardIndex.from_members(members, size), False
+        index = ShardIndex.from_members(members, size)
+        index.add_checksums(fd)  # one read of the shard: later changes are found
+        return index, True
+    finally:
+        os.close(fd)

@@ -1,11 +1,9 @@
 """Just enough of the POSIX tar format: write member headers, scan headers back.
 
-Reading a sample never parses tar: the shard index gives byte offsets. This
-module is used once per shard, to index a tar that came without an index
-(plain WebDataset shards) and to write headers when sailfin makes shards.
-Headers are parsed here rather than with ``tarfile`` because indexing only
-needs (name, data offset, size) and must name the byte offset of a damaged
-header.
+Reading a sample never parses tar (the index gives byte offsets): this is used to
+index a tar that came without an index and to write headers. Not ``tarfile``:
+indexing needs only (name, data offset, size), and must name the byte offset of a
+damaged header (``tarfile`` takes one after the first for the end of the archive).
 """
 
 from __future__ import annotations

@@ -31,11 +31,8 @@ def group_files(root: str) -> tuple[list[Sample], int]:
 
 
 class WriteShards(DataProcessor):
-    """Writes one run of shards: ``process(start_index, samples)`` -> the shard paths.
-
-    Each process writes shard numbers ``start_index, start_index + 1, ...``, so
-    parallel processes never write the same file.
-    """
+    """Writes one run of shards: ``process(start_index, samples)`` -> the shard paths,
+    numbered from ``start_index`` (parallel processes never write the same file)."""
 
     def __init__(self, src: str, out: str, samples_per_shard: int, prefix: str = "shard"
                  ) -> None:

@@ -14,17 +14,11 @@ from .tarformat import END_OF_ARCHIVE, Member, header, padding
 class ShardWriter:
     """Writes samples into ``{prefix}-{NNNNNN}.tar`` shards of ``samples_per_shard`` each.
 
-    A sample is a dict with ``"__key__"`` and ``extension -> value``; values are
-    encoded by extension (bytes, str, int, numpy arrays as ``.npy`` or images,
-    PIL images, dicts as ``.json``: see :mod:`sailfin.data.shards.codecs`). Each
-    shard is written under a temporary name with its index
-    (``shard-000000.tar.idx``) and both are renamed into place when the shard is
-    complete; an exception inside the ``with`` block discards only the shard
-    being written, never one already finished.
-
-    To write in parallel, give each process a disjoint ``start_index`` range
-    (or its own ``prefix``): process p writing items ``[p*k*N, (p+1)*k*N)`` with
-    ``start_index=p*k`` produces exactly the shards one process would.
+    A sample is a dict of ``"__key__"`` and ``extension -> value``, values encoded by
+    extension (see :mod:`sailfin.data.shards.codecs`). Each shard and its index
+    (``.tar.idx``) are written under temporary names and renamed when complete; an
+    exception in the ``with`` block discards only the shard being written. To write in
+    parallel, give each process a disjoint ``start_index`` range (or its own ``prefix``).
 
     Example::
 
@@ -42,17 +36,14 @@ class ShardWriter:
             raise ValueError(f"start_index must be >= 0, got {start_index}")
         if "/" in prefix or not prefix:
             raise ValueError(f"prefix must be a plain file name part, got {prefix!r}")
-        self.directory = directory
-        self.samples_per_shard = samples_per_shard
-        self.prefix = prefix
+        self.directory, self.samples_per_shard, self.prefix = directory, samples_per_shard, prefix
         self.next_index = start_index
         self.shards: list[str] = []       # finished shards, in order
-        self._file: Optional[Any] = None
+        self._file: Optional[Any] = None  # the shard being written, at self._path
         self._path = ""
         self._members: list[Member] = []
         self._keys: set[str] = set()
-        self._count = 0
-        self._pos = 0
+        self._count = self._pos = 0
         os.makedirs(directory, exist_ok=True)
 
     def __enter__(self) -> "ShardWriter":

@@ -13,7 +13,7 @@ import torch
 
 from sailfin.data import ShardDataset, ShardWriter
 from sailfin.data.shards import ShardIndex, expand_urls
-from sailfin.data.shards.urls import expand_braces
+from sailfin.data.shards.remote import expand_braces
 
 from .helpers import sample, write_shards
 
@@ -116,7 +116,7 @@ def test_a_read_only_shard_directory_keeps_its_index_in_the_cache(tmp_path, monk
     assert len(ds) == 2 and not (tmp_path / "s.tar.idx").exists()
     (kept,) = [n for n in os.listdir(cache) if n.endswith(".idx")]
     # The next run finds it there instead of scanning the tar again.
-    monkeypatch.setattr("sailfin.data.shards.indexing._scan", None)
+    monkeypatch.setattr("sailfin.data.shards.index._scan", None)
     assert len(ShardDataset(str(tmp_path / "s.tar"), cache_dir=str(cache))) == 2
 
 
