@@ -1,10 +1,7 @@
-"""The base of the strategies that run one process per device in a process group.
-
-:class:`ParallelStrategy` is the single-device strategy plus what every such strategy
-shares: it joins the process group (and leaves it at teardown), sets the CPU threads of
-each process, and makes the collectives real. The DDP and FSDP strategies are its two
-children, each with its own wrapper: ``DistributedDataParallel`` (:mod:`.ddp`) or
-FSDP2 units (:mod:`.fsdp`).
+"""The base of the strategies that run one process per device in a process group: it
+joins the group (and leaves it at teardown), sets each process's CPU threads, and makes
+the collectives real. Its two children, DDP (:mod:`.ddp`) and FSDP (:mod:`.fsdp`), each
+bring their own wrapper.
 """
 
 from __future__ import annotations
@@ -19,8 +16,8 @@ import torch.distributed as dist
 from ..config.distributed import DistArguments
 from ..config.errors import ConfigError
 from ..distributed import DistEnv
-from ..distributed.collectives import all_reduce_mean, gather_outputs
-from ..distributed.process_group import (comm_backend_for, destroy_process_group,
+from ..distributed.process_group import (all_reduce_mean, comm_backend_for,
+                                         destroy_process_group, gather_outputs,
                                          init_process_group, launch_hint)
 from ..utils.voice import say
 from .precision import Precision
@@ -28,11 +25,9 @@ from .strategy import Execution, SingleDevice
 
 
 class ParallelStrategy(SingleDevice):
-    """One process per device, ``dist.world_size`` of them, in one process group.
-
-    A child supplies :meth:`wrap` (and what its wrapper changes); this class joins the
-    group in :meth:`setup` before the module is placed, and leaves it in
-    :meth:`teardown` if it created it.
+    """One process per device, ``dist.world_size`` of them, in one process group: joined
+    in :meth:`setup` before the module is placed, left in :meth:`teardown` if this
+    created it. A child supplies :meth:`wrap`.
 
     Example (every process runs this; torchrun starts them)::
 

@@ -1,35 +1,28 @@
 """The hang watchdog: a stuck rank is named, and the job ends instead of hanging.
 
-The training loop writes where it is into a :class:`Heartbeat` (an attribute
-store per phase: no lock, no clock, no store round-trip on the step's path).
-A background thread per rank turns that into a record once a second: the
-step, the phase, and the seconds since the record last changed, measured on
-this rank's own clock; it writes the record to the process group's store.
-The threads of ranks 0 and 1 (two judges: a frozen rank 0 is judged by rank 1)
-read every rank's record. When a rank has made no progress for ``hang_seconds``
-(the slow phases' limit in set-up, saves, validation...), or its records stopped
-coming (a frozen process: ``hang_seconds`` whatever its phase), the first judge to
-see it writes a report to the store; every live rank's thread sees it within a
-second, ends any frozen rank's process on its own host (SIGKILL: a stopped process
-answers nothing else, and torchrun would wait 30 s), writes its own stack
-(``faulthandler``, all threads) to its stderr and to
-``<output_dir>/hang/stack-rank<r>.txt``, and the judge prints one line per rank
-and the rank(s) the others wait for (see :mod:`.hang_report`). Then each process
-leaves a note for ``sailfin launch`` and exits with code 75 (EX_TEMPFAIL), so
-``torchrun --max-restarts`` restarts the group and the run resumes from its last
-checkpoint.
+The loop writes where it is into a :class:`Heartbeat` (plain attributes: nothing on the
+step's path). A thread per rank turns it into a record once a second (the step, the
+phase, the seconds since it last moved on this rank's clock) in the process group's
+store. Ranks 0 and 1 judge (a frozen rank 0 is judged by rank 1): when a rank is idle
+past ``hang_seconds`` (the slow phases' limit in set-up, saves, validation...), or its
+records stopped coming (a frozen process: ``hang_seconds`` whatever its phase), the
+first judge to see it writes a report to the store. Within a second every live rank
+ends the frozen processes on its own host (SIGKILL: a stopped process answers nothing
+else, and torchrun would wait 30 s), writes its stack (``faulthandler``, all threads)
+to its stderr and to ``<output_dir>/hang/stack-rank<r>.txt``, leaves a note for
+``sailfin launch`` and exits 75 (EX_TEMPFAIL): ``torchrun --max-restarts`` restarts the
+group, which resumes from its last checkpoint. The judge prints one line per rank and
+the rank(s) the others wait for (:mod:`.hang_report`).
 
-The watchdog starts as soon as the process group exists (set-up, resume and the
-start-up checks are watched) and stops after the last step.
-
-The thread runs Python, so it needs the GIL: a rank blocked in a collective,
-in ``time.sleep``, in I/O or in CUDA waits is seen (those release the GIL); a
-C extension that holds the GIL forever silences the thread, and the judges then
-report that rank's records as stopped.
+It watches from the moment the process group exists to the last step. Its thread needs
+the GIL: a rank blocked in a collective, a sleep, I/O or CUDA is seen (they release
+it); a C extension that holds the GIL forever silences it, and the judges then report
+that rank's records as stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import json
@@ -46,13 +39,12 @@ from .exit_codes import HANG_EXIT_CODE
 from .hang_report import (ALL_REDUCE, BACKWARD, CHECKPOINT_SAVE, DATA, END_OF_EPOCH,  # noqa: F401
                           END_OF_STEP, FAILED, FINISHED, FORWARD, HANG_KEY, OPTIMIZER, SETUP,
                           SLOW_KEY, SLOW_PHASES, STARTUP_CHECKS, STARTUP_CHECKS_GATHER,
-                          VALIDATION,
-                          VALIDATION_GATHER, RankRecord,
-                          culprits, hang_report, limit_of, recipe_step)
+                          VALIDATION, VALIDATION_GATHER, RankRecord, culprits, hang_report,
+                          limit_of, recipe_step)
 from .launch_notes import HANG, leave_note
 
-
 AUTO_HANG_SECONDS = 300.0
+
 
 class Heartbeat:
     """Where this rank is: written by the loop, read by the watchdog's thread.
@@ -109,7 +101,7 @@ class Watchdog:
         self.heartbeat, self.store = heartbeat, store
         self.rank, self.world_size = rank, world_size
         self.hang_seconds, self.interval = float(hang_seconds), interval
-        # The limit in SLOW_PHASES (saves, validation, callbacks); hang_seconds when unset.
+        # The limit in SLOW_PHASES (saves, validation, callbacks): never below hang_seconds.
         self.slow_seconds = max(float(slow_seconds or hang_seconds), self.hang_seconds)
         self.report_dir = report_dir
         self.on_hang = on_hang or raise_in_main
@@ -139,11 +131,9 @@ class Watchdog:
         self._stop.set()
         self._thread.join()
         self._thread = None
-        try:
-            self.heartbeat.phase = FAILED if failed else FINISHED
+        self.heartbeat.phase = FAILED if failed else FINISHED
+        with contextlib.suppress(Exception):  # the store may be gone at the end of a job
             self._publish(0.0, -1)
-        except Exception:  # noqa: BLE001 - the store may be gone at the end of a job
-            pass
 
     def publish_now(self) -> None:
         """Write this rank's record now (the loop, once, as training begins): a rank that
@@ -151,10 +141,8 @@ class Watchdog:
         if self._thread is None:
             return
         self._seq += 1
-        try:
+        with contextlib.suppress(Exception):  # the thread reports a broken store
             self._publish(0.0, self._seq)
-        except Exception:  # noqa: BLE001 - the thread reports a broken store
-            pass
 
     # -- the thread --------------------------------------------------------------------
     def _run(self) -> None:
@@ -214,8 +202,8 @@ class Watchdog:
                 self._seen[r.rank] = (r.seq, now)
             elif r.phase not in (FINISHED, FAILED) and now - when > self.hang_seconds:
                 stale[r.rank] = now - when  # frozen: named after hang_seconds, any phase
-        if stale or any(r.idle > self._limit(r.phase) and r.phase != FINISHED
-                        for r in records):
+        if stale or any(r.idle > limit_of(r.phase, self.hang_seconds, self.slow_seconds)
+                        and r.phase != FINISHED for r in records):
             report = hang_report(records, self.hang_seconds, stale, self.slow_seconds)
             frozen = [[r.rank, r.host, r.pid] for r in records
                       if r.rank in stale and r.seq >= 0 and r.pid]
@@ -224,9 +212,6 @@ class Watchdog:
             # The first judge's report stands; the other judge's is dropped.
             if self.store.compare_set(_HANG, "", mine).decode() == mine:
                 self.report = report
-
-    def _limit(self, phase: str) -> float:
-        return limit_of(phase, self.hang_seconds, self.slow_seconds)
 
     def _end(self) -> None:
         """Every live rank: its note for sailfin launch, its stack; the judge that reported:
@@ -238,13 +223,11 @@ class Watchdog:
                   f"phase {beat.phase}, pid {os.getpid()})")
         _write_stack(header, sys.stderr)
         if self.report_dir:
-            try:
+            with contextlib.suppress(OSError):
                 os.makedirs(self.report_dir, exist_ok=True)
                 with open(os.path.join(self.report_dir, f"stack-rank{self.rank}.txt"),
                           "w") as fh:
                     _write_stack(header, fh)
-            except OSError:
-                pass
         self.store.add(_ACKS, 1)
         wait = min(10.0, max(2.0, self.hang_seconds / 2))
         frozen = self._frozen()
@@ -286,10 +269,8 @@ class Watchdog:
         pid, host = self._process
         for rank, their_host, their_pid in frozen:
             if their_host == host and their_pid != pid and rank != self.rank:
-                try:
+                with contextlib.suppress(OSError):  # gone already
                     os.kill(their_pid, signal.SIGKILL)
-                except OSError:
-                    pass  # gone already
 
 
 _PREFIX = "sailfin/watchdog"
@@ -358,16 +339,6 @@ def resolve_hang_seconds(value: Any, world_size: int) -> Optional[float]:
     return float(value)
 
 
-def resolve_slow_seconds(value: Any, hang_seconds: float) -> float:
-    """``trainer.distributed.hang_seconds_slow_phases``: auto is 4 x hang_seconds; null
-    is hang_seconds itself; never below hang_seconds."""
-    if value is None:
-        return hang_seconds
-    if value == "auto":
-        return 4 * hang_seconds
-    return max(float(value), hang_seconds)
-
-
 def build_watchdog(hang_setting: Any, rank: int, world_size: int, store: Any,
                    heartbeat: Heartbeat, report_dir: Optional[str],
                    slow_setting: Any = "auto", end: bool = False) -> Optional[Watchdog]:
@@ -384,7 +355,8 @@ def build_watchdog(hang_setting: Any, rank: int, world_size: int, store: Any,
         store = dist.HashStore()
     dog = Watchdog(heartbeat, store, rank, world_size, seconds,
                    interval=min(1.0, seconds / 4), report_dir=report_dir,
-                   slow_seconds=resolve_slow_seconds(slow_setting, seconds),
+                   # hang_seconds_slow_phases: auto is 4 x hang_seconds, null hang_seconds
+                   slow_seconds=4 * seconds if slow_setting == "auto" else slow_setting,
                    on_hang=end_process if end else raise_in_main)
     dog.start()
     return dog
