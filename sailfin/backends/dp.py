@@ -224,10 +224,8 @@ class PrivateStrategy(SingleDevice):
         # The first forward with the hooks names an in-place change they cannot follow.
         first, self._forwarded = not self._forwarded, True
         with (naming_inplace_outputs(module, self.train_args.backend) if first else _NULL):
-            if self.runner is None:
-                out = self._train_step(global_step, batch, self.device)
-            else:  # fsdp: through the root; every micro-batch's gradient is reduce-scattered
-                out = super().train_step(module, global_step, batch, True)  # (Opacus sums)
+            # sync: fsdp reduce-scatters every micro-batch's gradient (Opacus sums them).
+            out = super().train_step(module, global_step, batch, True)
         loss, rest = (out[0], out[1:]) if type(out) is tuple else (out, None)
         if isinstance(loss, torch.Tensor) and loss.dim() == 1:
             # Per-sample losses (what ghost clipping needs): the loop sees their mean.

@@ -253,14 +253,13 @@ class FSDPStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, module: torch.nn.Module,
                                   optimizer: torch.optim.Optimizer,
                                   state: dict[str, Any]) -> None:
-        if optimizer_state_is_named(state):
-            full = not any(isinstance(v, DTensor) for per in state["state"].values()
-                           for v in per.values())
-        else:  # an sp/ddp checkpoint: state by parameter index, full tensors
-            state, full = named_optimizer_state(module, optimizer, state), True
-        if not any(isinstance(v, torch.Tensor) and v.dim() > 0
-                   for per in state["state"].values() for v in per.values()):
-            full = False  # nothing to cut (plain SGD: no per-parameter tensors)
+        named = optimizer_state_is_named(state)
+        if not named:  # an sp/ddp checkpoint: state by parameter index, full tensors
+            state = named_optimizer_state(module, optimizer, state)
+        values = [v for per in state["state"].values() for v in per.values()]
+        # Full tensors are cut into this rank's rows; plain SGD has none to cut.
+        full = (not named or not any(isinstance(v, DTensor) for v in values)) and any(
+            isinstance(v, torch.Tensor) and v.dim() > 0 for v in values)
         set_optimizer_state_dict(module, optimizer, state,
                                  options=StateDictOptions(full_state_dict=full))
 

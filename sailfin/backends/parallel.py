@@ -70,12 +70,10 @@ class ParallelStrategy(SingleDevice):
             return
         threads = self.options.threads_per_process
         source = "trainer.distributed.threads_per_process"
-        if threads is None and "OMP_NUM_THREADS" in os.environ:
-            if self.dist.is_main:
-                say(f"{self.strategy.upper()} on CPU: {torch.get_num_threads()} intra-op "
-                    f"thread(s) per process (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})")
-            return
-        if threads is None:
+        if threads is None and "OMP_NUM_THREADS" in os.environ:  # as torch set them
+            threads, source = (torch.get_num_threads(),
+                               f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
+        elif threads is None:
             threads = max(1, (os.cpu_count() or 1) // self.dist.local_world_size)
             source = f"{os.cpu_count()} cores / {self.dist.local_world_size} local processes"
         torch.set_num_threads(threads)
@@ -84,8 +82,8 @@ class ParallelStrategy(SingleDevice):
                 f"({source})")
 
     def convert_batchnorm(self, module: torch.nn.Module) -> None:
-        """``trainer.distributed.sync_batchnorm``: BatchNorm layers become SyncBatchNorm, in place (the
-        same parameters and buffers), before the module is placed and wrapped."""
+        """BatchNorm layers become SyncBatchNorm in place (the same parameters and buffers),
+        before the module is placed and wrapped."""
         converted = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
         if converted is not module:  # the recipe is a ModuleInterface, never a BatchNorm
             raise ConfigError("trainer.distributed.sync_batchnorm: the recipe itself is a BatchNorm layer")
@@ -119,10 +117,7 @@ class ParallelStrategy(SingleDevice):
                               self._collective_device())
 
     def barrier(self) -> None:
-        if self.comm_backend == "nccl":
-            dist.barrier(device_ids=[self.device.index])
-        else:
-            dist.barrier()
+        dist.barrier(device_ids=[self.device.index] if self.comm_backend == "nccl" else None)
 
     def gather_scalars(self, values: torch.Tensor) -> torch.Tensor:
         device = self._collective_device()

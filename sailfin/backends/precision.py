@@ -58,9 +58,7 @@ def default_amp_dtype(device: torch.device) -> str:
     """bfloat16 where the device runs it (CPU, CUDA from Ampere on), else float16."""
     if device.type == "cuda":
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    if device.type == "cpu":
-        return "bfloat16"
-    return "float16"
+    return "bfloat16" if device.type == "cpu" else "float16"
 
 
 class MixedPrecision(Precision):
@@ -92,18 +90,14 @@ class MixedPrecision(Precision):
         self.device_type = device.type
         self.name = "bf16" if self.dtype is torch.bfloat16 else "fp16"
         # Loss scaling only for float16; bfloat16 has float32's range.
-        self.scaler = (torch.amp.GradScaler(device.type) if self.dtype is torch.float16
-                       else None)
+        self.scaler = torch.amp.GradScaler(device.type) if dtype == "float16" else None
         self._unscaled: set[int] = set()
 
     def forward_context(self) -> ContextManager:
         return torch.autocast(self.device_type, dtype=self.dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
-        if self.scaler is None:
-            loss.backward()
-        else:
-            self.scaler.scale(loss).backward()
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         if self.scaler is not None and id(optimizer) not in self._unscaled:

@@ -1,14 +1,10 @@
-"""Strategy: where a step runs and how gradients are combined.
+"""Strategy: where a step runs and how gradients are combined. The trainer owns the loop
+and calls these methods; a strategy never loops.
 
-The trainer owns the loop and calls these methods; a strategy never loops.
-
-``trainer.compile`` compiles the step runner (:class:`StepRunner`), not the model's
-``forward``: the recipe's ``train_step`` calls its own submodules, so compiling
-``forward`` alone would miss the loss and anything else the step does. It is compiled
-in place (``nn.Module.compile``: parameter names and ``state_dict`` keys do not
-change), at its first call (again only for a new input shape, such as an epoch's short
-last batch unless ``trainer.drop_last``), and before a strategy wraps it: PyTorch's
-advice for DDP is to compile the inner module and wrap the compiled one.
+``trainer.compile`` compiles the step runner (:class:`StepRunner`): compiling the
+model's ``forward`` alone would miss the loss and anything else ``train_step`` does. It
+is compiled in place (names and ``state_dict`` keys do not change), at its first call
+(again for a new input shape), and before a strategy wraps it, as PyTorch advises for DDP.
 """
 
 from __future__ import annotations
@@ -44,13 +40,9 @@ class Execution:
 
 
 class StepRunner(torch.nn.Module):
-    """Runs the recipe's ``train_step`` through ``nn.Module.__call__``.
-
-    The recipe's step calls its own submodules, not ``forward``; wrappers that
-    do their work in ``forward`` (DDP prepares gradient all-reduce there) would
-    otherwise never see the step. This holds the recipe as its only child, so
-    parameters are the recipe's own.
-    """
+    """Runs the recipe's ``train_step`` through ``nn.Module.__call__``, so that wrappers
+    that work in ``forward`` (DDP prepares its gradient all-reduce there) see the step.
+    Its only child is the recipe: its parameters are the recipe's own."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         super().__init__()

@@ -172,8 +172,7 @@ def _mpi(env: Mapping[str, str]) -> Optional[DistEnv]:
     # Azure ML's MPI jobs name the first node in one of these.
     azure = env.get("AZ_BATCH_MASTER_NODE") or env.get("AZ_BATCHAI_MPI_MASTER_NODE")
     if addr is None and azure:
-        host, _, azure_port = azure.partition(":")
-        addr = host
+        addr, _, azure_port = azure.partition(":")
         if port is None and azure_port:
             port = int(azure_port)
     return DistEnv(rank=rank, world_size=world, local_rank=local,
@@ -208,13 +207,8 @@ def _apply_overrides(found: DistEnv, args: Optional["DistArguments"]) -> DistEnv
 def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list: ``gpu[03-05,07],cpu1`` -> ``gpu03``."""
     nodelist = nodelist.strip()
-    if not nodelist:
-        return ""
     match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
     if match is None:
         return nodelist.split(",")[0]
     prefix, ranges = match.groups()
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")

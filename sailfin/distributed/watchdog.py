@@ -47,10 +47,8 @@ AUTO_HANG_SECONDS = 300.0
 
 
 class Heartbeat:
-    """Where this rank is: written by the loop, read by the watchdog's thread.
-
-    ``step`` is the number of optimizer steps done when the current step began
-    (the step in progress is ``step + 1``, as logs and checkpoints count).
+    """Where this rank is: written by the loop, read by the watchdog's thread. ``step`` is
+    the number of optimizer steps done when the current step began.
 
     Example::
 
@@ -77,12 +75,10 @@ class Heartbeat:
 class Watchdog:
     """A thread that ends the job with a report when a rank stops making progress.
 
-    ``store`` is the process group's key-value store (shared by all ranks); one
-    process may use a private ``torch.distributed.HashStore``. ``on_hang`` acts on a
-    hang once the report is out (default: raise :class:`HangDetected` in the main
-    thread, so that a notebook or test that trains in-process is never ended by it;
-    the ``sailfin`` command passes :func:`end_process`, which flushes and ends the
-    process with 75: its main thread may be stuck in C for good).
+    ``store``: the process group's key-value store (one process: a private ``HashStore``).
+    ``on_hang`` acts once the report is out: by default :func:`raise_in_main` (a run in a
+    notebook or test is never ended by it); the ``sailfin`` command passes
+    :func:`end_process`.
 
     Example::
 
@@ -180,12 +176,9 @@ class Watchdog:
                              if k in self._present or self.store.check([k])]
         present = self._present
         values = self.store.multi_get(present) if present else []
-        out = []
-        for key, raw in zip(present, values):
-            step, phase, idle, seq, pid, host = json.loads(raw)
-            out.append(RankRecord(int(key.rsplit("rank", 1)[1]), step, phase, idle, seq,
-                                  pid, host))
-        return out
+        # A record: [step, phase, idle, seq, pid, host] (_publish), after its rank.
+        return [RankRecord(int(key.rsplit("rank", 1)[1]), *json.loads(raw))
+                for key, raw in zip(present, values)]
 
     def _judge(self, now: float) -> None:
         records = self._records()
@@ -237,11 +230,9 @@ class Watchdog:
             where = f" and to {self.report_dir}" if self.report_dir else ""
             ended = (f"; ended the frozen process(es) of rank "
                      f"{', '.join(str(f[0]) for f in frozen)}" if frozen else "")
-            lines = self.report + [f"every live rank wrote its stack to its stderr{where}"
-                                   f"{ended}; exiting with code {HANG_EXIT_CODE} (torchrun "
-                                   "--max-restarts restarts the job, which resumes from its "
-                                   "last checkpoint)"]
-            for line in lines:
+            for line in [*self.report, f"every live rank wrote its stack to its stderr{where}"
+                         f"{ended}; exiting with code {HANG_EXIT_CODE} (torchrun --max-restarts "
+                         "restarts the job, which resumes from its last checkpoint)"]:
                 say(line, warning=True)
             for handler in log.handlers:
                 handler.flush()
