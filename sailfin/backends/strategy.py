@@ -198,9 +198,7 @@ class SingleDevice:
 
     def optimizer_step(self, optimizers: list[torch.optim.Optimizer]) -> bool:
         """Step every optimizer; False when the precision skipped the step."""
-        stepped = True
-        for opt in optimizers:
-            stepped = self.precision.optimizer_step(opt) and stepped
+        stepped = all([self.precision.optimizer_step(opt) for opt in optimizers])  # each steps
         self.precision.update()
         return stepped
 
@@ -273,8 +271,7 @@ class SingleDevice:
         under fsdp); the rank with ``write`` writes the file and gets its path."""
         from ..checkpoint.weights_file import save_weights
 
-        state = self.final_state_dict(module)
-        return save_weights(state, path) if write else None
+        return save_weights(self.final_state_dict(module), path) if write else None
 
     # -- checkpoint state -------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -97,7 +97,7 @@ class Watchdog:
         self.heartbeat, self.store = heartbeat, store
         self.rank, self.world_size = rank, world_size
         self.hang_seconds, self.interval = float(hang_seconds), interval
-        # The limit in SLOW_PHASES (saves, validation, callbacks): never below hang_seconds.
+        # The limit in SLOW_PHASES (saves, validation, callbacks); hang_seconds when unset.
         self.slow_seconds = max(float(slow_seconds or hang_seconds), self.hang_seconds)
         self.report_dir = report_dir
         self.on_hang = on_hang or raise_in_main
@@ -330,6 +330,14 @@ def resolve_hang_seconds(value: Any, world_size: int) -> Optional[float]:
     return float(value)
 
 
+def resolve_slow_seconds(value: Any, hang_seconds: float) -> float:
+    """``trainer.distributed.hang_seconds_slow_phases``: auto is 4 x hang_seconds; null
+    is hang_seconds itself; never below hang_seconds."""
+    if value == "auto":
+        return 4 * hang_seconds
+    return hang_seconds if value is None else max(float(value), hang_seconds)
+
+
 def build_watchdog(hang_setting: Any, rank: int, world_size: int, store: Any,
                    heartbeat: Heartbeat, report_dir: Optional[str],
                    slow_setting: Any = "auto", end: bool = False) -> Optional[Watchdog]:
@@ -346,8 +354,7 @@ def build_watchdog(hang_setting: Any, rank: int, world_size: int, store: Any,
         store = dist.HashStore()
     dog = Watchdog(heartbeat, store, rank, world_size, seconds,
                    interval=min(1.0, seconds / 4), report_dir=report_dir,
-                   # hang_seconds_slow_phases: auto is 4 x hang_seconds, null hang_seconds
-                   slow_seconds=4 * seconds if slow_setting == "auto" else slow_setting,
+                   slow_seconds=resolve_slow_seconds(slow_setting, seconds),
                    on_hang=end_process if end else raise_in_main)
     dog.start()
     return dog
