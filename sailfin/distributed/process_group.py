@@ -1,17 +1,9 @@
 """The process group: joining it (with a timeout on every wait), leaving it, and the
 collectives the trainer needs (a mean, and validation outputs gathered in order).
 
-Under torchrun (c10d rendezvous) the agent hosts a TCPStore that outlives its
-workers, and ``init_process_group("env://")`` writes every attempt's keys
-(each rank's gloo address, among others) under the same names. After torchrun
-restarts the workers, a fast rank can read a key its slower peer has not yet
-rewritten and dial the dead worker's port: gloo's ``connectFullMesh`` fails
-with "Connection refused", or a rank waits for a peer that is looking
-elsewhere until the timeout. Measured with torchrun 2.13 on loopback, killing
-one of two workers twice per run: 3 of 3 runs with env:// failed or hung,
-4 of 4 with a per-attempt namespace finished. So sailfin joins the agent's store
-itself and gives each attempt its own key namespace
-(``sailfin/<run id>/attempt-<restart count>-world-<world size>``).
+Under torchrun sailfin joins the agent's store itself and gives each restart attempt
+its own key namespace: with ``env://`` a restarted rank can read a key its slower peer
+has not yet rewritten and dial a dead worker's port (measured: docs/elastic.md).
 """
 
 from __future__ import annotations
