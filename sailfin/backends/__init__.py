@@ -85,10 +85,10 @@ def build_backend(args: TrainerArguments, dist: DistEnv) -> SingleDevice:
                           args.distributed.sync_batchnorm)
     if args.distributed.sync_batchnorm and strategy != "single" and device.type == "cpu":
         raise ConfigError(
-            f"trainer.distributed.sync_batchnorm: true needs a CUDA device: PyTorch's SyncBatchNorm does "
-            f"not train on CPU (trainer.backend {args.backend} here). Remove it: on CPU each "
-            "rank's BatchNorm statistics are made rank 0's before every validation, the "
-            "statistics that are saved")
+            "trainer.distributed.sync_batchnorm: true needs a CUDA device: PyTorch's "
+            f"SyncBatchNorm does not train on CPU (trainer.backend {args.backend} here). Remove "
+            "it: on CPU each rank's BatchNorm statistics are made rank 0's before every "
+            "validation, the statistics that are saved")
     chosen = MixedPrecision(args.amp_dtype, device) if precision == "amp" else Precision()
     if private:
         from .dp import check_private, private_class  # imports Opacus only when used

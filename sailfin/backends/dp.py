@@ -1,19 +1,13 @@
 """Differential privacy (DP-SGD on Opacus) composed on a strategy: ``sp-dp``, ``ddp-dp``,
-``fsdp-dp`` (:func:`private_class`: a subclass of the strategy's class).
+``fsdp-dp`` (:func:`private_class`: a subclass of the strategy's class). Which Opacus
+pieces each runs (``DPDDP``'s broadcast, ``ghost_fsdp``) is in docs/dp.md.
 
-What it adds to a step, all from Opacus's own pieces:
-
-- set-up: the model is checked with ``ModuleValidator`` (or fixed with
-  ``trainer.dp.fix_model``) and gets Opacus's per-sample gradient hooks. ``ddp-dp`` has
-  no DDP wrapper: as Opacus's ``DPDDP``, rank 0's weights are broadcast once and the
-  ``DistributedDPOptimizer`` all-reduces the clipped, noised gradients. ``fsdp-dp``
-  shards first, then hooks (Opacus's ``ghost_fsdp``): each micro-batch's re-weighted
-  gradient is reduce-scattered, and every rank adds the same noise (one seeded generator).
-- each micro-batch but a step's last: the per-sample gradients are clipped, summed and
-  dropped (Opacus's ``signal_skip_step``, as its ``BatchMemoryManager``).
-- the optimizer step: ``DPOptimizer.step`` clips the last micro-batch, adds Gaussian
-  noise of std ``noise_multiplier * max_grad_norm``, divides by the expected global
-  batch, steps the accountant and the recipe's optimizer.
+A step: Opacus's per-sample gradient hooks on the model (checked, or fixed with
+``trainer.dp.fix_model``); each micro-batch but a step's last has its per-sample
+gradients clipped, summed and dropped (``signal_skip_step``, as Opacus's
+``BatchMemoryManager``); ``DPOptimizer.step`` clips the last, adds Gaussian noise of
+std ``noise_multiplier * max_grad_norm``, divides by the expected global batch, and
+steps the accountant and the recipe's optimizer.
 
 The noise generator's state and the accountant's history ride in every checkpoint, so a
 resumed run adds the same noise and reports the same epsilon as one never interrupted.

@@ -1,20 +1,16 @@
 """How the fsdp backends give a sharded model its starting weights: by contract, not by
-recording what its constructor did.
+recording what its constructor did (``trainer.fsdp.build``; docs/sharding.md).
 
-``trainer.fsdp.build: rank0`` (the default). Rank 0 builds the recipe exactly as ``sp``
-does (the user's code, Hugging Face's ``from_config`` / ``from_pretrained``, ties,
-buffers, its own init) in host memory; every other rank builds it under
-``torch.device("meta")``, which allocates nothing. After ``fully_shard``, the ranks
-with meta tensors allocate their shards (``to_empty``) and every rank receives its
-rows from rank 0 (``set_model_state_dict(..., broadcast_from_rank0=True)``: one full
-tensor at a time). Non-persistent buffers and plain tensor attributes are broadcast
-after that. Only rank 0 ever holds the whole model, in host memory, until its shards
-are filled.
+``rank0`` (the default): rank 0 builds the recipe exactly as ``sp`` does, in host
+memory; the others build it under ``torch.device("meta")``. After ``fully_shard`` the
+ranks with meta tensors allocate their shards (``to_empty``) and every rank receives
+its rows from rank 0 (``set_model_state_dict(..., broadcast_from_rank0=True)``), then
+the non-persistent buffers and plain tensor attributes.
 
-``trainer.fsdp.build: meta`` (opt-in, a model larger than one host). Every rank builds
-on the meta device; after sharding, ``to_empty`` and the recipe's ``init_weights()``
-run on the sharded parameters, from rank 0's random state on every rank. The result is
-deterministic for a seed and a world size; it is not ``sp``'s start.
+``meta`` (a model larger than one host): every rank builds on the meta device; after
+sharding, ``to_empty`` and the recipe's ``init_weights()`` run on the shards, from rank
+0's random state on every rank: deterministic for a seed and a world size, but not
+``sp``'s start.
 
 Example (every rank; ``sailfin train`` does this itself)::
 
@@ -171,11 +167,8 @@ def _broadcast_into(tensor: torch.Tensor, comm_device: torch.device) -> None:
 def _broadcast_plain_tensors(module: nn.Module, rank: int) -> None:
     """Tensors a module keeps as plain attributes (a copy of a buffer kept aside) are
     neither parameters nor buffers: rank 0's values replace the meta ones elsewhere."""
-    found = []
-    for path, sub in module.named_modules():
-        for name, value in vars(sub).items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-                found.append((sub, name, value))
+    found = [(sub, name, value) for sub in module.modules() for name, value in vars(sub).items()
+             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)]
     if not found:
         return
     values = [[value.detach().cpu() if rank == 0 else None for _, _, value in found]]

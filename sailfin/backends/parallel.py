@@ -86,7 +86,8 @@ class ParallelStrategy(SingleDevice):
         before the module is placed and wrapped."""
         converted = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
         if converted is not module:  # the recipe is a ModuleInterface, never a BatchNorm
-            raise ConfigError("trainer.distributed.sync_batchnorm: the recipe itself is a BatchNorm layer")
+            raise ConfigError("trainer.distributed.sync_batchnorm: the recipe itself is a "
+                              "BatchNorm layer")
 
     def sync_buffers(self, module: torch.nn.Module) -> None:
         # Each rank's forwards updated its own running statistics; validation and the
