@@ -1,23 +1,18 @@
-"""The hang watchdog: a stuck rank is named, and the job ends instead of hanging.
+"""The hang watchdog: a stuck rank is named, and the job ends instead of hanging (what a
+user sees: docs/multinode.md, docs/robustness.md).
 
 The loop writes where it is into a :class:`Heartbeat` (plain attributes: nothing on the
-step's path). A thread per rank turns it into a record once a second (the step, the
-phase, the seconds since it last moved on this rank's clock) in the process group's
-store. Ranks 0 and 1 judge (a frozen rank 0 is judged by rank 1): when a rank is idle
-past ``hang_seconds`` (the slow phases' limit in set-up, saves, validation...), or its
-records stopped coming (a frozen process: ``hang_seconds`` whatever its phase), the
-first judge to see it writes a report to the store. Within a second every live rank
-ends the frozen processes on its own host (SIGKILL: a stopped process answers nothing
-else, and torchrun would wait 30 s), writes its stack (``faulthandler``, all threads)
-to its stderr and to ``<output_dir>/hang/stack-rank<r>.txt``, leaves a note for
-``sailfin launch`` and exits 75 (EX_TEMPFAIL): ``torchrun --max-restarts`` restarts the
-group, which resumes from its last checkpoint. The judge prints one line per rank and
-the rank(s) the others wait for (:mod:`.hang_report`).
+step's path); a thread per rank publishes it once a second to the process group's store
+with the seconds since it last moved. Ranks 0 and 1 judge (a frozen rank 0 is judged by
+rank 1); the first to see a rank idle past its phase's limit, or whose records stopped
+(a frozen process), writes the report (:mod:`.hang_report`). Every live rank then ends
+the frozen processes on its host (SIGKILL: a stopped process answers nothing else, and
+torchrun would wait 30 s), writes its stack, leaves a note for ``sailfin launch`` and
+exits 75, so ``torchrun --max-restarts`` resumes the group from its last checkpoint.
 
-It watches from the moment the process group exists to the last step. Its thread needs
-the GIL: a rank blocked in a collective, a sleep, I/O or CUDA is seen (they release
-it); a C extension that holds the GIL forever silences it, and the judges then report
-that rank's records as stopped.
+The thread needs the GIL: a rank blocked in a collective, a sleep, I/O or CUDA is seen
+(they release it); a C extension that holds the GIL forever silences it, and the judges
+then report that rank's records as stopped.
 """
 
 from __future__ import annotations
@@ -37,10 +32,9 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from ..utils.voice import log, say
 from .exit_codes import HANG_EXIT_CODE
 from .hang_report import (ALL_REDUCE, BACKWARD, CHECKPOINT_SAVE, DATA, END_OF_EPOCH,  # noqa: F401
-                          END_OF_STEP, FAILED, FINISHED, FORWARD, HANG_KEY, OPTIMIZER, SETUP,
-                          SLOW_KEY, SLOW_PHASES, STARTUP_CHECKS, STARTUP_CHECKS_GATHER,
-                          VALIDATION, VALIDATION_GATHER, RankRecord, culprits, hang_report,
-                          limit_of, recipe_step)
+                          END_OF_STEP, FAILED, FINISHED, FORWARD, OPTIMIZER, SETUP,
+                          STARTUP_CHECKS, STARTUP_CHECKS_GATHER, VALIDATION, VALIDATION_GATHER,
+                          RankRecord, culprits, hang_report, limit_of, recipe_step)
 from .launch_notes import HANG, leave_note
 
 AUTO_HANG_SECONDS = 300.0
