@@ -5,24 +5,21 @@ PyMarlin's backend names are aliases for compositions.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any
 
 import torch
 
 from ..config.dp import DP_SUFFIX, is_private
 from ..config.errors import ConfigError, suggest
-from ..config.trainer import BACKEND_ALIASES, BACKENDS, PRIVATE_BACKENDS, TrainerArguments
+from ..config.trainer import BACKEND_ALIASES, BACKENDS, TrainerArguments
 from ..distributed import DistEnv
 from ..utils.voice import say
-from .amp import MixedPrecision
-from .precision import Precision
+from .precision import MixedPrecision, Precision
 from .strategy import Execution, PlainSingleDevice, SingleDevice
 
-# name -> (strategy, precision), and the "-dp" names (PyMarlin's sp-dp and ddp-dp, and
-# fsdp-dp; the -amp-dp ones are refused with the reason when built): one list, in the
-# config's schema (sailfin train --help prints it).
+# name -> (strategy, precision), the one list in the config's schema (sailfin train --help
+# prints it); "<name>-dp" composes DP-SGD on <name> (the -amp-dp ones are refused).
 ALIASES = BACKEND_ALIASES
-PRIVATE = PRIVATE_BACKENDS
 
 # Names kept for PyMarlin configs whose meaning changed: printed once when chosen.
 NOTICES: dict[str, str] = {
@@ -30,58 +27,23 @@ NOTICES: dict[str, str] = {
                    "(Apex is not used); it is the same as sp-amp",
 }
 
-_PRECISIONS: dict[str, Callable[[TrainerArguments, torch.device], Precision]] = {
-    "fp32": lambda args, device: Precision(),
-    "amp": lambda args, device: MixedPrecision(args.amp_dtype, device),  # bf16 or fp16
-}
 
+def _strategy_class(strategy: str, precision: Precision, execution: Execution) -> type:
+    if strategy == "ddp":
+        from .ddp import DDPStrategy  # imports torch.distributed pieces only when used
 
-# Each strategy's factory takes ``compose``: the class it builds goes through it first
-# (dp: a subclass with DP-SGD's step methods; otherwise the class itself).
-Compose = Callable[[type], type]
+        return DDPStrategy
+    if strategy == "fsdp":
+        from .fsdp import FSDPStrategy
 
-
-def _single(precision: Precision, device: torch.device, dist: DistEnv,
-            args: TrainerArguments, execution: Execution, compose: Compose) -> SingleDevice:
-    if dist.is_distributed:
-        raise ConfigError(
-            f"trainer.backend '{args.backend}' trains in one process, but this is rank "
-            f"{dist.rank} of {dist.world_size} ({dist.launcher}): every rank would train alone. "
-            "Use trainer.backend ddp (or ddp-amp) under a launcher, or leave trainer.backend "
-            "out: its default, auto, is ddp here")
+        return FSDPStrategy
     plain = type(precision) is Precision and not execution.compile  # fp32, called directly
-    return compose(PlainSingleDevice if plain else SingleDevice)(
-        precision, device, dist, execution)
-
-
-def _ddp(precision: Precision, device: torch.device, dist: DistEnv,
-         args: TrainerArguments, execution: Execution, compose: Compose) -> SingleDevice:
-    from .ddp import DDPStrategy  # imports torch.distributed pieces only when used
-
-    return compose(DDPStrategy)(precision, device, dist, args.distributed, execution)
-
-
-def _fsdp(precision: Precision, device: torch.device, dist: DistEnv,
-          args: TrainerArguments, execution: Execution, compose: Compose) -> SingleDevice:
-    from .fsdp import FSDPStrategy  # imports torch.distributed pieces only when used
-
-    return compose(FSDPStrategy)(precision, device, dist, args.distributed, execution,
-                                 args.fsdp)
-
-
-_STRATEGIES: dict[str, Callable[[Precision, torch.device, DistEnv, TrainerArguments,
-                                 Execution, Compose], SingleDevice]] = {
-    "single": _single,
-    "ddp": _ddp,
-    "fsdp": _fsdp,
-}
+    return PlainSingleDevice if plain else SingleDevice
 
 
 def resolve_device(spec: str, dist: DistEnv) -> torch.device:
     if spec == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", dist.local_rank % torch.cuda.device_count())
-        return torch.device("cpu")
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(spec)
     except RuntimeError:
@@ -123,23 +85,30 @@ def build_backend(args: TrainerArguments, dist: DistEnv) -> SingleDevice:
                           args.distributed.sync_batchnorm)
     if args.distributed.sync_batchnorm and strategy != "single" and device.type == "cpu":
         raise ConfigError(
-            f"trainer.distributed.sync_batchnorm: true needs a CUDA device: PyTorch's SyncBatchNorm does "
-            f"not train on CPU (trainer.backend {args.backend} here). Remove it: on CPU each "
-            "rank's BatchNorm statistics are made rank 0's before every validation, the "
-            "statistics that are saved")
-    chosen = _PRECISIONS[precision](args, device)
-    if not private:
-        return _STRATEGIES[strategy](chosen, device, dist, args, execution, _same)
-    from .dp import check_private, private_class  # imports Opacus only when used
+            "trainer.distributed.sync_batchnorm: true needs a CUDA device: PyTorch's "
+            f"SyncBatchNorm does not train on CPU (trainer.backend {args.backend} here). Remove "
+            "it: on CPU each rank's BatchNorm statistics are made rank 0's before every "
+            "validation, the statistics that are saved")
+    chosen = MixedPrecision(args.amp_dtype, device) if precision == "amp" else Precision()
+    if private:
+        from .dp import check_private, private_class  # imports Opacus only when used
 
-    check_private(strategy, chosen, args)
-    backend = _STRATEGIES[strategy](chosen, device, dist, args, execution, private_class)
-    backend.init_privacy(args)
+        check_private(strategy, chosen, args)
+    if strategy == "single" and dist.is_distributed:
+        raise ConfigError(
+            f"trainer.backend '{args.backend}' trains in one process, but this is rank "
+            f"{dist.rank} of {dist.world_size} ({dist.launcher}): every rank would train alone. "
+            "Use trainer.backend ddp (or ddp-amp) under a launcher, or leave trainer.backend "
+            "out: its default, auto, is ddp here")
+    cls = _strategy_class(strategy, chosen, execution)
+    options: dict[str, Any] = {} if strategy == "single" else {"options": args.distributed}
+    if strategy == "fsdp":
+        options["fsdp"] = args.fsdp
+    backend = (private_class(cls) if private else cls)(chosen, device, dist,
+                                                        execution=execution, **options)
+    if private:
+        backend.init_privacy(args)
     return backend
-
-
-def _same(cls: type) -> type:
-    return cls
 
 
 __all__ = ["ALIASES", "Execution", "MixedPrecision", "PlainSingleDevice", "Precision",

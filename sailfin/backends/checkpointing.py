@@ -1,11 +1,8 @@
-"""Activation (gradient) checkpointing by submodule class name.
-
-A checkpointed submodule stores only its inputs during forward; backward runs
-its forward again to get the activations it needs. Memory falls, compute
-rises by about one forward of those submodules. The non-reentrant
-``torch.utils.checkpoint`` is used: it supports keyword arguments, inputs
-that do not require grad, and ``torch.compile``, and it replays the RNG so
-dropout masks match.
+"""Activation (gradient) checkpointing by submodule class name: a checkpointed submodule
+stores only its inputs during forward, and backward runs its forward again (memory
+falls, compute rises by about one forward of it). The non-reentrant
+``torch.utils.checkpoint`` supports keyword arguments, inputs that do not require grad
+and ``torch.compile``, and replays the RNG so that dropout masks match.
 """
 
 from __future__ import annotations

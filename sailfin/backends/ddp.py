@@ -1,10 +1,6 @@
-"""The DDP strategy: one process per device, gradients averaged by all-reduce.
-
-It is the process-group strategy (:mod:`.parallel`: the group, the threads, the
-collectives) plus two things: it wraps the step runner in
-``DistributedDataParallel``, and skips the gradient all-reduce on all but the last
-micro-batch of a step (``no_sync``).
-"""
+"""The DDP strategy: the process-group strategy (:mod:`.parallel`) with the step runner
+in ``DistributedDataParallel``, whose gradient all-reduce is skipped on all but the
+last micro-batch of a step (``no_sync``)."""
 
 from __future__ import annotations
 
@@ -71,8 +67,5 @@ class DDPStrategy(ParallelStrategy):
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)
         flat /= self.dist.world_size
-        offset = 0
-        for p, g in zip(params, grads):
-            n = g.numel()
-            p.grad = flat[offset:offset + n].view_as(p).clone()
-            offset += n
+        for p, g in zip(params, flat.split([g.numel() for g in grads])):
+            p.grad = g.view_as(p).clone()

@@ -1,30 +1,18 @@
 """Differential privacy (DP-SGD on Opacus) composed on a strategy: ``sp-dp``, ``ddp-dp``,
-``fsdp-dp`` (:func:`private_class`: a subclass of the strategy's class, chosen when the
-backend is built).
+``fsdp-dp`` (:func:`private_class`: a subclass of the strategy's class). Which Opacus
+pieces each runs (``DPDDP``'s broadcast, ``ghost_fsdp``) is in docs/dp.md.
 
-What it adds to a step, all from Opacus's own pieces:
+A step: Opacus's per-sample gradient hooks on the model (checked, or fixed with
+``trainer.dp.fix_model``); each micro-batch but a step's last has its per-sample
+gradients clipped, summed and dropped (``signal_skip_step``, as Opacus's
+``BatchMemoryManager``); ``DPOptimizer.step`` clips the last, adds Gaussian noise of
+std ``noise_multiplier * max_grad_norm``, divides by the expected global batch, and
+steps the accountant and the recipe's optimizer.
 
-- set-up: the model is checked with ``ModuleValidator`` (BatchNorm refused, or fixed
-  with ``trainer.dp.fix_model``) and Opacus's per-sample gradient hooks are attached
-  to it (``GradSampleHooks``; ghost clipping: ``GradSampleHooksFastGradientClipping``).
-  Under ``ddp-dp`` there is no DDP wrapper: as Opacus's ``DPDDP``, rank 0's weights
-  are broadcast once and the ``DistributedDPOptimizer`` all-reduces the clipped,
-  noised gradients at the step. Under ``fsdp-dp`` the fsdp strategy shards the model,
-  then Opacus's FSDP ghost-clipping hooks go on it (``ghost_fsdp``): every micro-batch's
-  re-weighted gradient is reduce-scattered and ``FSDPOptimizerFastGradientClipping``
-  sums each rank's rows and adds the same noise on every rank (one seeded generator).
-- each micro-batch: backward, then (but on a step's last micro-batch) the per-sample
-  gradients are clipped and summed and dropped, as Opacus's ``BatchMemoryManager``
-  does with ``signal_skip_step``: memory holds one micro-batch of them.
-- the optimizer step: ``DPOptimizer.step`` clips the last micro-batch, adds Gaussian
-  noise of std ``noise_multiplier * max_grad_norm`` (only rank 0 draws it), divides by
-  the expected global batch, steps the accountant and the recipe's optimizer.
-
-The noise generator's state and the accountant's history are backend state: they
-ride in every checkpoint, so a resumed run adds the same noise and reports the
-same epsilon as one never interrupted. Before the first step the noise of the steps
-to come is chosen given that history (:mod:`.privacy_budget`: ``target_epsilon`` is a
-bound across resumes) and their epsilon table is built once.
+The noise generator's state and the accountant's history ride in every checkpoint, so a
+resumed run adds the same noise and reports the same epsilon as one never interrupted.
+Before the first step the noise of the steps to come is chosen given that history
+(:mod:`.privacy_budget`: ``target_epsilon`` is a bound across resumes).
 """
 
 from __future__ import annotations
@@ -230,10 +218,8 @@ class PrivateStrategy(SingleDevice):
         # The first forward with the hooks names an in-place change they cannot follow.
         first, self._forwarded = not self._forwarded, True
         with (naming_inplace_outputs(module, self.train_args.backend) if first else _NULL):
-            if self.runner is None:
-                out = self._train_step(global_step, batch, self.device)
-            else:  # fsdp: through the root; every micro-batch's gradient is reduce-scattered
-                out = super().train_step(module, global_step, batch, True)  # (Opacus sums)
+            # sync: fsdp reduce-scatters every micro-batch's gradient (Opacus sums them).
+            out = super().train_step(module, global_step, batch, True)
         loss, rest = (out[0], out[1:]) if type(out) is tuple else (out, None)
         if isinstance(loss, torch.Tensor) and loss.dim() == 1:
             # Per-sample losses (what ghost clipping needs): the loop sees their mean.
@@ -284,24 +270,20 @@ class PrivateStrategy(SingleDevice):
     # -- privacy spent -------------------------------------------------------------------------
     def epsilon(self, ahead: int = 0) -> Optional[float]:
         """Epsilon at ``delta`` after the steps taken (and ``ahead`` more at this segment's
-        noise), read from the segment's table: never below 0 (a negative figure of the
-        accountant bounds nothing tighter than 0); None when nothing is bounded (a noise
-        multiplier of 0)."""
+        noise), read from the segment's table (see :func:`_reported`)."""
         if self.segment is not None:
-            eps = self.segment.table(self.accounted - self._segment_start + ahead)
-        else:
-            eps = epsilon_of(self.dp_args.accountant, self.accountant.history, self.delta)
-        return max(0.0, eps) if math.isfinite(eps) else None
+            return _reported(self.segment.table(self.accounted - self._segment_start + ahead))
+        return _reported(epsilon_of(self.dp_args.accountant, self.accountant.history,
+                                    self.delta))
 
     def privacy_facts(self) -> dict[str, Any]:
         """What summary.json says of the privacy of the run: epsilon at delta, the settings,
         and each segment of constant noise and sampling rate with epsilon at its end."""
         dp, history = self.dp_args, [tuple(h) for h in self.accountant.history]
-        segments = []
-        for i, (sigma, rate, steps) in enumerate(history):
-            eps = epsilon_of(dp.accountant, history[:i + 1], self.delta)
-            segments.append({"noise_multiplier": sigma, "sample_rate": rate, "steps": steps,
-                             "epsilon": max(0.0, eps) if math.isfinite(eps) else None})
+        segments = [{"noise_multiplier": sigma, "sample_rate": rate, "steps": steps,
+                     "epsilon": _reported(epsilon_of(dp.accountant, history[:i + 1],
+                                                     self.delta))}
+                    for i, (sigma, rate, steps) in enumerate(history)]
         return {"epsilon": self.epsilon(), "delta": self.delta,
                 "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate,
                 "target_epsilon": dp.target_epsilon,
@@ -360,3 +342,9 @@ def _noise_seed(seed: int) -> int:
     """The noise generator's seed: apart from every other stream drawn from ``seed``."""
     hi, lo = np.random.SeedSequence([seed, 0x401CE]).generate_state(2, np.uint32)
     return (int(hi) << 31) ^ int(lo)
+
+
+def _reported(eps: float) -> Optional[float]:
+    """Epsilon as reported: never below 0 (a negative figure of the accountant bounds
+    nothing tighter than 0); None when nothing is bounded (a noise multiplier of 0)."""
+    return max(0.0, eps) if math.isfinite(eps) else None

@@ -1,52 +1,48 @@
 """The FSDP strategy: parameters, gradients and optimizer state sharded over the ranks.
 
-PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``) does the sharding:
-each parameter becomes a DTensor holding 1/world of its rows on each rank.
-A *unit* (a submodule given to ``fully_shard``) all-gathers its parameters
-just before its forward and frees them after; its gradients are
-reduce-scattered after its backward, so each rank keeps only the gradient
-rows of its own shard, and the optimizer (built after sharding) keeps state
-for those rows only.
+PyTorch's FSDP2 (``fully_shard``) makes each parameter a DTensor holding 1/world of
+its rows on each rank. A *unit* (a submodule given to ``fully_shard``) all-gathers its
+parameters just before its forward and frees them after; its gradients are
+reduce-scattered after its backward, so each rank keeps only its own rows of them, and
+the optimizer (built after sharding) keeps state for those rows only.
 
 The strategy is the DDP strategy's sibling under the process-group base
-(:mod:`.parallel`): the same process group, threads and collectives; units instead
-of ``DistributedDataParallel``; a group of one when started alone; and
-state dicts that stay sharded (see :mod:`sailfin.checkpoint.sharded`). How the model
-gets its starting weights is :mod:`.fsdp_build`; which submodules are units,
-:mod:`.fsdp_units`.
+(:mod:`.parallel`): units instead of ``DistributedDataParallel``, a group of one when
+started alone, and state dicts that stay sharded (:mod:`sailfin.checkpoint.sharded`).
+How the model gets its starting weights is :mod:`.fsdp_build`; which submodules are
+units, :mod:`.fsdp_units`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-from typing import Any, ContextManager, Iterable, Iterator, Optional
+from typing import Any, ContextManager, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict,
                                                      set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
                                     OffloadPolicy, fully_shard)
 from torch.distributed.tensor import DTensor
 
-from ..config.distributed import DistArguments
+from ..checkpoint.weights_file import SafetensorsWriter, TensorSpec, file_order
 from ..compat.fsdp import settle_roots
+from ..config.distributed import DistArguments
 from ..config.errors import ConfigError
 from ..config.fsdp import FSDPArguments
 from ..distributed import DistEnv
-from ..utils.memory import fix_mmap_threshold
+from ..utils.memory import fix_mmap_threshold, release_free_memory
 from ..utils.voice import say
 from .fsdp_build import (RankZeroStart, buffers_to, check_same_model, init_on_shards,
                          receive_from_rank0, require_init_weights)
 from .fsdp_units import select_units, unit_checker
 from .parallel import ParallelStrategy
 from .precision import Precision
-from .state import named_optimizer_state, optimizer_state_is_named
-from .strategy import Execution, StepRunner
-from .streamed_weights import save_streamed
+from .state import dcp_optimizer_state, named_optimizer_state, optimizer_state_is_named
+from .strategy import Execution, StepRunner, compile_in_place
 
 _END = object()
 
@@ -117,8 +113,7 @@ class FSDPStrategy(ParallelStrategy):
         ``trainer.compile`` the unit is compiled first, then sharded (FSDP2's order: the
         compiled forward sees local parameters, the unit's hooks gather around it)."""
         if self.execution.compile:
-            module.compile(mode=None if self.execution.compile_mode == "default"
-                           else self.execution.compile_mode)
+            compile_in_place(module, self.execution.compile_mode)
         return fully_shard(module, **self.shard_options())
 
     def place(self, module: torch.nn.Module) -> None:
@@ -134,9 +129,11 @@ class FSDPStrategy(ParallelStrategy):
         pass  # each unit is compiled as it is sharded (shard()); the root runs eagerly
 
     def wrap(self, runner: StepRunner) -> torch.nn.Module:
+        from ..interfaces import ModuleInterface
+
         recipe = runner.module
-        custom = getattr(recipe, "configure_sharding", None)
-        if callable(custom) and _overrides_hook(recipe):
+        own = getattr(type(recipe), "configure_sharding", None)
+        if callable(own) and own is not ModuleInterface.configure_sharding:
             if self.fsdp.units is not None:
                 raise ConfigError(
                     f"{type(recipe).__name__} shards itself in configure_sharding(), and "
@@ -146,7 +143,7 @@ class FSDPStrategy(ParallelStrategy):
             def shard_checked(sub: torch.nn.Module) -> torch.nn.Module:
                 check(sub)  # a container, or a tie split: one line naming the unit
                 return self.shard(sub)
-            custom(shard_checked)
+            recipe.configure_sharding(shard_checked)
             self.units = [name for name, sub in recipe.named_modules()
                           if isinstance(sub, FSDPModule)]
         else:
@@ -160,11 +157,10 @@ class FSDPStrategy(ParallelStrategy):
         # the shards in CPU memory (FSDP2 moves them per unit).
         home = torch.device("cpu") if self.fsdp.cpu_offload else self.device
         if self.fsdp.build == "meta":
-            init_on_shards(recipe, recipe, home, self.broadcast_object)
+            init_on_shards(recipe, home, self.broadcast_object)
         else:
-            comm = self.device if self.comm_backend == "nccl" else torch.device("cpu")
-            receive_from_rank0(recipe, self._start or RankZeroStart(), self.dist.rank,
-                               home, comm, every_rank_empty=self.fsdp.cpu_offload)
+            receive_from_rank0(recipe, self._start or RankZeroStart(), self.dist.rank, home,
+                               self._collective_device(), every_rank_empty=self.fsdp.cpu_offload)
             self._start = None
         if home != self.device:
             buffers_to(recipe, self.device)
@@ -195,8 +191,11 @@ class FSDPStrategy(ParallelStrategy):
     def val_step(self, module: torch.nn.Module, global_step: int, batch: Any) -> Any:
         # val_step does not go through the root's forward: gather the root's own
         # parameters around it (units gather theirs in their own forwards).
-        with self._unsharded(), self.precision.forward_context():
-            return self._val_step(global_step, batch, self.device)
+        self.root.unshard()  # type: ignore[union-attr]
+        try:
+            return super().val_step(module, global_step, batch)
+        finally:
+            self.root.reshard()  # type: ignore[union-attr]
 
     def validation_outputs(self, module: torch.nn.Module, global_step: int,
                            batches: Iterable[Any]) -> list[Any]:
@@ -205,7 +204,7 @@ class FSDPStrategy(ParallelStrategy):
         split never counts a sample twice; this keeps it so)."""
         outputs: list[Any] = []
         last, batches = None, iter(batches)
-        flag = torch.zeros((), device=self.device if self.comm_backend == "nccl" else "cpu")
+        flag = torch.zeros((), device=self._collective_device())
         while True:
             batch = next(batches, _END)
             flag.fill_(0.0 if batch is _END else 1.0)
@@ -223,14 +222,6 @@ class FSDPStrategy(ParallelStrategy):
             else:
                 self.val_step(module, global_step, last)  # a padding forward: outputs dropped
 
-    @contextlib.contextmanager
-    def _unsharded(self) -> Iterator[None]:
-        self.root.unshard()  # type: ignore[union-attr]
-        try:
-            yield
-        finally:
-            self.root.reshard()  # type: ignore[union-attr]
-
     def teardown(self) -> None:
         self.root = None
         super().teardown()
@@ -239,11 +230,9 @@ class FSDPStrategy(ParallelStrategy):
     def clip_grad_norm(self, parameters: Iterable[torch.nn.Parameter],
                        optimizers: list[torch.optim.Optimizer], max_norm: float
                        ) -> torch.Tensor:
-        for opt in optimizers:
-            self.precision.unscale_gradients(opt)  # clip true gradients, not scaled ones
-        # Gradients are DTensor shards: the norm is computed per shard and reduced over
-        # the ranks inside clip_grad_norm_, so every rank clips by the global norm.
-        norm = torch.nn.utils.clip_grad_norm_(list(parameters), max_norm)
+        # Gradients are DTensor shards: clip_grad_norm_ reduces the shards' norms over the
+        # ranks, so every rank clips by the global norm.
+        norm = super().clip_grad_norm(list(parameters), optimizers, max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     # -- state ------------------------------------------------------------------------
@@ -259,25 +248,18 @@ class FSDPStrategy(ParallelStrategy):
 
     def optimizer_state_dict(self, module: torch.nn.Module,
                              optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        if not optimizer.state:
-            # get_optimizer_state_dict fills an empty optimizer by stepping it once with
-            # zero gradients (Adam's step count becomes 1 before the first real step):
-            # reading the state must never change the run, so an optimizer that has not
-            # stepped is read as it is, by parameter name.
-            return named_optimizer_state(module, optimizer, optimizer.state_dict())
-        return get_optimizer_state_dict(module, optimizer)
+        return dcp_optimizer_state(module, optimizer, optimizer.state_dict())
 
     def load_optimizer_state_dict(self, module: torch.nn.Module,
                                   optimizer: torch.optim.Optimizer,
                                   state: dict[str, Any]) -> None:
-        if optimizer_state_is_named(state):
-            full = not any(isinstance(v, DTensor) for per in state["state"].values()
-                           for v in per.values())
-        else:  # an sp/ddp checkpoint: state by parameter index, full tensors
-            state, full = named_optimizer_state(module, optimizer, state), True
-        if not any(isinstance(v, torch.Tensor) and v.dim() > 0
-                   for per in state["state"].values() for v in per.values()):
-            full = False  # nothing to cut (plain SGD: no per-parameter tensors)
+        named = optimizer_state_is_named(state)
+        if not named:  # an sp/ddp checkpoint: state by parameter index, full tensors
+            state = named_optimizer_state(module, optimizer, state)
+        values = [v for per in state["state"].values() for v in per.values()]
+        # Full tensors are cut into this rank's rows; plain SGD has none to cut.
+        full = (not named or not any(isinstance(v, DTensor) for v in values)) and any(
+            isinstance(v, torch.Tensor) and v.dim() > 0 for v in values)
         set_optimizer_state_dict(module, optimizer, state,
                                  options=StateDictOptions(full_state_dict=full))
 
@@ -287,15 +269,72 @@ class FSDPStrategy(ParallelStrategy):
         return get_model_state_dict(
             module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
+    @torch.no_grad()
     def save_final_weights(self, module: torch.nn.Module, path: str, write: bool
                            ) -> Optional[str]:
-        # One tensor gathered at a time and appended to the file: no rank ever holds the
-        # whole model (final_state_dict would put all of it in rank 0's memory at once).
-        return save_streamed(module, path, write)
+        """Every rank walks the state dict in the file's order, gathers one tensor (an
+        all-gather) and drops it before the next; the writing rank appends it to the file
+        first. No rank ever holds the whole model (:meth:`final_state_dict` would put it
+        all in rank 0's memory), and the header is known before any data (a DTensor has
+        the global shape and dtype), so the file is written front to back, once.
+
+        A write that fails (a full disk) does not stop the gathers, so the other ranks
+        never wait on a rank that left; the error is raised once every tensor went by.
+        """
+        state = _distinct(module.state_dict(keep_vars=True))  # the same on every rank
+        order = file_order([TensorSpec.of(name, value) for name, value in state.items()])
+        writer: Optional[SafetensorsWriter] = None
+        error: Optional[BaseException] = None
+        if write:
+            try:
+                writer = SafetensorsWriter(path, order)
+            except Exception as exc:  # noqa: BLE001 - raised once the gathers are done
+                error = exc
+        try:
+            for spec in order:
+                full = _full(state[spec.name])
+                if writer is not None and error is None:
+                    try:
+                        writer.write(spec.name, full)
+                    except Exception as exc:  # noqa: BLE001 - raised once the gathers are done
+                        error = exc
+                        writer.abort()
+                del full  # before the next gather: one full tensor at a time
+                release_free_memory()  # gloo's freed buffers, or each gather adds its size
+        except BaseException:  # a collective failed: no half-written file stays behind
+            if writer is not None:
+                writer.abort()
+            raise
+        if error is not None:
+            raise error
+        return writer.commit() if writer is not None else None
 
 
-def _overrides_hook(recipe: torch.nn.Module) -> bool:
-    from ..interfaces import ModuleInterface
+def _distinct(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each tensor once, under its first name. Tied sharded parameters are one object;
+    plain tensors that share memory are tied as safetensors sees them. The choice never
+    depends on a rank's shard (an empty one included), so every rank skips the same."""
+    seen: set[tuple] = set()
+    out = {}
+    for name, value in state.items():
+        if isinstance(value, DTensor):
+            key: Optional[tuple] = ("dtensor", id(value))
+        elif value.numel():
+            key = (value.untyped_storage().data_ptr(), value.storage_offset(),
+                   tuple(value.shape))
+        else:
+            key = None
+        if key is not None and key in seen:
+            continue
+        seen.add(key)
+        out[name] = value
+    return out
 
-    base = getattr(ModuleInterface, "configure_sharding", None)
-    return getattr(type(recipe), "configure_sharding", None) is not base
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    if not isinstance(value, DTensor):
+        return value.detach()  # a buffer, the same on every rank
+    if value.device.type != value.device_mesh.device_type:
+        # cpu_offload: shards in CPU memory, the collective runs on the accelerator.
+        value = value.to(value.device_mesh.device_type)
+    return value.full_tensor()

@@ -1,22 +1,16 @@
 """How the fsdp backends give a sharded model its starting weights: by contract, not by
-recording what its constructor did.
+recording what its constructor did (``trainer.fsdp.build``; docs/sharding.md).
 
-``trainer.fsdp.build: rank0`` (the default). Rank 0 builds the recipe exactly as ``sp``
-does (the user's code, Hugging Face's ``from_config`` / ``from_pretrained``, ties,
-buffers, its own init) in host memory; every other rank builds it under
-``torch.device("meta")``, which allocates nothing. After ``fully_shard``, the ranks
-with meta tensors allocate their shards (``to_empty``) and every rank receives its
-rows from rank 0 with ``set_model_state_dict(..., full_state_dict=True,
-broadcast_from_rank0=True)``: one full tensor at a time goes by, each rank keeps its
-rows. Non-persistent buffers (not in a state dict: a causal mask, position ids) and
-plain tensor attributes are broadcast from rank 0 after that. Rank 0 holds the whole
-model once, in host memory, until its shards are filled; no other rank and no device
-ever holds it.
+``rank0`` (the default): rank 0 builds the recipe exactly as ``sp`` does, in host
+memory; the others build it under ``torch.device("meta")``. After ``fully_shard`` the
+ranks with meta tensors allocate their shards (``to_empty``) and every rank receives
+its rows from rank 0 (``set_model_state_dict(..., broadcast_from_rank0=True)``), then
+the non-persistent buffers and plain tensor attributes.
 
-``trainer.fsdp.build: meta`` (opt-in, a model larger than one host). Every rank builds
-on the meta device; after sharding, ``to_empty`` and the recipe's ``init_weights()``
-run on the sharded parameters, from the same random state on every rank (rank 0's).
-The result is deterministic for a seed and a world size; it is not ``sp``'s start.
+``meta`` (a model larger than one host): every rank builds on the meta device; after
+sharding, ``to_empty`` and the recipe's ``init_weights()`` run on the shards, from rank
+0's random state on every rank: deterministic for a seed and a world size, but not
+``sp``'s start.
 
 Example (every rank; ``sailfin train`` does this itself)::
 
@@ -139,16 +133,16 @@ def buffers_to(module: nn.Module, device: torch.device) -> None:
 
 
 @torch.no_grad()
-def init_on_shards(module: nn.Module, recipe: nn.Module, device: torch.device,
+def init_on_shards(recipe: nn.Module, device: torch.device,
                    broadcast: Callable[[Any], Any]) -> None:
     """``build: meta``: allocate the shards and run the recipe's ``init_weights()`` on
     them, from rank 0's random state on every rank (replicated tensors agree)."""
-    module.to_empty(device=device)
+    recipe.to_empty(device=device)
     state = broadcast(torch.get_rng_state())
     with torch.random.fork_rng(devices=[]):
         torch.set_rng_state(state)
         recipe.init_weights()
-    left = [name for name, t in (*module.named_parameters(), *module.named_buffers())
+    left = [name for name, t in (*recipe.named_parameters(), *recipe.named_buffers())
             if t.is_meta]
     if left:
         raise ConfigError(f"trainer.fsdp.build meta: {', '.join(left[:3])} still on the meta "
@@ -164,22 +158,17 @@ def require_init_weights(recipe: nn.Module) -> None:
 
 
 def _broadcast_into(tensor: torch.Tensor, comm_device: torch.device) -> None:
-    if tensor.device == comm_device:
-        dist.broadcast(tensor, src=0)
-        return
-    moved = tensor.to(comm_device)
+    moved = tensor.to(comm_device)  # the tensor itself when it is there already
     dist.broadcast(moved, src=0)
-    tensor.copy_(moved)
+    if moved is not tensor:
+        tensor.copy_(moved)
 
 
 def _broadcast_plain_tensors(module: nn.Module, rank: int) -> None:
     """Tensors a module keeps as plain attributes (a copy of a buffer kept aside) are
     neither parameters nor buffers: rank 0's values replace the meta ones elsewhere."""
-    found = []
-    for path, sub in module.named_modules():
-        for name, value in vars(sub).items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-                found.append((sub, name, value))
+    found = [(sub, name, value) for sub in module.modules() for name, value in vars(sub).items()
+             if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)]
     if not found:
         return
     values = [[value.detach().cpu() if rank == 0 else None for _, _, value in found]]

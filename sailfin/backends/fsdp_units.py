@@ -44,13 +44,8 @@ def default_unit_classes(model: nn.Module) -> list[str]:
                 declared.append(name)
     if declared:
         return declared
-    best: Optional[nn.Module] = None
-    best_size = 0
-    for module in model.modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            size = sum(p.numel() for p in module.parameters())
-            if size > best_size:
-                best, best_size = module, size
+    lists = [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
+    best = max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
     if best is None:
         return []
     counts = Counter(type(child).__name__ for child in best.children()

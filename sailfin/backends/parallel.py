@@ -1,10 +1,7 @@
-"""The base of the strategies that run one process per device in a process group.
-
-:class:`ParallelStrategy` is the single-device strategy plus what every such strategy
-shares: it joins the process group (and leaves it at teardown), sets the CPU threads of
-each process, and makes the collectives real. The DDP and FSDP strategies are its two
-children, each with its own wrapper: ``DistributedDataParallel`` (:mod:`.ddp`) or
-FSDP2 units (:mod:`.fsdp`).
+"""The base of the strategies that run one process per device in a process group: it
+joins the group (and leaves it at teardown), sets each process's CPU threads, and makes
+the collectives real. Its two children, DDP (:mod:`.ddp`) and FSDP (:mod:`.fsdp`), each
+bring their own wrapper.
 """
 
 from __future__ import annotations
@@ -19,8 +16,8 @@ import torch.distributed as dist
 from ..config.distributed import DistArguments
 from ..config.errors import ConfigError
 from ..distributed import DistEnv
-from ..distributed.collectives import all_reduce_mean, gather_outputs
-from ..distributed.process_group import (comm_backend_for, destroy_process_group,
+from ..distributed.process_group import (all_reduce_mean, comm_backend_for,
+                                         destroy_process_group, gather_outputs,
                                          init_process_group, launch_hint)
 from ..utils.voice import say
 from .precision import Precision
@@ -28,11 +25,9 @@ from .strategy import Execution, SingleDevice
 
 
 class ParallelStrategy(SingleDevice):
-    """One process per device, ``dist.world_size`` of them, in one process group.
-
-    A child supplies :meth:`wrap` (and what its wrapper changes); this class joins the
-    group in :meth:`setup` before the module is placed, and leaves it in
-    :meth:`teardown` if it created it.
+    """One process per device, ``dist.world_size`` of them, in one process group: joined
+    in :meth:`setup` before the module is placed, left in :meth:`teardown` if this
+    created it. A child supplies :meth:`wrap`.
 
     Example (every process runs this; torchrun starts them)::
 
@@ -75,12 +70,10 @@ class ParallelStrategy(SingleDevice):
             return
         threads = self.options.threads_per_process
         source = "trainer.distributed.threads_per_process"
-        if threads is None and "OMP_NUM_THREADS" in os.environ:
-            if self.dist.is_main:
-                say(f"{self.strategy.upper()} on CPU: {torch.get_num_threads()} intra-op "
-                    f"thread(s) per process (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']})")
-            return
-        if threads is None:
+        if threads is None and "OMP_NUM_THREADS" in os.environ:  # as torch set them
+            threads, source = (torch.get_num_threads(),
+                               f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
+        elif threads is None:
             threads = max(1, (os.cpu_count() or 1) // self.dist.local_world_size)
             source = f"{os.cpu_count()} cores / {self.dist.local_world_size} local processes"
         torch.set_num_threads(threads)
@@ -89,11 +82,12 @@ class ParallelStrategy(SingleDevice):
                 f"({source})")
 
     def convert_batchnorm(self, module: torch.nn.Module) -> None:
-        """``trainer.distributed.sync_batchnorm``: BatchNorm layers become SyncBatchNorm, in place (the
-        same parameters and buffers), before the module is placed and wrapped."""
+        """BatchNorm layers become SyncBatchNorm in place (the same parameters and buffers),
+        before the module is placed and wrapped."""
         converted = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
         if converted is not module:  # the recipe is a ModuleInterface, never a BatchNorm
-            raise ConfigError("trainer.distributed.sync_batchnorm: the recipe itself is a BatchNorm layer")
+            raise ConfigError("trainer.distributed.sync_batchnorm: the recipe itself is a "
+                              "BatchNorm layer")
 
     def sync_buffers(self, module: torch.nn.Module) -> None:
         # Each rank's forwards updated its own running statistics; validation and the
@@ -124,10 +118,7 @@ class ParallelStrategy(SingleDevice):
                               self._collective_device())
 
     def barrier(self) -> None:
-        if self.comm_backend == "nccl":
-            dist.barrier(device_ids=[self.device.index])
-        else:
-            dist.barrier()
+        dist.barrier(device_ids=[self.device.index] if self.comm_backend == "nccl" else None)
 
     def gather_scalars(self, values: torch.Tensor) -> torch.Tensor:
         device = self._collective_device()

@@ -3,12 +3,10 @@ keeps ``target_epsilon`` a bound across resumes, and the table the logged epsilo
 ``max_epsilon`` read.
 
 An Opacus accountant's history is a list of segments ``(noise_multiplier, sample_rate,
-steps)``; its epsilon at delta is a function of that list alone. A run that resumes
-with another length, batch size or noise adds a segment to the history it inherited,
-so everything here takes that history as given: the noise a segment needs is the one
-whose composition with the past stays within the target, and the epsilon after each
-step of a segment is computed once, when the segment starts, not by a fresh
-accountant every step.
+steps)``, and its epsilon at delta a function of that list alone. A run that resumes
+with another length, batch size or noise adds a segment to the history it inherited:
+the noise a segment needs is the one whose composition with the past stays within the
+target, and the epsilon after each of its steps is computed once, when it starts.
 
 Example::
 
@@ -22,7 +20,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -136,7 +134,7 @@ class EpsilonTable:
 
     def __call__(self, k: int) -> float:
         """Epsilon (as the accountant reports it) after ``k`` steps of this segment."""
-        if k <= 0 or sigma_free(self.sigma):
+        if k <= 0 or self.sigma == 0:  # no noise: no privacy claimed, nothing to tabulate
             return self._at(k)
         if self._rdp is not None:
             block = k // _CHUNK
@@ -200,17 +198,13 @@ class EpsilonTable:
         return rows
 
 
-def sigma_free(sigma: float) -> bool:
-    """A noise multiplier of 0: per-sample clipping without noise, no privacy claimed."""
-    return sigma == 0
-
-
-class Segment:
+class Segment(NamedTuple):
     """The noise this run's remaining steps add, chosen once before its first step, with
     the epsilon table of those steps and the line to log when the noise changed."""
 
-    def __init__(self, sigma: float, table: EpsilonTable, note: Optional[str] = None) -> None:
-        self.sigma, self.table, self.note = sigma, table, note
+    sigma: float
+    table: EpsilonTable
+    note: Optional[str] = None
 
 
 def plan_segment(mechanism: str, history: Sequence[Entry], rate: float, delta: float,
@@ -256,7 +250,7 @@ def plan_segment(mechanism: str, history: Sequence[Entry], rate: float, delta: f
                         + f", so the run ends at epsilon <= {target:g}")
     table = EpsilonTable(mechanism, history, sigma, rate, delta, steps)
     final = table(steps)
-    if not sigma_free(sigma) and not bounded(final):
+    if sigma != 0 and not bounded(final):  # a noise of 0 claims no privacy
         key = (f"trainer.dp.target_epsilon {target:g}" if target is not None else
                f"trainer.dp.noise_multiplier {sigma:.4g}")
         raise ConfigError(

@@ -66,25 +66,19 @@ def check_model(module: torch.nn.Module, fix: bool, backend: str) -> None:
             say(f"trainer.dp.fix_model: replaced {line}")
         bad = unsupported_layers(module)
     if bad:
-        batchnorm = any("BatchNorm" in b for b in bad)
-        way_out = ("" if fix or not fixable(module) else
-                   ", or set trainer.dp.fix_model: true to let Opacus's ModuleValidator.fix "
-                   "replace " + ", ".join(fixable(module)))
+        from opacus.validators import ModuleValidator
+
+        fixers = [] if fix else [name for name, sub in module.named_modules()
+                                 if name and type(sub) in ModuleValidator.FIXERS]
+        way_out = (", or set trainer.dp.fix_model: true to let Opacus's ModuleValidator.fix "
+                   "replace " + ", ".join(fixers)) if fixers else ""
         raise ConfigError(
             f"trainer.backend {backend}: Opacus cannot compute per-sample gradients for "
             f"{', '.join(bad)}"
             + (": BatchNorm mixes the samples of a batch; use GroupNorm "
-               "(torch.nn.GroupNorm) instead" if batchnorm else
+               "(torch.nn.GroupNorm) instead" if any("BatchNorm" in b for b in bad) else
                "; replace these layers with ones that treat each sample alone")
             + way_out)
-
-
-def fixable(module: torch.nn.Module) -> list[str]:
-    """Names of the submodules Opacus's ``ModuleValidator`` has a fixer for."""
-    from opacus.validators import ModuleValidator
-
-    return [name for name, sub in module.named_modules()
-            if name and type(sub) in ModuleValidator.FIXERS]
 
 
 def attach_hooks(module: torch.nn.Module, clipping: str, max_grad_norm: float,

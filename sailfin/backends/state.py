@@ -1,11 +1,8 @@
-"""Optimizer state in its two layouts, and the move between them.
-
-``optimizer.state_dict()`` keys each parameter's state by its index in the
-optimizer (``{"state": {0: ...}, "param_groups": [{"params": [0, 1]}]}``);
-PyTorch's distributed state dicts (``get_optimizer_state_dict``, what the
-``fsdp`` backends save) key it by parameter name (``"encoder.weight"``). A
-checkpoint of one layout resumes under a backend of the other: index i is the
-i-th parameter of the same recipe's optimizer.
+"""Optimizer state in its two layouts: ``optimizer.state_dict()`` keys each parameter's
+state by its index in the optimizer, PyTorch's distributed state dicts
+(``get_optimizer_state_dict``, what a checkpoint holds) by parameter name. A checkpoint
+of one layout resumes under a backend of the other: index i is the i-th parameter of
+the same recipe's optimizer.
 """
 
 from __future__ import annotations

@@ -1,20 +1,23 @@
-"""Strategy: where a step runs and how gradients are combined.
+"""Strategy: where a step runs and how gradients are combined. The trainer owns the loop
+and calls these methods; a strategy never loops.
 
-The trainer owns the loop and calls these methods; a strategy never loops.
+``trainer.compile`` compiles the step runner (:class:`StepRunner`): compiling the
+model's ``forward`` alone would miss the loss and anything else ``train_step`` does. It
+is compiled in place (names and ``state_dict`` keys do not change), at its first call
+(again for a new input shape), and before a strategy wraps it, as PyTorch advises for DDP.
 """
 
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, ContextManager, Iterable, Optional
+from typing import Any, Callable, ContextManager, Iterable, Optional
 
 import torch
 
 from ..distributed import DistEnv
 from ..utils.voice import say
 from .checkpointing import apply_activation_checkpointing
-from .compile import compile_in_place, explain_failures
 from .precision import Precision
 from .state import optimizer_state_is_named
 
@@ -37,13 +40,9 @@ class Execution:
 
 
 class StepRunner(torch.nn.Module):
-    """Runs the recipe's ``train_step`` through ``nn.Module.__call__``.
-
-    The recipe's step calls its own submodules, not ``forward``; wrappers that
-    do their work in ``forward`` (DDP prepares gradient all-reduce there) would
-    otherwise never see the step. This holds the recipe as its only child, so
-    parameters are the recipe's own.
-    """
+    """Runs the recipe's ``train_step`` through ``nn.Module.__call__``, so that wrappers
+    that work in ``forward`` (DDP prepares its gradient all-reduce there) see the step.
+    Its only child is the recipe: its parameters are the recipe's own."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         super().__init__()
@@ -51,6 +50,35 @@ class StepRunner(torch.nn.Module):
 
     def forward(self, global_step: int, batch: Any, device: torch.device) -> Any:
         return self.module.train_step(global_step, batch, device)
+
+
+class CompileError(RuntimeError):
+    """torch.compile could not compile the recipe's step; the message says why."""
+
+
+def compile_in_place(runner: torch.nn.Module, mode: str) -> None:
+    """Make ``runner(...)`` run through torch.compile (compiled lazily, on first call)."""
+    runner.compile(mode=None if mode == "default" else mode)
+
+
+def explain_failures(run: Callable[..., Any], recipe: str) -> Callable[..., Any]:
+    """``run`` with compiler errors re-raised as :class:`CompileError` naming the way out."""
+    from ..compat.torch import compiler_error
+
+    TorchDynamoException = compiler_error()
+
+    def guarded(*args: Any) -> Any:
+        try:
+            return run(*args)
+        except TorchDynamoException as exc:
+            reason = str(exc).strip().split("\n\n")[0]
+            raise CompileError(
+                f"torch.compile could not compile {recipe}.train_step: "
+                f"{type(exc).__name__}: {reason}\n"
+                "Run it eagerly with trainer.compile: false (--trainer.compile false); if the "
+                "error remains without compilation, it is in the recipe.") from exc
+
+    return guarded
 
 
 class SingleDevice:
@@ -79,38 +107,30 @@ class SingleDevice:
 
     # -- set-up -------------------------------------------------------------
     def setup(self, module: torch.nn.Module) -> None:
-        """Place the module and build what runs its steps.
-
-        ``self.runner`` is the callable that runs one ``train_step``: a
-        :class:`StepRunner` around the recipe, which :meth:`wrap` may put inside
-        a wrapper that must see the step through ``forward`` (DDP). Order:
-        checkpointing first (compilation and wrappers see the checkpointed
-        forwards), then compilation of the runner, then :meth:`wrap` (PyTorch
-        compiles the module inside DDP, not DDP itself).
-        """
+        """Place the module and build ``self.runner``, which runs one ``train_step``: a
+        :class:`StepRunner` around the recipe, which :meth:`wrap` may put inside a
+        wrapper that must see the step through ``forward`` (DDP); None: the recipe is
+        called directly. Checkpointing comes first (compilation and wrappers see the
+        checkpointed forwards), then compilation, then :meth:`wrap`."""
         ex = self.execution
         if ex.sync_batchnorm:
             self.convert_batchnorm(module)
         self.place(module)
-        self.module = module
         self._val_step = module.val_step
         if ex.activation_checkpointing:
             self.checkpointed = apply_activation_checkpointing(module, ex.activation_checkpointing)
+        self._train_step = module.train_step
         runner = StepRunner(module)
         if ex.compile:
             self.compile_runner(runner)
         self.runner = self.wrap(runner)
         if self.runner is None and ex.compile:
             self.runner = runner
-        if self.runner is not None:
-            self._run = self.runner
-            if ex.compile:
-                self._run = explain_failures(self.runner, type(module).__name__)
-            return
-        self._train_step = module.train_step
+        self._run = self.runner
+        if ex.compile:
+            self._run = explain_failures(self.runner, type(module).__name__)
 
     def place(self, module: torch.nn.Module) -> None:
-        """Put ``module`` on this device."""
         module.to(self.device)
 
     def convert_batchnorm(self, module: torch.nn.Module) -> None:
@@ -125,8 +145,7 @@ class SingleDevice:
         """Make every rank's buffers (BatchNorm statistics) rank 0's, before validation:
         one process has nothing to do."""
 
-    def compile_runner(self, runner: "StepRunner") -> None:
-        """Compile the step runner in place (before :meth:`wrap`)."""
+    def compile_runner(self, runner: StepRunner) -> None:
         compile_in_place(runner, self.execution.compile_mode)
 
     def batch_plan(self, plan: Any) -> Any:
@@ -137,7 +156,7 @@ class SingleDevice:
                           steps_per_epoch: int) -> None:
         """Called once the recipe built its optimizers (dp wraps them)."""
 
-    def wrap(self, runner: "StepRunner") -> Optional[torch.nn.Module]:
+    def wrap(self, runner: StepRunner) -> Optional[torch.nn.Module]:
         """Wrap the step runner for this strategy; None: call the recipe directly."""
         return None
 
@@ -179,9 +198,7 @@ class SingleDevice:
 
     def optimizer_step(self, optimizers: list[torch.optim.Optimizer]) -> bool:
         """Step every optimizer; False when the precision skipped the step."""
-        stepped = True
-        for opt in optimizers:
-            stepped = self.precision.optimizer_step(opt) and stepped
+        stepped = all([self.precision.optimizer_step(opt) for opt in optimizers])  # each steps
         self.precision.update()
         return stepped
 
@@ -205,17 +222,16 @@ class SingleDevice:
         return value
 
     def local_gradients(self) -> ContextManager:
-        """Backward inside this context keeps gradients on this rank; a later
-        :meth:`reduce_gradients` combines them (``micro_batch_size: auto``'s probing steps:
-        a rank that runs out of memory must not leave its partners in a gradient all-reduce)."""
+        """Backward keeps gradients on this rank; :meth:`reduce_gradients` combines them
+        later (``micro_batch_size: auto``'s probes: a rank out of memory must not leave
+        its partners in a gradient all-reduce)."""
         return _NULL
 
     def reduce_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
         """Average gradients kept local by :meth:`local_gradients` over the ranks."""
 
     def group_store(self) -> Optional[Any]:
-        """The process group's key-value store (None on one process): the hang watchdog
-        shares each rank's progress through it."""
+        """The process group's key-value store (the hang watchdog's); None on one process."""
         return None
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -224,7 +240,6 @@ class SingleDevice:
 
     # -- model and optimizer state (the fsdp strategy keeps them sharded) ----------
     def model_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
-        """The model's state as a checkpoint holds it."""
         return module.state_dict()
 
     def load_model_state_dict(self, module: torch.nn.Module, state: dict[str, Any]) -> None:
@@ -256,8 +271,7 @@ class SingleDevice:
         under fsdp); the rank with ``write`` writes the file and gets its path."""
         from ..checkpoint.weights_file import save_weights
 
-        state = self.final_state_dict(module)
-        return save_weights(state, path) if write else None
+        return save_weights(self.final_state_dict(module), path) if write else None
 
     # -- checkpoint state -------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -274,10 +288,9 @@ def _step_plain(optimizers: list[torch.optim.Optimizer]) -> bool:
 
 
 class PlainSingleDevice(SingleDevice):
-    """:class:`SingleDevice` in float32 with the recipe called directly (no compiled or
-    wrapped runner): nothing happens around a step, so its step methods are the recipe's
-    ``train_step``, ``Tensor.backward`` and the optimizers' ``step`` themselves, one Python
-    call fewer each per micro-batch. ``build_backend`` chooses it for ``sp``.
+    """:class:`SingleDevice` in float32, uncompiled (``sp``): nothing happens around a
+    step, so its step methods are the recipe's ``train_step``, ``Tensor.backward`` and the
+    optimizers' ``step`` themselves, one Python call fewer each per micro-batch.
 
     Example::
 

@@ -1,20 +1,6 @@
-"""Rank discovery and collectives.
+"""Where this process sits in a job (:class:`DistEnv`), the process group and its
+collectives, and the hang watchdog. Nothing imported here imports torch."""
 
-``DistEnv`` (and torch with it) is imported when first touched, so that the light
-modules here (exit codes, launch notes) load without torch: the sailfin command
-handles SIGTERM and Ctrl-C before it imports torch."""
-
-from __future__ import annotations
-
-from typing import Any
+from .env import DistEnv
 
 __all__ = ["DistEnv"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "DistEnv":
-        from .env import DistEnv
-
-        globals()[name] = DistEnv
-        return DistEnv
-    raise AttributeError(f"module 'sailfin.distributed' has no attribute '{name}'")

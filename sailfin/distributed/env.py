@@ -8,9 +8,9 @@ launchers such as Open MPI, MPICH or Intel MPI, Azure ML) or given in config
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Optional
 
 from ..config.errors import ConfigError
@@ -23,7 +23,7 @@ class DistEnvError(ConfigError):
     """The launcher's variables (or the config) do not describe a valid job."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class DistEnv:
     """Rank and world of this process.
 
@@ -71,11 +71,8 @@ class DistEnv:
     def from_environ(cls, environ: Optional[Mapping[str, str]] = None) -> "DistEnv":
         """Detect the launcher from the environment; without one, rank 0 of 1."""
         env = os.environ if environ is None else environ
-        for detect in (_torchrun, _slurm, _mpi):
-            found = detect(env)
-            if found is not None:
-                return found
-        return cls()
+        found = (detect(env) for detect in _DETECTORS.values())
+        return next((f for f in found if f is not None), cls())
 
     @classmethod
     def from_config(cls, args: Optional["DistArguments"],
@@ -96,7 +93,7 @@ class DistEnv:
         if launcher == "auto":
             found = cls.from_environ(env)
         else:
-            found = {"torchrun": _torchrun, "slurm": _slurm, "mpi": _mpi}[launcher](env)
+            found = _DETECTORS[launcher](env)
             if found is None:
                 raise DistEnvError(
                     f"trainer.distributed.launcher is '{launcher}' but its variables are "
@@ -175,13 +172,15 @@ def _mpi(env: Mapping[str, str]) -> Optional[DistEnv]:
     # Azure ML's MPI jobs name the first node in one of these.
     azure = env.get("AZ_BATCH_MASTER_NODE") or env.get("AZ_BATCHAI_MPI_MASTER_NODE")
     if addr is None and azure:
-        host, _, azure_port = azure.partition(":")
-        addr = host
+        addr, _, azure_port = azure.partition(":")
         if port is None and azure_port:
             port = int(azure_port)
     return DistEnv(rank=rank, world_size=world, local_rank=local,
                    local_world_size=local_world, launcher="mpi", master_addr=addr,
                    master_port=port)
+
+
+_DETECTORS = {"torchrun": _torchrun, "slurm": _slurm, "mpi": _mpi}
 
 
 def _apply_overrides(found: DistEnv, args: Optional["DistArguments"]) -> DistEnv:
@@ -200,25 +199,16 @@ def _apply_overrides(found: DistEnv, args: Optional["DistArguments"]) -> DistEnv
                 f"trainer.distributed.{name}={given!r} disagrees with the {found.launcher} "
                 f"launcher's value {have!r}; remove it from the config or use launcher manual")
         values[name] = given
-    if not values:
-        return found
-    fields = {k: getattr(found, k) for k in found.__dataclass_fields__}
-    fields.update(values)
     if not found.launched and "world_size" in values:
-        fields["launcher"] = "manual"
-    return DistEnv(**fields)
+        values["launcher"] = "manual"
+    return dataclasses.replace(found, **values)
 
 
 def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list: ``gpu[03-05,07],cpu1`` -> ``gpu03``."""
     nodelist = nodelist.strip()
-    if not nodelist:
-        return ""
     match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
     if match is None:
         return nodelist.split(",")[0]
     prefix, ranges = match.groups()
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")

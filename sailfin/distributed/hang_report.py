@@ -1,11 +1,9 @@
 """What the hang watchdog says: the phases a rank reports, and the report that names the
-rank(s) the others wait for.
-
-A rank is waited for when its records stopped coming (a frozen or vanished
-process), else when it is furthest behind (an earlier step, or an earlier phase of
-the same step), else, every rank being at the same place, when it is still making
-progress, or moved clearly later, while the others have waited past the limit (one
-rank slow alone in validation is named alone). Only when every rank waits is the whole group named.
+rank(s) the others wait for: those whose records stopped coming (a frozen or vanished
+process), else those furthest behind (an earlier step, or an earlier phase of the same
+step), else, every rank being at the same place, those still making progress while the
+others have waited past the limit (one rank slow alone in validation is named alone).
+Only when every rank waits is the whole group named.
 
 Example::
 
@@ -39,16 +37,13 @@ END_OF_EPOCH = "end of epoch (checkpoint save, callbacks)"
 FINISHED = "finished"
 FAILED = "stopped by an error"  # training raised on this rank: the others wait for it
 _ORDER = {p: i for i, p in enumerate((FAILED, SETUP, STARTUP_CHECKS, STARTUP_CHECKS_GATHER,
-                                       DATA, FORWARD, BACKWARD,
-                                       ALL_REDUCE, OPTIMIZER, END_OF_STEP, CHECKPOINT_SAVE,
-                                       VALIDATION, VALIDATION_GATHER, END_OF_EPOCH,
-                                       FINISHED))}
+                                       DATA, FORWARD, BACKWARD, ALL_REDUCE, OPTIMIZER,
+                                       END_OF_STEP, CHECKPOINT_SAVE, VALIDATION,
+                                       VALIDATION_GATHER, END_OF_EPOCH, FINISHED))}
 _AFTER_STEP = {END_OF_STEP, CHECKPOINT_SAVE, VALIDATION, VALIDATION_GATHER, END_OF_EPOCH,
                FINISHED}
-# Phases known to take long on every rank at once (building and loading a model, the first
-# forward, saves, validation, user callbacks): they get
-# trainer.distributed.hang_seconds_slow_phases, not hang_seconds. A rank whose records
-# stop (a frozen process) is named after hang_seconds whatever its phase.
+# Phases known to take long on every rank at once (building and loading a model, saves,
+# validation, user callbacks) get hang_seconds_slow_phases, not hang_seconds.
 SLOW_PHASES = frozenset({SETUP, STARTUP_CHECKS, STARTUP_CHECKS_GATHER, END_OF_STEP,
                          CHECKPOINT_SAVE, VALIDATION, VALIDATION_GATHER, END_OF_EPOCH})
 HANG_KEY = "trainer.distributed.hang_seconds"

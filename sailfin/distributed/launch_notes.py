@@ -1,20 +1,11 @@
-"""Notes a worker leaves for ``sailfin launch``: what happened to it, read once the job ends.
-
-torchrun reports only exit codes, and 75 means both "saved and stopped on a
-signal" and "the hang watchdog ended the job". Each worker therefore leaves a
-small file in the directory the launcher names in ``SAILFIN_LAUNCH_DIR``:
-
-- ``training-rank<r>``: it began training (steps since its last checkpoint can be
-  lost from now on);
-- ``preempted-rank<r>``: it stopped on a signal with a checkpoint saved, or before
-  its first step (nothing to lose);
-- ``finished-rank<r>``: its training finished (a stop during the teardown loses nothing);
-- ``hang-rank<r>``: the hang watchdog ended it;
-- ``error-rank<r>``: it printed a user error (a config, a checkpoint, a full disk) and
-  exited 2; the other workers' ends (torchrun stops them) follow from it.
-
-A worker clears its notes when it starts (a restarted worker's notes are its own
-attempt's). Outside ``sailfin launch`` nothing is written.
+"""Notes a worker leaves for ``sailfin launch`` in ``$SAILFIN_LAUNCH_DIR``, read once the
+job ends: torchrun reports only exit codes, and 75 means both "saved and stopped on a
+signal" and "the hang watchdog ended the job". Kinds, one file ``<kind>-rank<r>`` each:
+``training`` (it began training: steps since its last checkpoint can be lost from now
+on), ``preempted`` (stopped on a signal with a checkpoint saved, or before its first
+step), ``finished`` (a stop during the teardown loses nothing), ``hang`` (the watchdog
+ended it), ``error`` (a user error, exit 2; torchrun stops the others). A worker clears
+its notes when it starts; outside ``sailfin launch`` nothing is written.
 
 Example::
 
@@ -36,37 +27,34 @@ TRAINING, PREEMPTED, FINISHED, HANG, USER_ERROR = ("training", "preempted", "fin
 KINDS = (TRAINING, PREEMPTED, FINISHED, HANG, USER_ERROR)
 
 
-def _directory() -> Optional[str]:
-    return os.environ.get(LAUNCH_DIR_ENV) or None
-
-
 def _rank() -> str:
     return os.environ.get("RANK", str(os.getpid()))
 
 
+def _note(kind: str) -> Optional[str]:
+    """The path of this worker's ``kind`` note; None outside ``sailfin launch``."""
+    where = os.environ.get(LAUNCH_DIR_ENV)
+    return os.path.join(where, f"{kind}-rank{_rank()}") if where else None
+
+
 def leave_note(kind: str) -> None:
     """Record ``kind`` for this worker (a no-op outside ``sailfin launch``)."""
-    where = _directory()
-    if not where:
-        return
-    with contextlib.suppress(OSError):
-        with open(os.path.join(where, f"{kind}-rank{_rank()}"), "w") as fh:
+    path = _note(kind)
+    if path:
+        with contextlib.suppress(OSError), open(path, "w") as fh:
             fh.write(f"{os.getpid()}\n")
 
 
 def clear_notes() -> None:
     """Remove this worker's notes: it starts afresh (torchrun restarted it)."""
-    where = _directory()
-    if not where:
-        return
-    for kind in KINDS:
+    for path in filter(None, map(_note, KINDS)):
         with contextlib.suppress(OSError):
-            os.remove(os.path.join(where, f"{kind}-rank{_rank()}"))
+            os.remove(path)
 
 
 def noted_by_others(kind: str) -> list[int]:
     """The other local workers that left a ``kind`` note (empty outside sailfin launch)."""
-    where = _directory()
+    where = os.environ.get(LAUNCH_DIR_ENV)
     if not where:
         return []
     me = _rank()

@@ -1,4 +1,10 @@
-"""Joining and leaving the process group, with a timeout on every wait."""
+"""The process group: joining it (with a timeout on every wait), leaving it, and the
+collectives the trainer needs (a mean, and validation outputs gathered in order).
+
+Under torchrun sailfin joins the agent's store itself and gives each restart attempt
+its own key namespace: with ``env://`` a restarted rank can read a key its slower peer
+has not yet rewritten and dial a dead worker's port (measured: docs/elastic.md).
+"""
 
 from __future__ import annotations
 
@@ -6,13 +12,49 @@ import datetime
 import os
 import shlex
 import sys
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
-from .elastic import torchrun_store
 from .env import DistEnv, DistEnvError
+
+
+def attempt_prefix(environ: Mapping[str, str]) -> str:
+    """The key namespace of this rendezvous round of this torchrun job.
+
+    torchrun counts restarts after failures (TORCHELASTIC_RESTART_COUNT) but
+    not the new rounds it starts when a node joins; those change the world
+    size instead. Within one restart count the world only grows, so the pair
+    names every round once.
+    """
+    run_id = environ.get("TORCHELASTIC_RUN_ID", "none")
+    restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    world = environ.get("WORLD_SIZE", "0")
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False":
+        # Rank 0 hosts a fresh store every round (no stale keys), and the restart count
+        # differs between nodes: an agent whose own workers did not fail does not count
+        # the round its partner's failure started. One name for all of them.
+        return f"sailfin/{run_id}/port-{environ.get('MASTER_PORT', '0')}-world-{world}"
+    return f"sailfin/{run_id}/attempt-{restart}-world-{world}"
+
+
+def torchrun_store(environ: Mapping[str, str], rank: int, world_size: int,
+                   timeout: datetime.timedelta) -> dist.Store:
+    """A store for ``init_process_group(store=...)`` under torchrun.
+
+    When the agent shares its store (``TORCHELASTIC_USE_AGENT_STORE=True``, the
+    default), every rank is a client; otherwise rank 0 hosts it, as env:// does.
+    """
+    try:
+        host, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
+    except (KeyError, ValueError):
+        raise RuntimeError("torchrun did not set MASTER_ADDR/MASTER_PORT; start the job with "
+                           "torchrun, or set trainer.distributed for another launcher") from None
+    agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(host, port, world_size, is_master=not agent_store and rank == 0,
+                          timeout=timeout, wait_for_workers=False)
+    return dist.PrefixStore(attempt_prefix(environ), store)
 
 
 def comm_backend_for(device: torch.device, requested: str = "auto") -> str:
@@ -46,7 +88,7 @@ def init_process_group(env: DistEnv, device: torch.device, comm_backend: str = "
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if env.launcher == "torchrun" and "TORCHELASTIC_RUN_ID" in environ:
-        # A fresh key namespace per restart attempt (see elastic.py).
+        # A fresh key namespace per restart attempt (see the module docstring).
         store = torchrun_store(environ, env.rank, env.world_size, timeout)
     else:
         if env.master_addr is None or env.master_port is None:
@@ -81,7 +123,94 @@ def launch_hint(nproc: Optional[int] = None) -> str:
         command = argv
     else:
         command = ["-m", "sailfin", "train", "CONFIG.yaml"]
-    if "--trainer.backend" not in " ".join(command) and "--trainer.backend=" not in " ".join(
-            command):
+    if "--trainer.backend" not in " ".join(command):
         command += ["--trainer.backend", "ddp"]
     return shlex.join(["torchrun", f"--nproc-per-node={nproc}", *command])
+
+
+def all_reduce_mean(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The mean of ``tensor`` over ranks (a new tensor; the input is untouched)."""
+    out = tensor.detach().clone()
+    dist.all_reduce(out)
+    return out / world_size
+
+
+def gather_outputs(local: dict[str, Any], rank: int, world_size: int,
+                   device: torch.device) -> dict[str, Any]:
+    """Every rank's merged validation outputs, concatenated in rank order.
+
+    Each rank validates a contiguous share of the dataset (rank r's share comes
+    before rank r+1's), so rank order is dataset order. Tensors are gathered
+    with one all-gather per key (padded to the longest share, trimmed after);
+    lists and other values go through ``all_gather_object``. A rank with an
+    empty share contributes nothing. Every rank gets the same result.
+    """
+    descriptions: list[Any] = [None] * world_size
+    dist.all_gather_object(descriptions, _describe(local))
+    out: dict[str, Any] = {}
+    for key in _agreed_keys(descriptions):
+        if {d[key][0] for d in descriptions if d} == {"tensor"}:
+            out[key] = _gather_tensor(local.get(key), key, descriptions, rank, device)
+        else:
+            parts: list[Any] = [None] * world_size
+            value = local.get(key, [])
+            dist.all_gather_object(parts, value.cpu() if isinstance(value, torch.Tensor)
+                                   else value)
+            out[key] = _chain(parts)
+    return out
+
+
+def _describe(local: dict[str, Any]) -> dict[str, tuple]:
+    return {key: ("tensor", tuple(v.shape), str(v.dtype).replace("torch.", ""))
+            if isinstance(v, torch.Tensor) and v.dim() > 0 else ("object", type(v).__name__)
+            for key, v in local.items()}
+
+
+def _agreed_keys(descriptions: list[Any]) -> list[str]:
+    keys: Optional[list[str]] = None
+    first_rank = -1
+    for r, d in enumerate(descriptions):
+        if not d:
+            continue  # an empty share
+        if keys is None:
+            keys, first_rank = list(d), r
+        elif set(d) != set(keys):
+            raise ValueError(
+                f"val_step returned keys {sorted(d)} on rank {r} but {sorted(keys)} on rank "
+                f"{first_rank}; return the same keys on every rank and batch")
+    return keys or []
+
+
+def _gather_tensor(value: Optional[torch.Tensor], key: str, descriptions: list[Any],
+                   rank: int, device: torch.device) -> torch.Tensor:
+    shapes = [d[key][1] if d else None for d in descriptions]
+    dtypes = {d[key][2] for d in descriptions if d}
+    trailing = {s[1:] for s in shapes if s is not None}
+    if len(dtypes) > 1 or len(trailing) > 1:
+        raise ValueError(
+            f"val_step output '{key}' has different dtypes or trailing shapes across ranks "
+            f"({sorted(dtypes)}, {sorted(trailing)}); return the same shape after the batch "
+            "dimension on every rank")
+    dtype = getattr(torch, dtypes.pop())
+    tail = trailing.pop()
+    lengths = [s[0] if s is not None else 0 for s in shapes]
+    longest = max(lengths)
+    # Gloo has no bool all-gather: move bools as bytes.
+    wire = torch.uint8 if dtype is torch.bool else dtype
+    padded = torch.zeros((longest, *tail), dtype=wire, device=device)
+    if value is not None and lengths[rank]:
+        padded[:lengths[rank]] = value.detach().to(device=device, dtype=wire)
+    parts = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(parts, padded)
+    result = torch.cat([p[:n] for p, n in zip(parts, lengths)])
+    return result.to(dtype) if wire is not dtype else result
+
+
+def _chain(parts: list[Any]) -> Any:
+    values = [p for p in parts if p is not None]
+    if values and all(isinstance(p, torch.Tensor) for p in values):
+        return torch.cat([p.reshape(-1) if p.dim() == 0 else p for p in values])
+    chained: list[Any] = []
+    for p in values:
+        chained.extend(p if isinstance(p, list) else [p])
+    return chained

@@ -1,35 +1,23 @@
-"""The hang watchdog: a stuck rank is named, and the job ends instead of hanging.
+"""The hang watchdog: a stuck rank is named, and the job ends instead of hanging (what a
+user sees: docs/multinode.md, docs/robustness.md).
 
-The training loop writes where it is into a :class:`Heartbeat` (an attribute
-store per phase: no lock, no clock, no store round-trip on the step's path).
-A background thread per rank turns that into a record once a second: the
-step, the phase, and the seconds since the record last changed, measured on
-this rank's own clock; it writes the record to the process group's store.
-The threads of ranks 0 and 1 (two judges: a frozen rank 0 is judged by rank 1)
-read every rank's record. When a rank has made no progress for ``hang_seconds``
-(the slow phases' limit in set-up, saves, validation...), or its records stopped
-coming (a frozen process: ``hang_seconds`` whatever its phase), the first judge to
-see it writes a report to the store; every live rank's thread sees it within a
-second, ends any frozen rank's process on its own host (SIGKILL: a stopped process
-answers nothing else, and torchrun would wait 30 s), writes its own stack
-(``faulthandler``, all threads) to its stderr and to
-``<output_dir>/hang/stack-rank<r>.txt``, and the judge prints one line per rank
-and the rank(s) the others wait for (see :mod:`.hang_report`). Then each process
-leaves a note for ``sailfin launch`` and exits with code 75 (EX_TEMPFAIL), so
-``torchrun --max-restarts`` restarts the group and the run resumes from its last
-checkpoint.
+The loop writes where it is into a :class:`Heartbeat` (plain attributes: nothing on the
+step's path); a thread per rank publishes it once a second to the process group's store
+with the seconds since it last moved. Ranks 0 and 1 judge (a frozen rank 0 is judged by
+rank 1); the first to see a rank idle past its phase's limit, or whose records stopped
+(a frozen process), writes the report (:mod:`.hang_report`). Every live rank then ends
+the frozen processes on its host (SIGKILL: a stopped process answers nothing else, and
+torchrun would wait 30 s), writes its stack, leaves a note for ``sailfin launch`` and
+exits 75, so ``torchrun --max-restarts`` resumes the group from its last checkpoint.
 
-The watchdog starts as soon as the process group exists (set-up, resume and the
-start-up checks are watched) and stops after the last step.
-
-The thread runs Python, so it needs the GIL: a rank blocked in a collective,
-in ``time.sleep``, in I/O or in CUDA waits is seen (those release the GIL); a
-C extension that holds the GIL forever silences the thread, and the judges then
-report that rank's records as stopped.
+The thread needs the GIL: a rank blocked in a collective, a sleep, I/O or CUDA is seen
+(they release it); a C extension that holds the GIL forever silences it, and the judges
+then report that rank's records as stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import json
@@ -44,21 +32,17 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from ..utils.voice import log, say
 from .exit_codes import HANG_EXIT_CODE
 from .hang_report import (ALL_REDUCE, BACKWARD, CHECKPOINT_SAVE, DATA, END_OF_EPOCH,  # noqa: F401
-                          END_OF_STEP, FAILED, FINISHED, FORWARD, HANG_KEY, OPTIMIZER, SETUP,
-                          SLOW_KEY, SLOW_PHASES, STARTUP_CHECKS, STARTUP_CHECKS_GATHER,
-                          VALIDATION,
-                          VALIDATION_GATHER, RankRecord,
-                          culprits, hang_report, limit_of, recipe_step)
+                          END_OF_STEP, FAILED, FINISHED, FORWARD, OPTIMIZER, SETUP,
+                          STARTUP_CHECKS, STARTUP_CHECKS_GATHER, VALIDATION, VALIDATION_GATHER,
+                          RankRecord, culprits, hang_report, limit_of, recipe_step)
 from .launch_notes import HANG, leave_note
-
 
 AUTO_HANG_SECONDS = 300.0
 
-class Heartbeat:
-    """Where this rank is: written by the loop, read by the watchdog's thread.
 
-    ``step`` is the number of optimizer steps done when the current step began
-    (the step in progress is ``step + 1``, as logs and checkpoints count).
+class Heartbeat:
+    """Where this rank is: written by the loop, read by the watchdog's thread. ``step`` is
+    the number of optimizer steps done when the current step began.
 
     Example::
 
@@ -85,12 +69,10 @@ class Heartbeat:
 class Watchdog:
     """A thread that ends the job with a report when a rank stops making progress.
 
-    ``store`` is the process group's key-value store (shared by all ranks); one
-    process may use a private ``torch.distributed.HashStore``. ``on_hang`` acts on a
-    hang once the report is out (default: raise :class:`HangDetected` in the main
-    thread, so that a notebook or test that trains in-process is never ended by it;
-    the ``sailfin`` command passes :func:`end_process`, which flushes and ends the
-    process with 75: its main thread may be stuck in C for good).
+    ``store``: the process group's key-value store (one process: a private ``HashStore``).
+    ``on_hang`` acts once the report is out: by default :func:`raise_in_main` (a run in a
+    notebook or test is never ended by it); the ``sailfin`` command passes
+    :func:`end_process`.
 
     Example::
 
@@ -139,11 +121,9 @@ class Watchdog:
         self._stop.set()
         self._thread.join()
         self._thread = None
-        try:
-            self.heartbeat.phase = FAILED if failed else FINISHED
+        self.heartbeat.phase = FAILED if failed else FINISHED
+        with contextlib.suppress(Exception):  # the store may be gone at the end of a job
             self._publish(0.0, -1)
-        except Exception:  # noqa: BLE001 - the store may be gone at the end of a job
-            pass
 
     def publish_now(self) -> None:
         """Write this rank's record now (the loop, once, as training begins): a rank that
@@ -151,10 +131,8 @@ class Watchdog:
         if self._thread is None:
             return
         self._seq += 1
-        try:
+        with contextlib.suppress(Exception):  # the thread reports a broken store
             self._publish(0.0, self._seq)
-        except Exception:  # noqa: BLE001 - the thread reports a broken store
-            pass
 
     # -- the thread --------------------------------------------------------------------
     def _run(self) -> None:
@@ -192,12 +170,9 @@ class Watchdog:
                              if k in self._present or self.store.check([k])]
         present = self._present
         values = self.store.multi_get(present) if present else []
-        out = []
-        for key, raw in zip(present, values):
-            step, phase, idle, seq, pid, host = json.loads(raw)
-            out.append(RankRecord(int(key.rsplit("rank", 1)[1]), step, phase, idle, seq,
-                                  pid, host))
-        return out
+        # A record: [step, phase, idle, seq, pid, host] (_publish), after its rank.
+        return [RankRecord(int(key.rsplit("rank", 1)[1]), *json.loads(raw))
+                for key, raw in zip(present, values)]
 
     def _judge(self, now: float) -> None:
         records = self._records()
@@ -214,8 +189,8 @@ class Watchdog:
                 self._seen[r.rank] = (r.seq, now)
             elif r.phase not in (FINISHED, FAILED) and now - when > self.hang_seconds:
                 stale[r.rank] = now - when  # frozen: named after hang_seconds, any phase
-        if stale or any(r.idle > self._limit(r.phase) and r.phase != FINISHED
-                        for r in records):
+        if stale or any(r.idle > limit_of(r.phase, self.hang_seconds, self.slow_seconds)
+                        and r.phase != FINISHED for r in records):
             report = hang_report(records, self.hang_seconds, stale, self.slow_seconds)
             frozen = [[r.rank, r.host, r.pid] for r in records
                       if r.rank in stale and r.seq >= 0 and r.pid]
@@ -224,9 +199,6 @@ class Watchdog:
             # The first judge's report stands; the other judge's is dropped.
             if self.store.compare_set(_HANG, "", mine).decode() == mine:
                 self.report = report
-
-    def _limit(self, phase: str) -> float:
-        return limit_of(phase, self.hang_seconds, self.slow_seconds)
 
     def _end(self) -> None:
         """Every live rank: its note for sailfin launch, its stack; the judge that reported:
@@ -238,13 +210,11 @@ class Watchdog:
                   f"phase {beat.phase}, pid {os.getpid()})")
         _write_stack(header, sys.stderr)
         if self.report_dir:
-            try:
+            with contextlib.suppress(OSError):
                 os.makedirs(self.report_dir, exist_ok=True)
                 with open(os.path.join(self.report_dir, f"stack-rank{self.rank}.txt"),
                           "w") as fh:
                     _write_stack(header, fh)
-            except OSError:
-                pass
         self.store.add(_ACKS, 1)
         wait = min(10.0, max(2.0, self.hang_seconds / 2))
         frozen = self._frozen()
@@ -254,11 +224,9 @@ class Watchdog:
             where = f" and to {self.report_dir}" if self.report_dir else ""
             ended = (f"; ended the frozen process(es) of rank "
                      f"{', '.join(str(f[0]) for f in frozen)}" if frozen else "")
-            lines = self.report + [f"every live rank wrote its stack to its stderr{where}"
-                                   f"{ended}; exiting with code {HANG_EXIT_CODE} (torchrun "
-                                   "--max-restarts restarts the job, which resumes from its "
-                                   "last checkpoint)"]
-            for line in lines:
+            for line in [*self.report, f"every live rank wrote its stack to its stderr{where}"
+                         f"{ended}; exiting with code {HANG_EXIT_CODE} (torchrun --max-restarts "
+                         "restarts the job, which resumes from its last checkpoint)"]:
                 say(line, warning=True)
             for handler in log.handlers:
                 handler.flush()
@@ -286,10 +254,8 @@ class Watchdog:
         pid, host = self._process
         for rank, their_host, their_pid in frozen:
             if their_host == host and their_pid != pid and rank != self.rank:
-                try:
+                with contextlib.suppress(OSError):  # gone already
                     os.kill(their_pid, signal.SIGKILL)
-                except OSError:
-                    pass  # gone already
 
 
 _PREFIX = "sailfin/watchdog"
@@ -361,11 +327,9 @@ def resolve_hang_seconds(value: Any, world_size: int) -> Optional[float]:
 def resolve_slow_seconds(value: Any, hang_seconds: float) -> float:
     """``trainer.distributed.hang_seconds_slow_phases``: auto is 4 x hang_seconds; null
     is hang_seconds itself; never below hang_seconds."""
-    if value is None:
-        return hang_seconds
     if value == "auto":
         return 4 * hang_seconds
-    return max(float(value), hang_seconds)
+    return hang_seconds if value is None else max(float(value), hang_seconds)
 
 
 def build_watchdog(hang_setting: Any, rank: int, world_size: int, store: Any,

@@ -187,7 +187,7 @@ def test_fp16_scaler_state_round_trips_through_backend_state(tmp_path):
 
 
 def test_amp_default_dtype_rules():
-    from sailfin.backends.amp import default_amp_dtype
+    from sailfin.backends.precision import default_amp_dtype
 
     assert default_amp_dtype(torch.device("cpu")) == "bfloat16"
     assert default_amp_dtype(torch.device("mps")) == "float16"
@@ -196,7 +196,7 @@ def test_amp_default_dtype_rules():
 @pytest.mark.cuda  # checks the CUDA default dtype (bf16 from Ampere on, else fp16), an fp16 step
 def test_cuda_amp(tmp_path):
     expected = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    from sailfin.backends.amp import default_amp_dtype
+    from sailfin.backends.precision import default_amp_dtype
 
     assert default_amp_dtype(torch.device("cuda")) == expected
     module = OverflowAt(IdData(60, 0), bad_steps={1})

@@ -7,8 +7,7 @@ from torch._dynamo.utils import counters
 from sailfin import Trainer
 from sailfin.backends import SingleDevice
 from sailfin.backends import strategy as strategy_module
-from sailfin.backends.compile import CompileError
-from sailfin.backends.strategy import Execution
+from sailfin.backends.strategy import CompileError, Execution
 from tests.backends.lm import TinyLM
 from tests.recipes import args
 

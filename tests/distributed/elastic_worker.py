@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from sailfin.distributed.elastic import torchrun_store
+from sailfin.distributed.process_group import torchrun_store
 
 out_dir = sys.argv[1]
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

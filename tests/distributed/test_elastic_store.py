@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sailfin.distributed.elastic import attempt_prefix
+from sailfin.distributed.process_group import attempt_prefix
 from tests.distributed.harness import kill_tree
 
 ROOT = Path(__file__).resolve().parents[2]
