@@ -158,7 +158,7 @@ def default_cache_dir() -> str:
 
 
 def parse_size(value: Union[int, str], what: str = "cache_limit") -> int:
-    """``20GB``, ``512MiB``, ``1e9`` or an int -> bytes."""
+    """``20GB``, ``512MiB``, ``1.5GiB``, ``1000000`` or an int -> bytes (no exponent form)."""
     if isinstance(value, int):
         return value
     match = _SIZE.match(str(value))
