@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 from . import manifest as manifests
 from .errors import CheckpointCorrupt, CheckpointError
+from .layout import DirectoryLayout
 from .memory_dirs import (free_bytes, held, prune_snapshots, read_manifest, recycle,
                           step_name, used_bytes)
 from .memory_staging import PendingCopy, SharedStaging, remove_file
@@ -43,6 +44,9 @@ from .storage import LocalStorage
 
 __all__ = ["MemoryStore", "NoSpace", "rank_file", "step_name"]
 
+# A snapshot names each rank's random state as a checkpoint on disk does.
+rank_file = DirectoryLayout.rank_file
+
 # The previous snapshot, as the ranks agree on it (MIN): a failure wins over a full file
 # system.
 _FAILED, _FULL, _READY = 0, 1, 2
@@ -50,10 +54,6 @@ _FAILED, _FULL, _READY = 0, 1, 2
 
 class NoSpace(OSError):
     """The snapshot directory's file system cannot hold the next snapshot."""
-
-
-def rank_file(rank: int) -> str:
-    return f"rng-rank{rank:05d}.pt"
 
 
 def _is_full(error: Optional[BaseException]) -> bool:

@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 from . import manifest as manifests
 from .errors import CheckpointCorrupt
+from .layout import DirectoryLayout
 from .serialize import checksum_file
 
 DEFAULT_PARENT = "/dev/shm"
@@ -40,8 +41,8 @@ STEP = re.compile(r"^step-(\d+)$")
 _RANK_DIR = re.compile(r"^(?:replica-)?rank(\d+)$")
 
 
-def step_name(step: int) -> str:
-    return f"step-{step:08d}"
+# A snapshot's directory is named as a checkpoint's on disk is.
+step_name = DirectoryLayout.name_for
 
 
 def run_id(output_dir: str) -> str:
