@@ -40,8 +40,7 @@ class Snapshot:
     sharded: dict[str, Any] = field(default_factory=dict)
     """The model and optimizers (and any DTensor state), written with DCP by every rank."""
     later: frozenset = frozenset()
-    """Storages in ``sharded`` an async save may copy until :meth:`Checkpointer.settle`
-    (the optimizers' state; see :mod:`.staging`)."""
+    """Storages in ``sharded`` an async save may copy until :meth:`Checkpointer.settle`."""
 
 
 @dataclass
@@ -55,8 +54,7 @@ class Loaded:
     rank_state: Optional[Any] = None
     """None when the checkpoint has no state for this rank (it ran on fewer ranks)."""
     sharded: Optional[ShardedRef] = None
-    """The checkpoint's DCP shards, read by :func:`.sharded.load_sharded` (None: the model
-    is ``shared["model"]``, as in a memory snapshot)."""
+    """The checkpoint's DCP shards (None: the model is ``shared["model"]``)."""
 
 
 class Checkpointer(abc.ABC):
@@ -148,7 +146,6 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
         self.shards = ShardedWriter(self.storage, args.storage_options)
         self.writes_shards = True  # Snapshot.sharded is written, with DCP
 
-    # -- saving --------------------------------------------------------------
     def save(self, snapshot: Snapshot) -> None:
         self.wait()  # one save in flight at a time; raises if the previous one failed
         name = self.name_for(snapshot.step)
@@ -157,7 +154,7 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
         if self.dist.is_main and not self.storage.atomic_rename:
             # Re-saving a step in place (a run resumed before it): it is incomplete from now on.
             self.storage.remove(self.storage.join(staging, manifests.MANIFEST))
-        if snapshot.sharded:  # every rank writes its own shards (async: in the background)
+        if snapshot.sharded:  # every rank writes its own shards
             self.shards.save(staging, snapshot.sharded, self.args.async_save, snapshot.step,
                              snapshot.later)
         background = self.args.async_save and self.dist.is_main
@@ -171,9 +168,8 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
         if not background:
             self._write_and_commit(name, staging, snapshot, own_path, own)
             return
-        # Copy now (the next step changes the state), write in the background. The model,
-        # optimizers and callbacks' tensors are DCP's, staged by its stager: what is left
-        # here is small (counters, schedulers, the scaler).
+        # Copy now (the next step changes the state), write in the background: what DCP
+        # does not stage is small (counters, schedulers, the scaler).
         snapshot = Snapshot(snapshot.step, dict(snapshot.facts), cpu_copy(snapshot.shared),
                             snapshot.rank_state, snapshot.is_best)
         if self._executor is None:
@@ -251,7 +247,6 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
                 self._executor = None
             self.shards.close()
 
-    # -- loading -------------------------------------------------------------------
     def load(self, name: str, mmap: bool = False) -> Loaded:
         """``mmap``: memory-map local files (tensors are read when touched)."""
         storage, where = self._locate(name)
@@ -266,11 +261,9 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
                                     "did not finish", storage.display(manifest_path)) from None
         manifest = manifests.decode(raw, storage.display(manifest_path))
         files = manifests.files_of(manifest, storage.display(manifest_path))
-        shared = {}
-        for file, entry in files.items():
-            if not file.startswith("rng-rank"):
-                shared[file[:-len(".pt")]] = load_object(storage, storage.join(where, file), entry,
-                                                         mmap, within=where)
+        shared = {file[:-len(".pt")]: load_object(storage, storage.join(where, file), entry,
+                                                  mmap, within=where)
+                  for file, entry in files.items() if not file.startswith("rng-rank")}
         own = self.rank_file(self.dist.rank)
         rank_state = (load_object(storage, storage.join(where, own), files[own], within=where)
                       if own in files else None)

@@ -1,9 +1,5 @@
-"""The default checkpointer's directory: names, pointers, and tidying after a kill.
-
-Which checkpoints are complete (a manifest), what ``latest`` and ``best`` name,
-putting back a save a kill stopped between its renames, and keeping the last
-``keep_last``. Writing and reading files is :mod:`.checkpointer`'s.
-"""
+"""The default checkpointer's directory: names, pointers, and tidying after a kill
+(writing and reading files is :mod:`.checkpointer`'s)."""
 
 from __future__ import annotations
 
@@ -42,7 +38,6 @@ class DirectoryLayout:
     barrier: Any
     wait: Any  # the checkpointer's: a background save finishes
 
-    # -- names ---------------------------------------------------------------
     @staticmethod
     def name_for(step: int) -> str:
         return f"step-{step:08d}"
@@ -54,7 +49,6 @@ class DirectoryLayout:
     def rank_file(rank: int) -> str:
         return f"rng-rank{rank:05d}.pt"
 
-    # -- what is there ---------------------------------------------------------
     def complete(self) -> list[tuple[int, str]]:
         """(step, name) of every checkpoint with a manifest, oldest first."""
         out = []
@@ -104,7 +98,6 @@ class DirectoryLayout:
             names.insert(0, pointed)
         return names
 
-    # -- after a kill or a failed save ---------------------------------------------
     def recover(self) -> None:
         """Rank 0 renames complete checkpoints that a kill left under ``.tmp-``/``.old-``
         names back into place, and moves ``latest`` to a checkpoint committed after it
@@ -201,12 +194,9 @@ class DirectoryLayout:
             if not self.storage.exists(self.path(entry, manifests.MANIFEST)):
                 self.storage.remove_tree(self.path(entry))  # the failed save's partial files
 
-    # -- keep-last and best ------------------------------------------------------
     def retain(self) -> None:
-        """Delete all but the newest ``keep_last``, the best and what ``latest`` names.
-
-        Also removes what killed saves left behind, once a newer save completed.
-        """
+        """Delete all but the newest ``keep_last``, the best and what ``latest`` names, and
+        what killed saves left behind once a newer save completed."""
         complete = self.complete()
         if not complete:
             return

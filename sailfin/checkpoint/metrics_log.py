@@ -1,35 +1,20 @@
-"""Make ``metrics.jsonl`` read as one run after a resume.
-
-A killed run may leave a half-written last line and events logged after the
-checkpoint it resumes from; the resumed run logs those steps again. Before the
-writer reopens the file, this drops both, so the file holds each event once.
+"""Make ``metrics.jsonl`` read as one run after a resume: a killed run may leave a
+half-written last line and events logged after the checkpoint it resumes from.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Iterator, Optional
+from typing import Optional
 
 from .storage import LocalStorage
 
 
 def trim_metrics_log(path: str, step: int, validated: bool) -> int:
-    """Keep the events up to checkpoint ``step``; return how many lines were dropped.
-
-    Events with a larger step go, and so do torn or unreadable lines. At ``step``
-    itself, training events stay (they are logged before a save); validation events
-    stay only if ``validated`` (the checkpoint was taken after that step's
-    validation), else the resumed run logs them again. The file is replaced
-    atomically; a missing file is fine.
-    """
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except FileNotFoundError:
-        return 0
-    lines = data.split(b"\n")
-    # split leaves the text after the last newline: empty, or a torn line.
-    complete, tail = lines[:-1], lines[-1]
+    """Keep the events up to checkpoint ``step`` (at ``step``, validation events only if
+    ``validated``: taken after the checkpoint's validation), drop torn or unreadable
+    lines; return how many lines were dropped."""
+    complete, tail = _lines(path)
     kept = []
     for line in complete:
         event = _event(line)
@@ -47,18 +32,18 @@ def trim_metrics_log(path: str, step: int, validated: bool) -> int:
 def last_logged_step(path: str) -> Optional[int]:
     """The largest ``step`` of a complete event in ``metrics.jsonl`` (None: no events):
     after a crash, how far the run had come at least."""
+    return max((e[0] for e in map(_event, _lines(path)[0]) if e), default=None)
+
+
+def _lines(path: str) -> tuple[list[bytes], bytes]:
+    """The complete lines of ``path`` and what follows the last newline (empty, or a torn
+    line); none for a missing file."""
     try:
-        return max((e[0] for e in map(_event, _complete_lines(path)) if e), default=None)
+        with open(path, "rb") as fh:
+            lines = fh.read().split(b"\n")
     except FileNotFoundError:
-        return None
-
-
-def _complete_lines(path: str) -> Iterator[bytes]:
-    with open(path, "rb") as fh:
-        for line in fh:
-            if not line.endswith(b"\n"):
-                return  # a torn last line
-            yield line
+        return [], b""
+    return lines[:-1], lines[-1]
 
 
 def _event(line: bytes) -> Optional[tuple[int, dict]]:

@@ -1,10 +1,5 @@
-"""Random streams: capture and restore them per rank, and keep the data loader off them.
-
-A resumed run draws the same dropout masks as the uninterrupted one only if every
-stream is where it was: Python's, NumPy's, torch's CPU generator and each CUDA
-device's. Creating a DataLoader iterator draws a worker base seed from torch's global
-generator, so each epoch's loader gets its own generator seeded by (seed, epoch, rank):
-the restored global state then stays exact wherever the epoch resumes.
+"""Random streams: capture and restore them per rank, and keep the data loader off them
+(creating a DataLoader iterator would draw a seed from torch's global generator).
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Writing and reading one checkpoint file: torch.save out, ``weights_only`` torch.load in.
 
-Every file is checksummed while it is written; its size and CRC-32 go into the
-manifest, and reading checks both before unpickling anything. CRC-32 finds
-truncation and damage at several GB/s, where a cryptographic hash would add to
-every save's stall and protect nothing more: whoever can rewrite a file can
-rewrite the manifest too. Large buffers are checksummed on a helper thread while
-they are written (both release the GIL). Loading never runs arbitrary
-unpickling: a file that would need it is refused.
-
-A file in a checkpoint may have been replaced by a named pipe (opening it waits for
-a writer forever), a symlink to ``/dev/zero`` (reading it never ends) or a directory,
-and a manifest may name ``../../etc/hostname``. Every read of a checkpoint goes
-through :func:`open_checked`: it takes only plain file names from a manifest, opens a
-local file without blocking, checks on the open descriptor that it is a regular file
-whose real path lies inside the checkpoint directory, and compares its size with what
-the manifest promised (or a bound) before reading a byte.
+Each file's size and CRC-32 (computed while it is written) go into the manifest and are
+checked before anything is unpickled: CRC-32 finds truncation and damage at several GB/s,
+and a cryptographic hash would protect nothing more (whoever can rewrite a file can
+rewrite the manifest too). A checkpoint file may have been replaced by a named pipe, a
+link to ``/dev/zero`` or a directory, and a manifest may name ``../../etc/hostname``:
+every read goes through :func:`open_checked`.
 """
 
 from __future__ import annotations
@@ -68,12 +59,9 @@ def _kind(mode: int) -> str:
 def open_checked(storage: Storage, path: str, shown: str, *, what: str = "checkpoint file",
                  expected_size: Optional[int] = None, limit: Optional[int] = None,
                  within: Optional[str] = None) -> Iterator[BinaryIO]:
-    """Open ``path`` for reading once it is known to be a regular file of the right size.
-
-    ``expected_size``: the manifest's size (a mismatch is damage); ``limit``: the most
-    bytes such a file may hold; ``within``: the directory its real path must lie in.
-    Raises :class:`CheckpointCorrupt` naming ``shown``; FileNotFoundError passes through.
-    """
+    """Open ``path`` once it is known to be a regular file of ``expected_size`` (the
+    manifest's) or at most ``limit`` bytes, whose real path lies in ``within``. Raises
+    :class:`CheckpointCorrupt` naming ``shown``; FileNotFoundError passes through."""
     local = storage.local_path(path)
     if local is None:
         with _open_remote(storage, path, shown, what, expected_size, limit) as fh:
@@ -141,8 +129,7 @@ def _check_size(size: int, shown: str, what: str, expected: Optional[int],
 
 def read_checked(storage: Storage, path: str, shown: str, *, what: str, limit: int,
                  within: Optional[str] = None) -> bytes:
-    """The bytes of a small file (a manifest, a pointer), refused when larger than ``limit``
-    or not a regular file."""
+    """The bytes of a small file (a manifest, a pointer): see :func:`open_checked`."""
     with open_checked(storage, path, shown, what=what, limit=limit, within=within) as fh:
         data = fh.read(limit + 1)
     if len(data) > limit:  # grew since it was measured
@@ -156,7 +143,7 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.
 
 @dataclass(frozen=True)
 class FileEntry:
-    """What the manifest records about one file."""
+    """What the manifest records of one file."""
 
     size: int
     crc32: int
@@ -204,14 +191,10 @@ class _ChecksumWriter:
 
 
 def save_object(storage: Storage, path: str, obj: Any, overlap: bool = True) -> FileEntry:
-    """``torch.save`` ``obj`` to ``path``; return its size and checksum.
-
-    ``overlap``: a thread checksums each large buffer while it is written; False
-    checksums on the calling thread (a background writer that must not take a second
-    core from training). A failed write (a full disk...) raises
-    :class:`CheckpointWriteError` naming the file and the OS's reason, not torch's
-    ``unexpected pos`` RuntimeError.
-    """
+    """``torch.save`` ``obj`` to ``path``; return its size and checksum. ``overlap``
+    False: no helper thread (a background writer must not take a second core from
+    training). A failed write raises :class:`CheckpointWriteError` with the OS's reason,
+    not torch's ``unexpected pos`` RuntimeError."""
     writer: _ChecksumWriter | None = None
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="sailfin-checksum") if overlap \
@@ -220,7 +203,7 @@ def save_object(storage: Storage, path: str, obj: Any, overlap: bool = True) -> 
             torch.save(obj, writer)
     except OSError as exc:  # opening, fsync or close (NFS reports a full disk at close)
         raise write_error(storage, path, exc) from exc
-    except RuntimeError as exc:
+    except RuntimeError:
         if writer is None or writer.error is None:
             raise
         raise write_error(storage, path, writer.error) from writer.error
@@ -235,11 +218,8 @@ def write_error(storage: Storage, path: str, exc: OSError) -> CheckpointWriteErr
 
 def load_object(storage: Storage, path: str, entry: FileEntry, mmap: bool = False,
                 within: Optional[str] = None) -> Any:
-    """Read ``path``, check it against the manifest, and load it without arbitrary unpickling
-    (``mmap``: a local file is memory-mapped, its tensors read when touched).
-
-    Only a regular file of the manifest's size is read (inside ``within``, the checkpoint's
-    directory, when given): see :func:`open_checked`."""
+    """Read ``path`` (see :func:`open_checked`), check it against the manifest, and load it
+    without arbitrary unpickling (``mmap``: a local file's tensors are read when touched)."""
     shown = storage.display(path)
     local = storage.local_path(path)
     try:

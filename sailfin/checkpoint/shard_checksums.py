@@ -1,13 +1,10 @@
 """Checksums of a sharded checkpoint's files: computed by the rank that wrote each file,
 listed in the manifest, checked before a resume uses the checkpoint.
 
-:func:`checksummed_writer` wraps DCP's writer: each rank reads back the files it just
-wrote (from the page cache) and checksums them; the figures travel to rank 0 with
-DCP's own write results, and rank 0 adds the index's (``.metadata``). On load,
-:func:`verify` splits the files among the ranks (file ``i`` is read by rank ``i %
-world``); a rank that finds a file unreadable, of the wrong size or checksum raises
-:class:`CheckpointCorrupt` naming it, and ``resume: auto`` falls back to the next older
-checkpoint.
+Each rank checksums the files it just wrote (read back from the page cache) and the
+figures travel to rank 0 with DCP's own write results. On load the files are split
+among the ranks; a damaged one raises :class:`CheckpointCorrupt` naming it, and
+``resume: auto`` falls back to the next older checkpoint.
 
 Example::
 

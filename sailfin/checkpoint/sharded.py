@@ -1,22 +1,10 @@
 """Model and optimizer state on every backend, with DCP: each rank writes and reads its own rows.
 
-Every checkpoint holds the model and optimizer state as ``torch.distributed.checkpoint``
-(DCP) writes it, under the names PyTorch's distributed state dicts give
-(``get_model_state_dict`` / ``get_optimizer_state_dict``): DTensor shards under
-``fsdp`` (every rank writes its own rows), plain tensors under ``sp`` and ``ddp`` (DCP
-writes replicated state once). DCP re-cuts the rows on load, so a checkpoint resumes on
-any world size and under any backend. The shards are written under the temporary name
-like the rest; the manifest, written last, lists them with their CRC-32s::
-
-    step-00000120/
-        manifest.json         "sharded": {"format": "torch-dcp/1", "keys": ["module", "optimizers"],
-                                          "files": {name: {"size": n, "crc32": hex}, ...}}
-        trainer.pt            schedulers, counters, ... (rank 0; no model, no optimizers)
-        rng-rank00000.pt ...  one per rank: its random streams
-        shards/.metadata      DCP's index: which rows of which tensor are in which file
-        shards/__0_0.distcp   rank 0's rows
-
-torch alone opens it::
+The model and optimizers go to ``<checkpoint>/shards`` through
+``torch.distributed.checkpoint`` (DCP), under the names PyTorch's distributed state dicts
+give them; DCP re-cuts the rows on load, so a checkpoint resumes on any world size and
+backend (docs/checkpoints-and-resume.md shows the layout). The manifest, written last,
+lists the shards with their CRC-32s. torch alone opens it::
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     dcp_to_torch_save("step-00000120/shards", "step-120.pt")   # {"module": ..., "optimizers": ...}
@@ -41,9 +29,9 @@ from .shard_checksums import checksummed_writer, describe, verify
 from .staging import SplitStager
 from .storage import LocalStorage, Storage
 
-# Saving and loading in one process (sp, or no process group) is what sailfin means to do;
-# DCP warns about it at every call. (Process-wide for the async saves' writer thread; a
-# context around the calls made on the training thread, where pytest resets the filters.)
+# DCP warns at every call made in one process (sp, or no process group), which is meant.
+# Process-wide for the async saves' writer thread; a context around the training
+# thread's calls, where pytest resets the filters.
 _SINGLE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
 warnings.filterwarnings("ignore", message=_SINGLE_PROCESS, category=UserWarning)
 
@@ -69,17 +57,15 @@ def _failures() -> tuple[type[BaseException], ...]:
 
 
 def split_sharded(state: dict[str, Any], dcp_callbacks: Iterable[str] = ()) -> dict[str, Any]:
-    """Move the model and optimizers (on every backend), the callbacks named in
-    ``dcp_callbacks`` and any other entry that holds DTensors into a dict of their own,
-    returned for DCP; ``state`` keeps the rest."""
+    """Move out of ``state`` and return, for DCP: the model and optimizers, the callbacks
+    named in ``dcp_callbacks`` and any other entry that holds DTensors."""
     from torch.distributed.tensor import DTensor
 
     sharded = {key: state[key] for key, value in state.items()
                if key in DCP_KEYS or (key != CALLBACKS and holds(value, DTensor))}
     for key in sharded:
         del state[key]
-    # Such a callback's state (EMA's averages; any DTensor shards) goes to a key of its
-    # own, "callbacks/<name>": DCP stages it with the model for an async save.
+    # Such a callback's state goes to "callbacks/<name>": DCP stages it with the model.
     callbacks = state.pop(CALLBACKS, None)
     if callbacks is not None:
         chosen = frozenset(dcp_callbacks)
@@ -107,8 +93,8 @@ def holds(value: Any, kind: type) -> bool:
 
 class ShardedWriter:
     """Writes a save's sharded state on every rank with ``dcp.save``; an async save is
-    copied by DCP's stagers (:mod:`.staging`) and written by the run's one writer thread
-    (``dcp.async_save`` starts one per save), on a process group of its own.
+    copied by DCP's stagers (:mod:`.staging`) and written by the run's one writer thread,
+    on a process group of its own.
 
     Example (on every rank)::
 
@@ -125,8 +111,8 @@ class ShardedWriter:
         self._staging: Optional[str] = None  # the save whose shards are being written
         self._failed: Optional[tuple[str, str]] = None  # (save, why) its shards failed
         self._group: Any = None
-        self._stager: Optional[SplitStager] = None  # async saves' copies, kept for the run
-        self._thread: Optional[ThreadPoolExecutor] = None  # async saves' writer
+        self._stager: Optional[SplitStager] = None  # async saves' copies and writer thread
+        self._thread: Optional[ThreadPoolExecutor] = None
         self._writer_used: Any = None  # rank 0's holds every file's checksum after the save
 
     def save(self, staging: str, state: dict[str, Any], async_save: bool, step: int = 0,

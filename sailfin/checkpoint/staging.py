@@ -1,10 +1,6 @@
-"""An async save's copy to CPU memory, in two parts, on DCP's stagers.
-
-What the next forward and backward may change (parameters, buffers, a callback's
-tensors) is copied before training goes on. The optimizers' state, which only the next
-optimizer step changes, is copied by the thread that writes the save while they run;
-:meth:`SplitStager.settle`, before that optimizer step, waits for it and checks that
-nothing changed the optimizers' state meanwhile.
+"""An async save's copy to CPU memory, in two parts, on DCP's stagers: the optimizers'
+state, which only the next optimizer step changes, is copied by the writing thread
+during the next forward and backward; the rest before training goes on.
 
 Example::
 
@@ -65,8 +61,8 @@ def stager_reusable() -> bool:
 
 class SplitStager:
     """DCP's :class:`DefaultStager` twice: one copies the state now, the other the tensors
-    whose storages are in ``later``, in the thread that then writes the save. Each keeps
-    its CPU copies from one save to the next where torch's stager can stage twice."""
+    whose storages are in ``later``, in the writing thread (each reuses its CPU copies
+    where torch's stager can stage twice)."""
 
     def __init__(self, pinned: bool) -> None:
         self._pinned = pinned

@@ -1,9 +1,5 @@
-"""Where checkpoint files live: a local directory, or any fsspec URL.
-
-Local files are fsynced and directories renamed into place, so a crash leaves
-either the old state or the new one. Object stores have no rename; there a
-checkpoint is complete when its manifest exists (written last), and a single
-object write (``latest``) replaces the old object at once.
+"""Where checkpoint files live: a local directory (files fsynced, directories renamed into
+place), or any fsspec URL (no rename: a checkpoint is complete when its manifest exists).
 """
 
 from __future__ import annotations
@@ -18,22 +14,25 @@ from ..config.checkpoint import is_url
 
 
 class Storage:
-    """The few file operations checkpoints need. Paths are strings this storage made."""
+    """The few file operations checkpoints need. Paths are strings this storage made;
+    ``write_bytes`` replaces a file in one step, ``listdir`` of a missing path is empty."""
 
     atomic_rename: bool = False
 
     def join(self, *parts: str) -> str: ...
+    def open_write(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]: ...
+    def write_bytes(self, path: str, data: bytes) -> None: ...
+    def open_read(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]: ...
+    def exists(self, path: str) -> bool: ...
+    def size(self, path: str) -> int: ...
+    def listdir(self, path: str) -> list[str]: ...
+    def makedirs(self, path: str) -> None: ...
+    def remove(self, path: str) -> None: ...
+    def remove_tree(self, path: str) -> None: ...
 
     def display(self, path: str) -> str:
         """The path as the user would write it (for messages)."""
         return path
-
-    def open_write(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]: ...
-
-    def write_bytes(self, path: str, data: bytes) -> None:
-        """Replace ``path`` with ``data`` in one step: a reader sees the old or the new file."""
-
-    def open_read(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]: ...
 
     def read_bytes(self, path: str) -> bytes:
         with self.open_read(path) as fh:
@@ -43,25 +42,12 @@ class Storage:
         """The OS path of ``path`` if it is a local file, else None."""
         return None
 
-    def exists(self, path: str) -> bool: ...
-
-    def size(self, path: str) -> int: ...
-
     def mtime(self, path: str) -> Optional[float]:
         """When ``path`` was last written (seconds), or None when the storage cannot say."""
         return None
 
-    def listdir(self, path: str) -> list[str]:
-        """Names directly under ``path``; empty when it does not exist."""
-
-    def makedirs(self, path: str) -> None: ...
-
     def rename_dir(self, src: str, dst: str) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot rename directories")
-
-    def remove(self, path: str) -> None: ...
-
-    def remove_tree(self, path: str) -> None: ...
 
 
 class LocalStorage(Storage):

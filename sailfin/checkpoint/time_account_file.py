@@ -1,9 +1,6 @@
 """``<output_dir>/time_account.json``: where a run's wall time went, kept across restarts.
-
-Storage only: reading and replacing the file. The file is rewritten whole, to a
-temporary name then renamed, so a process killed at any moment leaves either
-the previous account or the new one, never half of one. What the numbers mean
-is :mod:`sailfin.trainer.features.time_account`.
+Storage only (replaced whole, atomically); what the numbers mean is
+:mod:`sailfin.trainer.features.time_account`.
 """
 
 from __future__ import annotations

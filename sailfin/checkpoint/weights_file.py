@@ -1,12 +1,9 @@
 """``.safetensors`` files: written whole (:func:`save_weights`) or one tensor at a time
 (:class:`SafetensorsWriter`), and read one tensor at a time (:func:`load_into`).
 
-The format: an 8-byte little-endian header length N, N bytes of JSON (each tensor's
-dtype, shape and byte range), then the tensors' raw bytes. The header needs only names,
-dtypes and shapes, so it is written first and each tensor appended as it arrives (a
-writer holds no more than the tensor it is given), in ``save_file``'s order
-(:func:`file_order`): both write the same bytes. ``trainer.init_from`` reads one tensor
-at a time too, of a sharded parameter (fsdp) only this rank's block.
+The header (an 8-byte length, then JSON: each tensor's dtype, shape and byte range)
+needs only names, dtypes and shapes: it is written first and each tensor appended as
+it arrives, in ``save_file``'s order (:func:`file_order`), so both write the same bytes.
 
 Example::
 
@@ -86,11 +83,9 @@ def header_bytes(specs: Sequence[TensorSpec], metadata: Optional[Mapping[str, st
 
 
 class SafetensorsWriter:
-    """A ``.safetensors`` file at ``path`` written one tensor at a time, in ``specs``' order.
-
-    :meth:`write` appends each tensor (checked against the header). The file is written
-    under a temporary name, renamed to ``path`` when the context closes with every
-    tensor written; an error inside the context, or a missing tensor, removes it.
+    """A ``.safetensors`` file at ``path`` written one tensor at a time, in ``specs``' order,
+    under a temporary name renamed to ``path`` when the context closes with every tensor
+    written (an error or a missing tensor removes it).
 
     Example::
 
@@ -169,8 +164,7 @@ class SafetensorsWriter:
 
 
 def save_weights(state: Mapping[str, torch.Tensor], path: str) -> str:
-    """A full state dict as safetensors at ``path`` (the bytes ``save_file`` writes),
-    written to a temporary name first."""
+    """A full state dict as safetensors at ``path`` (the bytes ``save_file`` writes)."""
     tensors = untied(state)
     specs = file_order([TensorSpec.of(name, t) for name, t in tensors.items()])
     with SafetensorsWriter(path, specs) as out:

@@ -1,11 +1,9 @@
 """``trainer.resume_config: accept``: the accepted values take effect.
 
-Loading a checkpoint puts back the optimizers' ``param_groups`` and the schedulers'
-state as saved: the old ``lr``, ``betas``, ``base_lrs``... would silently win over the
-values the recipe was just built with. After a resume that accepted changed keys, the
-freshly built hyper-parameters (captured before the load) go back on top, all but the
-per-parameter state and the schedule's position; the schedule is replayed from its new
-start to the saved step, so the learning rate is the one the new settings give there.
+Loading a checkpoint puts back the saved ``param_groups`` and schedulers' state, whose
+old ``lr``, ``betas``, ``base_lrs``... would silently win over the recipe's new values.
+These are captured before the load and put back on top after it; the schedule is
+replayed from its new start to the saved step.
 
 Example::
 

@@ -1,13 +1,6 @@
 """``trainer.checkpoint.every_n_steps: auto``: the save interval from what saves cost and
-how often the run fails.
-
-A save every ``tau`` seconds of training costs ``save / tau`` of the time; a failure
-loses on average ``tau / 2``. The sum is least at Young and Daly's ``tau = sqrt(2 *
-save * MTBF)``: ``save`` is the measured stall of this run's saves, ``MTBF`` is
-``trainer.checkpoint.mtbf_hours`` or, when null, the wall time per failure this run's
-time account has seen (24 hours until it has seen one). The interval in steps is
-``tau`` over the measured time of steady steps (the run's first step is left out). It
-is chosen again after every save, the same on every rank, and said when it changes.
+how often the run fails, by Young and Daly's ``tau = sqrt(2 * save * MTBF)`` (see
+docs/goodput.md), chosen again after every save, the same on every rank.
 """
 
 from __future__ import annotations
@@ -29,9 +22,8 @@ if TYPE_CHECKING:
 DEFAULT_MTBF_HOURS = 24.0
 _SMOOTH = 0.5    # weight of the newest measurement
 _CHANGED = 0.25  # say the interval again when it moves by more than this share
-# The first step of a run costs many steady ones (304 ms against 22 ms measured on the
-# digits demo): the step clock starts after it, and the first save (which measures a
-# save) comes after a few steady steps.
+# The first step costs many steady ones: the step clock starts after it, and the first
+# save (which measures a save) comes after a few steady steps.
 WARMUP_STEPS = 1
 MEASURED_STEPS = 4
 
@@ -136,11 +128,8 @@ class IntervalChooser:
 
 
 class AutoStepCheckpointCallback(CheckpointCallback):
-    """Saves every N steps, N chosen by :func:`young_daly_seconds` from measurements.
-
-    The first save comes after a warm-up step and a few steady ones (it measures what a
-    save costs, they what a step costs) unless the checkpoint resumed from carries the
-    measurements.
+    """Saves every N steps, N chosen by :func:`young_daly_seconds` from measurements
+    (carried in checkpoints: a resumed run chooses at once).
 
     Example::
 
@@ -167,7 +156,6 @@ class AutoStepCheckpointCallback(CheckpointCallback):
     def summary_fields(self) -> dict[str, Any]:
         return {"checkpoint_interval": self.interval.choice}
 
-    # -- carried in checkpoints: a resumed run chooses at once ------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), **self.interval.state_dict()}
 

@@ -1,13 +1,9 @@
 """On resume, compare this run's config with the one the checkpoint recorded.
 
-A checkpoint's manifest records the resolved config: ``config`` (the ``trainer:``
-section) and, when the run was built from a config, ``recipe`` (the ``module:`` and
-``data:`` sections). Keys that may change on a resume (:data:`MAY_CHANGE`: how and
-where the run executes, what it reports, how long it goes on) are allowed and each is
-printed in one line; a difference in any other key (module and data arguments, seed,
-global batch, optimizer and schedule settings) defines the training and stops the run
-before its first step, with the ways out, unless ``trainer.resume_config: accept``.
-Checkpoints written before configs were recorded resume without a check.
+The manifest's ``config`` (the ``trainer:`` section) and ``recipe`` (``module:`` and
+``data:``) are compared with this run's: a key in :data:`MAY_CHANGE` is printed, any
+other difference stops the run before its first step unless ``trainer.resume_config:
+accept`` (docs/checkpoints-and-resume.md).
 
 Example::
 
@@ -97,10 +93,8 @@ def may_change(key: str) -> bool:
 
 def compare(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[Change]:
     """The differing keys of two resolved configs (``{"trainer": ..., "module": ...}``).
-
-    A section the checkpoint did not record is not compared; a ``trainer`` key it
-    lacks (added to sailfin since) is compared with that key's default.
-    """
+    A section the checkpoint did not record is not compared; a ``trainer`` key it lacks
+    (added to sailfin since) is compared with that key's default."""
     defaults = _flatten({"trainer": _plain(dataclasses.asdict(TrainerArguments()))})
     before = _flatten({k: v for k, v in _plain(recorded).items() if k in current})
     after = _flatten({k: v for k, v in _plain(current).items() if k in recorded})

@@ -1,11 +1,5 @@
-"""``trainer.init_from``: start a new run from a checkpoint's weights only.
-
-The usual way to fine-tune, or to continue a finished run with a new schedule:
-the weights come from the checkpoint (or a ``.safetensors`` file such as a
-run's ``final/model.safetensors``); the optimizers, schedulers, counters, data
-position and random streams start afresh. A run that finds a checkpoint of its
-own to resume (``trainer.resume``) resumes instead: a restarted fine-tune
-continues where it stopped, not from the initial weights again.
+"""``trainer.init_from``: start a new run from a checkpoint's (or a ``.safetensors``
+file's) weights only; a run that finds a checkpoint of its own resumes instead.
 
 Example::
 

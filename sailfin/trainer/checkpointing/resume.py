@@ -1,9 +1,5 @@
 """``trainer.resume``: find the checkpoint to continue from and put the trainer back there.
 
-Resume jumps straight to the saved data position: the counters (epoch, step
-in the epoch) and the seed fix which samples come next, so nothing is
-replayed and the cost does not depend on how far into the epoch it was.
-
 The checksums prove a file is the one that was written, not that it is a checkpoint
 (rewritten with its checksum fixed, a manifest's step edited): :func:`check_loaded`
 checks the shape a save gives it, so ``resume: auto`` falls back from such a file too.
@@ -25,7 +21,7 @@ from ...checkpoint.sharded import load_sharded
 from ...utils.voice import say
 from .config_diff import check_config
 from .init_from import load_initial_weights
-from .state import frozen_names
+from .state import frozen_names, state_key
 
 if TYPE_CHECKING:
     from ..core.view import RunView
@@ -33,18 +29,10 @@ if TYPE_CHECKING:
 
 def resume(trainer: "RunView", checkpointer: Checkpointer) -> Optional[Loaded]:
     """Apply ``trainer.args.resume`` (auto, never or a path); return what was loaded.
-
-    With nothing to resume, a new run starts from ``trainer.init_from``'s weights, if set.
-    """
-    loaded = _resume(trainer, checkpointer)
-    if loaded is None and trainer.args.init_from:
-        load_initial_weights(trainer, trainer.args.init_from)
-    return loaded
-
-
-def _resume(trainer: "RunView", checkpointer: Checkpointer) -> Optional[Loaded]:
+    With nothing to resume, a new run starts from ``trainer.init_from``'s weights, if set."""
     mode = trainer.args.resume
     checkpointer.recover()  # a save killed between its renames left its checkpoint aside
+    loaded = None
     if mode == "never":
         existing = checkpointer.latest()
         if existing is not None:
@@ -52,17 +40,18 @@ def _resume(trainer: "RunView", checkpointer: Checkpointer) -> Optional[Loaded]:
                 f"trainer.resume is never, but {checkpointer.location} holds checkpoints (newest "
                 f"{existing}) that this run's saves would mix with; use another "
                 "trainer.output_dir or trainer.checkpoint.dir, delete them, or resume (auto)")
-        return None
-    if mode == "auto":
+    elif mode == "auto":
         loaded = _first_loadable(trainer, checkpointer)
         if loaded is None:
             _start_afresh(trainer)
-            return None
     else:
         loaded, error = _try_load(checkpointer, mode, trainer.dist.rank)
         if not _all_ranks(trainer, loaded is not None):
             raise error or CheckpointError(f"trainer.resume: another rank could not read {mode}")
-        assert loaded is not None
+    if loaded is None:
+        if trainer.args.init_from:
+            load_initial_weights(trainer, trainer.args.init_from)
+        return None
     # Before anything is restored: a changed config stops here, or is printed.
     check_config(trainer, loaded.manifest, loaded.location, say)
     apply(trainer, loaded)
@@ -92,10 +81,10 @@ def _first_loadable(trainer: "RunView", checkpointer: Checkpointer) -> Optional[
                 say(f"resume: skipped damaged checkpoint(s) {', '.join(skipped)}; falling back "
                     f"to {loaded.location}, the newest complete one")  # type: ignore[union-attr]
             return loaded
-        if error is not None and not isinstance(error, CheckpointCorrupt):
-            raise error  # not damage (e.g. refused unpickling): an older one would fail alike
-        if error is not None:
+        if isinstance(error, CheckpointCorrupt):
             say(f"resume: {error}")
+        elif error is not None:
+            raise error  # not damage (e.g. refused unpickling): an older one would fail alike
         skipped.append(name)
     if skipped:
         raise CheckpointError(
@@ -128,7 +117,7 @@ def apply(trainer: "RunView", loaded: Loaded) -> None:
     state: dict[str, Any] = dict(loaded.shared["trainer"])
     try:
         if loaded.sharded is not None:  # saved under fsdp: DCP cuts it for this run
-            stateful = {getattr(c, "state_key", type(c).__name__): c for c in trainer.callbacks
+            stateful = {state_key(c): c for c in trainer.callbacks
                         if callable(getattr(c, "state_dict", None))}
             skip = frozen_names(trainer.module) if "frozen" in state else ()
             shards = load_sharded(loaded.sharded, trainer.module, trainer.optimizers, stateful,

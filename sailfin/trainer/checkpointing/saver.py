@@ -7,7 +7,7 @@ import errno
 import math
 import re
 import time
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 import torch
 
@@ -30,10 +30,8 @@ if TYPE_CHECKING:
 
 
 class CheckpointCallback(Callback):
-    """Saves the trainer's state through a :class:`Checkpointer` at the configured moments.
-
-    ``stall_seconds`` records how long training waited for each save (with
-    ``async_save`` only the copy to CPU memory, plus any wait for the previous save).
+    """Saves the trainer's state through a :class:`Checkpointer` at the configured moments;
+    ``stall_seconds``: how long training waited for each save.
 
     Example::
 
@@ -53,7 +51,6 @@ class CheckpointCallback(Callback):
         self._saved_step = -1
         self.settler: Optional[Callback] = None  # async saves: AsyncCopySettler, in the loop
 
-    # -- the moments -------------------------------------------------------------
     def on_validation_end(self, trainer: "RunView",
                           metrics: Mapping[str, Mapping[str, float]]) -> None:
         if not self.args.best_metric:
@@ -92,7 +89,6 @@ class CheckpointCallback(Callback):
         except CheckpointError as exc:
             raise self._failed(trainer, exc) from exc
 
-    # -- saving ---------------------------------------------------------------------
     def save(self, trainer: "RunView") -> None:
         """Save now (unless this step is saved already and nothing improved since)."""
         if trainer.global_step == self._saved_step and not self._improved:
@@ -105,8 +101,7 @@ class CheckpointCallback(Callback):
             check_plain(value, "module.get_state()" if key == "module_state"
                         else f"Trainer.state_dict()[{key!r}]")
         facts = manifest_facts(trainer, self, state)
-        # One format on every backend: model and optimizers go to DCP under the names
-        # PyTorch's distributed state dicts give them (any backend and world size loads them).
+        # Model and optimizers go to DCP under PyTorch's distributed state dicts' names.
         state["optimizers"] = [dcp_optimizer_state(trainer.module, opt, saved)
                                for opt, saved in zip(trainer.optimizers, state["optimizers"])]
         sharded = split_sharded(state, {state_key(c) for c in trainer.callbacks
@@ -116,8 +111,7 @@ class CheckpointCallback(Callback):
                 f"{type(self.checkpointer).__name__} cannot write the model's state with DCP: "
                 "subclass sailfin.checkpoint.DirectoryCheckpointer for "
                 "trainer.checkpoint.class_path")
-        # async: the optimizers' state is copied while the next forward and backward run
-        # (AsyncCopySettler waits for it before the optimizer step).
+        # async: the optimizers' state is copied during the next forward and backward.
         later = optimizer_storages(trainer.optimizers) if self.settler else frozenset()
         snapshot = Snapshot(step=trainer.global_step, facts=facts, shared={"trainer": state},
                             rank_state=rng_state(), is_best=self._improved, sharded=sharded,
@@ -161,7 +155,6 @@ class CheckpointCallback(Callback):
                                f"{self.checkpointer.location} failed: {exc}; removed the "
                                f"partial save, {kept_text}")
 
-    # -- carried in the checkpoint ------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"best_value": self.best_value, "best_step": self.best_step}
 
@@ -182,8 +175,8 @@ class StepCheckpointCallback(CheckpointCallback):
 
 class AsyncCopySettler(Callback):
     """With ``async_save``: before each optimizer step, wait for the copy of the
-    optimizers' state the last save left to a thread (see ``sailfin/checkpoint/staging.py``).
-    A callback of its own, so that runs without async saves make no call per step."""
+    optimizers' state the last save left to a thread (a callback of its own: runs without
+    async saves make no call per step)."""
 
     def __init__(self, saver: CheckpointCallback) -> None:
         self.saver = saver
@@ -201,25 +194,28 @@ class AsyncCopySettler(Callback):
         return False
 
 
-def _no_space(exc: Optional[BaseException]) -> bool:
+def _chain(exc: Optional[BaseException]) -> Iterator[BaseException]:
+    """``exc`` and what caused it (at most 10 deep)."""
+    for _ in range(10):
+        if exc is None:
+            return
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _no_space(exc: BaseException) -> bool:
     """Whether ``exc`` or what caused it is a full disk (ENOSPC, or a quota: EDQUOT)."""
-    seen = 0
-    while exc is not None and seen < 10:
-        if getattr(exc, "errno", None) in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return False
+    full = (errno.ENOSPC, getattr(errno, "EDQUOT", -1))
+    return any(getattr(e, "errno", None) in full for e in _chain(exc))
 
 
-def _failed_step(exc: Optional[BaseException], default: int) -> int:
+def _failed_step(exc: BaseException, default: int) -> int:
     """The step whose save failed: an asynchronous save's failure is seen a save later;
     the file it names (``.tmp-step-00000003/...``) says which."""
-    seen = 0
-    while exc is not None and seen < 10:
-        match = re.search(r"step-(\d+)", str(getattr(exc, "file", "") or ""))
+    for e in _chain(exc):
+        match = re.search(r"step-(\d+)", str(getattr(e, "file", "") or ""))
         if match:
             return int(match.group(1))
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return default
 
 
@@ -270,8 +266,7 @@ def pick_metric(metrics: Mapping[str, Mapping[str, float]], name: str) -> Option
 def manifest_facts(trainer: "RunView", callback: CheckpointCallback,
                    state: Mapping[str, Any], config: Optional[dict[str, Any]] = None
                    ) -> dict[str, Any]:
-    """The JSON facts of a checkpoint: where training stands, and what produced it
-    (``config``: ``trainer.args`` as a dict, when the caller keeps one)."""
+    """Where training stands and what produced it (``config``: ``trainer.args`` as a dict)."""
     args = trainer.args
     return {
         "step": trainer.global_step,

@@ -1,13 +1,9 @@
 """What a checkpoint holds of the trainer, and putting it back.
 
-The model's and the optimizers' state go through the backend (under fsdp, this rank's
-shards). With the seed, the counters are the data position: a resume replays no batch.
-
 With ``ModuleInterface.checkpoint_frozen_params = False`` (LoRA through ``peft:``),
-checkpoints hold only the parameters that train and a fingerprint of the frozen base:
-per frozen parameter its name, shape, dtype and the float64 sum and sum of squares of
-its values (reduced over the ranks under fsdp). A resume takes the frozen parameters
-from the module as built, after checking the fingerprint.
+checkpoints hold only the parameters that train and a fingerprint of the frozen base
+(per parameter: name, shape, dtype, float64 sum and sum of squares, reduced over the
+ranks under fsdp), checked on resume.
 """
 
 from __future__ import annotations
