@@ -1,11 +1,5 @@
-"""Checkpointers: the abstract interface and the default, one directory per save.
-
-The default checkpointer's directory (local or any fsspec URL) holds ``step-*/``
-checkpoints (see :mod:`.sharded` for what is in one), ``latest`` (the newest complete
-one's name, moved last) and ``best``. A local save writes ``.tmp-step-00000120/`` and
-renames it when complete; on an object store (no rename) files go straight to
-``step-00000120/`` and the manifest, written last, is the commit.
-"""
+"""Checkpointers: the abstract interface and the default, one directory per save (its
+layout and commit: docs/checkpoints-and-resume.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The manifest: a small JSON file that says what a checkpoint is and holds.
-
-It is the last file written; a checkpoint directory without one is
-incomplete (a save that did not finish) and is never loaded.
+"""The manifest: a small JSON file that says what a checkpoint is and holds, written last
+(a checkpoint directory without one is never loaded).
 
 Example manifest::
 

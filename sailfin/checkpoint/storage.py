@@ -65,16 +65,19 @@ class LocalStorage(Storage):
             fh.flush()
             os.fsync(fh.fileno())  # on disk before the rename that publishes it
 
-    def write_bytes(self, path: str, data: bytes) -> None:
+    def write_bytes(self, path: str, data: bytes, durable: bool = True) -> None:
+        """``durable`` False: no fsync (the rename alone survives a killed process, not a
+        power cut)."""
         tmp = f"{path}.tmp-{os.getpid()}"
         try:
-            with self.open_write(tmp) as fh:
+            with self.open_write(tmp) if durable else open(tmp, "wb") as fh:
                 fh.write(data)
         except OSError:
             self.remove(tmp)  # a full disk: leave no partial file behind
             raise
         os.replace(tmp, path)
-        _fsync_dir(os.path.dirname(path))
+        if durable:
+            _fsync_dir(os.path.dirname(path))
 
     def open_read(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
         return open(path, "rb")

@@ -42,16 +42,9 @@ def read_account(path: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
 
 
 def write_account(path: str, account: dict[str, Any], durable: bool = False) -> None:
-    """Replace the file atomically. ``durable`` also survives a power cut (fsync): the
-    rename alone already survives the process being killed."""
+    """Replace the file atomically (``durable``: also survives a power cut)."""
     data = (json.dumps(account, separators=(",", ":")) + "\n").encode("utf-8")
-    if durable:
-        LocalStorage().write_bytes(path, data)
-        return
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-    os.replace(tmp, path)
+    LocalStorage().write_bytes(path, data, durable)
 
 
 def set_summary_field(path: str, key: str, value: Any) -> None:

@@ -67,11 +67,9 @@ def file_order(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
     return sorted(specs, key=lambda s: (_LAYOUT.index(_dtype_name(s)), s.name))
 
 
-def header_bytes(specs: Sequence[TensorSpec], metadata: Optional[Mapping[str, str]]) -> bytes:
+def header_bytes(specs: Sequence[TensorSpec]) -> bytes:
     """The length prefix and JSON header of a file holding ``specs`` in this order."""
-    header: dict[str, Any] = {}
-    if metadata is not None:
-        header["__metadata__"] = dict(metadata)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}  # as save_file writes it
     offset = 0
     for spec in specs:
         header[spec.name] = {"dtype": _dtype_name(spec), "shape": list(spec.shape),
@@ -93,8 +91,7 @@ class SafetensorsWriter:
             out.write("w", torch.zeros(2, 3))
     """
 
-    def __init__(self, path: str, specs: Sequence[TensorSpec],
-                 metadata: Optional[Mapping[str, str]] = None) -> None:
+    def __init__(self, path: str, specs: Sequence[TensorSpec]) -> None:
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"{path}: a tensor name appears twice in {names}")
@@ -106,8 +103,7 @@ class SafetensorsWriter:
             os.makedirs(directory, exist_ok=True)
         self._fh = open(self._tmp, "wb")
         try:
-            self._fh.write(header_bytes(self.specs, {"format": "pt"} if metadata is None
-                                        else metadata))
+            self._fh.write(header_bytes(self.specs))
         except BaseException:
             self.abort()
             raise
