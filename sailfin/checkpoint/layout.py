@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
@@ -51,13 +52,9 @@ class DirectoryLayout:
 
     def complete(self) -> list[tuple[int, str]]:
         """(step, name) of every checkpoint with a manifest, oldest first."""
-        out = []
-        for entry in self.storage.listdir(self.root):
-            match = _STEP.match(entry)
-            if match and not self._a_link(entry) and self.storage.exists(
-                    self.path(entry, manifests.MANIFEST)):
-                out.append((int(match.group(1)), entry))
-        return sorted(out)
+        return sorted((int(match.group(1)), entry) for entry in self.storage.listdir(self.root)
+                      if (match := _STEP.match(entry)) and not self._a_link(entry)
+                      and self.storage.exists(self.path(entry, manifests.MANIFEST)))
 
     def _a_link(self, entry: str) -> bool:
         """A ``step-*`` entry that is a symbolic link: sailfin never makes one, and what it
@@ -87,8 +84,7 @@ class DirectoryLayout:
         return None
 
     def latest(self) -> Optional[str]:
-        found = self.candidates()
-        return found[0] if found else None
+        return next(iter(self.candidates()), None)
 
     def candidates(self) -> list[str]:
         names = [name for _, name in reversed(self.complete())]
@@ -157,7 +153,7 @@ class DirectoryLayout:
                     raise CheckpointError(
                         f"{path} is a directory with files in it, where sailfin keeps the "
                         f"name of the {which} checkpoint; move it out of {local}") from None
-            elif stat.S_ISLNK(info.st_mode) or not stat.S_ISREG(info.st_mode):
+            elif not stat.S_ISREG(info.st_mode):
                 os.remove(path)  # a link or a pipe: only the name goes, not what it points to
             else:
                 continue  # an oversized regular file: ignored, replaced by the next save
@@ -184,14 +180,11 @@ class DirectoryLayout:
         # Every rank that saw the save fail removes what it finds (its own files, where
         # each node has a directory of its own); on shared storage the removals overlap
         # harmlessly (remove_tree ignores what another rank removed first).
-        try:
+        with contextlib.suppress(CheckpointError):  # the failure being handled, or the same
             self.wait()  # a background save still writing would re-create what goes
-        except CheckpointError:
-            pass  # the failure being handled, or the same save's
         for entry in self.storage.listdir(self.root):
-            if not (_LEFTOVER.match(entry) or _STEP.match(entry)):
-                continue
-            if not self.storage.exists(self.path(entry, manifests.MANIFEST)):
+            if ((_LEFTOVER.match(entry) or _STEP.match(entry))
+                    and not self.storage.exists(self.path(entry, manifests.MANIFEST))):
                 self.storage.remove_tree(self.path(entry))  # the failed save's partial files
 
     def retain(self) -> None:

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable, Optional
 
@@ -139,15 +140,12 @@ def verify(storage: Storage, path: str, files: dict[str, Any], rank: int = 0,
 
 def _crc32c() -> Optional[Callable[..., int]]:
     """CRC-32C, to check the shards of a checkpoint an older sailfin wrote with it."""
-    try:
+    with contextlib.suppress(ImportError):
         import google_crc32c  # type: ignore[import-not-found]
 
         return lambda data, crc: google_crc32c.extend(crc, bytes(data))
-    except ImportError:
-        pass
-    try:
+    with contextlib.suppress(ImportError):
         import crc32c  # type: ignore[import-not-found]
 
         return lambda data, crc: crc32c.crc32c(data, crc)
-    except ImportError:
-        return None
+    return None

@@ -318,18 +318,12 @@ def _write_failure(storage: Storage, path: str, exc: BaseException) -> Checkpoin
 
 def _errno_in(exc: BaseException) -> Optional[int]:
     """The errno of an OSError in ``exc``, in DCP's per-rank failures, or in their causes."""
-    stack: list[Any] = [exc]
-    seen = 0
+    stack, seen = [exc], 0
     while stack and seen < 50:
         item, seen = stack.pop(), seen + 1
-        if isinstance(item, tuple):
-            stack.extend(x for x in item if isinstance(x, BaseException))
-            continue
         if isinstance(item, OSError) and item.errno is not None:
             return item.errno
-        failures = getattr(item, "failures", None)
-        if isinstance(failures, dict):
-            stack.extend(failures.values())
+        stack.extend(_per_rank(item).values())
         stack.extend(x for x in (item.__cause__, item.__context__) if x is not None)
     return None
 
@@ -350,11 +344,17 @@ def _full(storage: Storage, path: str) -> bool:
 
 def _reason(exc: BaseException) -> str:
     """DCP's per-rank errors without their tracebacks (it puts those in the message)."""
-    failures = getattr(exc, "failures", None)
-    if not isinstance(failures, dict) or not failures:
+    failures = _per_rank(exc)
+    if not failures:
         return str(exc)
-    reasons = []
-    for rank, failure in sorted(failures.items()):
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        reasons.append(f"rank {rank}: {type(inner).__name__}: {inner}")
-    return "; ".join(reasons)
+    return "; ".join(f"rank {rank}: {type(inner).__name__}: {inner}"
+                     for rank, inner in sorted(failures.items()))
+
+
+def _per_rank(exc: BaseException) -> dict[int, BaseException]:
+    """DCP's CheckpointException's failure of each rank (it pairs each with a traceback)."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return {}
+    return {rank: failure[0] if isinstance(failure, tuple) else failure
+            for rank, failure in failures.items()}

@@ -210,12 +210,6 @@ class StateDictSource:
         tensor = self.state[name]
         return tensor if index is None else tensor[index]
 
-    def __enter__(self) -> "StateDictSource":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        pass
-
 
 class SafetensorsSource(StateDictSource):
     """A ``.safetensors`` file, opened with ``safe_open``: nothing is read until asked
@@ -241,6 +235,9 @@ class SafetensorsSource(StateDictSource):
         if index is None:
             return self._file.get_tensor(name)
         return self._file.get_slice(name)[index]
+
+    def __enter__(self) -> "SafetensorsSource":
+        return self
 
     def __exit__(self, *exc: Any) -> None:
         self._file = None

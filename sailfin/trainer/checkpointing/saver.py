@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import math
@@ -136,10 +137,8 @@ class CheckpointCallback(Callback):
     def _failed(self, trainer: "RunView", exc: BaseException) -> CheckpointError:
         """Remove the failed save's partial files (a full disk stays full otherwise) and
         say in one line what failed and what is kept."""
-        try:
+        with contextlib.suppress(OSError):  # the message below still names the directory
             self.checkpointer.abort()
-        except OSError:
-            pass  # the message below still names the directory to clean
         kept = self.checkpointer.latest()
         kept_text = (f"the previous checkpoint {kept} is kept" if kept
                      else "no earlier checkpoint exists")
