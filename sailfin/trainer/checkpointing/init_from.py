@@ -44,7 +44,7 @@ def load_initial_weights(trainer: "RunView", path: str) -> None:
                                   ) from None
         shown = loaded.location
         origin = f"checkpoint at step {loaded.manifest['step']}"
-        if loaded.sharded is not None:  # saved under fsdp: DCP reads each rank's rows
+        if loaded.sharded is not None:  # DCP reads each rank's rows
             ref = dataclasses.replace(loaded.sharded, keys=["module"])
             try:
                 # A parameter-efficient fine-tune's checkpoint holds no frozen base: the

@@ -116,7 +116,7 @@ def apply(trainer: "RunView", loaded: Loaded) -> None:
     _check_data_position(trainer, manifest, loaded.location)
     state: dict[str, Any] = dict(loaded.shared["trainer"])
     try:
-        if loaded.sharded is not None:  # saved under fsdp: DCP cuts it for this run
+        if loaded.sharded is not None:  # DCP cuts it for this run
             stateful = {state_key(c): c for c in trainer.callbacks
                         if callable(getattr(c, "state_dict", None))}
             skip = frozen_names(trainer.module) if "frozen" in state else ()
@@ -200,7 +200,7 @@ def check_loaded(loaded: Loaded, rank: int) -> None:
     in_shards = set(loaded.sharded.keys) if loaded.sharded is not None else set()
     for key, types in _TRAINER_KEYS.items():
         if key in in_shards and key not in trainer:
-            continue  # saved under fsdp: in the shards, checked by their checksums
+            continue  # in the shards, checked by their checksums
         if key not in trainer:
             raise damaged("trainer.pt", f"lacks {key!r}")
         if not isinstance(trainer[key], types):
@@ -216,7 +216,7 @@ def check_loaded(loaded: Loaded, rank: int) -> None:
                 f"checkpoint manifest {shown} says {manifest_key} "
                 f"{loaded.manifest[manifest_key]}, but trainer.pt holds {value}: the manifest "
                 "was altered after the save", shown)
-    if loaded.sharded is None:  # under fsdp the model is in the shards
+    if loaded.sharded is None:  # else the model is in the shards
         _check_model(loaded.shared.get("model"), damaged)
     rng = loaded.rank_state
     if rng is not None and not (isinstance(rng, dict)

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 
 _FROZEN: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[frozenset, list]]" = (
     weakref.WeakKeyDictionary())
+# The trainer's counters, as trainer.pt holds them.
+COUNTERS = ("global_step", "epoch", "step_in_epoch", "samples_seen", "train_seconds",
+            "last_val_step")
 
 
 def trainer_state(trainer: "RunView") -> dict[str, Any]:
@@ -37,11 +40,7 @@ def trainer_state(trainer: "RunView") -> dict[str, Any]:
         "optimizers": [backend.optimizer_state_dict(module, opt) for opt in trainer.optimizers],
         "schedulers": [sched.state_dict() for sched in trainer.schedulers],
         "backend": backend.state_dict(),  # the AMP grad scaler, among others
-        "counters": {"global_step": trainer.global_step, "epoch": trainer.epoch,
-                     "step_in_epoch": trainer.step_in_epoch,
-                     "samples_seen": trainer.samples_seen,
-                     "train_seconds": trainer.train_seconds,
-                     "last_val_step": trainer.last_val_step},
+        "counters": {key: getattr(trainer, key) for key in COUNTERS},
         "last_val_metrics": trainer.last_val_metrics,
         "callbacks": {state_key(c): c.state_dict() for c in trainer.callbacks
                       if callable(getattr(c, "state_dict", None))},
@@ -62,12 +61,8 @@ def load_trainer_state(trainer: "RunView", state: Mapping[str, Any]) -> None:
     for sched, saved in zip(trainer.schedulers, state["schedulers"]):
         sched.load_state_dict(saved)
     backend.load_state_dict(state["backend"])
-    counters = state["counters"]
-    trainer.global_step, trainer.epoch = counters["global_step"], counters["epoch"]
-    trainer.step_in_epoch = counters["step_in_epoch"]
-    trainer.samples_seen = counters["samples_seen"]
-    trainer.train_seconds = counters["train_seconds"]
-    trainer.last_val_step = counters["last_val_step"]
+    for key in COUNTERS:
+        setattr(trainer, key, state["counters"][key])
     trainer.last_val_metrics = state["last_val_metrics"]
     for callback in trainer.callbacks:
         saved = state["callbacks"].get(state_key(callback))
