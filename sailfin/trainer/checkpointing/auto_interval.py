@@ -111,10 +111,9 @@ class IntervalChooser:
         if not trainer.dist.is_main:
             return 0.0, ""
         account, _ = read_account(account_path(trainer.args.output_dir))
-        segments = account["segments"] if account else []
-        failures = sum(1 for s in segments if s.get("failure"))
+        totals = account_totals(account or {})
+        failures, wall = totals["failures"], totals["wall_seconds"]
         if failures:
-            wall = account_totals(account)["wall_seconds"]  # type: ignore[arg-type]
             return wall / failures, f"{failures} failure(s) in this run's {wall:.4g} s"
         return DEFAULT_MTBF_HOURS * 3600.0, (
             "no failure seen yet and trainer.checkpoint.mtbf_hours is null: assumed")
