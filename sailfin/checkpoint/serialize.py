@@ -225,18 +225,15 @@ def load_object(storage: Storage, path: str, entry: FileEntry, mmap: bool = Fals
     try:
         with open_checked(storage, path, shown, expected_size=entry.size, within=within) as fh:
             if local is not None:  # check it in chunks, then let torch read the file: 1x memory
-                size, crc = checksum_stream(fh)
+                crc = checksum_stream(fh)[1]
                 source: Any = local
             else:
                 data = fh.read()
-                size, crc, source = len(data), crc32(data), io.BytesIO(data)
+                crc, source = crc32(data), io.BytesIO(data)
     except FileNotFoundError:
         raise CheckpointCorrupt(f"checkpoint file {shown} is missing (the manifest lists it)",
                                 shown) from None
-    if size != entry.size:
-        raise CheckpointCorrupt(f"checkpoint file {shown} has {size} bytes; the manifest "
-                                f"says {entry.size}: it is truncated or was overwritten", shown)
-    if crc != entry.crc32:
+    if crc != entry.crc32:  # (open_checked compared the size)
         raise CheckpointCorrupt(f"checkpoint file {shown} does not match its CRC-32 in the "
                                 "manifest: it was altered or damaged after it was saved", shown)
     try:
