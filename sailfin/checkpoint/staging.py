@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import operator
 import threading
 from concurrent.futures import Future
 from typing import Any, Callable, Iterable, Optional
@@ -96,10 +97,7 @@ class SplitStager:
             try:
                 copies = later_stager.stage(dict(enumerate(tensors))) if tensors else {}
                 for (path, _), copy in zip(deferred, copies.values()):
-                    container = staged
-                    for key in path[:-1]:
-                        container = container[key]
-                    container[path[-1]] = copy
+                    functools.reduce(operator.getitem, path[:-1], staged)[path[-1]] = copy
             except BaseException as exc:
                 copied.set_exception(exc)
                 raise
