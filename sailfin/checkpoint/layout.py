@@ -23,14 +23,8 @@ _POINTER_BYTES = 4096  # "step-00000120\n"; anything larger is not a pointer
 
 
 class DirectoryLayout:
-    """The names in a checkpoint directory (``storage`` at ``root``), for every rank.
-
-    Example::
-
-        ckpt = DirectoryCheckpointer("outputs/checkpoints", CheckpointArguments(), DistEnv())
-        ckpt.complete()        # [(120, "step-00000120"), ...], oldest first
-        ckpt.pointer("best")   # "step-00000080" or None
-    """
+    """The names in a checkpoint directory (``storage`` at ``root``), for every rank (the
+    directory side of :class:`.checkpointer.DirectoryCheckpointer`)."""
 
     storage: Any
     root: str
