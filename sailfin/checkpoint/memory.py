@@ -18,6 +18,7 @@ import shutil
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_for
 from typing import Any, Optional
 
+from ..utils.voice import say
 from . import manifest as manifests
 from .errors import CheckpointCorrupt, CheckpointError
 from .layout import DirectoryLayout
@@ -28,8 +29,6 @@ from .memory_transfer import Peers, exchange
 from .memory_writer import Verdict, WriterProcess
 from .serialize import load_object
 from .storage import LocalStorage
-
-__all__ = ["MemoryStore", "step_name"]
 
 # The previous snapshot, as the ranks agree on it (MIN): a failure wins over a full file
 # system.
@@ -61,6 +60,7 @@ class MemoryStore:
         self.rank, self.world_size = rank, world_size
         self.local_rank = rank % local_world_size if local_rank is None else local_rank
         self.leader = rank - self.local_rank  # writes the node's copy of replicated state
+        self.node = rank // local_world_size
         self.peers = Peers(world_size)
         self.storage = LocalStorage()
         # The step copies the state into files mapped shared; a process writes from them.
@@ -74,7 +74,7 @@ class MemoryStore:
         self._last: Optional[int] = None  # the step of the last snapshot started
         self._bytes = 0  # what this rank wrote to the node for its newest snapshot
         self.run = ""  # memory_dirs.run_identity, in every manifest
-        self.stopped: Optional[str] = None  # why snapshots stopped (the file system filled)
+        self.stopped = False  # the file system filled
         self._full: Optional[BaseException] = None  # a write found it full (seen by wait)
         # Replicas go to the same local rank on the next node, and come from the previous.
         self.replica_dst = self.replica_src = None
@@ -115,7 +115,7 @@ class MemoryStore:
         """Whether every rank takes the snapshot of ``step``, once each has written its
         previous one: if one failed, every rank raises; if one found the file system full,
         every rank stops; else older snapshots go."""
-        if self.stopped is not None:
+        if self.stopped:
             return False
         self.settle()
         error = self._finish() or self._full  # (waits for the write)
@@ -196,10 +196,12 @@ class MemoryStore:
         self.prune(keep_from=0)
         self._writer.close()
         self._staging.release()
-        self.stopped = (f"memory snapshots stopped at step {step}: {self.root} is full"
-                        + (f" ({error})" if error else " on another rank")
-                        + "; training and disk checkpoints go on. Give snapshots more room "
-                        "(a larger /dev/shm or trainer.checkpoint.memory.dir)")
+        self.stopped = True
+        if self.rank == 0:
+            say(f"memory snapshots stopped at step {step}: {self.root} is full"
+                + (f" ({error})" if error else " on another rank")
+                + "; training and disk checkpoints go on. Give snapshots more room "
+                "(a larger /dev/shm or trainer.checkpoint.memory.dir)")
 
     def _finish(self) -> Optional[BaseException]:
         future, self._pending = self._pending, None

@@ -44,10 +44,10 @@ class MemoryFirstCheckpointer(Checkpointer):
     """
 
     def __init__(self, inner: Checkpointer, store: MemoryStore, output_dir: str,
-                 node: int = 0, resume: str = "auto") -> None:
+                 resume: str = "auto") -> None:
         super().__init__(inner.location, inner.args, inner.dist, inner.barrier)
         self.inner, self.store = inner, store
-        self.output_dir, self.node = output_dir, node
+        self.output_dir = output_dir
         self.resume = resume  # only resume: auto resumes from memory
         self.writes_shards = getattr(inner, "writes_shards", False)
         # step -> (this rank's snapshot dir, what resuming from it says)
@@ -101,7 +101,7 @@ class MemoryFirstCheckpointer(Checkpointer):
         memory_dirs.claim(store.root, store.rank, self.output_dir, store.run)
         store.start_writer()  # it imports torch while the run sets up
         if store.local_rank == 0:
-            memory_dirs.record_root(self.output_dir, self.node, store.root)
+            memory_dirs.record_root(self.output_dir, store.node, store.root)
             for path in memory_dirs.remove_leftovers(os.path.dirname(store.root), store.root):
                 say(f"removed the memory snapshots of a run that is gone: {path}",
                     warning=True)
@@ -200,7 +200,7 @@ def with_memory_snapshots(inner: Checkpointer, args: TrainerArguments,
     if memory.replicas and store.replica_dst is None and dist.is_main:
         say("trainer.checkpoint.memory.replicas is 1 but the job runs on one node: there "
             "is no other node to keep replicas; a lost node resumes from disk")
-    return MemoryFirstCheckpointer(inner, store, args.output_dir, node, args.resume)
+    return MemoryFirstCheckpointer(inner, store, args.output_dir, args.resume)
 
 
 def persisting_args(args: TrainerArguments) -> Any:

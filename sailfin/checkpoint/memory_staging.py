@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections import OrderedDict
@@ -180,10 +181,8 @@ def reserve(path: str, nbytes: int) -> None:
 
 
 def remove_file(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.remove(path)
-    except FileNotFoundError:
-        pass
 
 
 _SCALARS = frozenset({int, float, bool, str, bytes, type(None)})

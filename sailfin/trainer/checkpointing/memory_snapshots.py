@@ -18,6 +18,7 @@ import torch
 
 from ...checkpoint import CheckpointError, Checkpointer, memory_dirs
 from ...checkpoint.memory_checkpointer import MemoryFirstCheckpointer, local_shards, mesh_of
+from ...checkpoint.memory_staging import remove_file
 from ...checkpoint.rng import rng_state
 from ...checkpoint.staging import optimizer_storages, storage_key
 from ...config.trainer import TrainerArguments
@@ -55,7 +56,6 @@ class MemorySnapshots(Callback):
         self.stall_seconds: list[float] = []
         self.write_waits: list[float] = []  # a step waited for the previous write (seconds)
         self.snapshot_bytes = 0  # one rank's whole snapshot state, as counted before step 1
-        self._warned = False  # the file system filled: said once
         self.overlap = True  # copy the stepped state during the next forward and backward
         self._config: Optional[dict] = None  # trainer.args, shared by every snapshot
 
@@ -88,10 +88,6 @@ class MemorySnapshots(Callback):
             later = stepped_state(trainer) if self.overlap else frozenset()
             self.store.stage(trainer.global_step, facts, shared, rng_state(), replicated,
                              later)
-        elif self.store.stopped and not self._warned:
-            self._warned = True
-            if trainer.dist.is_main:
-                say(self.store.stopped)
         self.stall_seconds.append(time.perf_counter() - started)
         if not self.store.copying:  # else said when the copy is settled, with its wait
             notify_save_end(trainer, "snapshot", self.stall_seconds[-1])  # the time account
@@ -148,10 +144,8 @@ class MemorySnapshots(Callback):
         trainer.backend.barrier()
         if self.store.local_rank == 0:
             shutil.rmtree(self.store.root, ignore_errors=True)
-            record = os.path.join(trainer.args.output_dir,
-                                  f"{memory_dirs.RECORD}{self.checkpointer.node}")
-            if os.path.exists(record):
-                os.remove(record)
+            remove_file(os.path.join(trainer.args.output_dir,
+                                     f"{memory_dirs.RECORD}{self.store.node}"))
 
     # -- before the first step ---------------------------------------------------------
     def check_space(self, trainer: "RunView") -> None:
@@ -171,7 +165,7 @@ class MemorySnapshots(Callback):
         writes = (shared if writes_shared else 0) + own  # ddp: the node's leader only
         root = self.store.root
         free = memory_dirs.free_bytes(root) + memory_dirs.used_bytes(root)
-        reports = self.store.peers.all_gather((self.checkpointer.node, writes, free, root))
+        reports = self.store.peers.all_gather((self.store.node, writes, free, root))
         for where in sorted({r[0] for r in reports}):
             on_node = [r for r in reports if r[0] == where]
             need = sum(r[1] * (2 * (1 + replicas) + 1) for r in on_node)
