@@ -23,7 +23,6 @@ from .checkpointer import Checkpointer, Loaded
 from .errors import CheckpointError
 from .memory import MemoryStore
 from .memory_dirs import step_name
-from .sharded import holds
 
 PREFIX = "memory:"
 _DISK_STEP = re.compile(r"step-(\d+)$")
@@ -228,7 +227,7 @@ def local_shards(state: Any) -> Any:
         return {MARK: value.to_local(), "shape": list(value.shape),
                 "stride": list(value.stride()), "placements": placements}
 
-    return _replace(state, local) if holds(state, DTensor) else state
+    return _replace(state, local)
 
 
 def global_shards(state: Any, mesh: Optional[Any]) -> Any:
@@ -247,31 +246,21 @@ def global_shards(state: Any, mesh: Optional[Any]) -> Any:
                                   run_check=False, shape=torch.Size(value["shape"]),
                                   stride=tuple(value["stride"]))
 
-    return _replace(state, rebuilt) if _has_mark(state) else state
-
-
-def _has_mark(state: Any) -> bool:
-    stack = [state]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            if MARK in item:
-                return True
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-    return False
+    return _replace(state, rebuilt)
 
 
 def _replace(state: Any, convert: Any) -> Any:
-    """``state`` with ``convert`` applied to each value, through dicts, lists and tuples."""
+    """``state`` with ``convert`` applied to each value, through dicts, lists and tuples;
+    a container in which nothing changed is kept as it is."""
     done = convert(state)
     if done is not state:
         return done
     if isinstance(state, dict):
-        return {k: _replace(v, convert) for k, v in state.items()}
+        new = {k: _replace(v, convert) for k, v in state.items()}
+        return new if any(new[k] is not v for k, v in state.items()) else state
     if type(state) in (list, tuple):
-        return type(state)(_replace(v, convert) for v in state)
+        items = [_replace(v, convert) for v in state]
+        return type(state)(items) if any(a is not b for a, b in zip(items, state)) else state
     return state
 
 
