@@ -36,11 +36,7 @@ _FAILED, _FULL, _READY = 0, 1, 2
 
 
 def _is_full(error: Optional[BaseException]) -> bool:
-    while error is not None:
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        error = error.__cause__
-    return False
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 class MemoryStore:
@@ -63,7 +59,6 @@ class MemoryStore:
         self.node = rank // local_world_size
         self.peers = Peers(world_size)
         self.storage = LocalStorage()
-        # The step copies the state into files mapped shared; a process writes from them.
         self._staging = SharedStaging(os.path.join(root, f"staging-rank{rank:05d}"))
         self._writer = WriterProcess()
         self._executor: Optional[ThreadPoolExecutor] = None
@@ -82,14 +77,12 @@ class MemoryStore:
             self.replica_dst = (rank + local_world_size) % world_size
             self.replica_src = (rank - local_world_size) % world_size
 
-    # -- places ------------------------------------------------------------------------
     def own_dir(self, rank: Optional[int] = None) -> str:
         return os.path.join(self.root, f"rank{self.rank if rank is None else rank:05d}")
 
     def replica_dir(self, rank: int) -> str:
         return os.path.join(self.root, f"replica-rank{rank:05d}")
 
-    # -- writing -----------------------------------------------------------------------
     def start_writer(self, wait: bool = False) -> None:
         """Start the writer process (``wait``: until it can write)."""
         if wait:
@@ -259,7 +252,6 @@ class MemoryStore:
                 raise OSError(errno.ENOSPC, f"the next snapshot needs {size / 2**20:.1f} MiB, "
                               f"{free / 2**20:.1f} MiB would be free")
 
-    # -- what is there -----------------------------------------------------------------
     def inventory(self) -> dict[int, dict[int, str]]:
         """Rank -> step -> directory of the snapshots a rank can resume from."""
         return held(self.root, self.world_size, self.run)
@@ -295,7 +287,6 @@ class MemoryStore:
                                 f"the model and optimizer) is missing in {self.root}",
                                 self.root)
 
-    # -- removing ----------------------------------------------------------------------
     def prune(self, keep_from: int = 0, only: Optional[int] = None,
               spare: Optional[str] = None) -> None:
         """:func:`prune_snapshots` in this rank's directory and the replica it keeps; never

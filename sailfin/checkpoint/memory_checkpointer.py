@@ -53,7 +53,6 @@ class MemoryFirstCheckpointer(Checkpointer):
         self._agreed: dict[int, tuple[str, str]] = {}
         self.mesh: Any = None  # fsdp: the model's device mesh, to rebuild shards on
 
-    # -- the wrapped checkpointer ------------------------------------------------------
     def save(self, snapshot: Any) -> None:
         self.inner.save(snapshot)
 
@@ -79,7 +78,6 @@ class MemoryFirstCheckpointer(Checkpointer):
         memory = [f"{PREFIX}{step_name(s)}" for s in sorted(self._agreed, reverse=True)]
         return memory + self.inner.candidates()
 
-    # -- resuming ------------------------------------------------------------------------
     def recover(self) -> None:
         """Every rank: learn the run's identity, make sure the node's directory is this
         run's (:func:`.memory_dirs.check_root`), claim it, and with ``resume: auto`` agree
@@ -210,7 +208,6 @@ def persisting_args(args: TrainerArguments) -> Any:
     return ckpt
 
 
-# -- fsdp state in a snapshot: each rank's own rows, as plain tensors --------------------
 def local_shards(state: Any) -> Any:
     """``state`` with every DTensor replaced by a plain dict holding its local rows
     (``state`` itself when it holds none)."""

@@ -207,7 +207,6 @@ def clean(output_dir: str) -> list[str]:
     return removed
 
 
-# -- the snapshots in a rank's directory ------------------------------------------------
 def read_manifest(path: str) -> dict[str, Any]:
     manifest_path = os.path.join(path, manifests.MANIFEST)
     with open(manifest_path, "rb") as fh:

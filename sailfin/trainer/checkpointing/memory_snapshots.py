@@ -147,7 +147,6 @@ class MemorySnapshots(Callback):
             remove_file(os.path.join(trainer.args.output_dir,
                                      f"{memory_dirs.RECORD}{self.store.node}"))
 
-    # -- before the first step ---------------------------------------------------------
     def check_space(self, trainer: "RunView") -> None:
         """Two snapshots per writing rank (plus two replicas) and its staging copy, the
         optimizer's state counted as after the first step, must fit each node's free
