@@ -259,10 +259,3 @@ def _replace(state: Any, convert: Any) -> Any:
         items = [_replace(v, convert) for v in state]
         return type(state)(items) if any(a is not b for a, b in zip(items, state)) else state
     return state
-
-
-def mesh_of(module: torch.nn.Module) -> Optional[Any]:
-    """The device mesh of the module's sharded parameters, or None."""
-    from torch.distributed.tensor import DTensor
-
-    return next((p.device_mesh for p in module.parameters() if isinstance(p, DTensor)), None)

@@ -161,9 +161,8 @@ def remove_leftovers(parent: str, keep: str) -> list[str]:
     removed = []
     for entry in sorted(_names(parent)):
         path = os.path.join(parent, entry)
-        if not entry.startswith(PREFIX) or os.path.abspath(path) == os.path.abspath(keep):
-            continue
-        if os.path.isdir(path) and is_dead(path):
+        if (entry.startswith(PREFIX) and os.path.abspath(path) != os.path.abspath(keep)
+                and is_dead(path)):  # (a file is never: it has no owners)
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

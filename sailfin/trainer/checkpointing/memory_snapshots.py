@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from ...checkpoint import CheckpointError, Checkpointer, memory_dirs
-from ...checkpoint.memory_checkpointer import MemoryFirstCheckpointer, local_shards, mesh_of
+from ...checkpoint.memory_checkpointer import MemoryFirstCheckpointer, local_shards
 from ...checkpoint.memory_staging import remove_file
 from ...checkpoint.rng import rng_state
 from ...checkpoint.staging import optimizer_storages, storage_key
@@ -196,7 +196,8 @@ def memory_snapshot_callback(checkpointer: Checkpointer, args: TrainerArguments,
     before resume, which rebuilds fsdp shards on the model's device mesh."""
     if not isinstance(checkpointer, MemoryFirstCheckpointer):
         return []
-    checkpointer.mesh = mesh_of(module)
+    checkpointer.mesh = next((p.device_mesh for p in module.parameters()  # fsdp's DTensors
+                              if hasattr(p, "device_mesh")), None)
     if args.checkpoint.memory.every_n_steps == "auto":  # chosen from measurements
         from .auto_interval import AutoMemorySnapshots
         return [AutoMemorySnapshots(checkpointer, args, saver)]
