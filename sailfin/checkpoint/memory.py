@@ -63,7 +63,7 @@ class MemoryStore:
         self._writer = WriterProcess()
         self._executor: Optional[ThreadPoolExecutor] = None
         self._pending: Optional[Future] = None  # the last snapshot's write
-        self._copying: Optional[tuple[PendingCopy, tuple]] = None  # copied while training
+        self._copying: Optional[tuple[PendingCopy, Verdict]] = None  # copied while training
         self._prune_from: Optional[int] = None  # older snapshots go before the next write
         self._complete: Optional[int] = None  # the step of the newest snapshot renamed
         self._last: Optional[int] = None  # the step of the last snapshot started
@@ -257,8 +257,7 @@ class MemoryStore:
         return held(self.root, self.world_size, self.run)
 
     def load(self, path: str) -> tuple[dict[str, Any], dict[str, Any], Any]:
-        """(manifest, shared state, this rank's random state) of the snapshot in ``path``;
-        the shared state from the node's copy when another rank wrote it."""
+        """(manifest, shared state, this rank's random state) of the snapshot in ``path``."""
         manifest_path = os.path.join(path, manifests.MANIFEST)
         try:
             manifest = read_manifest(path)
@@ -296,7 +295,6 @@ class MemoryStore:
             prune_snapshots(self.replica_dir(self.replica_src), keep_from, only, spare)
 
     def remove_mine(self) -> None:
-        """Remove this rank's snapshots, the replica it keeps and its owner file."""
         self.wait()
         shutil.rmtree(self.own_dir(), ignore_errors=True)
         if self.replica_src is not None:

@@ -129,8 +129,7 @@ def check_root(root: str, run: str, output_dir: str) -> tuple[Optional[str], lis
 
 
 def _writing(owner: dict[str, Any]) -> bool:
-    """Whether an owner may still be writing: its worker alive on this host, or on another
-    host (which this one cannot see)."""
+    """Whether an owner may still be writing (on another host: this one cannot see)."""
     pid = int(owner.get("pid", 0))
     return owner.get("host") != socket.gethostname() or (
         pid > 1 and pid != os.getpid() and pid_alive(pid))
@@ -156,8 +155,7 @@ def is_dead(root: str) -> bool:
 
 
 def remove_leftovers(parent: str, keep: str) -> list[str]:
-    """Remove the snapshot directories under ``parent`` whose runs are dead, but ``keep``;
-    returns what was removed."""
+    """Remove (and return) the snapshot directories under ``parent`` of dead runs."""
     removed = []
     for entry in sorted(_names(parent)):
         path = os.path.join(parent, entry)

@@ -207,9 +207,9 @@ class WriterProcess:
 
     def ready(self) -> None:
         """Start the writer if it is not running, and wait until it can write."""
-        if self._ready and self._proc is not None and self._proc.poll() is None:
-            return
         self.start()
+        if self._ready:
+            return
         try:
             hello = pickle.load(self._proc.stdout)
         except (EOFError, OSError):
