@@ -53,9 +53,9 @@ class _InPlace(LocalStorage):
 
 
 def write_snapshot(directory: str, name: str, staged: dict[str, Any], facts: dict[str, Any],
-                   staging_dir: str, parent: Optional[int] = None,
-                   commit: Optional[Callable[[], bool]] = None,
-                   mapped: Optional[dict[str, torch.UntypedStorage]] = None) -> bool:
+                   staging_dir: str, mapped: dict[str, torch.UntypedStorage],
+                   parent: Optional[int] = None,
+                   commit: Optional[Callable[[], bool]] = None) -> bool:
     """Write ``staged`` (stem -> state described by :class:`SharedStaging`) as the snapshot
     ``directory/name``: the files under ``.tmp-<name>`` (an older snapshot's, rewritten in
     place), the manifest last, then the rename, unless the training process ``parent`` is
@@ -66,7 +66,6 @@ def write_snapshot(directory: str, name: str, staged: dict[str, Any], facts: dic
     temporary = os.path.join(directory, f".tmp-{name}")
     os.makedirs(temporary, exist_ok=True)
     remove_file(os.path.join(temporary, manifests.MANIFEST))
-    mapped = {} if mapped is None else mapped
     used: dict[str, torch.UntypedStorage] = {}
     files: dict[str, FileEntry] = {}
     for stem, described in staged.items():
@@ -141,8 +140,7 @@ def _serve(parent: int) -> None:
             os._exit(0)
         *where, hold = job
         try:
-            renamed = write_snapshot(*where, parent=parent, commit=commit if hold else None,
-                                     mapped=mapped)
+            renamed = write_snapshot(*where, mapped, parent, commit if hold else None)
             reply: Any = None if renamed else "dropped"
         except BaseException as exc:  # noqa: BLE001 - sent back, raised in the trainer
             reply = (_errno(exc), f"{type(exc).__name__}: {exc}")

@@ -238,8 +238,7 @@ def stepped_state_bytes(optimizer: torch.optim.Optimizer) -> int:
         metas = []
         for param in group["params"]:
             local = param.to_local() if hasattr(param, "to_local") else param
-            meta = torch.nn.Parameter(torch.empty(local.shape, dtype=local.dtype,
-                                                  device="meta"),
+            meta = torch.nn.Parameter(torch.empty_like(local, device="meta"),
                                       requires_grad=param.requires_grad)
             if param.requires_grad:
                 meta.grad = torch.empty_like(meta)
