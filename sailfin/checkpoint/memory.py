@@ -204,12 +204,11 @@ class MemoryStore:
         """Block until the last snapshot is written (and replicated); raise if it failed
         for another reason than a full file system."""
         self.settle()
-        step = self._last
         error = self._finish()
         if _is_full(error):
             self._full = error  # the next snapshot's agreement stops them on every rank
         elif error is not None:
-            raise CheckpointError(f"the memory snapshot of step {step} in {self.root} "
+            raise CheckpointError(f"the memory snapshot of step {self._last} in {self.root} "
                                   f"failed: {error}") from error
 
     def _write(self, keep_from: Optional[int], step: int, facts: dict[str, Any],
