@@ -1,25 +1,12 @@
 """Memory snapshots: the run's state as checkpoint files in shared memory, every N steps.
 
-A snapshot is an ordinary checkpoint (``model.pt``, ``trainer.pt``,
-``rng-rank<r>.pt`` and the same ``manifest.json``) in a directory on a RAM file
-system (:mod:`.memory_dirs`) that outlives the worker: a restarted worker reads
-it back instead of a disk checkpoint. Under ``ddp`` (every rank holds the same
-model and optimizer) the node's local leader writes ``model.pt`` and
-``trainer.pt``, every other rank its random state only, its manifest naming the
-leader (``shared_from``); under ``fsdp`` each rank writes its own shard.
-
-Training pays only a copy into reused staging buffers (:mod:`.memory_staging`),
-and of the parameters and optimizer state not even that: a thread copies them
-during the next forward and backward, and the optimizer step waits for it. A
-writer process (:mod:`.memory_writer`) writes the files under ``.tmp-step-N``
-(over the oldest snapshot's pages) and renames the directory once complete and
-once the copy is known to hold its step; a thread waits for it and
-(``replicas: 1``) sends the files to a rank on the next node (``replica-rank<r>/``).
-Before the next snapshot each rank waits until its previous one is written, then
-the ranks agree (one tiny all-reduce): if one found the file system full, every
-rank stops taking snapshots (training and disk checkpoints go on). Every rank
-therefore always holds a step that all ranks hold complete, and at most two
-snapshots.
+A snapshot is an ordinary checkpoint in a directory on a RAM file system
+(:mod:`.memory_dirs`) that outlives the worker: a restarted worker reads it back
+instead of a disk checkpoint. Training pays only a copy into staging buffers
+(:mod:`.memory_staging`); a writer process (:mod:`.memory_writer`) writes the
+files, and the ranks agree before each snapshot that the previous one is
+complete everywhere, so every rank always holds a step that all ranks hold
+(docs/memory-snapshots.md).
 """
 
 from __future__ import annotations
@@ -31,6 +18,7 @@ import shutil
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_for
 from typing import Any, Optional
 
+from ..utils.voice import say
 from . import manifest as manifests
 from .errors import CheckpointCorrupt, CheckpointError
 from .layout import DirectoryLayout
@@ -42,27 +30,13 @@ from .memory_writer import Verdict, WriterProcess
 from .serialize import load_object
 from .storage import LocalStorage
 
-__all__ = ["MemoryStore", "NoSpace", "rank_file", "step_name"]
-
-# A snapshot names each rank's random state as a checkpoint on disk does.
-rank_file = DirectoryLayout.rank_file
-
 # The previous snapshot, as the ranks agree on it (MIN): a failure wins over a full file
 # system.
 _FAILED, _FULL, _READY = 0, 1, 2
 
 
-class NoSpace(OSError):
-    """The snapshot directory's file system cannot hold the next snapshot."""
-
-
 def _is_full(error: Optional[BaseException]) -> bool:
-    """Whether ``error`` (or what caused it) is a full file system."""
-    while error is not None:
-        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        error = error.__cause__
-    return False
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 class MemoryStore:
@@ -77,26 +51,25 @@ class MemoryStore:
     """
 
     def __init__(self, root: str, rank: int, world_size: int, local_world_size: int = 1,
-                 replicas: int = 0, peers: Optional[Peers] = None,
-                 local_rank: Optional[int] = None) -> None:
+                 replicas: int = 0, local_rank: Optional[int] = None) -> None:
         self.root = root
         self.rank, self.world_size = rank, world_size
         self.local_rank = rank % local_world_size if local_rank is None else local_rank
         self.leader = rank - self.local_rank  # writes the node's copy of replicated state
-        self.peers = peers or Peers(rank, world_size)
+        self.node = rank // local_world_size
+        self.peers = Peers(world_size)
         self.storage = LocalStorage()
-        # The step copies the state into files mapped shared; a process writes from them.
         self._staging = SharedStaging(os.path.join(root, f"staging-rank{rank:05d}"))
         self._writer = WriterProcess()
         self._executor: Optional[ThreadPoolExecutor] = None
         self._pending: Optional[Future] = None  # the last snapshot's write
-        self._copying: Optional[tuple[PendingCopy, tuple]] = None  # copied while training
+        self._copying: Optional[tuple[PendingCopy, Verdict]] = None  # copied while training
         self._prune_from: Optional[int] = None  # older snapshots go before the next write
         self._complete: Optional[int] = None  # the step of the newest snapshot renamed
         self._last: Optional[int] = None  # the step of the last snapshot started
-        self._bytes: dict[int, int] = {}  # step -> bytes this rank wrote to the node for it
-        self.run = ""  # the run's identity (memory_dirs.run_identity), in every manifest
-        self.stopped: Optional[str] = None  # why snapshots stopped (the file system filled)
+        self._bytes = 0  # what this rank wrote to the node for its newest snapshot
+        self.run = ""  # memory_dirs.run_identity, in every manifest
+        self.stopped = False  # the file system filled
         self._full: Optional[BaseException] = None  # a write found it full (seen by wait)
         # Replicas go to the same local rank on the next node, and come from the previous.
         self.replica_dst = self.replica_src = None
@@ -104,14 +77,12 @@ class MemoryStore:
             self.replica_dst = (rank + local_world_size) % world_size
             self.replica_src = (rank - local_world_size) % world_size
 
-    # -- places ------------------------------------------------------------------------
     def own_dir(self, rank: Optional[int] = None) -> str:
         return os.path.join(self.root, f"rank{self.rank if rank is None else rank:05d}")
 
     def replica_dir(self, rank: int) -> str:
         return os.path.join(self.root, f"replica-rank{rank:05d}")
 
-    # -- writing -----------------------------------------------------------------------
     def start_writer(self, wait: bool = False) -> None:
         """Start the writer process (``wait``: until it can write)."""
         if wait:
@@ -121,13 +92,12 @@ class MemoryStore:
 
     def save(self, step: int, facts: dict[str, Any], shared: dict[str, Any],
              rank_state: Any, replicated: bool = False) -> bool:
-        """Snapshot ``step`` on every rank (:meth:`ready`, then :meth:`stage` copying
-        everything at once); False when snapshots stopped."""
+        """:meth:`ready`, then :meth:`stage` copying everything at once."""
         return self.ready(step) and self.stage(step, facts, shared, rank_state, replicated)
 
     def written(self) -> bool:
         """Wait until the last snapshot's files are written (and replicated); True when it
-        had to wait. Whether the write succeeded is left to :meth:`ready`'s agreement."""
+        had to wait. Whether it succeeded is left to :meth:`ready`."""
         self.settle()
         if self._pending is None or self._pending.done():
             return False
@@ -135,11 +105,10 @@ class MemoryStore:
         return True
 
     def ready(self, step: int) -> bool:
-        """Whether every rank takes the snapshot of ``step``. Each rank waits until its
-        previous snapshot is written (:meth:`written`), then says how it went (one tiny
-        all-reduce): if one failed, every rank raises; if one found the file system full,
+        """Whether every rank takes the snapshot of ``step``, once each has written its
+        previous one: if one failed, every rank raises; if one found the file system full,
         every rank stops; else older snapshots go."""
-        if self.stopped is not None:
+        if self.stopped:
             return False
         self.settle()
         error = self._finish() or self._full  # (waits for the write)
@@ -161,11 +130,10 @@ class MemoryStore:
     def stage(self, step: int, facts: dict[str, Any], shared: dict[str, Any],
               rank_state: Any, replicated: bool = False, later: frozenset = frozenset()
               ) -> bool:
-        """After :meth:`ready` said so: copy the state into the staging buffers and have the
-        files written in the background; False when the file system is full. The storages
-        in ``later`` (parameters and optimizer state) are copied while training goes on
-        (renamed once :meth:`settle` finds them unchanged). ``replicated``: ``shared`` is
-        the same on every rank, and only the node's leader writes it."""
+        """After :meth:`ready`: copy the state into the staging buffers and have the files
+        written in the background; False when the file system is full. The storages in
+        ``later`` are copied while training goes on (see :meth:`settle`). ``replicated``:
+        ``shared`` is the same on every rank, and only the node's leader writes it."""
         if replicated and self.rank != self.leader:
             shared = {}  # the node's leader writes it
         try:
@@ -194,14 +162,12 @@ class MemoryStore:
 
     @property
     def copying(self) -> bool:
-        """Whether the last snapshot's parameters are still being copied."""
         return self._copying is not None
 
     def settle(self) -> Optional[bool]:
-        """Wait for the copy :meth:`stage` left to a thread and say whether its sources
-        stayed unchanged: the writer renames the snapshot's files only then. None when
-        there was none; False when a source changed while it was copied (the snapshot is
-        dropped: it would not be the state of one step)."""
+        """Wait for the copy :meth:`stage` left to a thread: None when there was none;
+        False when a source changed meanwhile (the snapshot is dropped: it would not be
+        the state of one step)."""
         if self._copying is None:
             return None
         copying, verdict = self._copying
@@ -219,42 +185,37 @@ class MemoryStore:
         return unchanged
 
     def _stop(self, step: int, error: Optional[BaseException]) -> None:
-        """The file system is full: no more snapshots; the complete ones stay."""
+        # The file system is full: no more snapshots; the complete ones stay.
         self.prune(keep_from=0)
         self._writer.close()
         self._staging.release()
-        self.stopped = (f"memory snapshots stopped at step {step}: {self.root} is full"
-                        + (f" ({error})" if error else " on another rank")
-                        + "; training and disk checkpoints go on. Give snapshots more room "
-                        "(a larger /dev/shm or trainer.checkpoint.memory.dir)")
+        self.stopped = True
+        if self.rank == 0:
+            say(f"memory snapshots stopped at step {step}: {self.root} is full"
+                + (f" ({error})" if error else " on another rank")
+                + "; training and disk checkpoints go on. Give snapshots more room "
+                "(a larger /dev/shm or trainer.checkpoint.memory.dir)")
 
     def _finish(self) -> Optional[BaseException]:
         future, self._pending = self._pending, None
-        try:
-            if future is not None:
-                future.result()
-        except Exception as exc:  # reported through every rank's agreement
-            return exc
-        return None
+        return None if future is None else future.exception()
 
     def wait(self) -> None:
         """Block until the last snapshot is written (and replicated); raise if it failed
         for another reason than a full file system."""
         self.settle()
-        step = self._last
         error = self._finish()
         if _is_full(error):
             self._full = error  # the next snapshot's agreement stops them on every rank
         elif error is not None:
-            raise CheckpointError(f"the memory snapshot of step {step} in {self.root} "
+            raise CheckpointError(f"the memory snapshot of step {self._last} in {self.root} "
                                   f"failed: {error}") from error
 
     def _write(self, keep_from: Optional[int], step: int, facts: dict[str, Any],
-               frozen: Any, replicated: bool, copying: Optional[PendingCopy] = None,
-               verdict: Optional["Verdict"] = None) -> None:
-        """The writer thread: snapshots older than ``keep_from`` go, the writer process
-        writes the files once ``copying`` is done, renames them if ``verdict`` says the
-        copy holds the step's state, then the replica goes to the next node."""
+               frozen: Any, replicated: bool, copying: Optional[PendingCopy],
+               verdict: Optional[Verdict]) -> None:
+        """The writer thread: older snapshots go, the files are written once ``copying`` is
+        done and renamed if ``verdict`` says so, then the replica goes to the next node."""
         if keep_from is not None:  # the oldest one's directory becomes the new one's
             self.prune(keep_from, spare=recycle(self.own_dir(), keep_from, step))
         staged = pickle.loads(frozen) if isinstance(frozen, bytes) else frozen
@@ -262,8 +223,7 @@ class MemoryStore:
         facts = {**facts, "memory_snapshot": {
             "rank": self.rank, "run": self.run, "replicated": replicated,
             "shared_from": None if shared else self.leader}}
-        files = {**shared, rank_file(self.rank)[:-3]: rank_state}
-        os.makedirs(self.own_dir(), exist_ok=True)
+        files = {**shared, DirectoryLayout.rank_file(self.rank)[:-3]: rank_state}
         if copying is not None:
             try:
                 copying.wait()
@@ -282,27 +242,21 @@ class MemoryStore:
                      self.replica_dir(self.replica_src), step)  # type: ignore[arg-type]
         if final is not None:
             self._complete = step
-            self._check_room(step, used_bytes(final) * (2 if self.replica_dst is not None
-                                                        else 1))
+            # The next snapshot, replacing the one before this, must fit in what is free
+            # plus what that one frees (the state grew, or the file system filled).
+            size = used_bytes(final) * (2 if self.replica_dst is not None else 1)
+            free = free_bytes(self.root) + self._bytes
+            self._bytes = size
+            if free < size:
+                raise OSError(errno.ENOSPC, f"the next snapshot needs {size / 2**20:.1f} MiB, "
+                              f"{free / 2**20:.1f} MiB would be free")
 
-    def _check_room(self, step: int, size: int) -> None:
-        """The next snapshot, replacing the one before this, must fit in what is free plus
-        what that one frees (the state grew, or the file system filled)."""
-        previous = self._bytes.get(max((s for s in self._bytes if s < step), default=-1), 0)
-        self._bytes = {step: size}
-        free = free_bytes(self.root)
-        if free + previous < size:
-            raise NoSpace(errno.ENOSPC, f"the next snapshot needs {size / 2**20:.1f} MiB, "
-                          f"{(free + previous) / 2**20:.1f} MiB would be free")
-
-    # -- what is there -----------------------------------------------------------------
     def inventory(self) -> dict[int, dict[int, str]]:
-        """Rank -> step -> directory of the snapshots a rank can resume from (:func:`held`)."""
+        """Rank -> step -> directory of the snapshots a rank can resume from."""
         return held(self.root, self.world_size, self.run)
 
     def load(self, path: str) -> tuple[dict[str, Any], dict[str, Any], Any]:
-        """(manifest, shared state, this rank's random state) of the snapshot in ``path``;
-        the shared state from the node's copy when another rank wrote it."""
+        """(manifest, shared state, this rank's random state) of the snapshot in ``path``."""
         manifest_path = os.path.join(path, manifests.MANIFEST)
         try:
             manifest = read_manifest(path)
@@ -317,7 +271,7 @@ class MemoryStore:
             shared_files = manifests.files_of(read_manifest(where), where)
         shared = {f[:-3]: load_object(self.storage, os.path.join(where, f), e)
                   for f, e in shared_files.items() if not f.startswith("rng-rank")}
-        own = rank_file(self.rank)
+        own = DirectoryLayout.rank_file(self.rank)
         if own not in files:
             raise CheckpointCorrupt(f"memory snapshot {path} holds no random state for rank "
                                     f"{self.rank}", path)
@@ -331,18 +285,15 @@ class MemoryStore:
                                 f"the model and optimizer) is missing in {self.root}",
                                 self.root)
 
-    # -- removing ----------------------------------------------------------------------
     def prune(self, keep_from: int = 0, only: Optional[int] = None,
               spare: Optional[str] = None) -> None:
-        """Remove this rank's snapshots (and the replica it keeps) older than ``keep_from``
-        (with ``only``: every step but that one) and unfinished ones (but ``spare``).
-        Never called while a snapshot is being written."""
+        """:func:`prune_snapshots` in this rank's directory and the replica it keeps; never
+        called while a snapshot is being written."""
         prune_snapshots(self.own_dir(), keep_from, only, spare)
         if self.replica_src is not None:
             prune_snapshots(self.replica_dir(self.replica_src), keep_from, only, spare)
 
     def remove_mine(self) -> None:
-        """Remove this rank's snapshots and the replica it keeps (a normal end)."""
         self.wait()
         shutil.rmtree(self.own_dir(), ignore_errors=True)
         if self.replica_src is not None:

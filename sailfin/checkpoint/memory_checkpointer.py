@@ -1,14 +1,8 @@
 """Resuming from memory snapshots: the ranks agree on the newest step all of them hold.
 
-:class:`MemoryFirstCheckpointer` wraps the run's checkpointer. Saves go to the
-wrapped one; on resume it offers the newest memory snapshot that every rank
-holds complete (in its node's memory, or as a replica on another node) ahead
-of the disk checkpoints, when it is at least as new as the newest of those.
-
-fsdp state is kept in a snapshot as each rank's own rows (:func:`local_shards`):
-a snapshot is resumed on the same ranks that wrote it, so a DTensor is kept as
-its local rows plus its global shape, stride and placements, and rebuilt on the
-same device mesh on load (:func:`global_shards`).
+fsdp state is kept in a snapshot as each rank's own rows (:func:`local_shards`): a
+snapshot is resumed on the same ranks that wrote it, so a DTensor is kept as its local
+rows plus its global shape, stride and placements, and rebuilt on the same device mesh.
 """
 
 from __future__ import annotations
@@ -29,8 +23,6 @@ from .checkpointer import Checkpointer, Loaded
 from .errors import CheckpointError
 from .memory import MemoryStore
 from .memory_dirs import step_name
-from .memory_transfer import Peers
-from .sharded import holds
 
 PREFIX = "memory:"
 _DISK_STEP = re.compile(r"step-(\d+)$")
@@ -38,7 +30,9 @@ MARK = "__sailfin_dtensor__"
 
 
 class MemoryFirstCheckpointer(Checkpointer):
-    """The run's checkpointer, with memory snapshots first in line for ``resume: auto``.
+    """The run's checkpointer (saves go to it), with the newest memory snapshot every rank
+    holds first in line for ``resume: auto`` when it is at least as new as the newest disk
+    checkpoint.
 
     Example::
 
@@ -49,20 +43,16 @@ class MemoryFirstCheckpointer(Checkpointer):
     """
 
     def __init__(self, inner: Checkpointer, store: MemoryStore, output_dir: str,
-                 local_rank: int = 0, node: int = 0, resume: str = "auto") -> None:
+                 resume: str = "auto") -> None:
         super().__init__(inner.location, inner.args, inner.dist, inner.barrier)
         self.inner, self.store = inner, store
-        self.output_dir, self.local_rank, self.node = output_dir, local_rank, node
+        self.output_dir = output_dir
         self.resume = resume  # only resume: auto resumes from memory
-        self._agreed: dict[int, str] = {}  # step -> this rank's snapshot dir, to resume from
-        self._notes: dict[int, str] = {}  # step -> what resuming from it says
+        self.writes_shards = getattr(inner, "writes_shards", False)
+        # step -> (this rank's snapshot dir, what resuming from it says)
+        self._agreed: dict[int, tuple[str, str]] = {}
         self.mesh: Any = None  # fsdp: the model's device mesh, to rebuild shards on
 
-    @property
-    def writes_shards(self) -> bool:
-        return bool(getattr(self.inner, "writes_shards", False))
-
-    # -- the wrapped checkpointer ------------------------------------------------------
     def save(self, snapshot: Any) -> None:
         self.inner.save(snapshot)
 
@@ -88,18 +78,17 @@ class MemoryFirstCheckpointer(Checkpointer):
         memory = [f"{PREFIX}{step_name(s)}" for s in sorted(self._agreed, reverse=True)]
         return memory + self.inner.candidates()
 
-    # -- resuming ------------------------------------------------------------------------
     def recover(self) -> None:
         """Every rank: learn the run's identity, make sure the node's directory is this
-        run's (another run's leftovers go; a live writer stops this one), claim it, and
-        with ``resume: auto`` agree on the snapshot to resume from."""
+        run's (:func:`.memory_dirs.check_root`), claim it, and with ``resume: auto`` agree
+        on the snapshot to resume from."""
         self.inner.recover()
         store = self.store
         store.peers.start()
         store.run = store.peers.all_gather(
             memory_dirs.run_identity(self.output_dir) if store.rank == 0 else None)[0]
         verdict = (memory_dirs.check_root(store.root, store.run, self.output_dir)
-                   if self.local_rank == 0 else (None, []))
+                   if store.local_rank == 0 else (None, []))
         verdicts = store.peers.all_gather(verdict)  # before any rank claims the directory
         for line in verdict[1]:  # each node's own: said there
             say(line, warning=True)
@@ -108,8 +97,8 @@ class MemoryFirstCheckpointer(Checkpointer):
             raise CheckpointError(refused)
         memory_dirs.claim(store.root, store.rank, self.output_dir, store.run)
         store.start_writer()  # it imports torch while the run sets up
-        if self.local_rank == 0:
-            memory_dirs.record_root(self.output_dir, self.node, store.root)
+        if store.local_rank == 0:
+            memory_dirs.record_root(self.output_dir, store.node, store.root)
             for path in memory_dirs.remove_leftovers(os.path.dirname(store.root), store.root):
                 say(f"removed the memory snapshots of a run that is gone: {path}",
                     warning=True)
@@ -122,11 +111,10 @@ class MemoryFirstCheckpointer(Checkpointer):
             f"run `sailfin clean {self.output_dir}` (its memory snapshots in "
             f"{self.store.root})")
 
-    def _agree(self) -> dict[int, str]:
+    def _agree(self) -> dict[int, tuple[str, str]]:
         """The two newest steps every rank holds, not older than the newest disk checkpoint
-        (step -> this rank's snapshot directory); ranks whose node lost one get the
-        replica. Only the one loaded is checked against its CRC-32s (a damaged one falls
-        back to the one before)."""
+        (step -> this rank's snapshot directory, what resuming from it says); ranks whose
+        node lost one get the replica. The second is for when the first's CRC-32s fail."""
         store, rank, world = self.store, self.store.rank, self.store.world_size
         mine = store.inventory()
         reports = store.peers.all_gather({r: sorted(s) for r, s in mine.items()})
@@ -169,12 +157,11 @@ class MemoryFirstCheckpointer(Checkpointer):
             if fetched:
                 store.peers.min(0)  # every copy is back before a rank reads its node's copy
             via = "; ".join(f"rank {r} from the replica held by rank {h}" for r, h in fetched)
-            self._notes[step] = (
+            agreed[step] = (mine[rank][step], (
                 f"memory snapshots: resuming from memory, step {step} (held by every rank"
                 + (f"; {via}, its node's memory being lost" if via else "")
                 + f"); newest snapshot step {newest}, newest disk checkpoint "
-                + (f"step {disk}" if disk is not None else "none"))
-            agreed[step] = mine[rank][step]
+                + (f"step {disk}" if disk is not None else "none")))
         return agreed
 
     def _disk_step(self) -> Optional[int]:
@@ -186,10 +173,10 @@ class MemoryFirstCheckpointer(Checkpointer):
         if not name.startswith(PREFIX):
             return self.inner.load(name)
         step = int(name.rsplit("-", 1)[1])
-        path = self._agreed.pop(step)  # resumed (or skipped): no longer a candidate
+        path, note = self._agreed.pop(step)  # resumed (or skipped): no longer a candidate
         manifest, shared, rank_state = self.store.load(path)  # checks the CRC-32s
         if self.store.rank == 0:
-            say(self._notes[step])
+            say(note)
         return Loaded(name, path, manifest, global_shards(shared, self.mesh), rank_state)
 
 
@@ -206,27 +193,24 @@ def with_memory_snapshots(inner: Checkpointer, args: TrainerArguments,
                     key="trainer.checkpoint.memory.dir",
                     who="memory snapshots (trainer.checkpoint.memory)")
     store = MemoryStore(root, dist.rank, dist.world_size, dist.local_world_size,
-                        memory.replicas, Peers(dist.rank, dist.world_size), dist.local_rank)
+                        memory.replicas, dist.local_rank)
     if memory.replicas and store.replica_dst is None and dist.is_main:
         say("trainer.checkpoint.memory.replicas is 1 but the job runs on one node: there "
             "is no other node to keep replicas; a lost node resumes from disk")
-    return MemoryFirstCheckpointer(inner, store, args.output_dir, dist.local_rank, node,
-                                   args.resume)
+    return MemoryFirstCheckpointer(inner, store, args.output_dir, args.resume)
 
 
 def persisting_args(args: TrainerArguments) -> Any:
-    """The disk checkpointer's settings: with ``persist_every_n_steps`` saves are async,
-    so persisting a snapshot costs the step the copy only."""
+    """The disk checkpointer's settings: with ``persist_every_n_steps`` saves are async."""
     ckpt = args.checkpoint
     if ckpt.memory.enabled and ckpt.memory.persist_every_n_steps and not ckpt.async_save:
         return dataclasses.replace(ckpt, async_save=True)
     return ckpt
 
 
-# -- fsdp state in a snapshot: each rank's own rows, as plain tensors --------------------
 def local_shards(state: Any) -> Any:
     """``state`` with every DTensor replaced by a plain dict holding its local rows
-    (``state`` itself when it holds none: sp and ddp)."""
+    (``state`` itself when it holds none)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     def local(value: Any) -> Any:
@@ -240,7 +224,7 @@ def local_shards(state: Any) -> Any:
         return {MARK: value.to_local(), "shape": list(value.shape),
                 "stride": list(value.stride()), "placements": placements}
 
-    return _replace(state, local) if holds(state, DTensor) else state
+    return _replace(state, local)
 
 
 def global_shards(state: Any, mesh: Optional[Any]) -> Any:
@@ -259,37 +243,19 @@ def global_shards(state: Any, mesh: Optional[Any]) -> Any:
                                   run_check=False, shape=torch.Size(value["shape"]),
                                   stride=tuple(value["stride"]))
 
-    return _replace(state, rebuilt) if _has_mark(state) else state
-
-
-def _has_mark(state: Any) -> bool:
-    stack = [state]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            if MARK in item:
-                return True
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-    return False
+    return _replace(state, rebuilt)
 
 
 def _replace(state: Any, convert: Any) -> Any:
-    """``state`` with ``convert`` applied to each value, through dicts, lists and tuples
-    (a value it changes is not looked into)."""
+    """``state`` with ``convert`` applied to each value, through dicts, lists and tuples;
+    a container in which nothing changed is kept as it is."""
     done = convert(state)
     if done is not state:
         return done
     if isinstance(state, dict):
-        return {k: _replace(v, convert) for k, v in state.items()}
+        new = {k: _replace(v, convert) for k, v in state.items()}
+        return new if any(new[k] is not v for k, v in state.items()) else state
     if type(state) in (list, tuple):
-        return type(state)(_replace(v, convert) for v in state)
+        items = [_replace(v, convert) for v in state]
+        return type(state)(items) if any(a is not b for a, b in zip(items, state)) else state
     return state
-
-
-def mesh_of(module: torch.nn.Module) -> Optional[Any]:
-    """The device mesh of the module's sharded parameters, or None."""
-    from torch.distributed.tensor import DTensor
-
-    return next((p.device_mesh for p in module.parameters() if isinstance(p, DTensor)), None)

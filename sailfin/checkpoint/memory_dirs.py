@@ -10,11 +10,8 @@ One directory per run and node, on a RAM file system::
 
 The directory's name is a hash of ``trainer.output_dir``, so that a restarted
 worker, a relaunched job and ``sailfin clean OUTPUT_DIR`` find it; a custom ``dir``
-is recorded in ``OUTPUT_DIR/.memory-snapshots-node<N>``. A run's identity is a
-random id kept in ``OUTPUT_DIR/.memory-snapshots-run`` and recorded by every
-snapshot and owner file: a snapshot is resumed only by the run whose output
-directory holds its id (not after that directory is gone, nor by a run sharing
-``memory.dir``), and not while a writer of the directory is alive.
+is recorded in ``OUTPUT_DIR/.memory-snapshots-node<N>``. Whose snapshots a run may
+resume: docs/memory-snapshots.md.
 """
 
 from __future__ import annotations
@@ -46,7 +43,7 @@ step_name = DirectoryLayout.name_for
 
 
 def run_id(output_dir: str) -> str:
-    """A short, stable name for a run: the hash of its output directory's absolute path."""
+    """The hash of the output directory's absolute path."""
     return hashlib.sha1(os.path.abspath(output_dir).encode("utf-8")).hexdigest()[:12]
 
 
@@ -58,6 +55,7 @@ def snapshot_root(dir_: Optional[str], output_dir: str, node: int) -> str:
 
 
 def _write_json(path: str, obj: Any) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as fh:
         json.dump(obj, fh)
@@ -65,8 +63,7 @@ def _write_json(path: str, obj: Any) -> None:
 
 
 def record_root(output_dir: str, node: int, root: str) -> None:
-    """Note the node's snapshot directory in the output dir, for ``sailfin clean``."""
-    os.makedirs(output_dir, exist_ok=True)
+    """For ``sailfin clean``."""
     _write_json(os.path.join(output_dir, f"{RECORD}{node}"), {"dir": root})
 
 
@@ -80,7 +77,6 @@ def run_identity(output_dir: str) -> str:
             return found
     except (OSError, ValueError, AttributeError):
         pass
-    os.makedirs(output_dir, exist_ok=True)
     run = uuid.uuid4().hex[:16]
     _write_json(path, {"run": run})
     return run
@@ -88,7 +84,6 @@ def run_identity(output_dir: str) -> str:
 
 def claim(root: str, rank: int, output_dir: str, run: str = "") -> None:
     """Say who writes in ``root``: a later run removes it only when they are all gone."""
-    os.makedirs(root, exist_ok=True)
     _write_json(os.path.join(root, f"owner-rank{rank:05d}.json"),
                 {"host": socket.gethostname(), "pid": os.getpid(), "ppid": os.getppid(),
                  "output_dir": os.path.abspath(output_dir), "run": run})
@@ -109,9 +104,8 @@ def owners(root: str) -> list[dict[str, Any]]:
 
 def check_root(root: str, run: str, output_dir: str) -> tuple[Optional[str], list[str]]:
     """Before a run claims ``root``: (an error, the lines to say). Another run's snapshots
-    whose writers are gone are removed; a writer still alive (on this host, or on another,
-    which this one cannot see) stops this run, which would otherwise write over (or resume
-    from) what a live process is writing."""
+    whose writers are gone are removed; a writer that may be alive stops this run, which
+    would otherwise write over (or resume from) what it is writing."""
     found = owners(root)
     alive = next((o for o in found if _writing(o)), None)
     if alive is not None:
@@ -135,15 +129,13 @@ def check_root(root: str, run: str, output_dir: str) -> tuple[Optional[str], lis
 
 
 def _writing(owner: dict[str, Any]) -> bool:
-    """Whether an owner may still be writing: its worker alive on this host, or on another
-    host (which this one cannot see)."""
+    """Whether an owner may still be writing (on another host: this one cannot see)."""
     pid = int(owner.get("pid", 0))
     return owner.get("host") != socket.gethostname() or (
         pid > 1 and pid != os.getpid() and pid_alive(pid))
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -154,8 +146,8 @@ def pid_alive(pid: int) -> bool:
 
 
 def is_dead(root: str) -> bool:
-    """Whether every process that wrote in ``root`` (its workers and their launcher, on
-    this host) is gone. A directory without owners, or owned on another host, is not dead."""
+    """Whether every process that wrote in ``root`` (workers and launchers) is gone; not
+    so for a directory without owners, or owned on another host."""
     found, host = owners(root), socket.gethostname()
     return bool(found) and all(o.get("host") == host for o in found) and not any(
         pid_alive(int(o[key])) for o in found for key in ("pid", "ppid")
@@ -163,14 +155,12 @@ def is_dead(root: str) -> bool:
 
 
 def remove_leftovers(parent: str, keep: str) -> list[str]:
-    """Remove the snapshot directories under ``parent`` whose runs are dead (their RAM
-    comes back); never ``keep``, this run's own. Returns what was removed."""
+    """Remove (and return) the snapshot directories under ``parent`` of dead runs."""
     removed = []
     for entry in sorted(_names(parent)):
         path = os.path.join(parent, entry)
-        if not entry.startswith(PREFIX) or os.path.abspath(path) == os.path.abspath(keep):
-            continue
-        if os.path.isdir(path) and is_dead(path):
+        if (entry.startswith(PREFIX) and os.path.abspath(path) != os.path.abspath(keep)
+                and is_dead(path)):  # (a file is never: it has no owners)
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
@@ -185,7 +175,6 @@ def free_bytes(path: str) -> int:
 
 
 def used_bytes(path: str) -> int:
-    """Bytes of the files under ``path``."""
     total = 0
     for where, _, files in os.walk(path):
         for name in files:
@@ -197,8 +186,8 @@ def used_bytes(path: str) -> int:
 
 
 def clean(output_dir: str) -> list[str]:
-    """Remove a run's snapshot directories on this machine (``sailfin clean OUTPUT_DIR``):
-    the default ones named after the run, and those its record files name."""
+    """``sailfin clean OUTPUT_DIR``: the run's snapshot directories on this machine, the
+    default ones named after the run and those its record files name."""
     prefix = f"{PREFIX}{run_id(output_dir)}-node"
     roots = {os.path.join(DEFAULT_PARENT, e) for e in _names(DEFAULT_PARENT)
              if e.startswith(prefix)}
@@ -215,9 +204,7 @@ def clean(output_dir: str) -> list[str]:
     return removed
 
 
-# -- the snapshots in a rank's directory ------------------------------------------------
 def read_manifest(path: str) -> dict[str, Any]:
-    """The manifest of the snapshot in ``path`` (raises OSError, CheckpointCorrupt)."""
     manifest_path = os.path.join(path, manifests.MANIFEST)
     with open(manifest_path, "rb") as fh:
         return manifests.decode(fh.read(), manifest_path)
@@ -225,10 +212,9 @@ def read_manifest(path: str) -> dict[str, Any]:
 
 def intact(path: str, world_size: Optional[int] = None, run: Optional[str] = None,
            verify: bool = True) -> Optional[dict[str, Any]]:
-    """The manifest of the snapshot in ``path`` if it is complete and every file matches
-    it (and it was taken by the run ``run``, on ``world_size`` ranks unless it holds
-    replicated state, which any world size resumes); else None. ``verify=False``
-    compares sizes only: the CRC-32s are checked when the snapshot is loaded."""
+    """The manifest of the snapshot in ``path`` if every file matches it (and it was taken
+    by the run ``run``, on ``world_size`` ranks unless it holds replicated state, which
+    any world size resumes); else None. ``verify=False`` compares sizes only."""
     try:
         manifest = read_manifest(path)
         files = manifests.files_of(manifest, os.path.join(path, manifests.MANIFEST))
@@ -261,9 +247,9 @@ def prune_snapshots(directory: str, keep_from: int = 0, only: Optional[int] = No
 
 def recycle(directory: str, keep_from: int, step: int) -> str:
     """Before ``step`` is written in ``directory``: the oldest snapshot older than
-    ``keep_from``, its manifest removed, becomes its temporary directory, whose files the
-    writer rewrites in place (freeing and allocating a snapshot's pages costs as much as
-    writing them). Returns the temporary directory's name."""
+    ``keep_from``, its manifest removed, becomes its temporary directory (returned), whose
+    files the writer rewrites in place: freeing and allocating pages costs as much as
+    writing them."""
     temporary = f".tmp-{step_name(step)}"
     older = sorted(name for name in _names(directory)
                    if STEP.match(name) and int(name[5:]) < keep_from)
@@ -276,10 +262,9 @@ def recycle(directory: str, keep_from: int, step: int) -> str:
 
 
 def held(root: str, world_size: int, run: str) -> dict[int, dict[int, str]]:
-    """Rank -> step -> directory of every complete snapshot in the node's directory
-    ``root`` (own or replica) that a rank of the run ``run`` can resume from: not one
-    whose files lack its manifest's sizes (CRC-32s are checked when loaded), taken by
-    another run, sharded on another world size, or whose node copy is not here."""
+    """Rank -> step -> directory of every snapshot in the node's directory ``root`` (own
+    or replica) that a rank of the run ``run`` can resume from (:func:`intact`, sizes
+    only), its node copy here too when another rank wrote that."""
     found: dict[int, dict[int, tuple[str, Optional[int]]]] = {}
     for entry in sorted(_names(root)):  # own copies ("rank...") before replicas
         match = _RANK_DIR.match(entry)
@@ -301,7 +286,6 @@ def held(root: str, world_size: int, run: str) -> dict[int, dict[int, str]]:
 
 
 def _names(directory: str) -> list[str]:
-    """The names in ``directory``; none when it is gone (or cannot be read)."""
     try:
         return os.listdir(directory)
     except OSError:

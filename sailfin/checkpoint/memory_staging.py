@@ -1,11 +1,8 @@
 """Staging buffers for memory snapshots: the state copied into files mapped shared.
 
-The step copies the state into files in the node's snapshot directory, mapped
-shared (``staging-rank<r>/``, one file per storage, reused from snapshot to
-snapshot); the writer process (:mod:`.memory_writer`) maps the same files and
-writes the snapshot from them, told only each tensor's place in them and the
-state's other values. The parameters and the optimizer's state can be copied by
-a thread while training goes on (:class:`PendingCopy`).
+One file per storage in ``staging-rank<r>/``, reused from snapshot to snapshot; the
+writer process (:mod:`.memory_writer`) maps the same files, told only each tensor's
+place in them and the state's other values.
 
 Example::
 
@@ -17,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections import OrderedDict
@@ -56,10 +54,9 @@ class SharedStaging:
     def stage(self, obj: Any, later: frozenset = frozenset()
               ) -> tuple[Any, Optional["PendingCopy"]]:
         """``obj`` with every tensor replaced by its slot in the staging files: copied now,
-        but for the storages whose ``(data_ptr, device)`` is in ``later`` (the parameters
-        and the optimizer's state, which only the next optimizer step changes), which a
-        thread copies while training goes on (the :class:`PendingCopy`; None if none).
-        The result's containers are new; :attr:`kept` says whether it also holds values of
+        but for the storages whose ``(data_ptr, device)`` is in ``later``, which a thread
+        copies while training goes on (the :class:`PendingCopy`; None if none). The
+        result's containers are new; :attr:`kept` says whether it also holds values of
         other types as they are (a set, a NumPy array: possibly changed later)."""
         sources: dict[tuple[int, str, int], torch.Tensor] = {}
         slots: dict[tuple[int, str, int], list[_Slot]] = {}
@@ -141,12 +138,8 @@ class SharedStaging:
 class PendingCopy:
     """Storages being copied into their staging buffers by a thread, while the next
     forward and backward run (a tensor's ``copy_`` leaves the interpreter to them).
-
-    :meth:`finish` waits for the copy and says whether every source kept its version
-    meanwhile, that is, whether the staging buffers hold the state as it was when the
-    snapshot was taken. It must be called before anything may change those sources in
-    the ordinary course (the next optimizer step): then only a change nobody expects
-    (a forward that renormalises its weights in place) can make it False."""
+    :meth:`finish` must be called before the next optimizer step: then only a change
+    nobody expects (a forward that renormalises its weights in place) makes it False."""
 
     def __init__(self, executor: ThreadPoolExecutor,
                  copies: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
@@ -156,7 +149,6 @@ class PendingCopy:
         self._future = executor.submit(_copy_all, pairs)
 
     def wait(self) -> None:
-        """Block until the copy is done (raising what it raised)."""
         self._future.result()
 
     def finish(self) -> bool:
@@ -176,8 +168,8 @@ def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 def reserve(path: str, nbytes: int) -> None:
-    """Create ``path`` with ``nbytes`` bytes, pages reserved where the platform can (Linux,
-    where /dev/shm is): writing them through a mapping cannot fail."""
+    """Create ``path`` with ``nbytes`` bytes, pages reserved where the platform can:
+    writing them through a mapping cannot fail."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         if nbytes and hasattr(os, "posix_fallocate"):
@@ -189,20 +181,18 @@ def reserve(path: str, nbytes: int) -> None:
 
 
 def remove_file(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.remove(path)
-    except FileNotFoundError:
-        pass
 
 
 _SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
 
 
 def _walk(obj: Any, fn: Any, kept: Optional[list] = None, leaf: type = torch.Tensor) -> Any:
-    """``obj`` with ``fn(x)`` for each ``leaf`` ``x`` (a tensor; the writer's side: a
-    slot); dicts, lists and tuples copied, scalars kept; any other value kept as it is and
-    appended to ``kept``. On the step's path: scalars are not visited by a call each, and
-    a sequence of scalars (Python's random state: 625 ints) is recognised in C."""
+    """``obj`` with ``fn(x)`` for each ``leaf`` ``x``; dicts, lists and tuples copied,
+    scalars in them kept, any other value kept and appended to ``kept``. On the step's path:
+    scalars are not visited by a call each, and a sequence of scalars (Python's random
+    state: 625 ints) is recognised in C."""
     if isinstance(obj, leaf):
         return fn(obj)
     if isinstance(obj, dict):
@@ -220,8 +210,8 @@ def _walk(obj: Any, fn: Any, kept: Optional[list] = None, leaf: type = torch.Ten
 
 def rebuild(obj: Any, directory: str, mapped: dict[str, torch.UntypedStorage],
             used: Optional[dict[str, torch.UntypedStorage]] = None) -> Any:
-    """The writer's side: each slot back as a tensor on the mapped staging file
-    (``mapped``: file name -> mapping, added to; ``used``: the ones this object names)."""
+    """The writer's side: each slot back as a tensor on its mapped staging file
+    (``mapped``: file name -> mapping, added to; ``used``: the ones ``obj`` names)."""
     used = {} if used is None else used
 
     def tensor(slot: _Slot) -> torch.Tensor:
@@ -238,5 +228,3 @@ def rebuild(obj: Any, directory: str, mapped: dict[str, torch.UntypedStorage],
 
     return _walk(obj, tensor, leaf=_Slot)
 
-
-__all__ = ["PendingCopy", "SharedStaging", "rebuild", "remove_file", "reserve"]

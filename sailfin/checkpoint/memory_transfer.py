@@ -4,12 +4,9 @@ Snapshot files are CPU bytes, so they travel over gloo whatever the training
 backend (nccl included), on groups of their own (:class:`Peers`) that keep the
 background replica transfers from interleaving with training's collectives.
 
-A replica is a snapshot directory copied to a rank on another node. Each file
-is sent straight from its pages in the sender's file system (mapped, not read
-into a buffer) and received straight into the pages of the new file on the
-receiver's (mapped shared, reserved first); a small header of names and sizes
-goes ahead. The copy is written under ``.tmp-step-N`` and renamed when every
-file has arrived: complete or not at all.
+A replica is a snapshot directory copied to a rank on another node, each file from
+its pages on the sender to the new file's pages on the receiver, under
+``.tmp-step-N`` and renamed when every file has arrived.
 
 Example (on two ranks, each sending its newest snapshot and receiving the other's)::
 
@@ -32,19 +29,19 @@ from .memory_staging import reserve
 
 
 class Peers:
-    """Agreement between the ranks, and the groups snapshots travel on; on one process
-    every method is local.
+    """Agreement between the ranks, and the groups snapshots travel on (local on one
+    process).
 
     Example (on every rank)::
 
-        peers = Peers(rank, world_size)
+        peers = Peers(world_size)
         peers.start()
         if peers.min(1 if wrote_fine else 0) == 0:
             raise RuntimeError("a rank failed")
     """
 
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
         self.group: Any = None  # the step's agreement and resume's transfers
         self.background: Any = None  # the writer thread's replicas
 
@@ -74,9 +71,9 @@ class Peers:
 def exchange(group: Any, path: Optional[str], dst: Optional[int], src: Optional[int],
              into: str, step: int) -> Optional[str]:
     """Send the snapshot ``path`` to ``dst`` while receiving ``src``'s as
-    ``into/step-N``; returns the received directory. ``path`` None: this rank has no
-    snapshot of ``step`` (dropped) and sends an empty header; one received is not kept.
-    ``dst`` or ``src`` None: only receive, or only send."""
+    ``into/step-N``; returns the received directory. ``path`` None: this rank dropped its
+    snapshot of ``step`` and sends an empty header. ``dst`` or ``src`` None: only
+    receive, or only send."""
     where = path or ""
     sizes = {n: os.path.getsize(os.path.join(where, n)) for n in sorted(os.listdir(where))
              } if path is not None else {}
@@ -112,8 +109,7 @@ def exchange(group: Any, path: Optional[str], dst: Optional[int], src: Optional[
 
 
 def send(group: Any, path: str, dst: int) -> None:
-    """Send the snapshot ``path`` to ``dst`` (resume: a replica going back to the rank
-    whose node lost its own)."""
+    """Send the snapshot ``path`` to ``dst`` (a replica going back on resume)."""
     exchange(group, path, dst, None, "", 0)
 
 
@@ -124,8 +120,8 @@ def recv(group: Any, src: int, into: str, step: int) -> Optional[str]:
 
 def _move(group: Any, out: list[torch.Tensor], dst: Optional[int], into: list[torch.Tensor],
           src: Optional[int]) -> None:
-    """Send ``out`` to ``dst`` while receiving ``into`` from ``src`` (the empty ones
-    travel not at all); return once every transfer is done."""
+    """Send ``out`` to ``dst`` while receiving ``into`` from ``src``, empty ones not at
+    all; return once every transfer is done."""
     requests = [dist.isend(t, dst, group=group) for t in out if dst is not None and t.numel()]
     requests += [dist.irecv(t, src, group=group) for t in into
                  if src is not None and t.numel()]

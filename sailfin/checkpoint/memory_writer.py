@@ -1,17 +1,11 @@
 """The process that writes memory snapshots, out of the training process.
 
 Serialising a snapshot and computing its CRC-32s in the training process would
-compete with training for the interpreter and the cores. So the step copies the
-state into staging buffers (:mod:`.memory_staging`), and a writer process per
-rank, at the lowest priority, maps the same files and writes the snapshot, manifest
-last, under the temporary name, then renames it; only a small description of the
-state crosses the pipe. An older snapshot's files found under the temporary name
-are rewritten in place: their pages are reused, not freed and allocated again.
-
-A snapshot whose parameters were copied while training went on is renamed only
-when the training process says the copy holds its step's state (:class:`Verdict`).
-The writer stops when the training process closes its pipe or dies; if that one
-is gone before the rename, the snapshot stays unfinished, never complete.
+compete with training for the interpreter and the cores. So a writer process per
+rank, at the lowest priority, maps the staging files (:mod:`.memory_staging`) and
+writes the snapshot from them; only a small description of the state crosses the
+pipe. If the training process is gone before the rename, the snapshot stays
+unfinished, never complete.
 
 Example::
 
@@ -59,21 +53,19 @@ class _InPlace(LocalStorage):
 
 
 def write_snapshot(directory: str, name: str, staged: dict[str, Any], facts: dict[str, Any],
-                   staging_dir: str, parent: Optional[int] = None,
-                   commit: Optional[Callable[[], bool]] = None,
-                   mapped: Optional[dict[str, torch.UntypedStorage]] = None) -> bool:
+                   staging_dir: str, mapped: dict[str, torch.UntypedStorage],
+                   parent: Optional[int] = None,
+                   commit: Optional[Callable[[], bool]] = None) -> bool:
     """Write ``staged`` (stem -> state described by :class:`SharedStaging`) as the snapshot
     ``directory/name``: the files under ``.tmp-<name>`` (an older snapshot's, rewritten in
     place), the manifest last, then the rename, unless the training process ``parent`` is
-    gone meanwhile or ``commit()`` (asked once the files are written) says no. True when
-    renamed. ``mapped`` (staging file name -> its mapping) keeps the staging files mapped
-    from one snapshot to the next (mapping 24 MB anew faults in every page again); one
-    this snapshot does not name is unmapped."""
+    gone or ``commit()`` (asked once the files are written) says no. True when renamed.
+    ``mapped`` (staging file name -> its mapping) keeps the staging files mapped from one
+    snapshot to the next (mapping 24 MB anew faults in every page again)."""
     storage = _InPlace()
     temporary = os.path.join(directory, f".tmp-{name}")
     os.makedirs(temporary, exist_ok=True)
     remove_file(os.path.join(temporary, manifests.MANIFEST))
-    mapped = {} if mapped is None else mapped
     used: dict[str, torch.UntypedStorage] = {}
     files: dict[str, FileEntry] = {}
     for stem, described in staged.items():
@@ -99,11 +91,10 @@ def write_snapshot(directory: str, name: str, staged: dict[str, Any], facts: dic
 
 
 def _serve(parent: int) -> None:
-    """The writer process (started by :class:`WriterProcess` with ``python -c``): one
-    snapshot per message on stdin until ``None`` or the pipe ends; each answered on stdout
-    (None: renamed; ``"dropped"``; or the error's errno and reason). A snapshot sent with
-    ``hold`` is answered ``"written"`` once its files are, and renamed only if the next
-    message says True. It ends the process (``os._exit``) rather than return."""
+    """The writer process: one snapshot per message on stdin until ``None`` or the pipe
+    ends; each answered on stdout (None: renamed; ``"dropped"``; or the error's errno and
+    reason). A snapshot sent with ``hold`` is answered ``"written"`` once its files are,
+    and renamed only if the next message says True."""
     torch.set_num_threads(1)
     # Each file's CRC-32 is computed as it is written and kept in the manifest, which is
     # what a restart checks; torch.save's own CRC-32 of every zip record (torch.load never
@@ -149,8 +140,7 @@ def _serve(parent: int) -> None:
             os._exit(0)
         *where, hold = job
         try:
-            renamed = write_snapshot(*where, parent=parent, commit=commit if hold else None,
-                                     mapped=mapped)
+            renamed = write_snapshot(*where, mapped, parent, commit if hold else None)
             reply: Any = None if renamed else "dropped"
         except BaseException as exc:  # noqa: BLE001 - sent back, raised in the trainer
             reply = (_errno(exc), f"{type(exc).__name__}: {exc}")
@@ -166,9 +156,8 @@ def _errno(exc: Optional[BaseException]) -> Optional[int]:
 
 
 class Verdict:
-    """Whether a snapshot copied while training went on holds its step's state: the
-    training thread gives it (:meth:`MemoryStore.settle`), the writer thread waits for it
-    once the files are written, and renames them only if it is True."""
+    """Whether a snapshot copied while training went on holds its step's state: given by
+    :meth:`MemoryStore.settle`, waited for by the writer thread before the rename."""
 
     def __init__(self) -> None:
         self._given: Future = Future()
@@ -192,9 +181,8 @@ class WriterProcess:
 
     def write(self, directory: str, name: str, staged: dict[str, Any], facts: dict[str, Any],
               staging_dir: str, verdict: Optional[Callable[[], bool]] = None) -> bool:
-        """Have the writer write the snapshot (:func:`write_snapshot`); block until it is
-        renamed (the calling thread waits on a pipe, holding nothing). True when renamed.
-        Raises OSError (errno kept: a full file system) or RuntimeError."""
+        """:func:`write_snapshot` in the writer; True when renamed. Raises OSError (errno
+        kept: a full file system) or RuntimeError."""
         self.ready()
         try:
             self._send((directory, name, staged, facts, staging_dir, verdict is not None))
@@ -216,11 +204,10 @@ class WriterProcess:
         self._proc.stdin.flush()
 
     def ready(self) -> None:
-        """Start the writer if it is not running, and wait until it can write (its
-        interpreter and torch imported: a second or so, once per run)."""
-        if self._ready and self._proc is not None and self._proc.poll() is None:
-            return
+        """Start the writer if it is not running, and wait until it can write."""
         self.start()
+        if self._ready:
+            return
         try:
             hello = pickle.load(self._proc.stdout)
         except (EOFError, OSError):
@@ -231,7 +218,6 @@ class WriterProcess:
         self._ready = True
 
     def start(self) -> None:
-        """Start the writer without waiting (it imports torch while the run sets up)."""
         if self._proc is not None and self._proc.poll() is None:
             return
         self._ready = False
@@ -262,5 +248,3 @@ class WriterProcess:
             proc.wait()
         proc.stdout.close()
 
-
-__all__ = ["Verdict", "WriterProcess", "write_snapshot"]

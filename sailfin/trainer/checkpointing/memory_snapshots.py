@@ -1,16 +1,9 @@
 """``trainer.checkpoint.memory``: snapshot the trainer's state to shared memory every N steps.
 
-The storage (files in ``/dev/shm``, the background writer, replicas, the
-resume agreement) is :mod:`sailfin.checkpoint.memory`; this callback decides
-when, hands it the state, checks before the first step that snapshots fit,
-persists every ``persist_every_n_steps`` as an ordinary checkpoint, and
-removes the snapshots when the run ends normally.
-
-Whether snapshots fit is counted before the first step from the state's real
-sizes, the optimizer's state sized from its parameters (:func:`stepped_state_bytes`).
-A node holds, per rank that writes to it: two snapshots (the newest complete one
-and the one being written), times two with a replica from another node, and the
-staging copy the writer process reads from.
+The storage is :mod:`sailfin.checkpoint.memory`; this callback decides when, hands it
+the state, checks before the first step that snapshots fit, persists every
+``persist_every_n_steps`` as an ordinary checkpoint, and removes the snapshots when the
+run ends normally.
 """
 
 from __future__ import annotations
@@ -24,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 from ...checkpoint import CheckpointError, Checkpointer, memory_dirs
-from ...checkpoint.memory_checkpointer import MemoryFirstCheckpointer, local_shards, mesh_of
+from ...checkpoint.memory_checkpointer import MemoryFirstCheckpointer, local_shards
+from ...checkpoint.memory_staging import remove_file
 from ...checkpoint.rng import rng_state
 from ...checkpoint.staging import optimizer_storages, storage_key
 from ...config.trainer import TrainerArguments
@@ -42,12 +36,6 @@ _FILE_OVERHEAD = 1 << 16  # torch.save's archive around the tensors, per file (g
 class MemorySnapshots(Callback):
     """Snapshots every ``every_n_steps`` optimizer steps; training waits for the copy, and
     for a write only when it is slower than the steps between snapshots.
-
-    A thread copies the parameters and the optimizer's state while the next forward and
-    backward run, and the optimizer step waits for it; if a version check finds them
-    changed meanwhile, that snapshot is dropped and later ones are copied at once. The
-    step that takes the next snapshot waits, before it is logged, until the last one is
-    written (:meth:`before_log`): a kill loses at most ``every_n_steps``.
     ``stall_seconds`` records how long each snapshot held training; ``write_waits`` the
     waits for a write.
 
@@ -63,16 +51,12 @@ class MemorySnapshots(Callback):
         memory = args.checkpoint.memory
         self.every = memory.every_n_steps if isinstance(memory.every_n_steps, int) else 1
         self.persist = memory.persist_every_n_steps
-        self.replicas = int(self.store.replica_dst is not None)
         # Persisting is an ordinary (async) save; the saver also supplies the best metric.
         self.saver = saver or CheckpointCallback(checkpointer, args.checkpoint)
         self.stall_seconds: list[float] = []
         self.write_waits: list[float] = []  # a step waited for the previous write (seconds)
         self.snapshot_bytes = 0  # one rank's whole snapshot state, as counted before step 1
-        self._warned = False  # the file system filled: said once
-        # Parameters and optimizer state are copied while the next step's forward and
-        # backward run (off once a snapshot finds them changed meanwhile).
-        self.overlap = True
+        self.overlap = True  # copy the stepped state during the next forward and backward
         self._config: Optional[dict] = None  # trainer.args, shared by every snapshot
 
     def on_train_start(self, trainer: "RunView") -> None:
@@ -104,26 +88,19 @@ class MemorySnapshots(Callback):
             later = stepped_state(trainer) if self.overlap else frozenset()
             self.store.stage(trainer.global_step, facts, shared, rng_state(), replicated,
                              later)
-        elif self.store.stopped and not self._warned:
-            self._warned = True
-            if trainer.dist.is_main:
-                say(self.store.stopped)
         self.stall_seconds.append(time.perf_counter() - started)
         if not self.store.copying:  # else said when the copy is settled, with its wait
             notify_save_end(trainer, "snapshot", self.stall_seconds[-1])  # the time account
 
     def on_backward_end(self, trainer: "RunView", samples: int) -> bool:
-        """Before the optimizer step changes them: wait until the parameters and optimizer
-        state of the last snapshot are copied (a thread copied them during this step's
-        forward and backward)."""
+        # Before the optimizer step changes them: the last snapshot's copy is done.
         self.settle(trainer)
         return False
 
     def before_log(self, trainer: "RunView", then: Optional[StepHook]) -> Optional[StepHook]:
-        """What the trainer calls after each optimizer step, before it logs the step (its
-        ``on_end_train_step`` slot; ``then`` the recipe's): a step that takes a snapshot
-        first waits until the previous one is written. Once a step is logged, the snapshot
-        before it is complete: a kill loses at most ``every_n_steps`` steps."""
+        """The trainer's ``on_end_train_step`` (``then`` the recipe's): a step that takes a
+        snapshot first waits until the previous one is written. Once a step is logged, the
+        snapshot before it is complete: a kill loses at most ``every_n_steps`` steps."""
         every = self.every
 
         def step_done(global_step: int, loss: Any, stats: Any) -> None:
@@ -165,18 +142,15 @@ class MemorySnapshots(Callback):
         # The final state is on disk (the saver's on_train_end ran first): the RAM goes back.
         self.store.remove_mine()
         trainer.backend.barrier()
-        if self.checkpointer.local_rank == 0:
+        if self.store.local_rank == 0:
             shutil.rmtree(self.store.root, ignore_errors=True)
-            record = os.path.join(trainer.args.output_dir,
-                                  f"{memory_dirs.RECORD}{self.checkpointer.node}")
-            if os.path.exists(record):
-                os.remove(record)
+            remove_file(os.path.join(trainer.args.output_dir,
+                                     f"{memory_dirs.RECORD}{self.store.node}"))
 
-    # -- before the first step ---------------------------------------------------------
     def check_space(self, trainer: "RunView") -> None:
         """Two snapshots per writing rank (plus two replicas) and its staging copy, the
-        optimizer's state counted as after the first step, must fit the free shared memory
-        of each node; else stop before the first step, on every rank, with the numbers."""
+        optimizer's state counted as after the first step, must fit each node's free
+        shared memory; else stop before the first step, on every rank."""
         state = trainer.state_dict()
         local = local_shards(state)
         # The whole snapshot state: the optimizers' state as after their first step.
@@ -185,32 +159,32 @@ class MemorySnapshots(Callback):
         shared = state_bytes(local) + grown + 2 * _FILE_OVERHEAD
         own = state_bytes(rng_state()) + _FILE_OVERHEAD
         self.snapshot_bytes = shared + own
+        replicas = self.store.replica_dst is not None
         writes_shared = local is not state or self.store.rank == self.store.leader
         writes = (shared if writes_shared else 0) + own  # ddp: the node's leader only
         root = self.store.root
         free = memory_dirs.free_bytes(root) + memory_dirs.used_bytes(root)
-        reports = self.store.peers.all_gather((self.checkpointer.node, writes, free, root))
+        reports = self.store.peers.all_gather((self.store.node, writes, free, root))
         for where in sorted({r[0] for r in reports}):
             on_node = [r for r in reports if r[0] == where]
-            need = sum(r[1] * (2 * (1 + self.replicas) + 1) for r in on_node)
+            need = sum(r[1] * (2 * (1 + replicas) + 1) for r in on_node)
             free, root = on_node[0][2], on_node[0][3]
             if need <= free:
                 continue
             raise CheckpointError(
                 f"trainer.checkpoint.memory: snapshots need {_mb(need)} on node {where} "
                 f"(2 snapshots"
-                + (" and 2 replicas" if self.replicas else "")
+                + (" and 2 replicas" if replicas else "")
                 + f" and a staging copy of {_mb(max(r[1] for r in on_node))} at most per "
                 f"rank, model and optimizer state once per node, {len(on_node)} rank(s)"
                 + f") but {root} has {_mb(free)} free; enlarge /dev/shm (docker run "
                 "--shm-size), point trainer.checkpoint.memory.dir at a larger tmpfs"
-                + (", set trainer.checkpoint.memory.replicas: 0" if self.replicas else "")
+                + (", set trainer.checkpoint.memory.replicas: 0" if replicas else "")
                 + ", or turn snapshots off (trainer.checkpoint.memory.every_n_steps: null)")
 
 
 def stepped_state(trainer: "RunView") -> frozenset:
-    """The storages only an optimizer step changes: the parameters and the optimizers'
-    state (fsdp: this rank's rows)."""
+    """The storages only an optimizer step changes: the parameters and optimizers' state."""
     return (frozenset(storage_key(p) for p in trainer.module.parameters())
             | optimizer_storages(trainer.optimizers))
 
@@ -218,11 +192,12 @@ def stepped_state(trainer: "RunView") -> frozenset:
 def memory_snapshot_callback(checkpointer: Checkpointer, args: TrainerArguments,
                              saver: Optional[CheckpointCallback],
                              module: torch.nn.Module) -> list[MemorySnapshots]:
-    """The callback ``trainer.checkpoint.memory`` asks for (none when it is off); before
-    resume, which rebuilds fsdp shards from a snapshot on the model's device mesh."""
+    """The callback ``trainer.checkpoint.memory`` asks for (none when it is off); built
+    before resume, which rebuilds fsdp shards on the model's device mesh."""
     if not isinstance(checkpointer, MemoryFirstCheckpointer):
         return []
-    checkpointer.mesh = mesh_of(module)
+    checkpointer.mesh = next((p.device_mesh for p in module.parameters()  # fsdp's DTensors
+                              if hasattr(p, "device_mesh")), None)
     if args.checkpoint.memory.every_n_steps == "auto":  # chosen from measurements
         from .auto_interval import AutoMemorySnapshots
         return [AutoMemorySnapshots(checkpointer, args, saver)]
@@ -252,9 +227,9 @@ def state_bytes(obj: Any) -> int:
 
 
 def stepped_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes ``optimizer``'s state holds once it has stepped: a twin of it, on ``meta``
-    copies of this rank's parameters, takes one step (no memory used, the real optimizer
-    untouched); 0 when the twin cannot (the run checks again after each snapshot)."""
+    """Bytes ``optimizer``'s state holds once it has stepped: a twin of it steps once on
+    ``meta`` copies of this rank's parameters; 0 when it cannot (the writer checks the
+    room again after each snapshot)."""
     inner = _inner(optimizer)
     if inner.state:
         return state_bytes(dict(inner.state))
@@ -263,8 +238,7 @@ def stepped_state_bytes(optimizer: torch.optim.Optimizer) -> int:
         metas = []
         for param in group["params"]:
             local = param.to_local() if hasattr(param, "to_local") else param
-            meta = torch.nn.Parameter(torch.empty(local.shape, dtype=local.dtype,
-                                                  device="meta"),
+            meta = torch.nn.Parameter(torch.empty_like(local, device="meta"),
                                       requires_grad=param.requires_grad)
             if param.requires_grad:
                 meta.grad = torch.empty_like(meta)
