@@ -1,18 +1,7 @@
 """Differential privacy (DP-SGD on Opacus) composed on a strategy: ``sp-dp``, ``ddp-dp``,
-``fsdp-dp`` (:func:`private_class`: a subclass of the strategy's class). Which Opacus
-pieces each runs (``DPDDP``'s broadcast, ``ghost_fsdp``) is in docs/dp.md.
-
-A step: Opacus's per-sample gradient hooks on the model (checked, or fixed with
-``trainer.dp.fix_model``); each micro-batch but a step's last has its per-sample
-gradients clipped, summed and dropped (``signal_skip_step``, as Opacus's
-``BatchMemoryManager``); ``DPOptimizer.step`` clips the last, adds Gaussian noise of
-std ``noise_multiplier * max_grad_norm``, divides by the expected global batch, and
-steps the accountant and the recipe's optimizer.
-
-The noise generator's state and the accountant's history ride in every checkpoint, so a
-resumed run adds the same noise and reports the same epsilon as one never interrupted.
-Before the first step the noise of the steps to come is chosen given that history
-(:mod:`.privacy_budget`: ``target_epsilon`` is a bound across resumes).
+``fsdp-dp`` (:func:`private_class`: a subclass of the strategy's class). docs/dp.md says
+which Opacus pieces each runs, how a step clips and noises, and what a checkpoint keeps
+so that a resumed run adds the same noise and reports the same epsilon.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""The FSDP strategy: parameters, gradients and optimizer state sharded over the ranks.
-
-PyTorch's FSDP2 (``fully_shard``) makes each parameter a DTensor holding 1/world of
-its rows on each rank. A *unit* (a submodule given to ``fully_shard``) all-gathers its
-parameters just before its forward and frees them after; its gradients are
-reduce-scattered after its backward, so each rank keeps only its own rows of them, and
-the optimizer (built after sharding) keeps state for those rows only.
-
-The strategy is the DDP strategy's sibling under the process-group base
-(:mod:`.parallel`): units instead of ``DistributedDataParallel``, a group of one when
-started alone, and state dicts that stay sharded (:mod:`sailfin.checkpoint.sharded`).
-How the model gets its starting weights is :mod:`.fsdp_build`; which submodules are
-units, :mod:`.fsdp_units`.
+"""The FSDP strategy: parameters, gradients and optimizer state sharded over the ranks
+with PyTorch's FSDP2 (``fully_shard``; docs/sharding.md). It is the DDP strategy's
+sibling under the process-group base (:mod:`.parallel`): units instead of
+``DistributedDataParallel``, a group of one when started alone, and state dicts that
+stay sharded (:mod:`sailfin.checkpoint.sharded`). The starting weights come from
+:mod:`.fsdp_build`, the choice of units from :mod:`.fsdp_units`.
 """
 
 from __future__ import annotations
@@ -36,8 +29,8 @@ from ..config.fsdp import FSDPArguments
 from ..distributed import DistEnv
 from ..utils.memory import fix_mmap_threshold, release_free_memory
 from ..utils.voice import say
-from .fsdp_build import (RankZeroStart, buffers_to, check_same_model, init_on_shards,
-                         receive_from_rank0, require_init_weights)
+from .fsdp_build import (Start, buffers_to, capture_start, check_same_model,
+                         init_on_shards, receive_from_rank0, require_init_weights)
 from .fsdp_units import select_units, unit_checker
 from .parallel import ParallelStrategy
 from .precision import Precision
@@ -77,7 +70,7 @@ class FSDPStrategy(ParallelStrategy):
                               "already; set trainer.fsdp.cpu_offload false")
         self.units: list[str] = []  # dotted names of the submodules sharded as units
         self.root: Optional[FSDPModule] = None
-        self._start: Optional[RankZeroStart] = None  # rank 0's model until shards are filled
+        self._start: Start = ({}, {})  # rank 0's model until shards are filled
 
     # -- set-up ----------------------------------------------------------------------
     def setup(self, module: torch.nn.Module) -> None:
@@ -123,7 +116,7 @@ class FSDPStrategy(ParallelStrategy):
         if self.fsdp.build == "meta":
             require_init_weights(module)
         else:
-            self._start = RankZeroStart.capture(module, self.dist.rank)
+            self._start = capture_start(module, self.dist.rank)
 
     def compile_runner(self, runner: StepRunner) -> None:
         pass  # each unit is compiled as it is sharded (shard()); the root runs eagerly
@@ -159,9 +152,8 @@ class FSDPStrategy(ParallelStrategy):
         if self.fsdp.build == "meta":
             init_on_shards(recipe, home, self.broadcast_object)
         else:
-            receive_from_rank0(recipe, self._start or RankZeroStart(), self.dist.rank, home,
+            receive_from_rank0(recipe, self._start, self.dist.rank, home,
                                self._collective_device(), every_rank_empty=self.fsdp.cpu_offload)
-            self._start = None
         if home != self.device:
             buffers_to(recipe, self.device)
         # FSDP2 names its root at the first forward through it. Validation (the start-up

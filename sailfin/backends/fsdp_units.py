@@ -1,13 +1,10 @@
-"""Which submodules the fsdp backends shard as units of their own.
+"""Which submodules the fsdp backends shard as units of their own (docs/sharding.md).
 
-A unit all-gathers its parameters just before its forward and frees them after, so
-the peak holds one unit's full parameters at a time. The default is the model's
-repeated blocks: a Hugging Face model's ``_no_split_modules``, otherwise the class of
-the children of its largest ``ModuleList`` or ``Sequential``. Two rules keep a unit
-usable: it has a ``forward`` of its own (FSDP2 gathers in its forward hooks, so a
-``ModuleList`` can never gather), and a parameter tied to a module outside it (an
-embedding shared with the output head) is not in it: tied parameters stay together,
-in one unit or in the root.
+The default is the model's repeated blocks: a Hugging Face model's
+``_no_split_modules``, otherwise the class of the children of its largest ``ModuleList``
+or ``Sequential``. A unit needs a ``forward`` of its own (FSDP2 gathers in its forward
+hooks, so a ``ModuleList`` can never gather), and tied parameters stay together, in one
+unit or in the root.
 """
 
 from __future__ import annotations

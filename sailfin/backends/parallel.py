@@ -16,8 +16,7 @@ import torch.distributed as dist
 from ..config.distributed import DistArguments
 from ..config.errors import ConfigError
 from ..distributed import DistEnv
-from ..distributed.process_group import (all_reduce_mean, comm_backend_for,
-                                         destroy_process_group, gather_outputs,
+from ..distributed.process_group import (comm_backend_for, gather_outputs,
                                          init_process_group, launch_hint)
 from ..utils.voice import say
 from .precision import Precision
@@ -102,7 +101,8 @@ class ParallelStrategy(SingleDevice):
             # references before calling this), so that the group is destroyed now, while
             # the interpreter is whole, not during exit.
             self.runner = self._run = None
-            destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
             gc.collect()
             self._owns_group = False
 
@@ -111,7 +111,9 @@ class ParallelStrategy(SingleDevice):
         return self.device if self.comm_backend == "nccl" else torch.device("cpu")
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        return all_reduce_mean(tensor, self.dist.world_size)
+        out = tensor.detach().clone()  # a new tensor: the input is untouched
+        dist.all_reduce(out)
+        return out / self.dist.world_size
 
     def gather_outputs(self, outputs: dict[str, Any]) -> dict[str, Any]:
         return gather_outputs(outputs, self.dist.rank, self.dist.world_size,

@@ -1,12 +1,7 @@
 """The privacy a run may still spend: epsilon of an accountant's history, the noise that
-keeps ``target_epsilon`` a bound across resumes, and the table the logged epsilon and
-``max_epsilon`` read.
-
-An Opacus accountant's history is a list of segments ``(noise_multiplier, sample_rate,
-steps)``, and its epsilon at delta a function of that list alone. A run that resumes
-with another length, batch size or noise adds a segment to the history it inherited:
-the noise a segment needs is the one whose composition with the past stays within the
-target, and the epsilon after each of its steps is computed once, when it starts.
+keeps ``target_epsilon`` a bound across resumes (docs/dp.md), and the table the logged
+epsilon and ``max_epsilon`` read. A history is a list of segments ``(noise_multiplier,
+sample_rate, steps)``; a resumed run adds a segment to the one it inherited.
 
 Example::
 

@@ -1,15 +1,13 @@
 """Strategy: where a step runs and how gradients are combined. The trainer owns the loop
 and calls these methods; a strategy never loops.
 
-``trainer.compile`` compiles the step runner (:class:`StepRunner`): compiling the
-model's ``forward`` alone would miss the loss and anything else ``train_step`` does. It
-is compiled in place (names and ``state_dict`` keys do not change), at its first call
-(again for a new input shape), and before a strategy wraps it, as PyTorch advises for DDP.
+``trainer.compile`` compiles the step runner (:class:`StepRunner`), in place and before
+a strategy wraps it: compiling the model's ``forward`` alone would miss the loss and
+anything else ``train_step`` does (docs/backends.md).
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterable, Optional
 
@@ -18,10 +16,8 @@ import torch
 from ..distributed import DistEnv
 from ..utils.voice import say
 from .checkpointing import apply_activation_checkpointing
-from .precision import Precision
+from .precision import _NULL, Precision
 from .state import optimizer_state_is_named
-
-_NULL = contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -57,7 +53,6 @@ class CompileError(RuntimeError):
 
 
 def compile_in_place(runner: torch.nn.Module, mode: str) -> None:
-    """Make ``runner(...)`` run through torch.compile (compiled lazily, on first call)."""
     runner.compile(mode=None if mode == "default" else mode)
 
 
@@ -134,8 +129,6 @@ class SingleDevice:
         module.to(self.device)
 
     def convert_batchnorm(self, module: torch.nn.Module) -> None:
-        """``trainer.distributed.sync_batchnorm``: one process's BatchNorm sees the whole
-        batch already."""
         if self.dist.is_main:
             say("trainer.distributed.sync_batchnorm: true changes nothing on a single "
                 "process (sp): its BatchNorm statistics are the whole batch's already",

@@ -1,9 +1,5 @@
 """What the hang watchdog says: the phases a rank reports, and the report that names the
-rank(s) the others wait for: those whose records stopped coming (a frozen or vanished
-process), else those furthest behind (an earlier step, or an earlier phase of the same
-step), else, every rank being at the same place, those still making progress while the
-others have waited past the limit (one rank slow alone in validation is named alone).
-Only when every rank waits is the whole group named.
+rank(s) the others wait for (:func:`culprits` says which).
 
 Example::
 

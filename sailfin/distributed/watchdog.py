@@ -1,18 +1,10 @@
-"""The hang watchdog: a stuck rank is named, and the job ends instead of hanging (what a
-user sees: docs/multinode.md, docs/robustness.md).
+"""The hang watchdog: a stuck rank is named, and the job ends instead of hanging (how it
+judges, what it prints and does: docs/multinode.md#reading-a-hang-report).
 
 The loop writes where it is into a :class:`Heartbeat` (plain attributes: nothing on the
-step's path); a thread per rank publishes it once a second to the process group's store
-with the seconds since it last moved. Ranks 0 and 1 judge (a frozen rank 0 is judged by
-rank 1); the first to see a rank idle past its phase's limit, or whose records stopped
-(a frozen process), writes the report (:mod:`.hang_report`). Every live rank then ends
-the frozen processes on its host (SIGKILL: a stopped process answers nothing else, and
-torchrun would wait 30 s), writes its stack, leaves a note for ``sailfin launch`` and
-exits 75, so ``torchrun --max-restarts`` resumes the group from its last checkpoint.
-
-The thread needs the GIL: a rank blocked in a collective, a sleep, I/O or CUDA is seen
-(they release it); a C extension that holds the GIL forever silences it, and the judges
-then report that rank's records as stopped.
+step's path); a thread per rank publishes it once a second to the process group's store.
+The thread needs the GIL: a C extension that holds it forever silences the thread, and
+the judges then report that rank's records as stopped.
 """
 
 from __future__ import annotations
