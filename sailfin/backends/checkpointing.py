@@ -39,14 +39,11 @@ def apply_activation_checkpointing(module: torch.nn.Module, class_names: Sequenc
     wanted = set(class_names)
     done: list[str] = []
     for path, sub in module.named_modules():
-        if sub is module or type(sub).__name__ not in wanted:
+        if (sub is module or type(sub).__name__ not in wanted
+                or any(path.startswith(parent + ".") for parent in done)):
             continue
-        if any(path.startswith(parent + ".") for parent in done):
-            continue
-        if getattr(sub.forward, "_sailfin_checkpointed", False):
-            done.append(path)  # set-up ran before on this module: do not wrap twice
-            continue
-        sub.forward = _checkpointed(sub.forward)
+        if not getattr(sub.forward, "_sailfin_checkpointed", False):  # set-up ran before
+            sub.forward = _checkpointed(sub.forward)
         done.append(path)
     return done
 

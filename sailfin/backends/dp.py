@@ -22,7 +22,7 @@ from ..data.plan import BatchPlan
 from ..data.poisson import PoissonPlan, PrivatePlan
 from ..compat.opacus import drop_pending_step
 from .precision import Precision
-from .privacy_budget import Segment, epsilon_of, plan_segment
+from .privacy_budget import Segment, epsilon_of, new_accountant, plan_segment
 from .privacy_model import attach_hooks, check_model, import_opacus, naming_inplace_outputs
 from .strategy import _NULL, SingleDevice, StepRunner
 
@@ -121,7 +121,6 @@ class PrivateStrategy(SingleDevice):
 
     def attach_optimizers(self, optimizers: list[torch.optim.Optimizer], num_samples: int,
                           steps_per_epoch: int) -> None:
-        from opacus.accountants import create_accountant
         from opacus.optimizers import get_optimizer_class
 
         dp, args = self.dp_args, self.train_args
@@ -160,9 +159,7 @@ class PrivateStrategy(SingleDevice):
                                 max_grad_norm=max_norm, expected_batch_size=expected,
                                 loss_reduction="mean", generator=self.noise_rng,
                                 secure_mode=dp.secure_rng)
-        with warnings.catch_warnings():  # gdp's "experimental" is in docs/dp.md
-            warnings.simplefilter("ignore")
-            self.accountant = create_accountant(mechanism=dp.accountant)
+        self.accountant = new_accountant(dp.accountant)
         self.dp_optimizer.attach_step_hook(self._account)
 
     def _account(self, optimizer: Any) -> None:

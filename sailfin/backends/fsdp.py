@@ -31,7 +31,7 @@ from ..utils.memory import fix_mmap_threshold, release_free_memory
 from ..utils.voice import say
 from .fsdp_build import (Start, buffers_to, capture_start, check_same_model,
                          init_on_shards, receive_from_rank0, require_init_weights)
-from .fsdp_units import select_units, unit_checker
+from .fsdp_units import checked, select_units
 from .parallel import ParallelStrategy
 from .precision import Precision
 from .state import dcp_optimizer_state, named_optimizer_state, optimizer_state_is_named
@@ -131,12 +131,8 @@ class FSDPStrategy(ParallelStrategy):
                 raise ConfigError(
                     f"{type(recipe).__name__} shards itself in configure_sharding(), and "
                     f"trainer.fsdp.units is {self.fsdp.units} as well; remove one of them")
-            check = unit_checker(recipe, f"{type(recipe).__name__}.configure_sharding()")
-
-            def shard_checked(sub: torch.nn.Module) -> torch.nn.Module:
-                check(sub)  # a container, or a tie split: one line naming the unit
-                return self.shard(sub)
-            recipe.configure_sharding(shard_checked)
+            recipe.configure_sharding(checked(
+                recipe, f"{type(recipe).__name__}.configure_sharding()", self.shard))
             self.units = [name for name, sub in recipe.named_modules()
                           if isinstance(sub, FSDPModule)]
         else:

@@ -10,9 +10,8 @@ unit or in the root.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Optional
+from typing import Callable, Optional
 
-import torch
 from torch import nn
 
 from ..compat.transformers import no_split_modules
@@ -133,11 +132,14 @@ def check_unit(path: str, sub: nn.Module, owners: dict[int, list[str]], where: s
             "name a module that holds both")
 
 
-def unit_checker(model: nn.Module, where: str):
-    """A check for ``configure_sharding``'s units, against the model before sharding."""
+def checked(model: nn.Module, where: str, shard: Callable[[nn.Module], nn.Module]
+            ) -> Callable[[nn.Module], nn.Module]:
+    """``shard`` for ``configure_sharding``: a unit FSDP cannot use (a container, a tie
+    split) is first one line naming it, checked against the model before sharding."""
     owners = parameter_owners(model)
     paths = {id(m): p for p, m in model.named_modules()}
 
-    def check(sub: torch.nn.Module) -> None:
+    def shard_checked(sub: nn.Module) -> nn.Module:
         check_unit(paths.get(id(sub), type(sub).__name__), sub, owners, where)
-    return check
+        return shard(sub)
+    return shard_checked

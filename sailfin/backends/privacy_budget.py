@@ -40,15 +40,17 @@ def extended(history: Sequence[Entry], sigma: float, rate: float, steps: int) ->
     return out
 
 
-@lru_cache(maxsize=None)
-def _accountant(mechanism: str) -> Any:
-    """One accountant per mechanism, reused (GDP's warns each time one is built)."""
+def new_accountant(mechanism: str) -> Any:
+    """An Opacus accountant, without GDP's "experimental" warning (docs/dp.md says so)."""
     import warnings
 
     from opacus.accountants import create_accountant
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return create_accountant(mechanism=mechanism)
+
+
+_accountant = lru_cache(maxsize=None)(new_accountant)  # one per mechanism, reused
 
 
 def epsilon_of(mechanism: str, history: Sequence[Entry], delta: float) -> float:

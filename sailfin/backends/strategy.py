@@ -118,11 +118,10 @@ class SingleDevice:
         runner = StepRunner(module)
         if ex.compile:
             self.compile_runner(runner)
-        self.runner = self.wrap(runner)
-        if self.runner is None and ex.compile:
-            self.runner = runner
-        self._run = self.runner
+        self.runner = self._run = self.wrap(runner)
         if ex.compile:
+            if self.runner is None:
+                self.runner = runner
             self._run = explain_failures(self.runner, type(module).__name__)
 
     def place(self, module: torch.nn.Module) -> None:
@@ -163,7 +162,6 @@ class SingleDevice:
     # -- one step -------------------------------------------------------------
     def train_step(self, module: torch.nn.Module, global_step: int, batch: Any,
                    sync: bool = True) -> Any:
-        """Run the recipe's ``train_step``. ``sync=False``: gradients stay local."""
         with self.precision.forward_context():
             if self.runner is None:
                 return self._train_step(global_step, batch, self.device)
@@ -176,7 +174,6 @@ class SingleDevice:
 
     def validation_outputs(self, module: torch.nn.Module, global_step: int,
                            batches: Iterable[Any]) -> list[Any]:
-        """``val_step`` of each of this rank's validation batches, in order."""
         return [self.val_step(module, global_step, batch) for batch in batches]
 
     def backward(self, loss: torch.Tensor) -> None:
