@@ -171,11 +171,9 @@ class PrivateStrategy(SingleDevice):
         self.accounted += 1
 
     def begin_segment(self, steps: int) -> Optional[str]:
-        """Choose the noise of the ``steps`` steps this run may still take, given the
-        history its checkpoint spent (``target_epsilon`` stays a bound: see
-        :func:`~.privacy_budget.plan_segment`), and build their epsilon table. Returns the
-        line to log when the noise changed from the checkpoint's; raises ConfigError
-        (before the first step) when no noise keeps the target or epsilon is unbounded."""
+        """Choose the noise of the ``steps`` steps this run may still take and build their
+        epsilon table (:func:`~.privacy_budget.plan_segment`); the line to log when the
+        noise changed from the checkpoint's."""
         dp = self.dp_args
         self.accounted = sum(int(h[2]) for h in self.accountant.history)
         segment = plan_segment(dp.accountant, self.accountant.history, self.sample_rate,

@@ -81,12 +81,9 @@ class ParallelStrategy(SingleDevice):
                 f"({source})")
 
     def convert_batchnorm(self, module: torch.nn.Module) -> None:
-        """BatchNorm layers become SyncBatchNorm in place (the same parameters and buffers),
-        before the module is placed and wrapped."""
-        converted = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
-        if converted is not module:  # the recipe is a ModuleInterface, never a BatchNorm
-            raise ConfigError("trainer.distributed.sync_batchnorm: the recipe itself is a "
-                              "BatchNorm layer")
+        # In place (the recipe, a ModuleInterface, is never a BatchNorm itself): the same
+        # parameters and buffers, before the module is placed and wrapped.
+        torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
 
     def sync_buffers(self, module: torch.nn.Module) -> None:
         # Each rank's forwards updated its own running statistics; validation and the

@@ -18,13 +18,9 @@ from .env import DistEnv, DistEnvError
 
 
 def attempt_prefix(environ: Mapping[str, str]) -> str:
-    """The key namespace of this rendezvous round of this torchrun job.
-
-    torchrun counts restarts after failures (TORCHELASTIC_RESTART_COUNT) but
-    not the new rounds it starts when a node joins; those change the world
-    size instead. Within one restart count the world only grows, so the pair
-    names every round once.
-    """
+    """The key namespace of this rendezvous round of this torchrun job. torchrun counts
+    restarts after failures but not the rounds a joining node starts; within one restart
+    count the world only grows, so (restart count, world size) names every round once."""
     run_id = environ.get("TORCHELASTIC_RUN_ID", "none")
     restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     world = environ.get("WORLD_SIZE", "0")
@@ -38,11 +34,8 @@ def attempt_prefix(environ: Mapping[str, str]) -> str:
 
 def torchrun_store(environ: Mapping[str, str], rank: int, world_size: int,
                    timeout: datetime.timedelta) -> dist.Store:
-    """A store for ``init_process_group(store=...)`` under torchrun.
-
-    When the agent shares its store (``TORCHELASTIC_USE_AGENT_STORE=True``, the
-    default), every rank is a client; otherwise rank 0 hosts it, as env:// does.
-    """
+    """A store for ``init_process_group(store=...)`` under torchrun: when the agent shares
+    its store (the default), every rank is a client; otherwise rank 0 hosts it."""
     try:
         host, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
     except (KeyError, ValueError):
@@ -116,14 +109,10 @@ def launch_hint() -> str:
 
 def gather_outputs(local: dict[str, Any], rank: int, world_size: int,
                    device: torch.device) -> dict[str, Any]:
-    """Every rank's merged validation outputs, concatenated in rank order.
-
-    Each rank validates a contiguous share of the dataset (rank r's share comes
-    before rank r+1's), so rank order is dataset order. Tensors are gathered
-    with one all-gather per key (padded to the longest share, trimmed after);
-    lists and other values go through ``all_gather_object``. A rank with an
-    empty share contributes nothing. Every rank gets the same result.
-    """
+    """Every rank's merged validation outputs, concatenated in rank order: each rank
+    validates a contiguous share of the dataset, so rank order is dataset order. Tensors
+    take one all-gather per key (padded to the longest share, trimmed after), other
+    values ``all_gather_object``. Every rank gets the same result."""
     descriptions: list[Any] = [None] * world_size
     dist.all_gather_object(descriptions, _describe(local))
     out: dict[str, Any] = {}

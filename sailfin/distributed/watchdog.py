@@ -307,8 +307,7 @@ def end_process(code: int) -> None:
 
 
 def resolve_hang_seconds(value: Any, world_size: int) -> Optional[float]:
-    """``trainer.distributed.hang_seconds``: auto is 300 s with several processes, off
-    with one; null is off."""
+    """``trainer.distributed.hang_seconds`` in seconds; None: off."""
     if value is None:
         return None
     if value == "auto":
@@ -317,8 +316,7 @@ def resolve_hang_seconds(value: Any, world_size: int) -> Optional[float]:
 
 
 def resolve_slow_seconds(value: Any, hang_seconds: float) -> float:
-    """``trainer.distributed.hang_seconds_slow_phases``: auto is 4 x hang_seconds; null
-    is hang_seconds itself; never below hang_seconds."""
+    """``trainer.distributed.hang_seconds_slow_phases`` in seconds."""
     if value == "auto":
         return 4 * hang_seconds
     return hang_seconds if value is None else max(float(value), hang_seconds)
@@ -328,10 +326,7 @@ def build_watchdog(hang_setting: Any, rank: int, world_size: int, store: Any,
                    heartbeat: Heartbeat, report_dir: Optional[str],
                    slow_setting: Any = "auto", end: bool = False) -> Optional[Watchdog]:
     """A started :class:`Watchdog` as ``trainer.distributed.hang_seconds`` asks, or None.
-
-    ``store`` is the process group's (None on one process: a private store serves).
-    ``end``: a hang ends the process (the sailfin command); else it raises
-    :class:`HangDetected` in the main thread (a run in a notebook or test)."""
+    ``store`` None (one process): a private store; ``end``: :func:`end_process` on a hang."""
     seconds = resolve_hang_seconds(hang_setting, world_size)
     if seconds is None:
         return None
