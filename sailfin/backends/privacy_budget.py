@@ -19,6 +19,8 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
+from ..config.errors import ConfigError
+
 #: One segment of an accountant's history, as Opacus's accountants keep it.
 Entry = tuple  # (noise_multiplier: float, sample_rate: float, steps: int)
 
@@ -68,8 +70,7 @@ def epsilon_of(mechanism: str, history: Sequence[Entry], delta: float) -> float:
         accountant.history = []
 
 
-def bounded(eps: float) -> bool:
-    """Whether ``eps`` is a bound the accountant can stand behind: finite and >= 0."""
+def bounded(eps: float) -> bool:  # a bound the accountant can stand behind
     return math.isfinite(eps) and eps >= 0
 
 
@@ -213,9 +214,7 @@ def plan_segment(mechanism: str, history: Sequence[Entry], rate: float, delta: f
     target (a resume that changed nothing adds the same noise), else the noise solved for
     the remaining steps given the history; when none keeps the target, or the accountant
     cannot bound the result, a :class:`ConfigError` that names both figures."""
-    from ..config.errors import ConfigError
-
-    past = epsilon_of(mechanism, history, delta) if history else 0.0
+    past = epsilon_of(mechanism, history, delta)
     done = sum(int(h[2]) for h in history)
     where = (f"the checkpoint's {done} steps already spent epsilon {past:.6g}; "
              if history else "")
@@ -264,12 +263,8 @@ def plan_segment(mechanism: str, history: Sequence[Entry], rate: float, delta: f
 def _solve_or_refuse(mechanism: str, history: Sequence[Entry], rate: float, delta: float,
                      steps: int, target: float, before: float, past: float,
                      where: str) -> float:
-    from ..config.errors import ConfigError
-
-    if history and not past < target:
-        solved = None
-    else:
-        solved = solve_noise(mechanism, history, rate, steps, delta, target)
+    solved = (None if history and not past < target else
+              solve_noise(mechanism, history, rate, steps, delta, target))
     if solved is not None and bounded(solved[1]):
         return solved[0]
     if history:

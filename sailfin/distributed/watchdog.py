@@ -93,13 +93,11 @@ class Watchdog:
         self._thread: Optional[threading.Thread] = None
         self._seen: dict[int, tuple[int, float]] = {}  # judge: rank -> (seq, when it moved)
         self._present: list[str] = []  # judge: the record keys that exist
-        self._started = time.monotonic()
         self._process = (os.getpid(), socket.gethostname())
-        self._seq = 0  # this rank's record count: a judge sees it move while the rank lives
 
     def start(self) -> None:
         self._started = time.monotonic()
-        self._seq = 0
+        self._seq = 0  # this rank's record count: a judge sees it move while the rank lives
         self._publish(0.0, 0)
         self._thread = threading.Thread(target=self._run, name="sailfin-watchdog",
                                         daemon=True)
