@@ -1,8 +1,6 @@
-"""Activation (gradient) checkpointing by submodule class name: a checkpointed submodule
-stores only its inputs during forward, and backward runs its forward again (memory
-falls, compute rises by about one forward of it). The non-reentrant
-``torch.utils.checkpoint`` supports keyword arguments, inputs that do not require grad
-and ``torch.compile``, and replays the RNG so that dropout masks match.
+"""Activation (gradient) checkpointing by submodule class name (docs/backends.md), with
+the non-reentrant ``torch.utils.checkpoint``: it supports keyword arguments, inputs that
+do not require grad and ``torch.compile``, and replays the RNG so that dropout masks match.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""Precision: how forward, backward and the optimizer step treat number formats.
-
-The fp32 base does nothing special; :class:`MixedPrecision` overrides only what it
-changes: autocast around the step, and for float16 loss scaling. bfloat16 keeps
-float32's exponent range, so gradients cannot overflow and no scaler is needed.
-float16 overflows above 65504: its loss is multiplied by a large scale before
-backward, gradients are unscaled before clipping and the optimizer step, and a step
-whose gradients hold inf/NaN is skipped (the scale then shrinks). The scale is state:
-it is saved with the backend's checkpoint.
+"""Precision: how forward, backward and the optimizer step treat number formats
+(docs/backends.md). The fp32 base does nothing special; :class:`MixedPrecision`
+overrides only what it changes: autocast around the step, and for float16 loss scaling.
 """
 
 from __future__ import annotations
