@@ -73,13 +73,6 @@ class FSDPStrategy(ParallelStrategy):
         self._start: Start = ({}, {})  # rank 0's model until shards are filled
 
     # -- set-up ----------------------------------------------------------------------
-    def setup(self, module: torch.nn.Module) -> None:
-        if self.device.type == "cpu" or self.fsdp.cpu_offload:
-            # Gathered units (host memory) go back to the system when freed, not into
-            # heaps that count as resident: before the first unit is materialised.
-            fix_mmap_threshold()
-        super().setup(module)
-
     def join_group(self) -> bool:
         if self.dist.launched or dist.is_initialized():
             return super().join_group()
@@ -110,6 +103,10 @@ class FSDPStrategy(ParallelStrategy):
         return fully_shard(module, **self.shard_options())
 
     def place(self, module: torch.nn.Module) -> None:
+        if self.device.type == "cpu" or self.fsdp.cpu_offload:
+            # Gathered units (host memory) go back to the system when freed, not into
+            # heaps that count as resident: before the first unit is materialised.
+            fix_mmap_threshold()
         # Nothing moves yet: the model is sharded first, then each rank fills its rows
         # (wrap). Every rank must have built the model rank 0 built.
         check_same_model(module, self.dist.rank, self.broadcast_object)

@@ -99,7 +99,10 @@ def receive_from_rank0(module: nn.Module, start: Start, rank: int,
     for name, buf in non_persistent_buffers(module):
         if rank == 0:
             buf.copy_(buffers[name])
-        _broadcast_into(buf, comm_device)
+        moved = buf.to(comm_device)  # the buffer itself when it is there already
+        dist.broadcast(moved, src=0)
+        if moved is not buf:
+            buf.copy_(moved)
     _broadcast_plain_tensors(module, rank)
     state.clear()  # rank 0's whole model goes with these references
     buffers.clear()
@@ -137,13 +140,6 @@ def require_init_weights(recipe: nn.Module) -> None:
             f"trainer.fsdp.build is meta, but {type(recipe).__name__} has no init_weights(): "
             "give it one that fills every parameter and buffer in place, or set "
             "trainer.fsdp.build rank0 (rank 0 builds the model as sp does)")
-
-
-def _broadcast_into(tensor: torch.Tensor, comm_device: torch.device) -> None:
-    moved = tensor.to(comm_device)  # the tensor itself when it is there already
-    dist.broadcast(moved, src=0)
-    if moved is not tensor:
-        tensor.copy_(moved)
 
 
 def _broadcast_plain_tensors(module: nn.Module, rank: int) -> None:
