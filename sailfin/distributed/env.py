@@ -105,11 +105,9 @@ _EXPECTED = {
 }
 
 
-def _int(env: Mapping[str, str], name: str, default: Optional[int] = None) -> int:
+def _int(env: Mapping[str, str], name: str, default: int = 0) -> int:
     value = env.get(name)
-    if value is None:
-        if default is None:
-            raise DistEnvError(f"environment variable {name} is not set")
+    if value is None:  # a required variable: its caller checked it is there
         return default
     try:
         return int(value)
