@@ -33,11 +33,8 @@ def default_unit_classes(model: nn.Module) -> list[str]:
         default_unit_classes(char_lm)                # ['Block']: children of its ModuleList
     """
     present = {type(m).__name__ for m in model.modules()}
-    declared: list[str] = []
-    for module in model.modules():
-        for name in no_split_modules(module):
-            if name in present and name not in declared:
-                declared.append(name)
+    declared = list(dict.fromkeys(name for module in model.modules()  # in order, once
+                                  for name in no_split_modules(module) if name in present))
     if declared:
         return declared
     lists = [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]

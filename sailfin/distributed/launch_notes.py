@@ -21,9 +21,8 @@ from typing import Optional
 LAUNCH_DIR_ENV = "SAILFIN_LAUNCH_DIR"
 """Set by ``sailfin launch`` for its workers: where each worker leaves its notes."""
 
-TRAINING, PREEMPTED, FINISHED, HANG, USER_ERROR = ("training", "preempted", "finished",
-                                                   "hang", "error")
-KINDS = (TRAINING, PREEMPTED, FINISHED, HANG, USER_ERROR)
+KINDS = TRAINING, PREEMPTED, FINISHED, HANG, USER_ERROR = (
+    "training", "preempted", "finished", "hang", "error")
 
 
 def _rank() -> str:
