@@ -132,16 +132,15 @@ class EpsilonTable:
 
     def __call__(self, k: int) -> float:
         """Epsilon (as the accountant reports it) after ``k`` steps of this segment."""
-        if k <= 0 or self.sigma == 0:  # no noise: no privacy claimed, nothing to tabulate
+        # No noise: no privacy claimed, nothing to tabulate.
+        if k <= 0 or self.sigma == 0 or self._rdp is None:
             return self._at(k)
-        if self._rdp is not None:
-            block = k // _CHUNK
-            rows = self._blocks.get(block)
-            if rows is None:
-                counts = np.arange(block * _CHUNK, (block + 1) * _CHUNK)
-                rows = self._blocks[block] = self._rdp(counts)
-            return float(rows[k - block * _CHUNK])
-        return self._at(k)
+        block = k // _CHUNK
+        rows = self._blocks.get(block)
+        if rows is None:
+            counts = np.arange(block * _CHUNK, (block + 1) * _CHUNK)
+            rows = self._blocks[block] = self._rdp(counts)
+        return float(rows[k - block * _CHUNK])
 
     def _at(self, k: int) -> float:
         value = self._known.get(k)
