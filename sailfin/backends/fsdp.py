@@ -8,7 +8,6 @@ stay sharded (:mod:`sailfin.checkpoint.sharded`). The starting weights come from
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 from typing import Any, ContextManager, Iterable, Optional
 
@@ -35,7 +34,7 @@ from .fsdp_units import checked, select_units
 from .parallel import ParallelStrategy
 from .precision import Precision
 from .state import dcp_optimizer_state, named_optimizer_state, optimizer_state_is_named
-from .strategy import Execution, StepRunner, compile_in_place
+from .strategy import _NULL, Execution, StepRunner, compile_in_place
 
 _END = object()
 
@@ -171,7 +170,7 @@ class FSDPStrategy(ParallelStrategy):
         # that only gradient shards are ever held (less memory, one collective more).
         self.root.set_requires_gradient_sync(  # type: ignore[union-attr]
             sync or self.fsdp.accumulate == "sharded")
-        return contextlib.nullcontext()
+        return _NULL
 
     def val_step(self, module: torch.nn.Module, global_step: int, batch: Any) -> Any:
         # val_step does not go through the root's forward: gather the root's own
