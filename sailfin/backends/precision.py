@@ -50,9 +50,8 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 def default_amp_dtype(device: torch.device) -> str:
     """bfloat16 where the device runs it (CPU, CUDA from Ampere on), else float16."""
-    if device.type == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return "bfloat16" if device.type == "cpu" else "float16"
+    bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else device.type == "cpu"
+    return "bfloat16" if bf16 else "float16"
 
 
 class MixedPrecision(Precision):

@@ -157,10 +157,9 @@ def _gather_tensor(value: Optional[torch.Tensor], key: str, descriptions: list[A
     dtype = getattr(torch, dtypes.pop())
     tail = trailing.pop()
     lengths = [s[0] if s is not None else 0 for s in shapes]
-    longest = max(lengths)
     # Gloo has no bool all-gather: move bools as bytes.
     wire = torch.uint8 if dtype is torch.bool else dtype
-    padded = torch.zeros((longest, *tail), dtype=wire, device=device)
+    padded = torch.zeros((max(lengths), *tail), dtype=wire, device=device)
     if value is not None and lengths[rank]:
         padded[:lengths[rank]] = value.detach().to(device=device, dtype=wire)
     parts = [torch.empty_like(padded) for _ in lengths]
