@@ -46,9 +46,8 @@ class ParallelStrategy(SingleDevice):
         if not self.dist.launched and self.needs_launcher:
             raise ConfigError(
                 f"trainer.backend '{self.strategy}' runs one process per device, started by a "
-                "launcher; "
-                f"this process was started alone. Run:\n    {launch_hint()}\n(or set "
-                "trainer.distributed for a launcher sailfin does not detect)")
+                f"launcher; this process was started alone. Run:\n    {launch_hint()}\n(or "
+                "set trainer.distributed for a launcher sailfin does not detect)")
         self.comm_backend = comm_backend_for(device, self.options.comm_backend)
         self._owns_group = False
 
