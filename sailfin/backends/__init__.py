@@ -11,35 +11,12 @@ import torch
 
 from ..config.dp import DP_SUFFIX, is_private
 from ..config.errors import ConfigError, suggest
-from ..config.trainer import BACKEND_ALIASES, BACKENDS, TrainerArguments
+# ALIASES: name -> (strategy, precision), the one list, in the config's schema.
+from ..config.trainer import BACKEND_ALIASES as ALIASES, BACKENDS, TrainerArguments
 from ..distributed import DistEnv
 from ..utils.voice import say
 from .precision import MixedPrecision, Precision
 from .strategy import Execution, PlainSingleDevice, SingleDevice
-
-# name -> (strategy, precision), the one list in the config's schema (sailfin train --help
-# prints it); "<name>-dp" composes DP-SGD on <name> (the -amp-dp ones are refused).
-ALIASES = BACKEND_ALIASES
-
-# Names kept for PyMarlin configs whose meaning changed: printed once when chosen.
-NOTICES: dict[str, str] = {
-    "sp-amp-apex": "trainer.backend sp-amp-apex runs PyTorch's native AMP "
-                   "(Apex is not used); it is the same as sp-amp",
-}
-
-
-def _strategy_class(strategy: str, precision: Precision, execution: Execution) -> type:
-    if strategy == "ddp":
-        from .ddp import DDPStrategy  # imports torch.distributed pieces only when used
-
-        return DDPStrategy
-    if strategy == "fsdp":
-        from .fsdp import FSDPStrategy
-
-        return FSDPStrategy
-    plain = type(precision) is Precision and not execution.compile  # fp32, called directly
-    return PlainSingleDevice if plain else SingleDevice
-
 
 def resolve_device(spec: str, dist: DistEnv) -> torch.device:
     if spec == "auto":
@@ -78,8 +55,9 @@ def build_backend(args: TrainerArguments, dist: DistEnv) -> SingleDevice:
         raise ConfigError(f"trainer.amp_dtype is {args.amp_dtype} but trainer.backend "
                           f"{args.backend} runs in float32; use a mixed-precision backend "
                           f"({', '.join(amp)}) or remove amp_dtype")
-    if args.backend in NOTICES and dist.is_main:
-        say(NOTICES[args.backend])
+    if args.backend == "sp-amp-apex" and dist.is_main:  # a PyMarlin name whose meaning changed
+        say("trainer.backend sp-amp-apex runs PyTorch's native AMP (Apex is not used); it is "
+            "the same as sp-amp")
     device = resolve_device(args.device, dist)
     execution = Execution(args.compile, args.compile_mode, tuple(args.activation_checkpointing),
                           args.distributed.sync_batchnorm)
@@ -100,10 +78,15 @@ def build_backend(args: TrainerArguments, dist: DistEnv) -> SingleDevice:
             f"{dist.rank} of {dist.world_size} ({dist.launcher}): every rank would train alone. "
             "Use trainer.backend ddp (or ddp-amp) under a launcher, or leave trainer.backend "
             "out: its default, auto, is ddp here")
-    cls = _strategy_class(strategy, chosen, execution)
-    options: dict[str, Any] = {} if strategy == "single" else {"options": args.distributed}
-    if strategy == "fsdp":
+    options: dict[str, Any] = {"options": args.distributed}
+    if strategy == "ddp":  # torch.distributed's pieces are imported only when used
+        from .ddp import DDPStrategy as cls
+    elif strategy == "fsdp":
+        from .fsdp import FSDPStrategy as cls
         options["fsdp"] = args.fsdp
+    else:  # fp32 uncompiled: the recipe's step is called directly
+        plain = type(chosen) is Precision and not execution.compile
+        cls, options = PlainSingleDevice if plain else SingleDevice, {}
     backend = (private_class(cls) if private else cls)(chosen, device, dist,
                                                         execution=execution, **options)
     if private:

@@ -1,8 +1,6 @@
-"""Activation (gradient) checkpointing by submodule class name: a checkpointed submodule
-stores only its inputs during forward, and backward runs its forward again (memory
-falls, compute rises by about one forward of it). The non-reentrant
-``torch.utils.checkpoint`` supports keyword arguments, inputs that do not require grad
-and ``torch.compile``, and replays the RNG so that dropout masks match.
+"""Activation (gradient) checkpointing by submodule class name (docs/backends.md), with
+the non-reentrant ``torch.utils.checkpoint``: it supports keyword arguments, inputs that
+do not require grad and ``torch.compile``, and replays the RNG so that dropout masks match.
 """
 
 from __future__ import annotations
@@ -39,14 +37,11 @@ def apply_activation_checkpointing(module: torch.nn.Module, class_names: Sequenc
     wanted = set(class_names)
     done: list[str] = []
     for path, sub in module.named_modules():
-        if sub is module or type(sub).__name__ not in wanted:
+        if (sub is module or type(sub).__name__ not in wanted
+                or any(path.startswith(parent + ".") for parent in done)):
             continue
-        if any(path.startswith(parent + ".") for parent in done):
-            continue
-        if getattr(sub.forward, "_sailfin_checkpointed", False):
-            done.append(path)  # set-up ran before on this module: do not wrap twice
-            continue
-        sub.forward = _checkpointed(sub.forward)
+        if not getattr(sub.forward, "_sailfin_checkpointed", False):  # set-up ran before
+            sub.forward = _checkpointed(sub.forward)
         done.append(path)
     return done
 

@@ -15,13 +15,6 @@ from .parallel import ParallelStrategy
 from .strategy import _NULL, StepRunner
 
 
-def _buffer_sync(sync: bool) -> dict[str, bool]:
-    """DDP's keyword for syncing buffers before each forward (renamed in newer PyTorch)."""
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
-        return {"forward_sync_buffers": sync}
-    return {"broadcast_buffers": sync}
-
-
 class DDPStrategy(ParallelStrategy):
     """Data parallel over ``dist.world_size`` processes, one device each.
 
@@ -36,11 +29,14 @@ class DDPStrategy(ParallelStrategy):
 
     def wrap(self, runner: StepRunner) -> torch.nn.Module:
         # Construction broadcasts rank 0's parameters and buffers: every rank
-        # starts from the same weights whatever its own initialisation was.
+        # starts from the same weights whatever its own initialisation was. Syncing
+        # buffers before each forward is forward_sync_buffers in newer PyTorch.
+        renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
         self.ddp = DistributedDataParallel(
             runner, device_ids=[self.device.index] if self.device.type == "cuda" else None,
             find_unused_parameters=self.options.find_unused_parameters,
-            **_buffer_sync(self.options.sync_buffers))
+            **{"forward_sync_buffers" if renamed else "broadcast_buffers":
+               self.options.sync_buffers})
         return self.ddp
 
     def sync_context(self, sync: bool) -> ContextManager:

@@ -1,18 +1,7 @@
 """Differential privacy (DP-SGD on Opacus) composed on a strategy: ``sp-dp``, ``ddp-dp``,
-``fsdp-dp`` (:func:`private_class`: a subclass of the strategy's class). Which Opacus
-pieces each runs (``DPDDP``'s broadcast, ``ghost_fsdp``) is in docs/dp.md.
-
-A step: Opacus's per-sample gradient hooks on the model (checked, or fixed with
-``trainer.dp.fix_model``); each micro-batch but a step's last has its per-sample
-gradients clipped, summed and dropped (``signal_skip_step``, as Opacus's
-``BatchMemoryManager``); ``DPOptimizer.step`` clips the last, adds Gaussian noise of
-std ``noise_multiplier * max_grad_norm``, divides by the expected global batch, and
-steps the accountant and the recipe's optimizer.
-
-The noise generator's state and the accountant's history ride in every checkpoint, so a
-resumed run adds the same noise and reports the same epsilon as one never interrupted.
-Before the first step the noise of the steps to come is chosen given that history
-(:mod:`.privacy_budget`: ``target_epsilon`` is a bound across resumes).
+``fsdp-dp`` (:func:`private_class`: a subclass of the strategy's class). docs/dp.md says
+which Opacus pieces each runs, how a step clips and noises, and what a checkpoint keeps
+so that a resumed run adds the same noise and reports the same epsilon.
 """
 
 from __future__ import annotations
@@ -33,7 +22,7 @@ from ..data.plan import BatchPlan
 from ..data.poisson import PoissonPlan, PrivatePlan
 from ..compat.opacus import drop_pending_step
 from .precision import Precision
-from .privacy_budget import Segment, epsilon_of, plan_segment
+from .privacy_budget import Segment, epsilon_of, new_accountant, plan_segment
 from .privacy_model import attach_hooks, check_model, import_opacus, naming_inplace_outputs
 from .strategy import _NULL, SingleDevice, StepRunner
 
@@ -132,7 +121,6 @@ class PrivateStrategy(SingleDevice):
 
     def attach_optimizers(self, optimizers: list[torch.optim.Optimizer], num_samples: int,
                           steps_per_epoch: int) -> None:
-        from opacus.accountants import create_accountant
         from opacus.optimizers import get_optimizer_class
 
         dp, args = self.dp_args, self.train_args
@@ -171,9 +159,7 @@ class PrivateStrategy(SingleDevice):
                                 max_grad_norm=max_norm, expected_batch_size=expected,
                                 loss_reduction="mean", generator=self.noise_rng,
                                 secure_mode=dp.secure_rng)
-        with warnings.catch_warnings():  # gdp's "experimental" is in docs/dp.md
-            warnings.simplefilter("ignore")
-            self.accountant = create_accountant(mechanism=dp.accountant)
+        self.accountant = new_accountant(dp.accountant)
         self.dp_optimizer.attach_step_hook(self._account)
 
     def _account(self, optimizer: Any) -> None:
@@ -185,11 +171,9 @@ class PrivateStrategy(SingleDevice):
         self.accounted += 1
 
     def begin_segment(self, steps: int) -> Optional[str]:
-        """Choose the noise of the ``steps`` steps this run may still take, given the
-        history its checkpoint spent (``target_epsilon`` stays a bound: see
-        :func:`~.privacy_budget.plan_segment`), and build their epsilon table. Returns the
-        line to log when the noise changed from the checkpoint's; raises ConfigError
-        (before the first step) when no noise keeps the target or epsilon is unbounded."""
+        """Choose the noise of the ``steps`` steps this run may still take and build their
+        epsilon table (:func:`~.privacy_budget.plan_segment`); the line to log when the
+        noise changed from the checkpoint's."""
         dp = self.dp_args
         self.accounted = sum(int(h[2]) for h in self.accountant.history)
         segment = plan_segment(dp.accountant, self.accountant.history, self.sample_rate,

@@ -1,21 +1,13 @@
-"""The FSDP strategy: parameters, gradients and optimizer state sharded over the ranks.
-
-PyTorch's FSDP2 (``fully_shard``) makes each parameter a DTensor holding 1/world of
-its rows on each rank. A *unit* (a submodule given to ``fully_shard``) all-gathers its
-parameters just before its forward and frees them after; its gradients are
-reduce-scattered after its backward, so each rank keeps only its own rows of them, and
-the optimizer (built after sharding) keeps state for those rows only.
-
-The strategy is the DDP strategy's sibling under the process-group base
-(:mod:`.parallel`): units instead of ``DistributedDataParallel``, a group of one when
-started alone, and state dicts that stay sharded (:mod:`sailfin.checkpoint.sharded`).
-How the model gets its starting weights is :mod:`.fsdp_build`; which submodules are
-units, :mod:`.fsdp_units`.
+"""The FSDP strategy: parameters, gradients and optimizer state sharded over the ranks
+with PyTorch's FSDP2 (``fully_shard``; docs/sharding.md). It is the DDP strategy's
+sibling under the process-group base (:mod:`.parallel`): units instead of
+``DistributedDataParallel``, a group of one when started alone, and state dicts that
+stay sharded (:mod:`sailfin.checkpoint.sharded`). The starting weights come from
+:mod:`.fsdp_build`, the choice of units from :mod:`.fsdp_units`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 from typing import Any, ContextManager, Iterable, Optional
 
@@ -36,13 +28,13 @@ from ..config.fsdp import FSDPArguments
 from ..distributed import DistEnv
 from ..utils.memory import fix_mmap_threshold, release_free_memory
 from ..utils.voice import say
-from .fsdp_build import (RankZeroStart, buffers_to, check_same_model, init_on_shards,
-                         receive_from_rank0, require_init_weights)
-from .fsdp_units import select_units, unit_checker
+from .fsdp_build import (Start, buffers_to, capture_start, check_same_model,
+                         init_on_shards, receive_from_rank0, require_init_weights)
+from .fsdp_units import checked, select_units
 from .parallel import ParallelStrategy
 from .precision import Precision
 from .state import dcp_optimizer_state, named_optimizer_state, optimizer_state_is_named
-from .strategy import Execution, StepRunner, compile_in_place
+from .strategy import _NULL, Execution, StepRunner, compile_in_place
 
 _END = object()
 
@@ -77,16 +69,9 @@ class FSDPStrategy(ParallelStrategy):
                               "already; set trainer.fsdp.cpu_offload false")
         self.units: list[str] = []  # dotted names of the submodules sharded as units
         self.root: Optional[FSDPModule] = None
-        self._start: Optional[RankZeroStart] = None  # rank 0's model until shards are filled
+        self._start: Start = ({}, {})  # rank 0's model until shards are filled
 
     # -- set-up ----------------------------------------------------------------------
-    def setup(self, module: torch.nn.Module) -> None:
-        if self.device.type == "cpu" or self.fsdp.cpu_offload:
-            # Gathered units (host memory) go back to the system when freed, not into
-            # heaps that count as resident: before the first unit is materialised.
-            fix_mmap_threshold()
-        super().setup(module)
-
     def join_group(self) -> bool:
         if self.dist.launched or dist.is_initialized():
             return super().join_group()
@@ -117,13 +102,17 @@ class FSDPStrategy(ParallelStrategy):
         return fully_shard(module, **self.shard_options())
 
     def place(self, module: torch.nn.Module) -> None:
+        if self.device.type == "cpu" or self.fsdp.cpu_offload:
+            # Gathered units (host memory) go back to the system when freed, not into
+            # heaps that count as resident: before the first unit is materialised.
+            fix_mmap_threshold()
         # Nothing moves yet: the model is sharded first, then each rank fills its rows
         # (wrap). Every rank must have built the model rank 0 built.
         check_same_model(module, self.dist.rank, self.broadcast_object)
         if self.fsdp.build == "meta":
             require_init_weights(module)
         else:
-            self._start = RankZeroStart.capture(module, self.dist.rank)
+            self._start = capture_start(module, self.dist.rank)
 
     def compile_runner(self, runner: StepRunner) -> None:
         pass  # each unit is compiled as it is sharded (shard()); the root runs eagerly
@@ -138,12 +127,8 @@ class FSDPStrategy(ParallelStrategy):
                 raise ConfigError(
                     f"{type(recipe).__name__} shards itself in configure_sharding(), and "
                     f"trainer.fsdp.units is {self.fsdp.units} as well; remove one of them")
-            check = unit_checker(recipe, f"{type(recipe).__name__}.configure_sharding()")
-
-            def shard_checked(sub: torch.nn.Module) -> torch.nn.Module:
-                check(sub)  # a container, or a tie split: one line naming the unit
-                return self.shard(sub)
-            recipe.configure_sharding(shard_checked)
+            recipe.configure_sharding(checked(
+                recipe, f"{type(recipe).__name__}.configure_sharding()", self.shard))
             self.units = [name for name, sub in recipe.named_modules()
                           if isinstance(sub, FSDPModule)]
         else:
@@ -159,9 +144,8 @@ class FSDPStrategy(ParallelStrategy):
         if self.fsdp.build == "meta":
             init_on_shards(recipe, home, self.broadcast_object)
         else:
-            receive_from_rank0(recipe, self._start or RankZeroStart(), self.dist.rank, home,
+            receive_from_rank0(recipe, self._start, self.dist.rank, home,
                                self._collective_device(), every_rank_empty=self.fsdp.cpu_offload)
-            self._start = None
         if home != self.device:
             buffers_to(recipe, self.device)
         # FSDP2 names its root at the first forward through it. Validation (the start-up
@@ -186,7 +170,7 @@ class FSDPStrategy(ParallelStrategy):
         # that only gradient shards are ever held (less memory, one collective more).
         self.root.set_requires_gradient_sync(  # type: ignore[union-attr]
             sync or self.fsdp.accumulate == "sharded")
-        return contextlib.nullcontext()
+        return _NULL
 
     def val_step(self, module: torch.nn.Module, global_step: int, batch: Any) -> Any:
         # val_step does not go through the root's forward: gather the root's own

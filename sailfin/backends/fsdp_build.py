@@ -1,16 +1,9 @@
 """How the fsdp backends give a sharded model its starting weights: by contract, not by
-recording what its constructor did (``trainer.fsdp.build``; docs/sharding.md).
-
-``rank0`` (the default): rank 0 builds the recipe exactly as ``sp`` does, in host
-memory; the others build it under ``torch.device("meta")``. After ``fully_shard`` the
-ranks with meta tensors allocate their shards (``to_empty``) and every rank receives
-its rows from rank 0 (``set_model_state_dict(..., broadcast_from_rank0=True)``), then
-the non-persistent buffers and plain tensor attributes.
-
-``meta`` (a model larger than one host): every rank builds on the meta device; after
-sharding, ``to_empty`` and the recipe's ``init_weights()`` run on the shards, from rank
-0's random state on every rank: deterministic for a seed and a world size, but not
-``sp``'s start.
+recording what its constructor did (``trainer.fsdp.build``; docs/sharding.md tells both
+builds step by step). ``rank0``, the default: rank 0 builds the recipe as ``sp`` does,
+the others on the meta device, and every rank's shards are filled from rank 0's model.
+``meta``: every rank builds on the meta device and the recipe's ``init_weights()`` fills
+the shards.
 
 Example (every rank; ``sailfin train`` does this itself)::
 
@@ -21,7 +14,6 @@ Example (every rank; ``sailfin train`` does this itself)::
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -32,6 +24,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from ..config.errors import ConfigError
 
 BUILDS = ("rank0", "meta")
+# What rank 0 built, held until every rank's shards are filled: its state dict (references
+# to the model's own tensors: no copy) and its non-persistent buffers; empty elsewhere.
+Start = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
 
 
 def sharded_build(rank: int, build: str = "rank0") -> ContextManager:
@@ -46,33 +41,22 @@ def sharded_build(rank: int, build: str = "rank0") -> ContextManager:
 
 
 def is_meta(module: nn.Module) -> bool:
-    """True when any parameter or buffer of ``module`` is a meta tensor."""
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
-@dataclass
-class RankZeroStart:
-    """What rank 0 built, held until every rank's shards are filled: the state dict
-    (references to the model's own tensors: no copy) and the non-persistent buffers."""
-
-    state: dict[str, torch.Tensor] = field(default_factory=dict)
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @classmethod
-    def capture(cls, module: nn.Module, rank: int) -> "RankZeroStart":
-        if rank != 0:
-            return cls()
-        if is_meta(module):
-            raise ConfigError(
-                "trainer.fsdp.build is rank0, but rank 0's model has meta tensors: rank 0 "
-                "must build the recipe for real (sailfin.sharded_build does), or set "
-                "trainer.fsdp.build meta and give the recipe init_weights()")
-        state = {k: v.detach() for k, v in module.state_dict(keep_vars=True).items()}
-        return cls(state, {name: buf.detach() for name, buf in non_persistent_buffers(module)})
+def capture_start(module: nn.Module, rank: int) -> Start:
+    if rank != 0:
+        return {}, {}
+    if is_meta(module):
+        raise ConfigError(
+            "trainer.fsdp.build is rank0, but rank 0's model has meta tensors: rank 0 "
+            "must build the recipe for real (sailfin.sharded_build does), or set "
+            "trainer.fsdp.build meta and give the recipe init_weights()")
+    state = {k: v.detach() for k, v in module.state_dict(keep_vars=True).items()}
+    return state, {name: buf.detach() for name, buf in non_persistent_buffers(module)}
 
 
 def non_persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(dotted name, buffer) of every buffer a state dict leaves out, in module order."""
     saved = module.state_dict(keep_vars=True).keys()
     return [(name, buf) for name, buf in module.named_buffers() if name not in saved]
 
@@ -98,7 +82,7 @@ def check_same_model(module: nn.Module, rank: int,
 
 
 @torch.no_grad()
-def receive_from_rank0(module: nn.Module, start: RankZeroStart, rank: int,
+def receive_from_rank0(module: nn.Module, start: Start, rank: int,
                        device: torch.device, comm_device: torch.device,
                        every_rank_empty: bool = False) -> None:
     """Fill ``module``'s shards (already ``fully_shard``-ed) from rank 0's model.
@@ -106,27 +90,28 @@ def receive_from_rank0(module: nn.Module, start: RankZeroStart, rank: int,
     ``every_rank_empty`` (cpu_offload): every rank's shards are allocated anew in CPU
     memory, where FSDP2's offload policy requires them (``device`` is then the CPU);
     ``set_model_state_dict`` broadcasts on the collective's own device and copies each
-    rank's rows into them. Buffers go to the compute device afterwards
-    (:func:`buffers_to`)."""
+    rank's rows into them."""
+    state, buffers = start
     if every_rank_empty or is_meta(module):
         module.to_empty(device=device)  # this rank's rows only: the parameters are shards
-    set_model_state_dict(module, start.state if rank == 0 else {},
-                         options=StateDictOptions(full_state_dict=True,
-                                                  broadcast_from_rank0=True))
+    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True,
+                                                                 broadcast_from_rank0=True))
     for name, buf in non_persistent_buffers(module):
         if rank == 0:
-            buf.copy_(start.buffers[name])
-        _broadcast_into(buf, comm_device)
+            buf.copy_(buffers[name])
+        moved = buf.to(comm_device)  # the buffer itself when it is there already
+        dist.broadcast(moved, src=0)
+        if moved is not buf:
+            buf.copy_(moved)
     _broadcast_plain_tensors(module, rank)
-    start.state.clear()  # rank 0's whole model goes with these references
-    start.buffers.clear()
+    state.clear()  # rank 0's whole model goes with these references
+    buffers.clear()
 
 
 @torch.no_grad()
 def buffers_to(module: nn.Module, device: torch.device) -> None:
-    """Move every buffer to ``device``, parameters staying where they are: under
-    cpu_offload the shards live in CPU memory, buffers (masks, position ids, running
-    statistics) where the forward runs."""
+    """Under cpu_offload the shards live in CPU memory, buffers (masks, position ids,
+    running statistics) where the forward runs."""
     for buf in module.buffers():
         if buf.device != device:
             buf.data = buf.to(device)
@@ -155,13 +140,6 @@ def require_init_weights(recipe: nn.Module) -> None:
             f"trainer.fsdp.build is meta, but {type(recipe).__name__} has no init_weights(): "
             "give it one that fills every parameter and buffer in place, or set "
             "trainer.fsdp.build rank0 (rank 0 builds the model as sp does)")
-
-
-def _broadcast_into(tensor: torch.Tensor, comm_device: torch.device) -> None:
-    moved = tensor.to(comm_device)  # the tensor itself when it is there already
-    dist.broadcast(moved, src=0)
-    if moved is not tensor:
-        tensor.copy_(moved)
 
 
 def _broadcast_plain_tensors(module: nn.Module, rank: int) -> None:

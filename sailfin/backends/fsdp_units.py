@@ -1,21 +1,17 @@
-"""Which submodules the fsdp backends shard as units of their own.
+"""Which submodules the fsdp backends shard as units of their own (docs/sharding.md).
 
-A unit all-gathers its parameters just before its forward and frees them after, so
-the peak holds one unit's full parameters at a time. The default is the model's
-repeated blocks: a Hugging Face model's ``_no_split_modules``, otherwise the class of
-the children of its largest ``ModuleList`` or ``Sequential``. Two rules keep a unit
-usable: it has a ``forward`` of its own (FSDP2 gathers in its forward hooks, so a
-``ModuleList`` can never gather), and a parameter tied to a module outside it (an
-embedding shared with the output head) is not in it: tied parameters stay together,
-in one unit or in the root.
+The default is the model's repeated blocks: a Hugging Face model's
+``_no_split_modules``, otherwise the class of the children of its largest ``ModuleList``
+or ``Sequential``. A unit needs a ``forward`` of its own (FSDP2 gathers in its forward
+hooks, so a ``ModuleList`` can never gather), and tied parameters stay together, in one
+unit or in the root.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Optional
+from typing import Callable, Optional
 
-import torch
 from torch import nn
 
 from ..compat.transformers import no_split_modules
@@ -37,11 +33,8 @@ def default_unit_classes(model: nn.Module) -> list[str]:
         default_unit_classes(char_lm)                # ['Block']: children of its ModuleList
     """
     present = {type(m).__name__ for m in model.modules()}
-    declared: list[str] = []
-    for module in model.modules():
-        for name in no_split_modules(module):
-            if name in present and name not in declared:
-                declared.append(name)
+    declared = list(dict.fromkeys(name for module in model.modules()  # in order, once
+                                  for name in no_split_modules(module) if name in present))
     if declared:
         return declared
     lists = [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]
@@ -136,11 +129,14 @@ def check_unit(path: str, sub: nn.Module, owners: dict[int, list[str]], where: s
             "name a module that holds both")
 
 
-def unit_checker(model: nn.Module, where: str):
-    """A check for ``configure_sharding``'s units, against the model before sharding."""
+def checked(model: nn.Module, where: str, shard: Callable[[nn.Module], nn.Module]
+            ) -> Callable[[nn.Module], nn.Module]:
+    """``shard`` for ``configure_sharding``: a unit FSDP cannot use (a container, a tie
+    split) is first one line naming it, checked against the model before sharding."""
     owners = parameter_owners(model)
     paths = {id(m): p for p, m in model.named_modules()}
 
-    def check(sub: torch.nn.Module) -> None:
+    def shard_checked(sub: nn.Module) -> nn.Module:
         check_unit(paths.get(id(sub), type(sub).__name__), sub, owners, where)
-    return check
+        return shard(sub)
+    return shard_checked

@@ -16,8 +16,7 @@ import torch.distributed as dist
 from ..config.distributed import DistArguments
 from ..config.errors import ConfigError
 from ..distributed import DistEnv
-from ..distributed.process_group import (all_reduce_mean, comm_backend_for,
-                                         destroy_process_group, gather_outputs,
+from ..distributed.process_group import (comm_backend_for, gather_outputs,
                                          init_process_group, launch_hint)
 from ..utils.voice import say
 from .precision import Precision
@@ -47,9 +46,8 @@ class ParallelStrategy(SingleDevice):
         if not self.dist.launched and self.needs_launcher:
             raise ConfigError(
                 f"trainer.backend '{self.strategy}' runs one process per device, started by a "
-                "launcher; "
-                f"this process was started alone. Run:\n    {launch_hint()}\n(or set "
-                "trainer.distributed for a launcher sailfin does not detect)")
+                f"launcher; this process was started alone. Run:\n    {launch_hint()}\n(or "
+                "set trainer.distributed for a launcher sailfin does not detect)")
         self.comm_backend = comm_backend_for(device, self.options.comm_backend)
         self._owns_group = False
 
@@ -82,12 +80,9 @@ class ParallelStrategy(SingleDevice):
                 f"({source})")
 
     def convert_batchnorm(self, module: torch.nn.Module) -> None:
-        """BatchNorm layers become SyncBatchNorm in place (the same parameters and buffers),
-        before the module is placed and wrapped."""
-        converted = torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
-        if converted is not module:  # the recipe is a ModuleInterface, never a BatchNorm
-            raise ConfigError("trainer.distributed.sync_batchnorm: the recipe itself is a "
-                              "BatchNorm layer")
+        # In place (the recipe, a ModuleInterface, is never a BatchNorm itself): the same
+        # parameters and buffers, before the module is placed and wrapped.
+        torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)
 
     def sync_buffers(self, module: torch.nn.Module) -> None:
         # Each rank's forwards updated its own running statistics; validation and the
@@ -102,7 +97,8 @@ class ParallelStrategy(SingleDevice):
             # references before calling this), so that the group is destroyed now, while
             # the interpreter is whole, not during exit.
             self.runner = self._run = None
-            destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
             gc.collect()
             self._owns_group = False
 
@@ -111,7 +107,9 @@ class ParallelStrategy(SingleDevice):
         return self.device if self.comm_backend == "nccl" else torch.device("cpu")
 
     def all_reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        return all_reduce_mean(tensor, self.dist.world_size)
+        out = tensor.detach().clone()  # a new tensor: the input is untouched
+        dist.all_reduce(out)
+        return out / self.dist.world_size
 
     def gather_outputs(self, outputs: dict[str, Any]) -> dict[str, Any]:
         return gather_outputs(outputs, self.dist.rank, self.dist.world_size,

@@ -1,12 +1,6 @@
-"""Precision: how forward, backward and the optimizer step treat number formats.
-
-The fp32 base does nothing special; :class:`MixedPrecision` overrides only what it
-changes: autocast around the step, and for float16 loss scaling. bfloat16 keeps
-float32's exponent range, so gradients cannot overflow and no scaler is needed.
-float16 overflows above 65504: its loss is multiplied by a large scale before
-backward, gradients are unscaled before clipping and the optimizer step, and a step
-whose gradients hold inf/NaN is skipped (the scale then shrinks). The scale is state:
-it is saved with the backend's checkpoint.
+"""Precision: how forward, backward and the optimizer step treat number formats
+(docs/backends.md). The fp32 base does nothing special; :class:`MixedPrecision`
+overrides only what it changes: autocast around the step, and for float16 loss scaling.
 """
 
 from __future__ import annotations
@@ -56,9 +50,8 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 def default_amp_dtype(device: torch.device) -> str:
     """bfloat16 where the device runs it (CPU, CUDA from Ampere on), else float16."""
-    if device.type == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return "bfloat16" if device.type == "cpu" else "float16"
+    bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else device.type == "cpu"
+    return "bfloat16" if bf16 else "float16"
 
 
 class MixedPrecision(Precision):

@@ -1,12 +1,7 @@
 """The privacy a run may still spend: epsilon of an accountant's history, the noise that
-keeps ``target_epsilon`` a bound across resumes, and the table the logged epsilon and
-``max_epsilon`` read.
-
-An Opacus accountant's history is a list of segments ``(noise_multiplier, sample_rate,
-steps)``, and its epsilon at delta a function of that list alone. A run that resumes
-with another length, batch size or noise adds a segment to the history it inherited:
-the noise a segment needs is the one whose composition with the past stays within the
-target, and the epsilon after each of its steps is computed once, when it starts.
+keeps ``target_epsilon`` a bound across resumes (docs/dp.md), and the table the logged
+epsilon and ``max_epsilon`` read. A history is a list of segments ``(noise_multiplier,
+sample_rate, steps)``; a resumed run adds a segment to the one it inherited.
 
 Example::
 
@@ -23,6 +18,8 @@ from functools import lru_cache
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
+
+from ..config.errors import ConfigError
 
 #: One segment of an accountant's history, as Opacus's accountants keep it.
 Entry = tuple  # (noise_multiplier: float, sample_rate: float, steps: int)
@@ -45,15 +42,17 @@ def extended(history: Sequence[Entry], sigma: float, rate: float, steps: int) ->
     return out
 
 
-@lru_cache(maxsize=None)
-def _accountant(mechanism: str) -> Any:
-    """One accountant per mechanism, reused (GDP's warns each time one is built)."""
+def new_accountant(mechanism: str) -> Any:
+    """An Opacus accountant, without GDP's "experimental" warning (docs/dp.md says so)."""
     import warnings
 
     from opacus.accountants import create_accountant
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return create_accountant(mechanism=mechanism)
+
+
+_accountant = lru_cache(maxsize=None)(new_accountant)  # one per mechanism, reused
 
 
 def epsilon_of(mechanism: str, history: Sequence[Entry], delta: float) -> float:
@@ -71,8 +70,7 @@ def epsilon_of(mechanism: str, history: Sequence[Entry], delta: float) -> float:
         accountant.history = []
 
 
-def bounded(eps: float) -> bool:
-    """Whether ``eps`` is a bound the accountant can stand behind: finite and >= 0."""
+def bounded(eps: float) -> bool:  # a bound the accountant can stand behind
     return math.isfinite(eps) and eps >= 0
 
 
@@ -134,16 +132,15 @@ class EpsilonTable:
 
     def __call__(self, k: int) -> float:
         """Epsilon (as the accountant reports it) after ``k`` steps of this segment."""
-        if k <= 0 or self.sigma == 0:  # no noise: no privacy claimed, nothing to tabulate
+        # No noise: no privacy claimed, nothing to tabulate.
+        if k <= 0 or self.sigma == 0 or self._rdp is None:
             return self._at(k)
-        if self._rdp is not None:
-            block = k // _CHUNK
-            rows = self._blocks.get(block)
-            if rows is None:
-                counts = np.arange(block * _CHUNK, (block + 1) * _CHUNK)
-                rows = self._blocks[block] = self._rdp(counts)
-            return float(rows[k - block * _CHUNK])
-        return self._at(k)
+        block = k // _CHUNK
+        rows = self._blocks.get(block)
+        if rows is None:
+            counts = np.arange(block * _CHUNK, (block + 1) * _CHUNK)
+            rows = self._blocks[block] = self._rdp(counts)
+        return float(rows[k - block * _CHUNK])
 
     def _at(self, k: int) -> float:
         value = self._known.get(k)
@@ -216,9 +213,7 @@ def plan_segment(mechanism: str, history: Sequence[Entry], rate: float, delta: f
     target (a resume that changed nothing adds the same noise), else the noise solved for
     the remaining steps given the history; when none keeps the target, or the accountant
     cannot bound the result, a :class:`ConfigError` that names both figures."""
-    from ..config.errors import ConfigError
-
-    past = epsilon_of(mechanism, history, delta) if history else 0.0
+    past = epsilon_of(mechanism, history, delta)
     done = sum(int(h[2]) for h in history)
     where = (f"the checkpoint's {done} steps already spent epsilon {past:.6g}; "
              if history else "")
@@ -267,12 +262,8 @@ def plan_segment(mechanism: str, history: Sequence[Entry], rate: float, delta: f
 def _solve_or_refuse(mechanism: str, history: Sequence[Entry], rate: float, delta: float,
                      steps: int, target: float, before: float, past: float,
                      where: str) -> float:
-    from ..config.errors import ConfigError
-
-    if history and not past < target:
-        solved = None
-    else:
-        solved = solve_noise(mechanism, history, rate, steps, delta, target)
+    solved = (None if history and not past < target else
+              solve_noise(mechanism, history, rate, steps, delta, target))
     if solved is not None and bounded(solved[1]):
         return solved[0]
     if history:

@@ -110,9 +110,7 @@ def naming_inplace_outputs(module: torch.nn.Module, backend: str) -> Iterator[No
     running: list[str] = []  # the modules whose forward is running, outermost first
 
     def enter(name: str) -> Any:
-        def hook(_module: Any, _args: Any) -> None:  # None: the input is left as it is
-            running.append(name)
-        return hook
+        return lambda _module, _args: running.append(name)  # None: the input is left as it is
 
     def leave(name: str) -> Any:
         def hook(_module: Any, _args: Any, _out: Any) -> None:  # None: output untouched

@@ -20,13 +20,7 @@ def optimizer_state_is_named(state: dict[str, Any]) -> bool:
 
 def named_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                           state: dict[str, Any]) -> dict[str, Any]:
-    """``optimizer.state_dict()``-layout ``state`` re-keyed by ``module``'s parameter names.
-
-    Example::
-
-        named = named_optimizer_state(model, opt, torch.load("trainer.pt")["optimizers"][0])
-        named["state"]["linear.weight"]["momentum_buffer"]
-    """
+    """``optimizer.state_dict()``-layout ``state`` re-keyed by ``module``'s parameter names."""
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
     saved_groups, groups = state["param_groups"], optimizer.param_groups
     if len(saved_groups) != len(groups) or any(

@@ -1,15 +1,13 @@
 """Strategy: where a step runs and how gradients are combined. The trainer owns the loop
 and calls these methods; a strategy never loops.
 
-``trainer.compile`` compiles the step runner (:class:`StepRunner`): compiling the
-model's ``forward`` alone would miss the loss and anything else ``train_step`` does. It
-is compiled in place (names and ``state_dict`` keys do not change), at its first call
-(again for a new input shape), and before a strategy wraps it, as PyTorch advises for DDP.
+``trainer.compile`` compiles the step runner (:class:`StepRunner`), in place and before
+a strategy wraps it: compiling the model's ``forward`` alone would miss the loss and
+anything else ``train_step`` does (docs/backends.md).
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterable, Optional
 
@@ -18,10 +16,8 @@ import torch
 from ..distributed import DistEnv
 from ..utils.voice import say
 from .checkpointing import apply_activation_checkpointing
-from .precision import Precision
+from .precision import _NULL, Precision
 from .state import optimizer_state_is_named
-
-_NULL = contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -57,7 +53,6 @@ class CompileError(RuntimeError):
 
 
 def compile_in_place(runner: torch.nn.Module, mode: str) -> None:
-    """Make ``runner(...)`` run through torch.compile (compiled lazily, on first call)."""
     runner.compile(mode=None if mode == "default" else mode)
 
 
@@ -123,19 +118,16 @@ class SingleDevice:
         runner = StepRunner(module)
         if ex.compile:
             self.compile_runner(runner)
-        self.runner = self.wrap(runner)
-        if self.runner is None and ex.compile:
-            self.runner = runner
-        self._run = self.runner
+        self.runner = self._run = self.wrap(runner)
         if ex.compile:
+            if self.runner is None:
+                self.runner = runner
             self._run = explain_failures(self.runner, type(module).__name__)
 
     def place(self, module: torch.nn.Module) -> None:
         module.to(self.device)
 
     def convert_batchnorm(self, module: torch.nn.Module) -> None:
-        """``trainer.distributed.sync_batchnorm``: one process's BatchNorm sees the whole
-        batch already."""
         if self.dist.is_main:
             say("trainer.distributed.sync_batchnorm: true changes nothing on a single "
                 "process (sp): its BatchNorm statistics are the whole batch's already",
@@ -170,7 +162,6 @@ class SingleDevice:
     # -- one step -------------------------------------------------------------
     def train_step(self, module: torch.nn.Module, global_step: int, batch: Any,
                    sync: bool = True) -> Any:
-        """Run the recipe's ``train_step``. ``sync=False``: gradients stay local."""
         with self.precision.forward_context():
             if self.runner is None:
                 return self._train_step(global_step, batch, self.device)
@@ -183,7 +174,6 @@ class SingleDevice:
 
     def validation_outputs(self, module: torch.nn.Module, global_step: int,
                            batches: Iterable[Any]) -> list[Any]:
-        """``val_step`` of each of this rank's validation batches, in order."""
         return [self.val_step(module, global_step, batch) for batch in batches]
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -1,9 +1,6 @@
-"""Where this process sits in a job: rank, world size, local rank, rendezvous address.
-
-A :class:`DistEnv` is passed to whatever needs to know; there is no global.
-It is read from the launcher's environment variables (torchrun, SLURM, MPI
-launchers such as Open MPI, MPICH or Intel MPI, Azure ML) or given in config
-(``trainer.distributed``).
+"""Where this process sits in a job (:class:`DistEnv`), read from the launcher's
+environment variables (torchrun, SLURM, MPI launchers, Azure ML) or given in config
+(``trainer.distributed``). It is passed to whatever needs to know; there is no global.
 """
 
 from __future__ import annotations
@@ -85,9 +82,8 @@ class DistEnv:
         if launcher == "manual":
             assert args is not None and args.rank is not None and args.world_size is not None
             return cls(rank=args.rank, world_size=args.world_size,
-                       local_rank=args.local_rank if args.local_rank is not None else 0,
-                       local_world_size=(args.local_world_size
-                                         if args.local_world_size is not None else 1),
+                       local_rank=args.local_rank or 0,
+                       local_world_size=args.local_world_size or 1,  # >= 1 when set
                        launcher="manual", master_addr=args.master_addr,
                        master_port=args.master_port)
         if launcher == "auto":
@@ -109,11 +105,9 @@ _EXPECTED = {
 }
 
 
-def _int(env: Mapping[str, str], name: str, default: Optional[int] = None) -> int:
+def _int(env: Mapping[str, str], name: str, default: int = 0) -> int:
     value = env.get(name)
-    if value is None:
-        if default is None:
-            raise DistEnvError(f"environment variable {name} is not set")
+    if value is None:  # a required variable: its caller checked it is there
         return default
     try:
         return int(value)

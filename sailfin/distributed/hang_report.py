@@ -1,9 +1,5 @@
 """What the hang watchdog says: the phases a rank reports, and the report that names the
-rank(s) the others wait for: those whose records stopped coming (a frozen or vanished
-process), else those furthest behind (an earlier step, or an earlier phase of the same
-step), else, every rank being at the same place, those still making progress while the
-others have waited past the limit (one rank slow alone in validation is named alone).
-Only when every rank waits is the whole group named.
+rank(s) the others wait for (:func:`culprits` says which).
 
 Example::
 
@@ -68,9 +64,8 @@ class RankRecord:
         return self.step, _ORDER.get(self.phase, 0)
 
     def describe(self) -> str:
-        where = f"global_step {recipe_step(self.step, self.phase)}"
-        return (f"rank {self.rank}: {where}, phase {self.phase}, "
-                f"{self.idle:.1f} s since its last progress")
+        return (f"rank {self.rank}: global_step {recipe_step(self.step, self.phase)}, "
+                f"phase {self.phase}, {self.idle:.1f} s since its last progress")
 
 
 def recipe_step(step: int, phase: str) -> int:
@@ -81,9 +76,8 @@ def recipe_step(step: int, phase: str) -> int:
 
 def limit_of(phase: str, hang_seconds: float, slow_seconds: Optional[float] = None) -> float:
     """The seconds without progress that count as a hang in ``phase``."""
-    if phase in SLOW_PHASES:
-        return max(slow_seconds or hang_seconds, hang_seconds)
-    return hang_seconds
+    slow = phase in SLOW_PHASES
+    return max(slow_seconds or hang_seconds, hang_seconds) if slow else hang_seconds
 
 
 def culprits(records: list[RankRecord], stale: Iterable[int] = (),
@@ -96,9 +90,7 @@ def culprits(records: list[RankRecord], stale: Iterable[int] = (),
     if stale:
         return stale
     live = [r for r in records if r.phase != FINISHED]
-    if not live:
-        return []
-    lowest = min(r.position for r in live)
+    lowest = min((r.position for r in live), default=None)  # None: every rank finished
     behind = [r.rank for r in live if r.position == lowest]
     working = [rank for rank in behind if rank in set(busy)]
     return working if working and len(working) < len(behind) else behind

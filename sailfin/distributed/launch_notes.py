@@ -1,11 +1,10 @@
-"""Notes a worker leaves for ``sailfin launch`` in ``$SAILFIN_LAUNCH_DIR``, read once the
-job ends: torchrun reports only exit codes, and 75 means both "saved and stopped on a
-signal" and "the hang watchdog ended the job". Kinds, one file ``<kind>-rank<r>`` each:
-``training`` (it began training: steps since its last checkpoint can be lost from now
-on), ``preempted`` (stopped on a signal with a checkpoint saved, or before its first
-step), ``finished`` (a stop during the teardown loses nothing), ``hang`` (the watchdog
-ended it), ``error`` (a user error, exit 2; torchrun stops the others). A worker clears
-its notes when it starts; outside ``sailfin launch`` nothing is written.
+"""Notes a worker leaves for ``sailfin launch`` in ``$SAILFIN_LAUNCH_DIR``, one file
+``<kind>-rank<r>`` each, read once the job ends: torchrun reports only exit codes, and
+75 means both "saved and stopped on a signal" and "the hang watchdog ended the job".
+``training``: steps since its last checkpoint can be lost from now on; ``preempted``:
+stopped on a signal with a checkpoint saved, or before its first step; ``finished``: a
+stop during the teardown loses nothing; ``hang``; ``error``: a user error (exit 2). A
+worker clears its notes when it starts; outside ``sailfin launch`` nothing is written.
 
 Example::
 
@@ -22,9 +21,8 @@ from typing import Optional
 LAUNCH_DIR_ENV = "SAILFIN_LAUNCH_DIR"
 """Set by ``sailfin launch`` for its workers: where each worker leaves its notes."""
 
-TRAINING, PREEMPTED, FINISHED, HANG, USER_ERROR = ("training", "preempted", "finished",
-                                                   "hang", "error")
-KINDS = (TRAINING, PREEMPTED, FINISHED, HANG, USER_ERROR)
+KINDS = TRAINING, PREEMPTED, FINISHED, HANG, USER_ERROR = (
+    "training", "preempted", "finished", "hang", "error")
 
 
 def _rank() -> str:

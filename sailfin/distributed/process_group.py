@@ -1,9 +1,6 @@
 """The process group: joining it (with a timeout on every wait), leaving it, and the
 collectives the trainer needs (a mean, and validation outputs gathered in order).
-
-Under torchrun sailfin joins the agent's store itself and gives each restart attempt
-its own key namespace: with ``env://`` a restarted rank can read a key its slower peer
-has not yet rewritten and dial a dead worker's port (measured: docs/elastic.md).
+Under torchrun each restart attempt gets its own key namespace (why: docs/elastic.md).
 """
 
 from __future__ import annotations
@@ -21,13 +18,9 @@ from .env import DistEnv, DistEnvError
 
 
 def attempt_prefix(environ: Mapping[str, str]) -> str:
-    """The key namespace of this rendezvous round of this torchrun job.
-
-    torchrun counts restarts after failures (TORCHELASTIC_RESTART_COUNT) but
-    not the new rounds it starts when a node joins; those change the world
-    size instead. Within one restart count the world only grows, so the pair
-    names every round once.
-    """
+    """The key namespace of this rendezvous round of this torchrun job. torchrun counts
+    restarts after failures but not the rounds a joining node starts; within one restart
+    count the world only grows, so (restart count, world size) names every round once."""
     run_id = environ.get("TORCHELASTIC_RUN_ID", "none")
     restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     world = environ.get("WORLD_SIZE", "0")
@@ -41,11 +34,8 @@ def attempt_prefix(environ: Mapping[str, str]) -> str:
 
 def torchrun_store(environ: Mapping[str, str], rank: int, world_size: int,
                    timeout: datetime.timedelta) -> dist.Store:
-    """A store for ``init_process_group(store=...)`` under torchrun.
-
-    When the agent shares its store (``TORCHELASTIC_USE_AGENT_STORE=True``, the
-    default), every rank is a client; otherwise rank 0 hosts it, as env:// does.
-    """
+    """A store for ``init_process_group(store=...)`` under torchrun: when the agent shares
+    its store (the default), every rank is a client; otherwise rank 0 hosts it."""
     try:
         host, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
     except (KeyError, ValueError):
@@ -67,14 +57,11 @@ def comm_backend_for(device: torch.device, requested: str = "auto") -> str:
     return requested
 
 
-def init_process_group(env: DistEnv, device: torch.device, comm_backend: str = "auto",
-                       timeout_seconds: float = 1800.0,
-                       environ: Optional[Mapping[str, str]] = None) -> bool:
-    """Join the job's process group; return True if this call created it.
-
-    An existing group (the user called ``init_process_group`` already) is used as
-    it is, after checking that it matches ``env``.
-    """
+def init_process_group(env: DistEnv, device: torch.device, comm_backend: str,
+                       timeout_seconds: float) -> bool:
+    """Join the job's process group (``comm_backend`` from :func:`comm_backend_for`);
+    return True if this call created it. An existing group (the user called
+    ``init_process_group`` already) is used as it is, after checking that it matches."""
     if dist.is_initialized():
         if dist.get_rank() != env.rank or dist.get_world_size() != env.world_size:
             raise DistEnvError(
@@ -82,14 +69,12 @@ def init_process_group(env: DistEnv, device: torch.device, comm_backend: str = "
                 f"{dist.get_world_size()}, but the launcher says rank {env.rank} of "
                 f"{env.world_size}; let sailfin create the group or make them agree")
         return False
-    environ = os.environ if environ is None else environ
-    backend = comm_backend_for(device, comm_backend)
     timeout = datetime.timedelta(seconds=timeout_seconds)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if env.launcher == "torchrun" and "TORCHELASTIC_RUN_ID" in environ:
+    if env.launcher == "torchrun" and "TORCHELASTIC_RUN_ID" in os.environ:
         # A fresh key namespace per restart attempt (see the module docstring).
-        store = torchrun_store(environ, env.rank, env.world_size, timeout)
+        store = torchrun_store(os.environ, env.rank, env.world_size, timeout)
     else:
         if env.master_addr is None or env.master_port is None:
             raise DistEnvError(
@@ -101,20 +86,14 @@ def init_process_group(env: DistEnv, device: torch.device, comm_backend: str = "
                               is_master=env.rank == 0, timeout=timeout,
                               wait_for_workers=False)
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
+    dist.init_process_group(comm_backend, store=store, rank=env.rank, world_size=env.world_size,
                             timeout=timeout, **kwargs)
     return True
 
 
-def destroy_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def launch_hint(nproc: Optional[int] = None) -> str:
+def launch_hint() -> str:
     """The torchrun command that would start this program as a DDP job."""
-    if nproc is None:
-        nproc = torch.cuda.device_count() if torch.cuda.is_available() else 2
+    nproc = torch.cuda.device_count() if torch.cuda.is_available() else 2
     argv = list(sys.argv)
     prog = os.path.basename(argv[0]) if argv else ""
     if prog in ("sailfin", "__main__.py") or argv[:1] == ["-m"]:
@@ -128,23 +107,12 @@ def launch_hint(nproc: Optional[int] = None) -> str:
     return shlex.join(["torchrun", f"--nproc-per-node={nproc}", *command])
 
 
-def all_reduce_mean(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
-    """The mean of ``tensor`` over ranks (a new tensor; the input is untouched)."""
-    out = tensor.detach().clone()
-    dist.all_reduce(out)
-    return out / world_size
-
-
 def gather_outputs(local: dict[str, Any], rank: int, world_size: int,
                    device: torch.device) -> dict[str, Any]:
-    """Every rank's merged validation outputs, concatenated in rank order.
-
-    Each rank validates a contiguous share of the dataset (rank r's share comes
-    before rank r+1's), so rank order is dataset order. Tensors are gathered
-    with one all-gather per key (padded to the longest share, trimmed after);
-    lists and other values go through ``all_gather_object``. A rank with an
-    empty share contributes nothing. Every rank gets the same result.
-    """
+    """Every rank's merged validation outputs, concatenated in rank order: each rank
+    validates a contiguous share of the dataset, so rank order is dataset order. Tensors
+    take one all-gather per key (padded to the longest share, trimmed after), other
+    values ``all_gather_object``. Every rank gets the same result."""
     descriptions: list[Any] = [None] * world_size
     dist.all_gather_object(descriptions, _describe(local))
     out: dict[str, Any] = {}
@@ -167,18 +135,13 @@ def _describe(local: dict[str, Any]) -> dict[str, tuple]:
 
 
 def _agreed_keys(descriptions: list[Any]) -> list[str]:
-    keys: Optional[list[str]] = None
-    first_rank = -1
-    for r, d in enumerate(descriptions):
-        if not d:
-            continue  # an empty share
-        if keys is None:
-            keys, first_rank = list(d), r
-        elif set(d) != set(keys):
+    shares = [(r, d) for r, d in enumerate(descriptions) if d]  # not the empty shares
+    for r, d in shares[1:]:
+        if set(d) != set(shares[0][1]):
             raise ValueError(
-                f"val_step returned keys {sorted(d)} on rank {r} but {sorted(keys)} on rank "
-                f"{first_rank}; return the same keys on every rank and batch")
-    return keys or []
+                f"val_step returned keys {sorted(d)} on rank {r} but {sorted(shares[0][1])} "
+                f"on rank {shares[0][0]}; return the same keys on every rank and batch")
+    return list(shares[0][1]) if shares else []
 
 
 def _gather_tensor(value: Optional[torch.Tensor], key: str, descriptions: list[Any],
@@ -194,10 +157,9 @@ def _gather_tensor(value: Optional[torch.Tensor], key: str, descriptions: list[A
     dtype = getattr(torch, dtypes.pop())
     tail = trailing.pop()
     lengths = [s[0] if s is not None else 0 for s in shapes]
-    longest = max(lengths)
     # Gloo has no bool all-gather: move bools as bytes.
     wire = torch.uint8 if dtype is torch.bool else dtype
-    padded = torch.zeros((longest, *tail), dtype=wire, device=device)
+    padded = torch.zeros((max(lengths), *tail), dtype=wire, device=device)
     if value is not None and lengths[rank]:
         padded[:lengths[rank]] = value.detach().to(device=device, dtype=wire)
     parts = [torch.empty_like(padded) for _ in lengths]

@@ -1,18 +1,10 @@
-"""The hang watchdog: a stuck rank is named, and the job ends instead of hanging (what a
-user sees: docs/multinode.md, docs/robustness.md).
+"""The hang watchdog: a stuck rank is named, and the job ends instead of hanging (how it
+judges, what it prints and does: docs/multinode.md#reading-a-hang-report).
 
 The loop writes where it is into a :class:`Heartbeat` (plain attributes: nothing on the
-step's path); a thread per rank publishes it once a second to the process group's store
-with the seconds since it last moved. Ranks 0 and 1 judge (a frozen rank 0 is judged by
-rank 1); the first to see a rank idle past its phase's limit, or whose records stopped
-(a frozen process), writes the report (:mod:`.hang_report`). Every live rank then ends
-the frozen processes on its host (SIGKILL: a stopped process answers nothing else, and
-torchrun would wait 30 s), writes its stack, leaves a note for ``sailfin launch`` and
-exits 75, so ``torchrun --max-restarts`` resumes the group from its last checkpoint.
-
-The thread needs the GIL: a rank blocked in a collective, a sleep, I/O or CUDA is seen
-(they release it); a C extension that holds the GIL forever silences it, and the judges
-then report that rank's records as stopped.
+step's path); a thread per rank publishes it once a second to the process group's store.
+The thread needs the GIL: a C extension that holds it forever silences the thread, and
+the judges then report that rank's records as stopped.
 """
 
 from __future__ import annotations
@@ -101,13 +93,11 @@ class Watchdog:
         self._thread: Optional[threading.Thread] = None
         self._seen: dict[int, tuple[int, float]] = {}  # judge: rank -> (seq, when it moved)
         self._present: list[str] = []  # judge: the record keys that exist
-        self._started = time.monotonic()
         self._process = (os.getpid(), socket.gethostname())
-        self._seq = 0  # this rank's record count: a judge sees it move while the rank lives
 
     def start(self) -> None:
         self._started = time.monotonic()
-        self._seq = 0
+        self._seq = 0  # this rank's record count: a judge sees it move while the rank lives
         self._publish(0.0, 0)
         self._thread = threading.Thread(target=self._run, name="sailfin-watchdog",
                                         daemon=True)
@@ -315,8 +305,7 @@ def end_process(code: int) -> None:
 
 
 def resolve_hang_seconds(value: Any, world_size: int) -> Optional[float]:
-    """``trainer.distributed.hang_seconds``: auto is 300 s with several processes, off
-    with one; null is off."""
+    """``trainer.distributed.hang_seconds`` in seconds; None: off."""
     if value is None:
         return None
     if value == "auto":
@@ -325,8 +314,7 @@ def resolve_hang_seconds(value: Any, world_size: int) -> Optional[float]:
 
 
 def resolve_slow_seconds(value: Any, hang_seconds: float) -> float:
-    """``trainer.distributed.hang_seconds_slow_phases``: auto is 4 x hang_seconds; null
-    is hang_seconds itself; never below hang_seconds."""
+    """``trainer.distributed.hang_seconds_slow_phases`` in seconds."""
     if value == "auto":
         return 4 * hang_seconds
     return hang_seconds if value is None else max(float(value), hang_seconds)
@@ -336,10 +324,7 @@ def build_watchdog(hang_setting: Any, rank: int, world_size: int, store: Any,
                    heartbeat: Heartbeat, report_dir: Optional[str],
                    slow_setting: Any = "auto", end: bool = False) -> Optional[Watchdog]:
     """A started :class:`Watchdog` as ``trainer.distributed.hang_seconds`` asks, or None.
-
-    ``store`` is the process group's (None on one process: a private store serves).
-    ``end``: a hang ends the process (the sailfin command); else it raises
-    :class:`HangDetected` in the main thread (a run in a notebook or test)."""
+    ``store`` None (one process): a private store; ``end``: :func:`end_process` on a hang."""
     seconds = resolve_hang_seconds(hang_setting, world_size)
     if seconds is None:
         return None
