@@ -1,28 +1,9 @@
 """The shard index: where each sample's members lie in a tar.
 
-A shard ``shard-000000.tar`` has its index beside it as ``shard-000000.tar.idx``,
-a small JSON document::
-
-    {"format": "sailfin-shard-index", "version": 1,
-     "tar_bytes": 1546240,            # size of the tar the index describes
-     "exts": ["cls", "png"],          # the distinct member extensions
-     "keys": ["000000", ...],         # one key per sample, in file order
-     "members": [2, 2, ...],          # members per sample
-     "ext_ids": [0, 1, 0, 1, ...],    # per member: its extension (into "exts")
-     "offsets": [512, 1536, ...],     # per member: byte offset of its data
-     "sizes": [1, 873, ...],          # per member: data size in bytes
-     "crc32": [2212294583, ...]}      # per member: zlib.crc32 of its data (optional)
-
-Indexes without ``crc32`` (older ones) are read unchecked. Members group into
-samples as WebDataset's do: ``dir/000123.x.npy`` has key ``dir/000123`` and
-extension ``x.npy``; consecutive members with one key form a sample, so one
-positional read fetches a whole sample. Members without an extension belong to none.
-
-At start-up a local shard's index is the ``.idx`` beside it (checked against the
-shard's size), else one cached (keyed by path, size and mtime), else the tar is
-scanned and the index written beside it (into the cache when read-only). A remote
-shard's is the cached one, else ``URL.idx``, else the shard is downloaded (it will
-be read anyway), scanned, and the index cached.
+``shard-000000.tar`` has its index beside it as ``shard-000000.tar.idx``, a small JSON
+document (byte offset, size and CRC-32 of every member, grouped into samples the
+WebDataset way), so a sample is one positional read. Its fields, and where a shard's
+index comes from at start-up, are in docs/streaming.md ("Shards and their indexes").
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Where shards are: shard lists (braces, globs, directories), and remote shards fetched
-whole into a local cache, then read like local ones.
+whole into a local cache, then read like local ones (see docs/streaming.md, "Remote
+shards and the cache").
 
-``shard-{000000..000099}.tar`` expands to 100 names (zero-padded like the bounds),
-``{train,val}/shard-{0..3}.tar`` to 8. Local globs and directories (every ``*.tar``,
-sorted) are resolved on disk, globs on an fsspec store by fsspec; HTTP cannot be
-listed. ``pipe:CMD`` reads a shard from a shell command's output: refused unless
+``pipe:CMD`` reads a shard from a shell command's output: refused unless
 ``allow_pipe=True``, since shard lists come from config files that must not run
-commands on the training machines.
-
-A remote shard (HTTP with the standard library, any other ``scheme://`` through
-fsspec, the ``remote`` extra) is downloaded under a temporary name and renamed when
-complete, so a killed download never looks whole. Every process on the machine
-shares the cache: a lock file per shard makes one download while the others wait.
-Past its size cap the least recently used shards are deleted (a process that has
-one open keeps reading it: POSIX keeps an unlinked file alive while open).
+commands on the training machines. A download is written under a temporary name and
+renamed when complete, so a killed one never looks whole; a lock file per shard makes
+one process download while the others wait.
 """
 
 from __future__ import annotations
