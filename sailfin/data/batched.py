@@ -102,11 +102,19 @@ def gathered_loader(loader: Any, sampler: Any) -> Any:
     itself when that could change a batch."""
     if not can_gather(loader, sampler):
         return loader
+    return rebuilt(loader, GatheredTensors(loader.dataset), pass_through) or loader
+
+
+def rebuilt(loader: DataLoader, dataset: Any, collate_fn: Any, **given: Any
+            ) -> Optional[DataLoader]:
+    """A ``DataLoader`` over ``dataset`` and ``collate_fn`` with every other argument
+    ``loader`` was built with (workers, pinning, generator, ...) unless ``given``; None
+    when ``loader`` lacks one (a ``DataLoader`` argument this code cannot carry)."""
     kwargs = {}
-    for name, param in inspect.signature(DataLoader.__init__).parameters.items():
-        if name == "self" or name in _REBUILT:
+    for name in inspect.signature(DataLoader.__init__).parameters:
+        if name == "self" or name in _REBUILT or name in given:
             continue
         if not hasattr(loader, name):
-            return loader  # a DataLoader argument this code does not know how to carry
+            return None
         kwargs[name] = getattr(loader, name)
-    return DataLoader(GatheredTensors(loader.dataset), collate_fn=pass_through, **kwargs)
+    return DataLoader(dataset, collate_fn=collate_fn, **kwargs, **given)
