@@ -1,17 +1,12 @@
 """Batched fetching: a micro-batch of in-memory tensors in one gather, not one call per sample.
 
 A ``DataLoader`` over a ``TensorDataset`` calls ``dataset[i]`` per sample, then
-``default_collate`` stacks them: for a small model a large share of the step.
-When a recipe's loader is the documented
-``DataLoader(dataset, batch_size=batch_size, sampler=sampler(dataset))`` over a
-``TensorDataset`` (or ``Subset`` of one), sailfin rebuilds it (same sampler,
-workers, pinning, generator) over a view that gathers each micro-batch with one
-``index_select`` per tensor. The batches are bit-identical (same samples, order,
-dtypes, shapes, and the list ``default_collate`` makes of a tuple sample); where
-that cannot be promised the loader is used as it is: another ``collate_fn``, a
-dataset that is not exactly ``TensorDataset``/``Subset`` or has ``set_epoch``, a
-``DataLoader`` subclass, or another sampler or a ``batch_sampler``. (A dataset
-with its own ``__getitems__`` needs none of this: ``DataLoader`` calls it.)
+``default_collate`` stacks them: for a small model a large share of the step. When a
+recipe's loader is the documented ``DataLoader(dataset, batch_size=batch_size,
+sampler=sampler(dataset))`` over a ``TensorDataset`` (or ``Subset`` of one), sailfin
+rebuilds it over a view that gathers each micro-batch with one ``index_select`` per
+tensor. The batches are bit-identical; where that cannot be promised (:func:`can_gather`)
+the loader is used as it is.
 """
 
 from __future__ import annotations
