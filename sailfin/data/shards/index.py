@@ -25,10 +25,6 @@ FORMAT = "sailfin-shard-index"
 VERSION = 1
 INDEX_SUFFIX = ".idx"
 
-# One sample as the reader uses it: (key, first byte, end byte,
-# [(ext, start, stop) relative to the first byte, ...]).
-Row = tuple[str, int, int, list[tuple[str, int, int]]]
-
 
 @dataclass
 class ShardIndex:
@@ -164,8 +160,9 @@ class Table(NamedTuple):
     exts: list[str]      # per member
     crcs: Optional[list[int]] = None  # per member, when the index has checksums
 
-    def sample(self, j: int) -> Row:
-        """Sample ``j``: key, byte range, and its members relative to the range's start."""
+    def sample(self, j: int) -> tuple[str, int, int, list[tuple[str, int, int]]]:
+        """Sample ``j``: key, first and end byte, and its members as (ext, start, stop)
+        relative to the first byte."""
         a, b = self.starts[j], self.starts[j + 1]
         offsets, sizes, exts = self.offsets, self.sizes, self.exts
         lo = offsets[a]
@@ -222,10 +219,7 @@ def load_index(url: str, cache: ShardCache, skip_bad: bool) -> ShardIndex:
     if kind(url) != "pipe":
         data = cache.read_small(url + INDEX_SUFFIX)
         if data is not None:
-            try:
-                index = ShardIndex.from_json(data, url + INDEX_SUFFIX)
-            except ValueError as exc:
-                raise ShardError(str(exc), url) from None
+            index = _parse(data, url + INDEX_SUFFIX, url)
             _save(index, cached)
             return index
     index, whole = _scan(cache.fetch(url), url, skip_bad)
@@ -277,11 +271,14 @@ def check_size(index: ShardIndex, size: int, url: str, index_name: str, skip_bad
 
 def _read(path: str) -> ShardIndex:
     with open(path, "rb") as f:
-        data = f.read()
+        return _parse(f.read(), path, path)
+
+
+def _parse(data: bytes, where: str, url: str) -> ShardIndex:
     try:
-        return ShardIndex.from_json(data, path)
+        return ShardIndex.from_json(data, where)
     except ValueError as exc:
-        raise ShardError(str(exc), path) from None
+        raise ShardError(str(exc), url) from None
 
 
 def _save(index: ShardIndex, path: str) -> None:
