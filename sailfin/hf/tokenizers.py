@@ -147,18 +147,22 @@ class TokenizeText(DataProcessor):
     # -- rows -> samples ----------------------------------------------------------------
     def encode_rows(self, rows: list[dict[str, Any]], source: Any = "rows", start: int = 0
                     ) -> tuple[list[dict[str, Any]], int]:
-        """``{"input_ids": [...], "labels": ...}`` for each row, and how many were truncated;
-        except for token classification, from one tokenizer call over all rows (and one
-        more over those longer than max_length): the tokenizer's per-call cost is paid once."""
+        """What :meth:`encode` gives for each row, and how many were truncated; except for
+        token classification, from one tokenizer call over all rows (and one more over
+        those longer than max_length): the tokenizer's per-call cost is paid once."""
         def where(i: int) -> str:
             return f"{_name(source)} row {start + i + 1}"
 
         if self.task == "token_classification":
-            out = [self._encode_words(row, where(i)) for i, row in enumerate(rows)]
+            out = [self.encode(row, where(i)) for i, row in enumerate(rows)]
             return [sample for sample, _ in out], sum(cut for _, cut in out)
         return self._encode_many(rows, where)
 
-    def _encode_words(self, row: dict[str, Any], where: str) -> tuple[dict[str, Any], int]:
+    def encode(self, row: dict[str, Any], where: str) -> tuple[dict[str, Any], int]:
+        """``({"input_ids": [...], "labels": ...}, 1 if truncated else 0)``."""
+        if self.task != "token_classification":
+            samples, cut = self._encode_many([row], lambda i: where)
+            return samples[0], cut
         words = list(row[self.text_column])
         tags = list(row[self.label_column])
         if len(words) != len(tags):

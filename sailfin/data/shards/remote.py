@@ -145,18 +145,13 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
-def default_cache_dir() -> str:
-    return os.environ.get("SAILFIN_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "sailfin", "shards")
-
-
-def parse_size(value: Union[int, str], what: str = "cache_limit") -> int:
+def parse_size(value: Union[int, str]) -> int:
     """``20GB``, ``512MiB``, ``1.5GiB``, ``1000000`` or an int -> bytes (no exponent form)."""
     if isinstance(value, int):
         return value
     match = _SIZE.match(str(value))
     if not match:
-        raise ValueError(f"{what}={value!r} is not a size: write e.g. 20GB, 512MiB or 1000000")
+        raise ValueError(f"cache_limit={value!r} is not a size: write e.g. 20GB, 512MiB or 1000000")
     number, unit = match.groups()
     unit = unit.lower().rstrip("b")
     return int(float(number) * _UNITS[unit])
@@ -182,7 +177,9 @@ class ShardCache:
 
     def __init__(self, directory: Optional[str] = None, limit: Union[int, str] = "20GB",
                  timeout: float = 60.0, attempts: int = 3) -> None:
-        self.directory = os.path.abspath(directory or default_cache_dir())
+        self.directory = os.path.abspath(directory or os.environ.get("SAILFIN_CACHE_DIR") or
+                                         os.path.join(os.path.expanduser("~"), ".cache",
+                                                      "sailfin", "shards"))
         self.limit = parse_size(limit)
         self.timeout = timeout
         self.attempts = max(1, attempts)
