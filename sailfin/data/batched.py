@@ -1,17 +1,12 @@
 """Batched fetching: a micro-batch of in-memory tensors in one gather, not one call per sample.
 
 A ``DataLoader`` over a ``TensorDataset`` calls ``dataset[i]`` per sample, then
-``default_collate`` stacks them: for a small model a large share of the step.
-When a recipe's loader is the documented
-``DataLoader(dataset, batch_size=batch_size, sampler=sampler(dataset))`` over a
-``TensorDataset`` (or ``Subset`` of one), sailfin rebuilds it (same sampler,
-workers, pinning, generator) over a view that gathers each micro-batch with one
-``index_select`` per tensor. The batches are bit-identical (same samples, order,
-dtypes, shapes, and the list ``default_collate`` makes of a tuple sample); where
-that cannot be promised the loader is used as it is: another ``collate_fn``, a
-dataset that is not exactly ``TensorDataset``/``Subset`` or has ``set_epoch``, a
-``DataLoader`` subclass, or another sampler or a ``batch_sampler``. (A dataset
-with its own ``__getitems__`` needs none of this: ``DataLoader`` calls it.)
+``default_collate`` stacks them: for a small model a large share of the step. When a
+recipe's loader is the documented ``DataLoader(dataset, batch_size=batch_size,
+sampler=sampler(dataset))`` over a ``TensorDataset`` (or ``Subset`` of one), sailfin
+rebuilds it over a view that gathers each micro-batch with one ``index_select`` per
+tensor. The batches are bit-identical; where that cannot be promised (:func:`can_gather`)
+the loader is used as it is.
 """
 
 from __future__ import annotations
@@ -102,11 +97,19 @@ def gathered_loader(loader: Any, sampler: Any) -> Any:
     itself when that could change a batch."""
     if not can_gather(loader, sampler):
         return loader
+    return rebuilt(loader, GatheredTensors(loader.dataset), pass_through) or loader
+
+
+def rebuilt(loader: DataLoader, dataset: Any, collate_fn: Any, **given: Any
+            ) -> Optional[DataLoader]:
+    """A ``DataLoader`` over ``dataset`` and ``collate_fn`` with every other argument
+    ``loader`` was built with (workers, pinning, generator, ...) unless ``given``; None
+    when ``loader`` lacks one (a ``DataLoader`` argument this code cannot carry)."""
     kwargs = {}
-    for name, param in inspect.signature(DataLoader.__init__).parameters.items():
-        if name == "self" or name in _REBUILT:
+    for name in inspect.signature(DataLoader.__init__).parameters:
+        if name == "self" or name in _REBUILT or name in given:
             continue
         if not hasattr(loader, name):
-            return loader  # a DataLoader argument this code does not know how to carry
+            return None
         kwargs[name] = getattr(loader, name)
-    return DataLoader(GatheredTensors(loader.dataset), collate_fn=pass_through, **kwargs)
+    return DataLoader(dataset, collate_fn=collate_fn, **kwargs, **given)

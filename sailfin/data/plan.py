@@ -1,16 +1,11 @@
 """The batch plan: which global positions form each optimizer step, per rank.
 
-``train_batch_size`` is the GLOBAL batch G; with micro batch m and world W a step
-accumulates A = G / (m * W) micro-batches. Step k consumes positions
-``[k*G, min((k+1)*G, N))``, split contiguously and evenly over the ranks, each
-share cut into micro-batches of m. Only an epoch's last step can be short.
-
-Each micro-batch's mean loss is weighted by ``count * W / n_step``: DDP averages
-over W ranks, so the summed gradient is the mean-loss gradient of the whole step,
-whatever W, m and A are. Every rank runs the same number of micro-batches per
-step, so a collective inside the forward (SyncBatchNorm, a contrastive
-all-gather) meets its partners: a rank whose share fills one fewer runs one
-padding micro-batch (the step's first sample) with weight 0.
+Step k consumes positions ``[k*G, min((k+1)*G, N))`` of the epoch order, split
+contiguously and evenly over the W ranks, each share cut into micro-batches of m
+whose mean losses are weighted by ``count * W / n_step`` (docs/batch-plan.md). Every
+rank runs the same number of micro-batches per step, so a collective inside the
+forward meets its partners: a rank whose share fills one fewer runs one padding
+micro-batch (the step's first sample) with weight 0.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""The batch plan and sampler of differentially private training.
+"""The batch plan and sampler of differentially private training (docs/dp.md, "The batch").
 
 DP-SGD clips each sample's gradient, so a micro-batch's mean loss is never
-re-weighted (weight 1): :class:`PrivatePlan`. With Poisson sampling
-(:class:`PoissonPlan`, what DP accounting assumes) step ``k`` of epoch ``e``
-takes each of the N samples with probability ``q = train_batch_size / N``. The
-draw is a pure function of (seed, e, k), the same on every rank and world size,
-so a resumed run draws the same batches from the (epoch, step) the checkpoint
-holds. The drawn samples split over ranks and micro-batches as fixed batches do
-(Opacus's ``BatchMemoryManager``); an empty step is one weight-0 padding
+re-weighted (:class:`PrivatePlan`). Poisson sampling (:class:`PoissonPlan`) draws
+step k of epoch e from (seed, e, k) alone, the same on every rank and world size, so
+a resumed run draws the same batches; an empty step is one weight-0 padding
 micro-batch: its noise is still added and its step still accounted.
 """
 
@@ -168,19 +164,13 @@ class PoissonSampler(PrivateSampler):
         """The recipe's loader rebuilt to read this sampler's micro-batches of varying size
         (as Opacus's ``DPDataLoader`` rebuilds one with its batch sampler): same dataset,
         collate function, workers and pinning."""
-        from .batched import GatheredTensors, can_gather, pass_through
+        from .batched import GatheredTensors, can_gather, pass_through, rebuilt
 
         dataset, collate = loader.dataset, loader.collate_fn
         if can_gather(loader, self):  # in-memory tensors: one gather per micro-batch
             dataset, collate = GatheredTensors(loader.dataset), pass_through
-        workers = loader.num_workers
-        return torch.utils.data.DataLoader(
-            dataset, batch_sampler=_Batches(self), collate_fn=collate, num_workers=workers,
-            pin_memory=loader.pin_memory, timeout=loader.timeout,
-            worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
-            prefetch_factor=loader.prefetch_factor if workers else None,
-            persistent_workers=loader.persistent_workers if workers else False)
+        return rebuilt(loader, dataset, collate, batch_sampler=_Batches(self), batch_size=1,
+                       sampler=None, drop_last=False)
 
 
 class _Batches(torch.utils.data.Sampler[list[int]]):

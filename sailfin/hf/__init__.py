@@ -1,10 +1,7 @@
-"""Hugging Face ``transformers`` models as sailfin recipes, configured from YAML.
+"""Hugging Face ``transformers`` models as sailfin recipes, configured from YAML (docs/hf.md).
 
-``pip install 'sailfin[hf]'``. :class:`TextData` (JSON lines / CSV tokenized into
-memory or shards, padded per micro-batch); the modules :class:`SequenceClassification`,
-:class:`TokenClassification`, :class:`CausalLM` and :class:`Seq2SeqLM` (a model from
-``model_name_or_path`` or a ``config:`` block); ``final/hf/`` by ``save_pretrained``.
-Importing this package imports ``transformers`` only when a name is first used.
+``pip install 'sailfin[hf]'``. Importing this package imports ``transformers`` only
+when a name is first used.
 
 Example::
 

@@ -1,9 +1,6 @@
-"""Parameter-efficient fine-tuning (LoRA and the other PEFT methods) from a config's fields.
-
-``peft`` does the work: :func:`peft_config` turns ``module.init_args.peft`` into its
-config object, :func:`apply_peft` wraps the model with ``peft.get_peft_model`` and
-marks the recipe ``checkpoint_frozen_params = False`` (its checkpoints hold the
-trainable parameters and a fingerprint of the frozen base).
+"""Parameter-efficient fine-tuning (LoRA and the other PEFT methods) from a config's fields:
+``peft`` does the work; the recipe's checkpoints then hold the trainable parameters and a
+fingerprint of the frozen base.
 
 Example (a recipe of one's own)::
 
@@ -18,7 +15,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..config.errors import unknown_key
+from ..config.errors import suggest, unknown_key
 from .errors import HFConfigError, require
 
 # sailfin.hf's task -> peft's TaskType (which also picks the head kept trainable:
@@ -38,11 +35,10 @@ def peft_config(spec: dict[str, Any], task_type: Optional[str] = None, key: str 
                             f"lora_alpha, target_modules, ...), got {type(spec).__name__}")
     spec = dict(spec)
     kind = str(spec.pop("peft_type", "LORA")).upper()
-    types = [t.value for t in peft.PeftType]
-    if kind not in types or kind not in peft.PEFT_TYPE_TO_CONFIG_MAPPING:
-        from ..config.errors import suggest
+    types = [t.value for t in peft.PeftType if t in peft.PEFT_TYPE_TO_CONFIG_MAPPING]
+    if kind not in types:
         raise HFConfigError(f"{key}.peft_type is '{kind}'{suggest(kind, types)}; use one of "
-                            f"{', '.join(t for t in types if t in peft.PEFT_TYPE_TO_CONFIG_MAPPING)}")
+                            f"{', '.join(types)}")
     cls = peft.PEFT_TYPE_TO_CONFIG_MAPPING[kind]
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     for name in spec:

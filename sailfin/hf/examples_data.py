@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import io
+import itertools
 import json
 import keyword
 import os
@@ -31,39 +32,36 @@ def stdlib_functions(packages: tuple[str, ...] = PACKAGES, per_package: int = 20
                      max_chars: int = 1200) -> Iterator[dict[str, Any]]:
     """``{"package", "name", "source", "body", "key"}`` for the first ``per_package``
     functions of each package (files in sorted order, functions in file order)."""
-    root = sysconfig.get_paths()["stdlib"]
     for package in packages:
-        base = os.path.join(root, package)
-        files = ([base + ".py"] if os.path.isfile(base + ".py") else
-                 sorted(os.path.join(d, f) for d, _, fs in os.walk(base) for f in fs
-                        if f.endswith(".py") and "test" not in d.replace(base, "")))
-        count = 0
-        for path in files:
-            try:
-                text = open(path, encoding="utf-8").read()
-                tree = ast.parse(text)
-            except (OSError, SyntaxError, UnicodeDecodeError):
+        yield from itertools.islice(_functions(package, max_chars), per_package)
+
+
+def _functions(package: str, max_chars: int) -> Iterator[dict[str, Any]]:
+    root = sysconfig.get_paths()["stdlib"]
+    base = os.path.join(root, package)
+    files = ([base + ".py"] if os.path.isfile(base + ".py") else
+             sorted(os.path.join(d, f) for d, _, fs in os.walk(base) for f in fs
+                    if f.endswith(".py") and "test" not in d.replace(base, "")))
+    for path in files:
+        try:
+            text = open(path, encoding="utf-8").read()
+            tree = ast.parse(text)
+        except (OSError, SyntaxError, UnicodeDecodeError):
+            continue
+        lines = _LINE.findall(text)
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
-            lines = _LINE.findall(text)
-            for node in ast.walk(tree):
-                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    continue
-                source = _segment(lines, node)
-                if not source or len(source) > max_chars or not node.body:
-                    continue
-                start = node.body[0]
-                if (isinstance(start, ast.Expr) and isinstance(start.value, ast.Constant)
-                        and len(node.body) > 1):
-                    start = node.body[1]  # the body without its docstring
-                body = "\n".join(source.splitlines()[start.lineno - node.lineno:])
-                yield {"package": package, "name": node.name, "source": source,
-                       "body": body.strip(), "key": f"{os.path.relpath(path, root)}:"
-                                                    f"{node.lineno}"}
-                count += 1
-                if count >= per_package:
-                    break
-            if count >= per_package:
-                break
+            source = _segment(lines, node)
+            if len(source) > max_chars:
+                continue
+            start = node.body[0]
+            if (isinstance(start, ast.Expr) and isinstance(start.value, ast.Constant)
+                    and len(node.body) > 1):
+                start = node.body[1]  # the body without its docstring
+            body = "\n".join(source.splitlines()[start.lineno - node.lineno:])
+            yield {"package": package, "name": node.name, "source": source,
+                   "body": body.strip(), "key": f"{os.path.relpath(path, root)}:{node.lineno}"}
 
 
 # A line with its end, cut where the parser cuts (not at form feeds, as splitlines does).
@@ -73,10 +71,7 @@ _LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")
 def _segment(lines: list[str], node: ast.AST) -> str:
     """``ast.get_source_segment(text, node)`` from lines cut once per file (the library
     call cuts the whole file again for every node: most of the examples' start-up)."""
-    end = getattr(node, "end_lineno", None)
-    if end is None:
-        return ""
-    first, last = node.lineno - 1, end - 1  # type: ignore[attr-defined]
+    first, last = node.lineno - 1, node.end_lineno - 1  # type: ignore[attr-defined]
     col, end_col = node.col_offset, node.end_col_offset  # type: ignore[attr-defined]
     if first == last:
         return lines[first].encode()[col:end_col].decode()

@@ -47,11 +47,8 @@ class SavePretrained(Callback):
             weights = load_best(trainer, final)  # every rank: fsdp gathers collectively
         if trainer.dist.is_main:
             save_pretrained_from(self.module, weights, os.path.join(final, "hf"))
-        if weights.endswith(BEST_TMP) and trainer.dist.is_main:
-            os.remove(weights)
-
-
-BEST_TMP = "best.tmp.safetensors"
+            if self.module.load_best_model_at_end:
+                os.remove(weights)
 
 
 def load_best(trainer: Any, final: str) -> str:
@@ -67,7 +64,7 @@ def load_best(trainer: Any, final: str) -> str:
                             "saved (no validation ran); validate at least once "
                             "(trainer.val_every_n_epochs or val_every_n_steps)")
     load_initial_weights(trainer, ckpt.path(best))
-    path = os.path.join(final, BEST_TMP)
+    path = os.path.join(final, "best.tmp.safetensors")
     trainer.backend.save_final_weights(trainer.module, path, trainer.dist.is_main)
     return path
 

@@ -179,16 +179,16 @@ class HFModule(ModuleInterface):
     # -- data ---------------------------------------------------------------------------
     def get_train_dataloader(self, sampler: Callable[[Any], Any], batch_size: int
                              ) -> torch.utils.data.DataLoader:
-        ds = self.data.get_train_dataset()
-        return torch.utils.data.DataLoader(ds, batch_size=batch_size, sampler=sampler(ds),
-                                           collate_fn=self.data.collate)
+        return self._loader(self.data.get_train_dataset(), sampler, batch_size)
 
     def get_val_dataloaders(self, sampler: Callable[[Any], Any], batch_size: int
                             ) -> dict[str, torch.utils.data.DataLoader]:
-        return {name: torch.utils.data.DataLoader(ds, batch_size=batch_size,
-                                                  sampler=sampler(ds),
-                                                  collate_fn=self.data.collate)
+        return {name: self._loader(ds, sampler, batch_size)
                 for name, ds in self.data.get_val_datasets().items()}
+
+    def _loader(self, ds: Any, sampler: Callable[[Any], Any], batch_size: int) -> Any:
+        return torch.utils.data.DataLoader(ds, batch_size=batch_size, sampler=sampler(ds),
+                                           collate_fn=self.data.collate)
 
     # -- steps --------------------------------------------------------------------------
     def forward_batch(self, batch: dict[str, torch.Tensor], device: torch.device) -> Any:

@@ -233,11 +233,8 @@ class PadCollate:
 
 
 def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
-    longest = max(len(r) for r in rows)
-    out = torch.full((len(rows), longest), value, dtype=torch.long)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.as_tensor(r, dtype=torch.long)
-    return out
+    return torch.nn.utils.rnn.pad_sequence([torch.as_tensor(r, dtype=torch.long) for r in rows],
+                                           batch_first=True, padding_value=value)
 
 
 def _same_meta(path: str, meta: dict[str, Any]) -> bool:

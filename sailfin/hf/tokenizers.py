@@ -150,11 +150,13 @@ class TokenizeText(DataProcessor):
         """What :meth:`encode` gives for each row, and how many were truncated; except for
         token classification, from one tokenizer call over all rows (and one more over
         those longer than max_length): the tokenizer's per-call cost is paid once."""
+        def where(i: int) -> str:
+            return f"{_name(source)} row {start + i + 1}"
+
         if self.task == "token_classification":
-            out = [self.encode(row, f"{_name(source)} row {i + 1}")
-                   for i, row in enumerate(rows, start)]
+            out = [self.encode(row, where(i)) for i, row in enumerate(rows)]
             return [sample for sample, _ in out], sum(cut for _, cut in out)
-        return self._encode_many(rows, lambda i: f"{_name(source)} row {start + i + 1}")
+        return self._encode_many(rows, where)
 
     def encode(self, row: dict[str, Any], where: str) -> tuple[dict[str, Any], int]:
         """``({"input_ids": [...], "labels": ...}, 1 if truncated else 0)``."""
@@ -167,7 +169,12 @@ class TokenizeText(DataProcessor):
             raise HFConfigError(f"{where}: {len(words)} words but {len(tags)} tags in "
                                 f"'{self.text_column}'/'{self.label_column}'; give one "
                                 "tag per word")
-        enc, cut = self._encode(where, words, is_split_into_words=True)
+        enc = self.tokenizer(words, truncation=False, is_split_into_words=True)
+        cut = int(len(enc["input_ids"]) > self.max_length)
+        if cut:
+            self._check_length(where, len(enc["input_ids"]))
+            enc = self.tokenizer(words, truncation=True, max_length=self.max_length,
+                                 is_split_into_words=True)
         labels, previous = [], None
         for word in enc.word_ids():
             # The first sub-word of a word carries its tag; the rest are skipped.
@@ -185,10 +192,8 @@ class TokenizeText(DataProcessor):
             return [], 0
         ids = [list(x) for x in tok(texts, pairs, truncation=False)["input_ids"]]
         long = [i for i, x in enumerate(ids) if len(x) > self.max_length]
-        if long and self.truncation == "refuse":
-            self._encode(where(long[0]), texts[long[0]],
-                         pairs[long[0]] if pairs else None)  # raises, naming the row
         if long:
+            self._check_length(where(long[0]), len(ids[long[0]]))
             cut = tok([texts[i] for i in long], [pairs[i] for i in long] if pairs else None,
                       truncation=True, max_length=self.max_length)["input_ids"]
             for i, x in zip(long, cut):
@@ -208,16 +213,12 @@ class TokenizeText(DataProcessor):
             samples = [{"input_ids": x, "labels": list(t)} for x, t in zip(ids, targets)]
         return samples, len(long)
 
-    def _encode(self, where: str, text: Any, pair: Any = None, **kw: Any) -> tuple[Any, int]:
-        enc = self.tokenizer(text, pair, truncation=False, **kw)
-        n = len(enc["input_ids"])
-        if n <= self.max_length:
-            return enc, 0
+    def _check_length(self, where: str, n: int) -> None:
+        """A text of ``n`` tokens, more than max_length: refused, or truncated and counted."""
         if self.truncation == "refuse":
             raise HFConfigError(f"{where}: {n} tokens, more than data.init_args.max_length "
                                 f"{self.max_length}; raise max_length or set truncation: count "
                                 "(truncate and count)")
-        return self.tokenizer(text, pair, truncation=True, max_length=self.max_length, **kw), 1
 
     def _label_id(self, label: Any, where: str) -> int:
         try:

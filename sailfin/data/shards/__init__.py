@@ -1,9 +1,6 @@
-"""Sharded data: write tar shards with an index, read them as a map-style dataset.
-
-See the README section "Streaming from shards". The pieces: :class:`ShardWriter`
-(writing), :class:`ShardDataset` (reading, locally, over HTTP or from object
-storage), :func:`window_order` (the epoch order), :class:`ShardError` (bad data).
-"""
+"""Sharded data: write tar shards with an index (:class:`ShardWriter`), read them as a
+map-style dataset (:class:`ShardDataset`), locally, over HTTP or from object storage
+(docs/streaming.md)."""
 
 from ..sampler import window_order
 from .dataset import ShardDataset

@@ -1,22 +1,8 @@
 """Encoding sample fields to bytes by extension, and decoding them back.
 
-The extension's last part picks the codec (``x.npy`` -> ``npy``):
-
-=====================  ==========================  ====================================
-extension              written from                read back as (``decode="numpy"``)
-=====================  ==========================  ====================================
-``npy``                numpy array, torch tensor   numpy array (``allow_pickle=False``)
-``png jpg jpeg ...``   numpy uint8 array, PIL      numpy uint8 array (H, W[, C])
-``cls cls2 index id``  int                         int
-``txt text``           str                         str
-``json``               dict, list, ...             the JSON value
-``pth``                tensor / dict of tensors    ``torch.load(weights_only=True)``
-anything else          bytes, str, int             bytes
-=====================  ==========================  ====================================
-
-Pickle-based members (``pyd``, ``pickle``, ``pkl``) stay bytes: unpickling can
-run code, so sailfin never does it for you. Pillow is imported only when an
-image is encoded or decoded.
+The extension's last part picks the codec (``x.npy`` -> ``npy``); the table is in
+docs/streaming.md ("Decoding"). Pickle-based members (``pyd``, ``pickle``, ``pkl``)
+stay bytes: unpickling can run code, so sailfin never does it for you.
 """
 
 from __future__ import annotations

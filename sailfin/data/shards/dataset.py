@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from ...config.errors import suggest
 from ...utils.voice import say
 from ..sampler import window_order
 from .codecs import DECODE_MODES, Decoder, decoder_for
@@ -50,10 +51,10 @@ class ShardDataset(torch.utils.data.Dataset):
                  max_open_shards: int = 64, index_threads: int = 8,
                  verify_checksums: bool = True) -> None:
         if not callable(decode) and decode not in DECODE_MODES:
-            raise ValueError(f"decode={decode!r}{_suggest(decode, DECODE_MODES)}: use one of "
+            raise ValueError(f"decode={decode!r}{suggest(decode, DECODE_MODES)}: use one of "
                              f"{', '.join(DECODE_MODES)} or a function of the raw sample dict")
         if on_error not in ON_ERROR:
-            raise ValueError(f"on_error={on_error!r}{_suggest(on_error, ON_ERROR)}: use "
+            raise ValueError(f"on_error={on_error!r}{suggest(on_error, ON_ERROR)}: use "
                              "'raise' or 'skip'")
         if shuffle_window < 1 or max_open_shards < 1:
             raise ValueError("shuffle_window and max_open_shards must be >= 1")
@@ -285,9 +286,3 @@ class ShardDataset(torch.utils.data.Dataset):
                 f"cache_limit={self.cache.limit} bytes cannot hold two shuffle windows of "
                 f"shards ({need} bytes for shuffle_window={self.shuffle_window}): raise "
                 "cache_limit or lower shuffle_window")
-
-
-def _suggest(value: Any, choices: Sequence[str]) -> str:
-    from ...config.errors import suggest
-
-    return suggest(str(value), choices)

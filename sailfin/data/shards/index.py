@@ -1,28 +1,9 @@
 """The shard index: where each sample's members lie in a tar.
 
-A shard ``shard-000000.tar`` has its index beside it as ``shard-000000.tar.idx``,
-a small JSON document::
-
-    {"format": "sailfin-shard-index", "version": 1,
-     "tar_bytes": 1546240,            # size of the tar the index describes
-     "exts": ["cls", "png"],          # the distinct member extensions
-     "keys": ["000000", ...],         # one key per sample, in file order
-     "members": [2, 2, ...],          # members per sample
-     "ext_ids": [0, 1, 0, 1, ...],    # per member: its extension (into "exts")
-     "offsets": [512, 1536, ...],     # per member: byte offset of its data
-     "sizes": [1, 873, ...],          # per member: data size in bytes
-     "crc32": [2212294583, ...]}      # per member: zlib.crc32 of its data (optional)
-
-Indexes without ``crc32`` (older ones) are read unchecked. Members group into
-samples as WebDataset's do: ``dir/000123.x.npy`` has key ``dir/000123`` and
-extension ``x.npy``; consecutive members with one key form a sample, so one
-positional read fetches a whole sample. Members without an extension belong to none.
-
-At start-up a local shard's index is the ``.idx`` beside it (checked against the
-shard's size), else one cached (keyed by path, size and mtime), else the tar is
-scanned and the index written beside it (into the cache when read-only). A remote
-shard's is the cached one, else ``URL.idx``, else the shard is downloaded (it will
-be read anyway), scanned, and the index cached.
+``shard-000000.tar`` has its index beside it as ``shard-000000.tar.idx``, a small JSON
+document (byte offset, size and CRC-32 of every member, grouped into samples the
+WebDataset way), so a sample is one positional read. Its fields, and where a shard's
+index comes from at start-up, are in docs/streaming.md ("Shards and their indexes").
 """
 
 from __future__ import annotations
@@ -43,10 +24,6 @@ from .tarformat import Member, TarFormatError, scan
 FORMAT = "sailfin-shard-index"
 VERSION = 1
 INDEX_SUFFIX = ".idx"
-
-# One sample as the reader uses it: (key, first byte, end byte,
-# [(ext, start, stop) relative to the first byte, ...]).
-Row = tuple[str, int, int, list[tuple[str, int, int]]]
 
 
 @dataclass
@@ -183,8 +160,9 @@ class Table(NamedTuple):
     exts: list[str]      # per member
     crcs: Optional[list[int]] = None  # per member, when the index has checksums
 
-    def sample(self, j: int) -> Row:
-        """Sample ``j``: key, byte range, and its members relative to the range's start."""
+    def sample(self, j: int) -> tuple[str, int, int, list[tuple[str, int, int]]]:
+        """Sample ``j``: key, first and end byte, and its members as (ext, start, stop)
+        relative to the first byte."""
         a, b = self.starts[j], self.starts[j + 1]
         offsets, sizes, exts = self.offsets, self.sizes, self.exts
         lo = offsets[a]
@@ -241,10 +219,7 @@ def load_index(url: str, cache: ShardCache, skip_bad: bool) -> ShardIndex:
     if kind(url) != "pipe":
         data = cache.read_small(url + INDEX_SUFFIX)
         if data is not None:
-            try:
-                index = ShardIndex.from_json(data, url + INDEX_SUFFIX)
-            except ValueError as exc:
-                raise ShardError(str(exc), url) from None
+            index = _parse(data, url + INDEX_SUFFIX, url)
             _save(index, cached)
             return index
     index, whole = _scan(cache.fetch(url), url, skip_bad)
@@ -296,11 +271,14 @@ def check_size(index: ShardIndex, size: int, url: str, index_name: str, skip_bad
 
 def _read(path: str) -> ShardIndex:
     with open(path, "rb") as f:
-        data = f.read()
+        return _parse(f.read(), path, path)
+
+
+def _parse(data: bytes, where: str, url: str) -> ShardIndex:
     try:
-        return ShardIndex.from_json(data, path)
+        return ShardIndex.from_json(data, where)
     except ValueError as exc:
-        raise ShardError(str(exc), path) from None
+        raise ShardError(str(exc), url) from None
 
 
 def _save(index: ShardIndex, path: str) -> None:

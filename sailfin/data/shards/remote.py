@@ -1,19 +1,12 @@
 """Where shards are: shard lists (braces, globs, directories), and remote shards fetched
-whole into a local cache, then read like local ones.
+whole into a local cache, then read like local ones (see docs/streaming.md, "Remote
+shards and the cache").
 
-``shard-{000000..000099}.tar`` expands to 100 names (zero-padded like the bounds),
-``{train,val}/shard-{0..3}.tar`` to 8. Local globs and directories (every ``*.tar``,
-sorted) are resolved on disk, globs on an fsspec store by fsspec; HTTP cannot be
-listed. ``pipe:CMD`` reads a shard from a shell command's output: refused unless
+``pipe:CMD`` reads a shard from a shell command's output: refused unless
 ``allow_pipe=True``, since shard lists come from config files that must not run
-commands on the training machines.
-
-A remote shard (HTTP with the standard library, any other ``scheme://`` through
-fsspec, the ``remote`` extra) is downloaded under a temporary name and renamed when
-complete, so a killed download never looks whole. Every process on the machine
-shares the cache: a lock file per shard makes one download while the others wait.
-Past its size cap the least recently used shards are deleted (a process that has
-one open keeps reading it: POSIX keeps an unlinked file alive while open).
+commands on the training machines. A download is written under a temporary name and
+renamed when complete, so a killed one never looks whole; a lock file per shard makes
+one process download while the others wait.
 """
 
 from __future__ import annotations
@@ -152,18 +145,13 @@ _UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
-def default_cache_dir() -> str:
-    return os.environ.get("SAILFIN_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "sailfin", "shards")
-
-
-def parse_size(value: Union[int, str], what: str = "cache_limit") -> int:
+def parse_size(value: Union[int, str]) -> int:
     """``20GB``, ``512MiB``, ``1.5GiB``, ``1000000`` or an int -> bytes (no exponent form)."""
     if isinstance(value, int):
         return value
     match = _SIZE.match(str(value))
     if not match:
-        raise ValueError(f"{what}={value!r} is not a size: write e.g. 20GB, 512MiB or 1000000")
+        raise ValueError(f"cache_limit={value!r} is not a size: write e.g. 20GB, 512MiB or 1000000")
     number, unit = match.groups()
     unit = unit.lower().rstrip("b")
     return int(float(number) * _UNITS[unit])
@@ -189,7 +177,9 @@ class ShardCache:
 
     def __init__(self, directory: Optional[str] = None, limit: Union[int, str] = "20GB",
                  timeout: float = 60.0, attempts: int = 3) -> None:
-        self.directory = os.path.abspath(directory or default_cache_dir())
+        self.directory = os.path.abspath(directory or os.environ.get("SAILFIN_CACHE_DIR") or
+                                         os.path.join(os.path.expanduser("~"), ".cache",
+                                                      "sailfin", "shards"))
         self.limit = parse_size(limit)
         self.timeout = timeout
         self.attempts = max(1, attempts)

@@ -109,18 +109,13 @@ class ShardWriter:
         os.fsync(self._file.fileno())
         self._file.close()
         self._file = None
-        index = ShardIndex.from_members(self._members, size)
+        # The old index goes first: a crash after it leaves a shard with no index
+        # (indexed again on first read), never a shard with a wrong one.
         idx_path = self._path + INDEX_SUFFIX
-        with open(self._tmp(idx_path), "w") as f:
-            f.write(index.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        # The old index goes first: a crash between the renames leaves a shard with
-        # no index (indexed again on first read), never a shard with a wrong one.
         if os.path.exists(idx_path):
             os.unlink(idx_path)
         os.replace(self._tmp(self._path), self._path)
-        os.replace(self._tmp(idx_path), idx_path)
+        ShardIndex.from_members(self._members, size).save(idx_path)
         self.shards.append(self._path)
         self.next_index += 1
 
@@ -128,9 +123,8 @@ class ShardWriter:
         if self._file is not None:
             self._file.close()
             self._file = None
-            for path in (self._tmp(self._path), self._tmp(self._path + INDEX_SUFFIX)):
-                if os.path.exists(path):
-                    os.unlink(path)
+            if os.path.exists(self._tmp(self._path)):
+                os.unlink(self._tmp(self._path))
 
     @staticmethod
     def _tmp(path: str) -> str:
