@@ -16,21 +16,14 @@ Example::
 
 from __future__ import annotations
 
-import zlib
-from typing import Callable
-
-
-def _fastest() -> tuple[str, Callable[..., int]]:
-    try:
-        from isal import isal_zlib  # ISA-L: the same CRC-32, vectorised
-    except ImportError:  # a platform without its wheels: zlib's own
-        return "zlib", zlib.crc32
-    return "isal", isal_zlib.crc32
-
-
 #: ``crc32(data, value=0)``: ``zlib.crc32``'s value, from the fastest implementation
 #: installed (:data:`IMPLEMENTATION` names it). A plain alias: no call of ours in between.
-IMPLEMENTATION, crc32 = _fastest()
+try:
+    from isal.isal_zlib import crc32  # ISA-L: the same CRC-32, vectorised
+    IMPLEMENTATION = "isal"
+except ImportError:  # a platform without its wheels: zlib's own
+    from zlib import crc32
+    IMPLEMENTATION = "zlib"
 
 
 __all__ = ["IMPLEMENTATION", "crc32"]

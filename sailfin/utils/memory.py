@@ -4,6 +4,7 @@ garbage collector spared while a run is built."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import sys
 from typing import Callable, Iterator, Optional
@@ -51,7 +52,7 @@ def release_free_memory() -> None:
             write(tensor.full_tensor())
             release_free_memory()
     """
-    trim = _malloc_trim()
+    trim = _libc("malloc_trim")
     if trim is not None:
         trim(0)
 
@@ -69,30 +70,21 @@ def fix_mmap_threshold(size: int = 1 << 20) -> bool:
 
         fix_mmap_threshold()   # before the first gather
     """
-    try:
-        import ctypes
-
-        mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    except (OSError, TypeError, AttributeError):  # no C library handle (Windows)
-        return False
-    if mallopt is None:
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, int(size)))
+    mallopt = _libc("mallopt")
+    return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, int(size)))
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-_TRIM: list = []
 
 
-def _malloc_trim() -> Optional[Callable[[int], int]]:
-    if not _TRIM:
-        try:
-            import ctypes
+@functools.cache
+def _libc(name: str) -> Optional[Callable[..., int]]:
+    try:
+        import ctypes
 
-            _TRIM.append(getattr(ctypes.CDLL(None), "malloc_trim", None))
-        except (OSError, TypeError, AttributeError):  # no C library handle (Windows)
-            _TRIM.append(None)
-    return _TRIM[0]
+        return getattr(ctypes.CDLL(None), name, None)
+    except (OSError, TypeError):  # no C library handle (Windows)
+        return None
 
 
 @contextlib.contextmanager
