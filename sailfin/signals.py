@@ -42,12 +42,14 @@ class StoppedDuringSetup(BaseException):
     """SIGTERM (or a first Ctrl-C) arrived before the first step. A BaseException, like
     KeyboardInterrupt, so that no ``except Exception`` in set-up code swallows it."""
 
-    def __init__(self, signal_name: str, after_start: bool = False) -> None:
-        super().__init__(f"stopped by {signal_name} during set-up, before the first step; "
-                         "nothing was lost: run the same command again to start (or resume)")
+    def __init__(self, signal_name: str, after_start: bool = False,
+                 message: Optional[str] = None) -> None:
+        super().__init__(message or f"stopped by {signal_name} during set-up, before the "
+                         "first step; nothing was lost: run the same command again to start "
+                         "(or resume)")
         self.signal_name = signal_name
         # True when training had begun (a SIGTERM while a rank stops on an error, after
-        # the loop's own handler left): the caller says what was lost instead.
+        # the loop's own handler left): ``message`` (or the caller) says what was lost.
         self.after_start = after_start
 
 
