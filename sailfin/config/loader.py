@@ -22,14 +22,13 @@ import dataclasses
 import importlib
 import inspect
 import os
-import stat
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from .coerce import build_dataclass, coerce, field_types, parse_cli_value
 from .errors import ConfigError, short_repr, suggest, unknown_key
-from .strict_yaml import file_kind, load_yaml_file
+from .strict_yaml import load_yaml_file
 from .trainer import TrainerArguments
 
 SECTIONS = ("data", "module", "trainer")
@@ -168,10 +167,7 @@ def load_config(path: Optional[str | os.PathLike] = None,
     """Read a YAML run config and apply ``--section.key value`` overrides."""
     raw: dict = {}
     if path is not None:
-        raw = load_yaml_file(path) or {}  # UTF-8, safe tags, no key given twice
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {path} must hold a mapping with sections "
-                              f"{', '.join(SECTIONS)}; got {type(raw).__name__}")
+        raw = _read_mapping(path)
         if EXTENDS in raw:  # base files first
             here = os.path.realpath(os.fspath(path))
             raw = _resolve_extends(raw, here, [here])
@@ -185,6 +181,14 @@ def load_config(path: Optional[str | os.PathLike] = None,
 EXTENDS = "extends"
 
 
+def _read_mapping(path: str | os.PathLike, named_in: Optional[str] = None) -> dict:
+    raw = load_yaml_file(path, named_in) or {}  # UTF-8, safe tags, no key given twice
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping with sections "
+                          f"{', '.join(SECTIONS)}; got {type(raw).__name__}")
+    return raw
+
+
 def _resolve_extends(raw: dict, here: str, chain: list[str]) -> dict:
     bases = _base_paths(raw.get(EXTENDS), here)
     merged: dict = {}
@@ -193,18 +197,7 @@ def _resolve_extends(raw: dict, here: str, chain: list[str]) -> dict:
             loop = " -> ".join(chain[chain.index(base):] + [base])
             raise ConfigError(f"config files extend each other in a cycle: {loop}; "
                               f"remove one 'extends:'")
-        if not os.path.exists(base):
-            raise ConfigError(f"config file {base} (in 'extends:' of {here}) not found; "
-                              f"paths are relative to the file that names them")
-        mode = os.stat(base).st_mode
-        if not stat.S_ISREG(mode):  # a FIFO would wait for a writer, /dev/zero never ends
-            what = "a directory" if stat.S_ISDIR(mode) else file_kind(mode)
-            raise ConfigError(f"config file {base} (in 'extends:' of {here}) is {what}, not "
-                              "a regular file; name a YAML file")
-        content = load_yaml_file(base) or {}  # the same checks as the file named
-        if not isinstance(content, dict):
-            raise ConfigError(f"config file {base} must hold a mapping; "
-                              f"got {type(content).__name__}")
+        content = _read_mapping(base, named_in=here)  # the same checks as the file named
         if EXTENDS in content:
             content = _resolve_extends(content, base, chain + [base])
         merged = merge(merged, content)
@@ -257,8 +250,6 @@ def from_dict(raw: dict) -> RunConfig:
     for name in ("data", "module"):
         if raw.get(name) is not None:
             kwargs[name] = _component(raw[name], name)
-    if "module" not in kwargs:
-        kwargs["module"] = ComponentSpec()
     trainer = raw.get("trainer") or {}
     if not isinstance(trainer, dict):
         raise ConfigError(f"config section 'trainer' must be a mapping, got {short_repr(trainer)}")
@@ -320,10 +311,7 @@ def apply_override(raw: dict, dotted: str, text: str) -> None:
 def _type_at(parts: list[str]) -> tuple[Any, list[str]]:
     """The schema type for a dotted key and its canonical spelling (aliases resolved)."""
     section = parts[0]
-    if section == "trainer":
-        cls: Any = TrainerArguments
-    else:
-        cls = ComponentSpec
+    cls: Any = TrainerArguments if section == "trainer" else ComponentSpec
     prefix = section + "."
     canonical = [section]
     for i, part in enumerate(parts[1:], start=1):
