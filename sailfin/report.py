@@ -1,11 +1,7 @@
-"""``sailfin report OUTPUT_DIR [--compare DIR ...]``: charts and a Markdown
-summary from a run's ``metrics.jsonl`` (and ``summary.json`` when present).
-
-Writes into ``OUTPUT_DIR/report/`` (or ``--out``): one PNG per chart (training
-loss, each validation metric, learning rate, throughput, all against the
-optimizer step), ``overview.png`` with all of them, and ``report.md``. With
-``--compare`` every chart overlays the runs. Needs matplotlib
-(``pip install 'sailfin[report]'``), imported only here.
+"""``sailfin report OUTPUT_DIR [--compare DIR ...]``: one PNG per chart against the
+optimizer step, ``overview.png`` and ``report.md`` from a run's ``metrics.jsonl`` (and
+``summary.json``, ``time_account.json``), every chart overlaying the ``--compare`` runs
+(docs/logging-and-report.md). Needs matplotlib, imported only here.
 """
 
 from __future__ import annotations
@@ -14,10 +10,11 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .checkpoint.time_account_file import COMPONENTS, account_path, account_totals, read_account
-from .logging.stdout import flop_rate
+from .logging.stdout import flop_rate, flop_unit
 
 # Training values that are not charted on their own.
 _TRAIN_SKIP = {"step", "epoch", "split", "dataset"}
@@ -45,7 +42,7 @@ def load_run(path: str, name: Optional[str] = None) -> Run:
     if not os.path.isfile(metrics):
         raise ReportError(f"{metrics} not found: is {path} a sailfin output_dir? The "
                           "report reads the jsonl writer's file (keep jsonl in trainer.writers)")
-    run = Run(name or _run_name(path), path)
+    run = Run(name or os.path.basename(os.path.abspath(path)), path)
     with open(metrics, encoding="utf-8") as fh:
         for number, line in enumerate(fh, 1):
             if not line.strip():
@@ -81,10 +78,6 @@ def load_run(path: str, name: Optional[str] = None) -> Run:
             run.summary = json.load(fh)
     run.account, _ = read_account(account_path(path))  # an unreadable one: no chart
     return run
-
-
-def _run_name(path: str) -> str:
-    return os.path.basename(os.path.normpath(os.path.abspath(path)))
 
 
 def charts(runs: Sequence[Run]) -> list[tuple[str, str, str, list[tuple[str, str]]]]:
@@ -139,11 +132,7 @@ def _flop_unit(runs: Sequence[Run]) -> tuple[str, float]:
     """The FLOP/s unit the runs' median reads best in, and TFLOP/s per that unit."""
     values = sorted(v for r in runs for v in r.train.get("tflops", ((), ()))[1]
                     if math.isfinite(v))
-    median = values[len(values) // 2] if values else 1.0
-    for unit, scale in (("T", 1.0), ("G", 1e-3), ("M", 1e-6), ("k", 1e-9)):
-        if median >= scale:
-            return f"{unit}FLOP/s", scale
-    return "FLOP/s", 1e-12
+    return flop_unit(values[len(values) // 2] if values else 1.0)
 
 
 def _plot(ax: Any, runs: Sequence[Run], title: str, ylabel: str,
@@ -196,12 +185,6 @@ def _clip_spikes(ax: Any, drawn: list[tuple[list[int], list[float], str]]) -> No
                                                 ec="none", alpha=0.8))
 
 
-def _save(fig: Any, path: str, dpi: int) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    fig.savefig(tmp, dpi=dpi, format="png")
-    os.replace(tmp, path)
-
-
 def render(dirs: Sequence[str], out_dir: Optional[str] = None, dpi: int = 100) -> list[str]:
     """Render the charts and report.md for ``dirs[0]`` (overlaying the others).
 
@@ -218,14 +201,22 @@ def render(dirs: Sequence[str], out_dir: Optional[str] = None, dpi: int = 100) -
     runs = _named([load_run(d) for d in dirs])
     out_dir = out_dir or os.path.join(dirs[0], "report")
     os.makedirs(out_dir, exist_ok=True)
-    written = []
+    written: list[str] = []
+
+    def save(name: str, write: Any) -> None:  # whole or not at all
+        path = os.path.join(out_dir, name)
+        write(f"{path}.tmp-{os.getpid()}")
+        os.replace(f"{path}.tmp-{os.getpid()}", path)
+        written.append(path)
+
+    def save_png(name: str, fig: Any) -> None:
+        save(name, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+
     specs = charts(runs)
     for stem, title, ylabel, series in specs:
         fig = Figure(figsize=(6.4, 4.0), layout="constrained")
         _plot(fig.subplots(), runs, title, ylabel, series)
-        path = os.path.join(out_dir, f"{stem}.png")
-        _save(fig, path, dpi)
-        written.append(path)
+        save_png(f"{stem}.png", fig)
     cols = 2 if len(specs) > 1 else 1
     rows = math.ceil(len(specs) / cols)
     fig = Figure(figsize=(5.0 * cols, 3.2 * rows), layout="constrained")
@@ -235,22 +226,14 @@ def render(dirs: Sequence[str], out_dir: Optional[str] = None, dpi: int = 100) -
     for ax in axes[len(specs):]:
         ax.set_visible(False)
     fig.suptitle("sailfin: " + " vs ".join(r.name for r in runs))
-    overview = os.path.join(out_dir, "overview.png")
-    _save(fig, overview, dpi)
-    written.append(overview)
+    save_png("overview.png", fig)
     bars = [(run, seg) for run in runs if run.account for seg in run.account["segments"]]
     if bars:
         fig = Figure(figsize=(7.0, 2.6 + 0.45 * len(bars)), layout="constrained")
         _goodput_bars(fig, bars, len(runs) > 1)
-        path = os.path.join(out_dir, "goodput.png")
-        _save(fig, path, dpi)
-        written.append(path)
-    md = os.path.join(out_dir, "report.md")
-    tmp = f"{md}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(markdown(runs, [os.path.basename(p) for p in written]))
-    os.replace(tmp, md)
-    written.append(md)
+        save_png("goodput.png", fig)
+    text = markdown(runs, [os.path.basename(p) for p in written])
+    save("report.md", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
     return written
 
 

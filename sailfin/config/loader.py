@@ -7,17 +7,13 @@ A run config has three sections::
     trainer: {epochs: 3, train_batch_size: 64, ...}
 
 Overrides are ``--trainer.backend sp-amp`` or ``--trainer.backend=sp-amp``; their
-types come from the schema, or for ``init_args`` from the class's signature.
-
-A top-level ``extends:`` names a YAML file, or a list of them, each relative to the file
-that names it. The bases are merged first, in order, then the file itself, then the
-overrides: mappings merge key by key at every depth; anything else (a number, a string,
-a list, ``null``) replaces the earlier value whole. A base may extend others in turn; a
-cycle, or a base that does not exist, is an error naming the files.
+types come from the schema, or for ``init_args`` from the class's signature. A top-level
+``extends:`` names base files merged underneath (docs/config.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
@@ -88,17 +84,13 @@ class RunConfig:
         from ..utils.seed import seed_everything  # torch only when building
 
         seed_everything(self.trainer.seed)
-        data = None
-        if self.data is not None:
-            data = _instantiate(self.data, "data")
+        data = _instantiate(self.data, "data") if self.data is not None else None
         extra = {"data": data} if data is not None else {}
         module = _instantiate(self.module, "module", extra, construct)
         spec = {"module": dataclasses.asdict(self.module),
                 "data": dataclasses.asdict(self.data) if self.data is not None else None}
-        try:
+        with contextlib.suppress(AttributeError):  # __slots__: the resume check sees no recipe
             module.sailfin_config = spec
-        except AttributeError:  # a class with __slots__: the resume check sees no recipe
-            pass
         return module
 
     def to_dict(self) -> dict:
@@ -270,23 +262,17 @@ def _component(value: Any, name: str) -> ComponentSpec:
 def parse_overrides(argv: Sequence[str]) -> list[tuple[str, str]]:
     """``['--a.b', '1', '--c=2']`` -> ``[('a.b', '1'), ('c', '2')]``."""
     out = []
-    i = 0
-    argv = list(argv)
-    while i < len(argv):
-        arg = argv[i]
+    args = iter(argv)
+    for arg in args:
         if not arg.startswith("--") or len(arg) == 2:
             raise ConfigError("expected an override like --trainer.epochs 3, "
                               f"got {short_repr(arg)}")
-        body = arg[2:]
-        if "=" in body:
-            key, text = body.split("=", 1)
-        else:
-            if i + 1 >= len(argv):
-                raise ConfigError(f"override --{body} needs a value (--{body} VALUE)")
-            key, text = body, argv[i + 1]
-            i += 1
+        key, given, text = arg[2:].partition("=")
+        if not given:
+            text = next(args, None)
+            if text is None:
+                raise ConfigError(f"override --{key} needs a value (--{key} VALUE)")
         out.append((key, text))
-        i += 1
     return out
 
 
