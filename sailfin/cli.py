@@ -364,7 +364,7 @@ def main(argv: Optional[Sequence[str]] = None, own_process: bool = False) -> int
                 if code in (2, NOTHING_TO_TRAIN_EXIT_CODE):
                     leave_note(USER_ERROR)
                 return code
-        return shard_cli.run(args, rest)
+        return _user_errors(shard_cli.run)(args, rest)
     except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops)
         if args.command != "train":
             raise
@@ -375,8 +375,3 @@ def main(argv: Optional[Sequence[str]] = None, own_process: bool = False) -> int
         note_preempted()
         line(f"sailfin: {exc} (exit code {PREEMPTED_EXIT_CODE})")
         return PREEMPTED_EXIT_CODE
-    except Exception as exc:
-        code = _user_error_code(exc)
-        if code is None:
-            raise
-        return code

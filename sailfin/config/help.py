@@ -29,8 +29,7 @@ def field_docs(cls: type) -> dict[str, str]:
     for node, after in zip(body, body[1:] + [None]):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             text = ""
-            if isinstance(after, ast.Expr) and isinstance(getattr(after, "value", None),
-                                                          ast.Constant) \
+            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) \
                     and isinstance(after.value.value, str):
                 text = first_sentence(" ".join(after.value.value.split()))
             docs[node.target.id] = text
@@ -54,13 +53,12 @@ def trainer_keys_help(cls: type = TrainerArguments, prefix: str = "trainer.") ->
     """One line per key, nested sections (``trainer.checkpoint.*``) expanded."""
     lines: list[str] = []
     docs = field_docs(cls)
-    hints = {f.name: f.type for f in dataclasses.fields(cls)}
     for f in dataclasses.fields(cls):
         default = _default(f)
         if dataclasses.is_dataclass(default):
             lines.append(trainer_keys_help(type(default), f"{prefix}{f.name}."))
             continue
-        kind = str(hints[f.name]).replace("typing.", "")
+        kind = str(f.type).replace("typing.", "")
         doc = docs.get(f.name, "")
         if f"{prefix}{f.name}" in CHOICES:  # the list itself, where the doc names it
             doc = doc.split("; one of ")[0] + "; one of: " + ", ".join(CHOICES[prefix + f.name])

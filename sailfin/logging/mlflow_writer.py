@@ -59,7 +59,6 @@ class MlflowWriter(Writer):
         self._queue: "queue.Queue[Optional[list]]" = queue.Queue()
         self._error: Optional[WriterError] = None  # set by the sender thread
         self._reported = False
-        self._sender: Optional[threading.Thread] = None
         local = self.tracking_uri.startswith("sqlite:///")
         if local:
             check_directory(os.path.dirname(self.tracking_uri[len("sqlite:///"):]) or ".",
@@ -125,12 +124,11 @@ class MlflowWriter(Writer):
             self.flush()
         finally:
             self._queue.put(None)  # the sender stops after what is queued
-            if self._sender is not None:
-                self._sender.join(CLOSE_TIMEOUT_SECONDS)
-                if self._sender.is_alive():
-                    say(f"the mlflow writer is still sending to {self.tracking_uri} after "
-                        f"{CLOSE_TIMEOUT_SECONDS:.0f} s; the run may miss its last metrics",
-                        warning=True)
+            self._sender.join(CLOSE_TIMEOUT_SECONDS)
+            if self._sender.is_alive():
+                say(f"the mlflow writer is still sending to {self.tracking_uri} after "
+                    f"{CLOSE_TIMEOUT_SECONDS:.0f} s; the run may miss its last metrics",
+                    warning=True)
             status = "FINISHED" if self._error is None else "FAILED"
             try:
                 self._client.set_terminated(self.run_id, status)
