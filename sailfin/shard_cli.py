@@ -1,13 +1,10 @@
 """``sailfin shard SRC_DIR OUT_DIR``: a directory tree of files -> tar shards with indexes.
 
-Files are grouped into samples by their path without extension, as WebDataset
-does: ``cats/0001.jpg`` and ``cats/0001.cls`` form sample ``cats/0001``. Member
-bytes are copied as they are. Samples go in key order, or shuffled with
-``--shuffle SEED`` (do that when the tree is sorted by class: a shard then mixes
-classes, and the training shuffle, which mixes only a window of shards, sees
-every class in every window). With ``--processes P`` the shards are written in
-parallel by a DataProcessor, each process writing its own run of shard numbers;
-the result is the same as with one process.
+Files are grouped into samples by their path without extension, as WebDataset does
+(``cats/0001.jpg`` + ``cats/0001.cls`` = sample ``cats/0001``), member bytes copied as
+they are. ``--shuffle SEED`` matters for a tree sorted by class: the training shuffle
+mixes only a window of shards, which then sees every class. ``--processes P`` writes the
+same shards in parallel (a DataProcessor).
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """sailfin's uses of torch's private attributes, each beside its public alternative or
-the upstream issue that would give one.
-
-A torch release may rename or drop any of these without a deprecation. Keeping them
-here says which ones sailfin depends on, and :func:`missing` (run by
-``tests/test_compat.py``) names those the installed torch lacks.
+the upstream issue that would give one: a torch release may drop any of them without a
+deprecation, and :func:`missing` (``tests/test_compat.py``) names those it lacks.
 
 Example::
 

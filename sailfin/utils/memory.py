@@ -18,10 +18,6 @@ def peak_rss_bytes() -> Optional[int]:
     program starts. ``getrusage``'s ``ru_maxrss`` does not: it keeps the peak of the
     process image before ``exec``, so a worker started by a large parent (a test runner,
     a notebook) would report the parent's size.
-
-    Example::
-
-        before = peak_rss_bytes()
     """
     try:
         with open("/proc/self/status", encoding="ascii") as fh:
@@ -65,10 +61,7 @@ def fix_mmap_threshold(size: int = 1 << 20) -> bool:
     By default glibc raises this threshold to the size of each large block freed, so
     after a few gathers of a sharded model's units (tens of MB each) those buffers come
     from heaps it keeps: the resident memory then holds units no tensor uses any more.
-
-    Example::
-
-        fix_mmap_threshold()   # before the first gather
+    Call it before the first gather.
     """
     mallopt = _libc("mallopt")
     return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, int(size)))
