@@ -7,7 +7,6 @@ job ``MLFLOW_TRACKING_URI`` is already set and the run appears there.
 
 from __future__ import annotations
 
-import numbers
 import os
 import queue
 import threading
@@ -19,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from ..utils.voice import say
 from .destination import check_directory
-from .writers import Writer, WriterError
+from .writers import Writer, WriterError, scalars
 
 KEY = "trainer.mlflow_tracking_uri"
 _MAX_METRICS_PER_BATCH = 1000  # MLflow's limits for one log_batch call
@@ -88,13 +87,9 @@ class MlflowWriter(Writer):
         self._sender.start()
 
     def log_metrics(self, metrics, step, epoch, split):
-        dataset = metrics.get("dataset")
-        prefix = f"{split}/{dataset}/" if isinstance(dataset, str) else f"{split}/"
         now_ms = int(time.time() * 1000)
-        for key, value in metrics.items():
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                continue
-            self._pending.append(Metric(prefix + key, float(value), now_ms, step))
+        self._pending.extend(Metric(name, value, now_ms, step)
+                             for name, value in scalars(metrics, f"{split}/"))
         now = time.monotonic()
         if (len(self._pending) >= _MAX_METRICS_PER_BATCH
                 or now - self._last_flush >= self.flush_seconds):

@@ -7,14 +7,13 @@ Imported only when ``tensorboard`` is in ``trainer.writers`` (extra:
 from __future__ import annotations
 
 import math
-import numbers
 import os
 from typing import Any, Mapping
 
 from torch.utils.tensorboard import SummaryWriter
 
 from .destination import check_directory, destination_error
-from .writers import Writer
+from .writers import Writer, scalars
 
 
 class TensorBoardWriter(Writer):
@@ -42,12 +41,8 @@ class TensorBoardWriter(Writer):
         self._closed = False
 
     def log_metrics(self, metrics, step, epoch, split):
-        dataset = metrics.get("dataset")
-        prefix = f"{split}/{dataset}/" if isinstance(dataset, str) else f"{split}/"
-        for key, value in metrics.items():
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                continue
-            self._tb.add_scalar(prefix + key, float(value), global_step=step)
+        for tag, value in scalars(metrics, f"{split}/"):
+            self._tb.add_scalar(tag, value, global_step=step)
 
     def log_run_totals(self, totals, step, epoch):
         self.log_metrics(totals, step, epoch, "time")  # time/goodput, time/replayed_seconds...
