@@ -38,7 +38,6 @@ class TensorBoardWriter(Writer):
             self._tb = SummaryWriter(self.log_dir, max_queue=100, flush_secs=flush_seconds)
         except OSError as exc:
             raise destination_error(self.name, self.log_dir, exc, "trainer.output_dir") from None
-        self._closed = False
 
     def log_metrics(self, metrics, step, epoch, split):
         for tag, value in scalars(metrics, f"{split}/"):
@@ -56,10 +55,7 @@ class TensorBoardWriter(Writer):
         self._tb.add_hparams(clean, {}, run_name=".")
 
     def flush(self):
-        if not self._closed:
-            self._tb.flush()
+        self._tb.flush()  # like close, nothing once closed
 
     def close(self):
-        if not self._closed:
-            self._closed = True
-            self._tb.close()
+        self._tb.close()
