@@ -92,16 +92,12 @@ def charts(runs: Sequence[Run]) -> list[tuple[str, str, str, list[tuple[str, str
     for key in val_keys:
         stem = "val_" + "".join(c if c.isalnum() else "_" for c in key)
         out.append((stem, f"Validation {key}", key, [("val", key)]))
-    if have("train", "lr"):
-        out.append(("lr", "Learning rate", "lr", [("train", "lr")]))
-    if have("train", "samples_per_second"):
-        out.append(("throughput", "Throughput", "samples/s", [("train", "samples_per_second")]))
-    if have("train", "epsilon"):
-        out.append(("epsilon", "Privacy spent (ε at δ)", "ε", [("train", "epsilon")]))
-    if have("train", "tflops"):  # in the unit its values read best in (_flop_unit)
-        out.append(("tflops", "Model FLOP/s per device", "FLOP/s", [("train", "tflops")]))
-    if have("train", "mfu"):
-        out.append(("mfu", "Model FLOPs utilisation", "MFU", [("train", "mfu")]))
+    out += [(stem, title, ylabel, [("train", key)]) for key, stem, title, ylabel in (
+        ("lr", "lr", "Learning rate", "lr"),
+        ("samples_per_second", "throughput", "Throughput", "samples/s"),
+        ("epsilon", "epsilon", "Privacy spent (ε at δ)", "ε"),
+        ("tflops", "tflops", "Model FLOP/s per device", "FLOP/s"),  # unit: see _plot
+        ("mfu", "mfu", "Model FLOPs utilisation", "MFU")) if have("train", key)]
     return out
 
 
@@ -128,21 +124,16 @@ def spike_limit(values: Sequence[float]) -> Optional[float]:
     return float(kept.max()) * 1.1 if kept.max() > 0 else fence
 
 
-def _flop_unit(runs: Sequence[Run]) -> tuple[str, float]:
-    """The FLOP/s unit the runs' median reads best in, and TFLOP/s per that unit."""
-    values = sorted(v for r in runs for v in r.train.get("tflops", ((), ()))[1]
-                    if math.isfinite(v))
-    return flop_unit(values[len(values) // 2] if values else 1.0)
-
-
 def _plot(ax: Any, runs: Sequence[Run], title: str, ylabel: str,
           series: list[tuple[str, str]]) -> None:
-    colors = [f"C{i % 10}" for i in range(len(runs))]
     scale = 1.0
-    if ("train", "tflops") in series:
-        ylabel, scale = _flop_unit(runs)
+    if ("train", "tflops") in series:  # in the unit the runs' median reads best in
+        values = sorted(v for r in runs for v in r.train.get("tflops", ((), ()))[1]
+                        if math.isfinite(v))
+        ylabel, scale = flop_unit(values[len(values) // 2] if values else 1.0)
     drawn: list[tuple[list[int], list[float], str]] = []
-    for run, color in zip(runs, colors):
+    for i, run in enumerate(runs):
+        color = f"C{i % 10}"
         for split, key in series:
             data = (run.train if split == "train" else run.val).get(key)
             if not data:
