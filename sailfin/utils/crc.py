@@ -1,11 +1,8 @@
 """CRC-32 with zlib's polynomial, at memory speed where the machine allows.
 
-Every checkpoint file's manifest entry, every memory snapshot and every shard
-member carries a CRC-32 (``zlib.crc32``'s polynomial and values). zlib's own
-implementation runs at about 2 GB/s; ISA-L's (the ``isal`` package, a sailfin
-dependency where it ships wheels) uses the processor's carry-less multiply and
-runs at 20 GB/s or more, with the same values: files written with either are
-read with either. Both release the GIL on large buffers.
+Checkpoint manifests, memory snapshots and shard members carry ``zlib.crc32``'s
+values. zlib computes them at about 2 GB/s; ISA-L (the ``isal`` package, a dependency
+where it ships wheels) at 20 GB/s or more, with the same values. Both release the GIL.
 
 Example::
 

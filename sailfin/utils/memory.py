@@ -40,13 +40,8 @@ def release_free_memory() -> None:
 
     A collective library (gloo) allocates and frees large buffers in threads of its
     own, and glibc keeps those freed pages in the threads' arenas: a loop of gathers
-    would otherwise grow the resident memory by about one buffer per iteration.
-
-    Example::
-
-        for tensor in tensors:
-            write(tensor.full_tensor())
-            release_free_memory()
+    would otherwise grow the resident memory by about one buffer per iteration: call it
+    after each gather.
     """
     trim = _libc("malloc_trim")
     if trim is not None:
