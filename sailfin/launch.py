@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import sys
 import tempfile
 from typing import Optional, Sequence
 
@@ -26,6 +25,7 @@ from .distributed.exit_codes import (HANG_EXIT_CODE, NOTHING_TO_TRAIN_EXIT_CODE,
 from .distributed.launch_notes import (FINISHED, HANG, LAUNCH_DIR_ENV, PREEMPTED, TRAINING,
                                       USER_ERROR, read_notes)
 from .signals import StoppedDuringSetup
+from .utils.voice import line
 
 HELP = f"""\
 usage: sailfin launch [torchrun options] -m sailfin train CONFIG.yaml [--section.key value ...]
@@ -75,9 +75,9 @@ def launch_command(argv: Sequence[str]) -> int:
     try:
         return _launch(argv)
     except StoppedDuringSetup as exc:
-        print(f"sailfin launch: stopped by {exc.signal_name} while starting, before any "
-              "worker began: nothing was lost; run the same command again (exit code "
-              f"{PREEMPTED_EXIT_CODE})", file=sys.stderr, flush=True)
+        line(f"sailfin launch: stopped by {exc.signal_name} while starting, before any "
+             "worker began: nothing was lost; run the same command again (exit code "
+             f"{PREEMPTED_EXIT_CODE})")
         return PREEMPTED_EXIT_CODE
 
 
@@ -95,11 +95,9 @@ def _launch(argv: Sequence[str]) -> int:
         return 0
     except ChildFailedError as exc:
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
-        line, code = _closing_line(codes, read_notes(notes))
-        if line is None:
-            print(exc.format_msg(), file=sys.stderr, flush=True)
-        else:
-            print(f"sailfin launch: {line} (exit code {code})", file=sys.stderr, flush=True)
+        closing, code = _closing_line(codes, read_notes(notes))
+        line(exc.format_msg() if closing is None
+             else f"sailfin launch: {closing} (exit code {code})")
         return code
     except SignalException as exc:
         local = determine_local_world_size(args.nproc_per_node)
@@ -107,15 +105,15 @@ def _launch(argv: Sequence[str]) -> int:
         lost = sorted(found[TRAINING] - found[PREEMPTED] - found[FINISHED])
         saved = len(found[TRAINING] & found[PREEMPTED])
         if not lost:
-            print(f"sailfin launch: stopped by {exc.sigval.name}; {saved} of {local} worker(s) "
-                  "saved a checkpoint, the others had not begun training or had finished "
-                  f"it: nothing was lost, run the same command again to resume (exit code "
-                  f"{PREEMPTED_EXIT_CODE})", file=sys.stderr, flush=True)
+            line(f"sailfin launch: stopped by {exc.sigval.name}; {saved} of {local} worker(s) "
+                 "saved a checkpoint, the others had not begun training or had finished "
+                 f"it: nothing was lost, run the same command again to resume (exit code "
+                 f"{PREEMPTED_EXIT_CODE})")
             return PREEMPTED_EXIT_CODE
-        print(f"sailfin launch: stopped by {exc.sigval.name}; rank(s) "
-              f"{', '.join(map(str, lost))} had begun training and stopped without saving a "
-              "checkpoint: their steps since the last checkpoint are lost (exit code "
-              f"{128 + int(exc.sigval)})", file=sys.stderr, flush=True)
+        line(f"sailfin launch: stopped by {exc.sigval.name}; rank(s) "
+             f"{', '.join(map(str, lost))} had begun training and stopped without saving a "
+             "checkpoint: their steps since the last checkpoint are lost (exit code "
+             f"{128 + int(exc.sigval)})")
         return 128 + int(exc.sigval)
     finally:
         if previous is None:

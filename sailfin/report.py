@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 from .checkpoint.time_account_file import COMPONENTS, account_path, account_totals, read_account
 from .logging.stdout import flop_rate, flop_unit
+from .utils.voice import line
 
 # Training values that are not charted on their own.
 _TRAIN_SKIP = {"step", "epoch", "split", "dataset"}
@@ -44,16 +45,16 @@ def load_run(path: str, name: Optional[str] = None) -> Run:
                           "report reads the jsonl writer's file (keep jsonl in trainer.writers)")
     run = Run(name or os.path.basename(os.path.abspath(path)), path)
     with open(metrics, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
+        for number, record in enumerate(fh, 1):
+            if not record.strip():
                 continue
             try:
-                event = json.loads(line)
+                event = json.loads(record)
                 split, step = event["split"], int(event["step"])
             except (ValueError, KeyError, TypeError):
-                if line.endswith("\n"):
+                if record.endswith("\n"):
                     raise ReportError(f"{metrics}:{number} is not a sailfin metrics record "
-                                      f"(JSON with step and split): {line[:80]!r}") from None
+                                      f"(JSON with step and split): {record[:80]!r}") from None
                 break  # a last line cut short by a crash: chart what was written
             series = run.train if split == "train" else run.val
             prefix = f"{event['dataset']}/" if split != "train" and isinstance(
@@ -328,12 +329,10 @@ def markdown(runs: Sequence[Run], images: Sequence[str]) -> str:
 def report_command(output_dir: str, compare: Sequence[str] = (), out: Optional[str] = None,
                    dpi: int = 100) -> int:
     """The CLI's ``report`` subcommand; returns the exit status."""
-    import sys
-
     try:
         written = render([output_dir, *compare], out, dpi)
     except ReportError as exc:
-        print(f"sailfin report: {exc}", file=sys.stderr)
+        line(f"sailfin report: {exc}")
         return 2
     print(f"report: {len(written)} files in {os.path.dirname(written[0])}: "
           + ", ".join(os.path.basename(p) for p in written))
