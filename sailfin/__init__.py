@@ -33,8 +33,7 @@ _LAZY = {
     "sharded_build": "sailfin.backends.fsdp_build",
 }
 
-__all__ = ["ConfigError", "RunConfig", "TrainerArguments", "load_config", "__version__",
-           *_LAZY]
+__all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,10 +1,8 @@
 """``python -m sailfin``: the sailfin command, a process of its own.
 
 Its first instruction makes SIGTERM and Ctrl-C a stop: while the command still imports
-(sailfin, then torch) a stop ends it with one line and exit code 75, not a
-``KeyboardInterrupt`` traceback or a bare -15; then :func:`sailfin.cli.command` hands
-the signals to the command's own handlers. Only Python's own start-up, before this file
-runs, is outside it.
+(sailfin, then torch) a stop is one line and exit code 75, not a ``KeyboardInterrupt``
+traceback or a bare -15; :func:`sailfin.cli.command` then takes the signals over.
 """
 
 import signal
@@ -26,7 +24,6 @@ for _sig in (signal.SIGINT, signal.SIGTERM):
 
 try:
     from .cli import command
-    from .distributed.exit_codes import PREEMPTED_EXIT_CODE
 except _Stopped as stop:
     who = "sailfin launch" if sys.argv[1:2] == ["launch"] else "sailfin"
     print(f"{who}: stopped by {stop.args[0]} while starting, before any work began: nothing "

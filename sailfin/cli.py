@@ -30,11 +30,15 @@ def _parser() -> argparse.ArgumentParser:
                            description="Train a recipe. Overrides: --trainer.epochs 3, "
                                        "--trainer.backend=sp, --module.init_args.lr 0.1",
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    # Read from the schema's source only when the help is printed (a third of a second
-    # that every `sailfin train` paid).
-    train.format_help = lambda: _with_epilog(train, lambda: (
-        "config keys (key  type = default  doc); set them in the YAML's trainer: section "
-        "or as --key value:\n" + trainer_keys_help()))
+
+    def train_help() -> str:
+        # Read from the schema's source only when the help is printed (a third of a
+        # second that every `sailfin train` paid).
+        train.epilog = ("config keys (key  type = default  doc); set them in the YAML's "
+                        "trainer: section or as --key value:\n" + trainer_keys_help())
+        return argparse.ArgumentParser.format_help(train)
+
+    train.format_help = train_help
     train.add_argument("config", help="the run's YAML config")
     train.add_argument("--print-config", action="store_true",
                        help="print the resolved config and exit")
@@ -67,12 +71,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _with_epilog(parser: argparse.ArgumentParser, epilog) -> str:
-    if parser.epilog is None:
-        parser.epilog = epilog()
-    return argparse.ArgumentParser.format_help(parser)
-
-
 def train_command(config: str, overrides: Sequence[str], print_config: bool,
                   own_process: bool = False) -> int:
     # class_path names resolve from the working directory, as with `python -m`.
@@ -101,8 +99,8 @@ def train_command(config: str, overrides: Sequence[str], print_config: bool,
                     raise  # before training began: set-up indeed
                 # The loop had run (and failed, or was ending) when a SIGTERM (torchrun
                 # stopping the job after a worker died) came: say what was lost.
-                raise StoppedAfterStart(_stopped_after_start(trainer, exc)) \
-                    from exc.__context__
+                raise StoppedDuringSetup(exc.signal_name, True, _stopped_after_start(
+                    trainer, exc)) from exc.__context__
             except TrainingPreempted:
                 note_preempted()  # saved: before the teardown, which torchrun may cut short
                 raise
@@ -152,16 +150,6 @@ def _setup_over_callback():
             setup_over()
 
     return SetupOver()
-
-
-class StoppedAfterStart(StoppedDuringSetup):
-    """A SIGTERM that ended the run after its loop had begun (while it stopped on an error,
-    or tore down): not a stop before the first step."""
-
-    def __init__(self, message: str) -> None:
-        BaseException.__init__(self, message)
-        self.signal_name = "SIGTERM"
-        self.after_start = True
 
 
 def _stopped_after_start(trainer, exc: StoppedDuringSetup) -> str:
@@ -343,17 +331,15 @@ def main(argv: Optional[Sequence[str]] = None, own_process: bool = False) -> int
     args, rest = parser.parse_known_args(argv)
     if own_process and args.command not in ("train", "launch"):
         default_signals()  # these handle no stop of their own: Ctrl-C is Python's
+    if rest and args.command in ("report", "export", "clean"):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "report":
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         from .report import report_command
         return report_command(args.output_dir, args.compare, args.out, args.dpi)
     if args.command == "launch":
         from .launch import launch_command
         return launch_command(list(argv if argv is not None else sys.argv[1:])[1:])
     if args.command == "export":
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         from .hf.export import export_command
         path = export_command(args.checkpoint, args.out)
         if path is None:
@@ -361,8 +347,6 @@ def main(argv: Optional[Sequence[str]] = None, own_process: bool = False) -> int
         print(f"exported {args.checkpoint} to {path}")  # the command's result
         return 0
     if args.command == "clean":
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
         from .checkpoint.memory_dirs import clean
         removed = clean(args.output_dir)  # the command's result:
         print("".join(f"removed {path}\n" for path in removed)
@@ -380,8 +364,7 @@ def main(argv: Optional[Sequence[str]] = None, own_process: bool = False) -> int
                 if code in (2, NOTHING_TO_TRAIN_EXIT_CODE):
                     leave_note(USER_ERROR)
                 return code
-        if args.command == "shard":
-            return shard_cli.run(args, rest)
+        return _user_errors(shard_cli.run)(args, rest)
     except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops)
         if args.command != "train":
             raise
@@ -392,9 +375,3 @@ def main(argv: Optional[Sequence[str]] = None, own_process: bool = False) -> int
         note_preempted()
         line(f"sailfin: {exc} (exit code {PREEMPTED_EXIT_CODE})")
         return PREEMPTED_EXIT_CODE
-    except Exception as exc:
-        code = _user_error_code(exc)
-        if code is None:
-            raise
-        return code
-    return 1

@@ -77,25 +77,15 @@ class DataProcessor:
                            node_rank: Optional[int] = None, num_nodes: Optional[int] = None,
                            mp_context: Optional[str] = None,
                            on_result: Optional[Callable[[Any], None]] = None) -> list:
-        """Run :meth:`process` on each input (a tuple is spread as ``*args``).
-
-        Extra positional ``args`` follow every input, as in PyMarlin:
-        ``multi_process_data(files, out_dir, process_count=2)`` calls
-        ``process(file, out_dir)`` for each file.
-
-        Returns the results in input order for this node's share. With
-        ``process_count=1`` everything runs in this process. Each worker gets
-        the processor once, when it starts (not with every input: a processor
-        holding a vocabulary would otherwise be pickled over and over), and
-        takes inputs in chunks of about 1/8 of its share, so uneven inputs
-        still balance. Workers start by ``fork`` where the platform offers it
-        safely (Linux): ``spawn``/``forkserver`` (Python 3.14's Linux default)
-        re-import the parent's main module, torch included, in every worker.
-        Pass ``mp_context="spawn"`` if the parent runs threads that fork would
-        copy in a bad state. The processor must be picklable for spawn, and
-        state that :meth:`process` sets on ``self`` stays in the worker.
-        ``on_result`` is called in this process with each result, in input order, as
-        it arrives (a progress line: :class:`sailfin.utils.progress_line.ProgressLine`).
+        """Run :meth:`process` on each input of this node's share (a tuple is spread as
+        ``*args``; extra ``args`` follow every input, as in PyMarlin:
+        ``multi_process_data(files, out_dir, process_count=2)`` calls ``process(file,
+        out_dir)``) and return the results in input order. Each worker receives the
+        processor once and takes inputs in chunks of about 1/8 of its share; workers
+        start by ``fork`` on Linux (``spawn`` would re-import torch in each): pass
+        ``mp_context="spawn"`` if the parent runs threads. State that :meth:`process`
+        sets on ``self`` stays in the worker. ``on_result`` is called here with each
+        result, in input order, as it arrives (a progress line); see docs/recipes.md.
         """
         if not isinstance(process_count, int) or process_count < 1:
             raise ValueError(f"process_count must be an int >= 1, got {process_count!r} (pass "
@@ -211,15 +201,12 @@ class ModuleInterface(nn.Module):
     #: forwards. Leave such a batch out of counts the recipe keeps itself.
     padding_batch: bool = False
     #: True while the check before the first step runs ``val_step`` on
-    #: ``trainer.sanity_val_batches`` batches (and, when the recipe asks with
-    #: ``sanity_check_on_end_val_epoch``, ``on_end_val_epoch`` on their outputs: its
-    #: metrics are not logged, ``get_state()`` is put back after it).
+    #: ``trainer.sanity_val_batches`` batches (and ``on_end_val_epoch``, if asked below:
+    #: its metrics are not logged, ``get_state()`` is put back after it).
     sanity_checking: bool = False
-    #: False (default): the check before the first step only checks that
-    #: ``on_end_val_epoch``'s signature takes what validation will pass it, and never
-    #: calls it (a callback that counts, saves or steps something would do it once too
-    #: often). True: it is called on the check batches' outputs too, with
-    #: ``sanity_checking`` True, so that an error in it shows before step 1.
+    #: True: the check before the first step also calls ``on_end_val_epoch`` on its
+    #: outputs, so that an error in it shows before step 1. False (default): it only
+    #: checks its signature (a callback that counts or saves would do it once too often).
     sanity_check_on_end_val_epoch: bool = False
     #: False: checkpoints and memory snapshots hold only the parameters that train (plus
     #: buffers, optimizer state and a fingerprint of the frozen rest); sailfin.hf sets it with peft.

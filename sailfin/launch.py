@@ -1,27 +1,11 @@
 """``sailfin launch``: torchrun with the same arguments, and an exit code a scheduler can read.
 
-Under plain ``torchrun`` a preempted job exits 1 whatever its workers did: each
-worker saves and exits 75, and torchrun reports ``ChildFailedError``; a SIGTERM
-to torchrun itself becomes ``SignalException``. ``sailfin launch`` runs the
-same launcher (``torch.distributed.run``'s parser and ``run``) and exits:
-
-- 75 when every worker that failed exited 75 after a stop it noted: it saved a
-  checkpoint on a signal, or stopped before its first step (one the agent stopped
-  with SIGTERM after its save counts too); or when the hang watchdog ended the job
-  (the closing line says which); or when the launcher got SIGTERM and no local
-  worker that had begun training stopped without a checkpoint: a Kubernetes
-  ``podFailurePolicy`` or a Slurm requeue can tell a preemption from a failure;
-- 2 when a worker printed a user error (a config, a checkpoint, a full disk: it
-  leaves a note), whichever worker failed first and however torchrun then stopped
-  the others (3 when every worker found the run already finished: nothing to train);
-  else the workers' code when they all failed with the same one;
-- 1 for any other failure, 128 + the signal when stopped by a signal while a worker
-  that had begun training saved nothing; 0 when the run finished.
-
-Each worker leaves notes in a directory the launcher names in
-``SAILFIN_LAUNCH_DIR`` (see :mod:`sailfin.distributed.launch_notes`): that it began
-training, that it stopped with a checkpoint, that the hang watchdog ended it. The
-launcher's closing line is built from them, never from exit codes alone.
+Under plain ``torchrun`` a preempted job exits 1 whatever its workers did (each worker
+saves and exits 75; torchrun reports ``ChildFailedError``). ``sailfin launch`` runs the
+same launcher (``torch.distributed.run``'s parser and ``run``) and reads the notes each
+worker leaves in ``SAILFIN_LAUNCH_DIR`` (:mod:`sailfin.distributed.launch_notes`), so that
+its closing line and exit code (:data:`HELP`, docs/robustness.md) say what happened, not
+what the exit codes alone suggest.
 
 Example::
 
@@ -33,7 +17,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import sys
 import tempfile
 from typing import Optional, Sequence
 
@@ -42,6 +25,7 @@ from .distributed.exit_codes import (HANG_EXIT_CODE, NOTHING_TO_TRAIN_EXIT_CODE,
 from .distributed.launch_notes import (FINISHED, HANG, LAUNCH_DIR_ENV, PREEMPTED, TRAINING,
                                       USER_ERROR, read_notes)
 from .signals import StoppedDuringSetup
+from .utils.voice import line
 
 HELP = f"""\
 usage: sailfin launch [torchrun options] -m sailfin train CONFIG.yaml [--section.key value ...]
@@ -82,21 +66,18 @@ _STOPPED_BY_AGENT = (-signal.SIGTERM, -signal.SIGKILL)
 
 
 def launch_command(argv: Sequence[str]) -> int:
-    """Run torchrun with ``argv`` (or print :data:`HELP`); return the exit code described above.
-
-    A SIGTERM or Ctrl-C before torchrun's agent takes the signals over (while torch
-    imports, during the rendezvous) is one closing line and 75: no worker had started.
-    The sailfin command's first instruction made such a stop raise
-    :class:`~sailfin.signals.StoppedDuringSetup` (:func:`sailfin.signals.stop_at_start`)."""
+    """Run torchrun with ``argv`` (or print :data:`HELP`); return the exit code :data:`HELP`
+    lists. A stop before torchrun's agent takes the signals over (while torch imports,
+    during the rendezvous; :func:`sailfin.signals.stop_at_start`) is one line and 75."""
     if wants_help(argv):
         print(HELP, end="")
         return 0
     try:
         return _launch(argv)
     except StoppedDuringSetup as exc:
-        print(f"sailfin launch: stopped by {exc.signal_name} while starting, before any "
-              "worker began: nothing was lost; run the same command again (exit code "
-              f"{PREEMPTED_EXIT_CODE})", file=sys.stderr, flush=True)
+        line(f"sailfin launch: stopped by {exc.signal_name} while starting, before any "
+             "worker began: nothing was lost; run the same command again (exit code "
+             f"{PREEMPTED_EXIT_CODE})")
         return PREEMPTED_EXIT_CODE
 
 
@@ -114,11 +95,9 @@ def _launch(argv: Sequence[str]) -> int:
         return 0
     except ChildFailedError as exc:
         codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
-        line, code = _closing_line(codes, read_notes(notes))
-        if line is None:
-            print(exc.format_msg(), file=sys.stderr, flush=True)
-        else:
-            print(f"sailfin launch: {line} (exit code {code})", file=sys.stderr, flush=True)
+        closing, code = _closing_line(codes, read_notes(notes))
+        line(exc.format_msg() if closing is None
+             else f"sailfin launch: {closing} (exit code {code})")
         return code
     except SignalException as exc:
         local = determine_local_world_size(args.nproc_per_node)
@@ -126,15 +105,15 @@ def _launch(argv: Sequence[str]) -> int:
         lost = sorted(found[TRAINING] - found[PREEMPTED] - found[FINISHED])
         saved = len(found[TRAINING] & found[PREEMPTED])
         if not lost:
-            print(f"sailfin launch: stopped by {exc.sigval.name}; {saved} of {local} worker(s) "
-                  "saved a checkpoint, the others had not begun training or had finished "
-                  f"it: nothing was lost, run the same command again to resume (exit code "
-                  f"{PREEMPTED_EXIT_CODE})", file=sys.stderr, flush=True)
+            line(f"sailfin launch: stopped by {exc.sigval.name}; {saved} of {local} worker(s) "
+                 "saved a checkpoint, the others had not begun training or had finished "
+                 f"it: nothing was lost, run the same command again to resume (exit code "
+                 f"{PREEMPTED_EXIT_CODE})")
             return PREEMPTED_EXIT_CODE
-        print(f"sailfin launch: stopped by {exc.sigval.name}; rank(s) "
-              f"{', '.join(map(str, lost))} had begun training and stopped without saving a "
-              "checkpoint: their steps since the last checkpoint are lost (exit code "
-              f"{128 + int(exc.sigval)})", file=sys.stderr, flush=True)
+        line(f"sailfin launch: stopped by {exc.sigval.name}; rank(s) "
+             f"{', '.join(map(str, lost))} had begun training and stopped without saving a "
+             "checkpoint: their steps since the last checkpoint are lost (exit code "
+             f"{128 + int(exc.sigval)})")
         return 128 + int(exc.sigval)
     finally:
         if previous is None:

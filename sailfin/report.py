@@ -1,11 +1,7 @@
-"""``sailfin report OUTPUT_DIR [--compare DIR ...]``: charts and a Markdown
-summary from a run's ``metrics.jsonl`` (and ``summary.json`` when present).
-
-Writes into ``OUTPUT_DIR/report/`` (or ``--out``): one PNG per chart (training
-loss, each validation metric, learning rate, throughput, all against the
-optimizer step), ``overview.png`` with all of them, and ``report.md``. With
-``--compare`` every chart overlays the runs. Needs matplotlib
-(``pip install 'sailfin[report]'``), imported only here.
+"""``sailfin report OUTPUT_DIR [--compare DIR ...]``: one PNG per chart against the
+optimizer step, ``overview.png`` and ``report.md`` from a run's ``metrics.jsonl`` (and
+``summary.json``, ``time_account.json``), every chart overlaying the ``--compare`` runs
+(docs/logging-and-report.md). Needs matplotlib, imported only here.
 """
 
 from __future__ import annotations
@@ -14,10 +10,12 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .checkpoint.time_account_file import COMPONENTS, account_path, account_totals, read_account
-from .logging.stdout import flop_rate
+from .logging.stdout import flop_rate, flop_unit
+from .utils.voice import line
 
 # Training values that are not charted on their own.
 _TRAIN_SKIP = {"step", "epoch", "split", "dataset"}
@@ -45,18 +43,18 @@ def load_run(path: str, name: Optional[str] = None) -> Run:
     if not os.path.isfile(metrics):
         raise ReportError(f"{metrics} not found: is {path} a sailfin output_dir? The "
                           "report reads the jsonl writer's file (keep jsonl in trainer.writers)")
-    run = Run(name or _run_name(path), path)
+    run = Run(name or os.path.basename(os.path.abspath(path)), path)
     with open(metrics, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
+        for number, record in enumerate(fh, 1):
+            if not record.strip():
                 continue
             try:
-                event = json.loads(line)
+                event = json.loads(record)
                 split, step = event["split"], int(event["step"])
             except (ValueError, KeyError, TypeError):
-                if line.endswith("\n"):
+                if record.endswith("\n"):
                     raise ReportError(f"{metrics}:{number} is not a sailfin metrics record "
-                                      f"(JSON with step and split): {line[:80]!r}") from None
+                                      f"(JSON with step and split): {record[:80]!r}") from None
                 break  # a last line cut short by a crash: chart what was written
             series = run.train if split == "train" else run.val
             prefix = f"{event['dataset']}/" if split != "train" and isinstance(
@@ -83,10 +81,6 @@ def load_run(path: str, name: Optional[str] = None) -> Run:
     return run
 
 
-def _run_name(path: str) -> str:
-    return os.path.basename(os.path.normpath(os.path.abspath(path)))
-
-
 def charts(runs: Sequence[Run]) -> list[tuple[str, str, str, list[tuple[str, str]]]]:
     """(file stem, title, y label, [(split, key)]) for each chart the runs can fill."""
     out = []
@@ -99,16 +93,12 @@ def charts(runs: Sequence[Run]) -> list[tuple[str, str, str, list[tuple[str, str
     for key in val_keys:
         stem = "val_" + "".join(c if c.isalnum() else "_" for c in key)
         out.append((stem, f"Validation {key}", key, [("val", key)]))
-    if have("train", "lr"):
-        out.append(("lr", "Learning rate", "lr", [("train", "lr")]))
-    if have("train", "samples_per_second"):
-        out.append(("throughput", "Throughput", "samples/s", [("train", "samples_per_second")]))
-    if have("train", "epsilon"):
-        out.append(("epsilon", "Privacy spent (ε at δ)", "ε", [("train", "epsilon")]))
-    if have("train", "tflops"):  # in the unit its values read best in (_flop_unit)
-        out.append(("tflops", "Model FLOP/s per device", "FLOP/s", [("train", "tflops")]))
-    if have("train", "mfu"):
-        out.append(("mfu", "Model FLOPs utilisation", "MFU", [("train", "mfu")]))
+    out += [(stem, title, ylabel, [("train", key)]) for key, stem, title, ylabel in (
+        ("lr", "lr", "Learning rate", "lr"),
+        ("samples_per_second", "throughput", "Throughput", "samples/s"),
+        ("epsilon", "epsilon", "Privacy spent (ε at δ)", "ε"),
+        ("tflops", "tflops", "Model FLOP/s per device", "FLOP/s"),  # unit: see _plot
+        ("mfu", "mfu", "Model FLOPs utilisation", "MFU")) if have("train", key)]
     return out
 
 
@@ -135,25 +125,16 @@ def spike_limit(values: Sequence[float]) -> Optional[float]:
     return float(kept.max()) * 1.1 if kept.max() > 0 else fence
 
 
-def _flop_unit(runs: Sequence[Run]) -> tuple[str, float]:
-    """The FLOP/s unit the runs' median reads best in, and TFLOP/s per that unit."""
-    values = sorted(v for r in runs for v in r.train.get("tflops", ((), ()))[1]
-                    if math.isfinite(v))
-    median = values[len(values) // 2] if values else 1.0
-    for unit, scale in (("T", 1.0), ("G", 1e-3), ("M", 1e-6), ("k", 1e-9)):
-        if median >= scale:
-            return f"{unit}FLOP/s", scale
-    return "FLOP/s", 1e-12
-
-
 def _plot(ax: Any, runs: Sequence[Run], title: str, ylabel: str,
           series: list[tuple[str, str]]) -> None:
-    colors = [f"C{i % 10}" for i in range(len(runs))]
     scale = 1.0
-    if ("train", "tflops") in series:
-        ylabel, scale = _flop_unit(runs)
+    if ("train", "tflops") in series:  # in the unit the runs' median reads best in
+        values = sorted(v for r in runs for v in r.train.get("tflops", ((), ()))[1]
+                        if math.isfinite(v))
+        ylabel, scale = flop_unit(values[len(values) // 2] if values else 1.0)
     drawn: list[tuple[list[int], list[float], str]] = []
-    for run, color in zip(runs, colors):
+    for i, run in enumerate(runs):
+        color = f"C{i % 10}"
         for split, key in series:
             data = (run.train if split == "train" else run.val).get(key)
             if not data:
@@ -196,12 +177,6 @@ def _clip_spikes(ax: Any, drawn: list[tuple[list[int], list[float], str]]) -> No
                                                 ec="none", alpha=0.8))
 
 
-def _save(fig: Any, path: str, dpi: int) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    fig.savefig(tmp, dpi=dpi, format="png")
-    os.replace(tmp, path)
-
-
 def render(dirs: Sequence[str], out_dir: Optional[str] = None, dpi: int = 100) -> list[str]:
     """Render the charts and report.md for ``dirs[0]`` (overlaying the others).
 
@@ -218,14 +193,22 @@ def render(dirs: Sequence[str], out_dir: Optional[str] = None, dpi: int = 100) -
     runs = _named([load_run(d) for d in dirs])
     out_dir = out_dir or os.path.join(dirs[0], "report")
     os.makedirs(out_dir, exist_ok=True)
-    written = []
+    written: list[str] = []
+
+    def save(name: str, write: Any) -> None:  # whole or not at all
+        path = os.path.join(out_dir, name)
+        write(f"{path}.tmp-{os.getpid()}")
+        os.replace(f"{path}.tmp-{os.getpid()}", path)
+        written.append(path)
+
+    def save_png(name: str, fig: Any) -> None:
+        save(name, lambda tmp: fig.savefig(tmp, dpi=dpi, format="png"))
+
     specs = charts(runs)
     for stem, title, ylabel, series in specs:
         fig = Figure(figsize=(6.4, 4.0), layout="constrained")
         _plot(fig.subplots(), runs, title, ylabel, series)
-        path = os.path.join(out_dir, f"{stem}.png")
-        _save(fig, path, dpi)
-        written.append(path)
+        save_png(f"{stem}.png", fig)
     cols = 2 if len(specs) > 1 else 1
     rows = math.ceil(len(specs) / cols)
     fig = Figure(figsize=(5.0 * cols, 3.2 * rows), layout="constrained")
@@ -235,22 +218,14 @@ def render(dirs: Sequence[str], out_dir: Optional[str] = None, dpi: int = 100) -
     for ax in axes[len(specs):]:
         ax.set_visible(False)
     fig.suptitle("sailfin: " + " vs ".join(r.name for r in runs))
-    overview = os.path.join(out_dir, "overview.png")
-    _save(fig, overview, dpi)
-    written.append(overview)
+    save_png("overview.png", fig)
     bars = [(run, seg) for run in runs if run.account for seg in run.account["segments"]]
     if bars:
         fig = Figure(figsize=(7.0, 2.6 + 0.45 * len(bars)), layout="constrained")
         _goodput_bars(fig, bars, len(runs) > 1)
-        path = os.path.join(out_dir, "goodput.png")
-        _save(fig, path, dpi)
-        written.append(path)
-    md = os.path.join(out_dir, "report.md")
-    tmp = f"{md}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(markdown(runs, [os.path.basename(p) for p in written]))
-    os.replace(tmp, md)
-    written.append(md)
+        save_png("goodput.png", fig)
+    text = markdown(runs, [os.path.basename(p) for p in written])
+    save("report.md", lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
     return written
 
 
@@ -354,12 +329,10 @@ def markdown(runs: Sequence[Run], images: Sequence[str]) -> str:
 def report_command(output_dir: str, compare: Sequence[str] = (), out: Optional[str] = None,
                    dpi: int = 100) -> int:
     """The CLI's ``report`` subcommand; returns the exit status."""
-    import sys
-
     try:
         written = render([output_dir, *compare], out, dpi)
     except ReportError as exc:
-        print(f"sailfin report: {exc}", file=sys.stderr)
+        line(f"sailfin report: {exc}")
         return 2
     print(f"report: {len(written)} files in {os.path.dirname(written[0])}: "
           + ", ".join(os.path.basename(p) for p in written))

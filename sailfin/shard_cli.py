@@ -1,23 +1,20 @@
 """``sailfin shard SRC_DIR OUT_DIR``: a directory tree of files -> tar shards with indexes.
 
-Files are grouped into samples by their path without extension, as WebDataset
-does: ``cats/0001.jpg`` and ``cats/0001.cls`` form sample ``cats/0001``. Member
-bytes are copied as they are. Samples go in key order, or shuffled with
-``--shuffle SEED`` (do that when the tree is sorted by class: a shard then mixes
-classes, and the training shuffle, which mixes only a window of shards, sees
-every class in every window). With ``--processes P`` the shards are written in
-parallel by a DataProcessor, each process writing its own run of shard numbers;
-the result is the same as with one process.
+Files are grouped into samples by their path without extension, as WebDataset does
+(``cats/0001.jpg`` + ``cats/0001.cls`` = sample ``cats/0001``), member bytes copied as
+they are. ``--shuffle SEED`` matters for a tree sorted by class: the training shuffle
+mixes only a window of shards, which then sees every class. ``--processes P`` writes the
+same shards in parallel (a DataProcessor).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 from typing import Any, Sequence
 
 from .utils.progress_line import ProgressLine
+from .utils.voice import line
 
 
 def add_parser(sub: Any) -> None:
@@ -41,23 +38,21 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace, extra: Sequence[str]) -> int:
     if extra:
-        print(f"sailfin shard: unexpected arguments {' '.join(extra)}", file=sys.stderr)
+        line(f"sailfin shard: unexpected arguments {' '.join(extra)}")
         return 2
     if args.samples_per_shard < 1 or args.processes < 1:
-        print("sailfin shard: --samples-per-shard and --processes must be >= 1",
-              file=sys.stderr)
+        line("sailfin shard: --samples-per-shard and --processes must be >= 1")
         return 2
     if not os.path.isdir(args.src):
-        print(f"sailfin shard: {args.src} is not a directory", file=sys.stderr)
+        line(f"sailfin shard: {args.src} is not a directory")
         return 2
     existing = _existing(args.out, args.prefix)
     if existing and not args.overwrite:
         tars = sum(1 for name in existing if name.endswith(".tar"))
         indexes = len(existing) - tars
-        print(f"sailfin shard: {args.out} already holds {tars} '{args.prefix}' shard(s)"
-              + (f" and {indexes} index(es)" if indexes else "")
-              + "; pass --overwrite to replace them, or choose another OUT_DIR or --prefix",
-              file=sys.stderr)
+        line(f"sailfin shard: {args.out} already holds {tars} '{args.prefix}' shard(s)"
+             + (f" and {indexes} index(es)" if indexes else "")
+             + "; pass --overwrite to replace them, or choose another OUT_DIR or --prefix")
         return 2
     for name in existing:
         os.unlink(os.path.join(args.out, name))
@@ -65,7 +60,7 @@ def run(args: argparse.Namespace, extra: Sequence[str]) -> int:
 
     samples, loose = group_files(args.src)
     if not samples:
-        print(f"sailfin shard: no files with an extension under {args.src}", file=sys.stderr)
+        line(f"sailfin shard: no files with an extension under {args.src}")
         return 2
     if args.shuffle is not None:
         import numpy as np
@@ -77,17 +72,17 @@ def run(args: argparse.Namespace, extra: Sequence[str]) -> int:
     # and a progress line as each one is written.
     jobs = [(start // per, samples[start:start + per]) for start in range(0, len(samples), per)]
     writer = WriteShards(args.src, args.out, per, args.prefix)
-    line = ProgressLine(f"writing shards into {args.out}", "samples", total=len(samples))
+    progress = ProgressLine(f"writing shards into {args.out}", "samples", total=len(samples))
     done = [0]
 
     def written_one(paths: list) -> None:
         done[0] += len(paths)
-        line.add(min(per, len(samples) - line.done), f"{done[0]} shard(s)")
+        progress.add(min(per, len(samples) - progress.done), f"{done[0]} shard(s)")
 
     written = writer.multi_process_data(jobs, process_count=args.processes,
                                         on_result=written_one)
     shards = [path for paths in written for path in paths]
-    line.close(f"{len(shards)} shard(s)")
+    progress.close(f"{len(shards)} shard(s)")
     print(f"wrote {len(samples)} samples into {len(shards)} shard(s) in {args.out}: "
           f"{os.path.basename(shards[0])} .. {os.path.basename(shards[-1])}")
     if loose:

@@ -2,21 +2,12 @@
 worker leaves for ``sailfin launch``.
 
 Inside the loop, :mod:`sailfin.trainer.preemption` turns SIGTERM (or a first Ctrl-C)
-into a checkpoint and exit code 75. Before it takes over (imports, building the
-model, joining the process group, reading the data, the check batch), SIGTERM's
-default action would end the process with a bare -15 and Ctrl-C with a
-``KeyboardInterrupt``. :func:`stop_during_setup` instead ends it with one line and
-the same code 75: nothing was trained since the last checkpoint, so running the
-same command again loses nothing. A second Ctrl-C (more than a second after the
-first: torchrun passes the terminal's Ctrl-C on, so each worker gets it twice) aborts.
-
-Python runs signal handlers in the main thread between bytecodes, so a main thread
-blocked in C (a rank waiting in a collective for a peer that is still building its
-model) would never see the signal, and torchrun would SIGKILL it 30 s later. A
-helper thread learns of the signal through :func:`signal.set_wakeup_fd` (written
-by the C-level handler, whatever the main thread does); if set-up has not ended
-:data:`STUCK_SECONDS` later, it prints the same line, leaves the same note and
-ends the process with 75.
+into a checkpoint and exit code 75. Before it takes over, :func:`stop_during_setup` makes
+such a stop one line and the same 75 (nothing was trained since the last checkpoint),
+not a bare -15 or a ``KeyboardInterrupt``. A main thread blocked in C (a collective
+waiting for a peer) never runs Python's handler, so a helper thread learns of the
+signal through :func:`signal.set_wakeup_fd` and ends the process itself after
+:data:`STUCK_SECONDS` (docs/robustness.md).
 
 Example::
 
@@ -51,12 +42,14 @@ class StoppedDuringSetup(BaseException):
     """SIGTERM (or a first Ctrl-C) arrived before the first step. A BaseException, like
     KeyboardInterrupt, so that no ``except Exception`` in set-up code swallows it."""
 
-    def __init__(self, signal_name: str, after_start: bool = False) -> None:
-        super().__init__(f"stopped by {signal_name} during set-up, before the first step; "
-                         "nothing was lost: run the same command again to start (or resume)")
+    def __init__(self, signal_name: str, after_start: bool = False,
+                 message: Optional[str] = None) -> None:
+        super().__init__(message or f"stopped by {signal_name} during set-up, before the "
+                         "first step; nothing was lost: run the same command again to start "
+                         "(or resume)")
         self.signal_name = signal_name
         # True when training had begun (a SIGTERM while a rank stops on an error, after
-        # the loop's own handler left): the caller says what was lost instead.
+        # the loop's own handler left): ``message`` (or the caller) says what was lost.
         self.after_start = after_start
 
 
@@ -73,7 +66,6 @@ class _SetupStop:
         self.done = threading.Event()
         self.previous: dict[int, Any] = {}
         self._pipe: Optional[tuple[int, int]] = None
-        self._old_wakeup = -1
         self._thread: Optional[threading.Thread] = None
 
     def on_signal(self, signum: int, frame: Any) -> None:
@@ -99,20 +91,15 @@ class _SetupStop:
             return  # in-process: no thread that could end the host
         read, write = os.pipe()
         os.set_blocking(write, False)
-        try:
-            self._old_wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
-        except ValueError:
-            os.close(read)
-            os.close(write)
-            return
-        if self._old_wakeup != -1:  # someone else's (an event loop): leave it to them
-            signal.set_wakeup_fd(self._old_wakeup)
+        old = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        if old != -1:  # someone else's (an event loop): leave it to them
+            signal.set_wakeup_fd(old)
             os.close(read)
             os.close(write)
             return
         self._pipe = (read, write)
-        self._thread = threading.Thread(target=self._watch, name="sailfin-setup-signals",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._watch, args=(read,), daemon=True,
+                                        name="sailfin-setup-signals")
         self._thread.start()
 
     def uninstall(self) -> None:
@@ -120,23 +107,18 @@ class _SetupStop:
         still on their way must not reach the default handlers (a traceback)."""
         self.done.set()
         if self._pipe is not None:
-            signal.set_wakeup_fd(self._old_wakeup)
+            signal.set_wakeup_fd(-1)
             read, write = self._pipe
             with contextlib.suppress(OSError):
                 os.write(write, b"\0")  # wakes the thread, which sees done and leaves
-            if self._thread is not None:
-                self._thread.join()
+            self._thread.join()
             os.close(read)
             os.close(write)
             self._pipe = None
         if self.first is None or not self.end_stuck:  # in-process: the host's handlers back
-            for sig, handler in self.previous.items():
-                if signal.getsignal(sig) == self.on_signal:
-                    signal.signal(sig, handler)
+            self._put_back()
 
-    def _watch(self) -> None:
-        assert self._pipe is not None
-        read = self._pipe[0]
+    def _watch(self, read: int) -> None:
         while not self.done.is_set():
             try:
                 data = os.read(read, 64)
@@ -152,6 +134,9 @@ class _SetupStop:
         """Training began (or ran): set-up is over, the signals get their previous actions
         back (also later, when the loop's handler returns this one)."""
         self.over = True
+        self._put_back()
+
+    def _put_back(self) -> None:
         for sig, handler in self.previous.items():
             if signal.getsignal(sig) == self.on_signal:
                 signal.signal(sig, handler)

@@ -1,13 +1,10 @@
 """Opacus's private attributes sailfin relies on, each in one place with why.
 
-``DPOptimizer`` keeps, between ``signal_skip_step`` and ``step``, a queue of skip
-signals (``_step_skip_queue``) and whether the last step was skipped
-(``_is_last_step_skipped``, which decides whether ``zero_grad`` keeps the summed
-clipped gradients). A step that never reaches the optimizer (a non-finite loss skipped
-it) leaves both behind; Opacus has no public call to drop them (upstream: there is
-no ``DPOptimizer.reset``; ``zero_grad`` keeps ``summed_grad`` while a skip is pending),
-so sailfin clears them here. Replacing a submodule uses PyTorch's public
-``Module.set_submodule``, not ``ModuleValidator._replace_sub_module``.
+``DPOptimizer`` keeps, between ``signal_skip_step`` and ``step``, a queue of skip signals
+(``_step_skip_queue``) and whether the last step was skipped (``_is_last_step_skipped``:
+whether ``zero_grad`` keeps the summed clipped gradients). A step that never reaches the
+optimizer (a non-finite loss skipped it) leaves both behind, and Opacus has no public
+call to drop them (no ``DPOptimizer.reset``), so sailfin clears them here.
 """
 
 from __future__ import annotations

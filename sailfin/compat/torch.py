@@ -1,9 +1,6 @@
 """sailfin's uses of torch's private attributes, each beside its public alternative or
-the upstream issue that would give one.
-
-A torch release may rename or drop any of these without a deprecation. Keeping them
-here says which ones sailfin depends on, and :func:`missing` (run by
-``tests/test_compat.py``) names those the installed torch lacks.
+the upstream issue that would give one: a torch release may drop any of them without a
+deprecation, and :func:`missing` (``tests/test_compat.py``) names those it lacks.
 
 Example::
 
@@ -14,7 +11,7 @@ Example::
 from __future__ import annotations
 
 import copy as copy_module
-import importlib
+import pkgutil
 from typing import Any
 
 import torch
@@ -139,20 +136,10 @@ def fsspec_reader() -> type:
 
 def missing() -> list[str]:
     """The names in :data:`PRIVATE` the installed torch lacks (empty: all present)."""
-    return [name for name in PRIVATE if not _resolves(name)]
-
-
-def _resolves(dotted: str) -> bool:
-    """Whether ``dotted`` names something: its longest importable module, then attributes."""
-    parts = dotted.split(".")
-    for cut in range(len(parts), 0, -1):
+    out = []
+    for name in PRIVATE:
         try:
-            obj: Any = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for attr in parts[cut:]:
-            if not hasattr(obj, attr):
-                return False
-            obj = getattr(obj, attr)
-        return True
-    return False
+            pkgutil.resolve_name(name)  # the longest importable module, then attributes
+        except (ImportError, AttributeError):
+            out.append(name)
+    return out

@@ -97,25 +97,19 @@ def coerce(value: Any, tp: Any, key: str, finite: bool = False) -> Any:
             return value
         raise _wrong(key, value, tp)
     if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return _in_word(value, key) if finite else value
-        if isinstance(value, float) and value.is_integer():
-            return _in_word(int(value), key) if finite else int(value)  # 1e3 written in YAML
+        number = int(value) if isinstance(value, float) and value.is_integer() else value
+        if isinstance(number, int) and not isinstance(number, bool):  # 1e3 written in YAML
+            return _in_word(number, key) if finite else number
         raise _wrong(key, value, tp)
     if tp is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            try:
-                number = float(value)
-            except OverflowError:  # an int past the float range (10**400)
-                number = math.copysign(math.inf, value)
-        elif isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
-            try:
-                number = float(value)
-            except ValueError:
-                pass
-        if number is None:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise _wrong(key, value, tp)
+        try:
+            number = float(value)  # a string too: YAML 1.1 reads "1e-3" as one
+        except OverflowError:  # an int past the float range (10**400)
+            number = math.inf if value > 0 else -math.inf
+        except ValueError:
+            raise _wrong(key, value, tp) from None
         if finite and not math.isfinite(number):
             raise OutOfRange(f"config key '{key}' got {short_repr(value)}; "
                               "expected a finite number "

@@ -74,14 +74,11 @@ class DistArguments:
                     f"{', '.join('trainer.distributed.' + k for k in missing)} "
                     f"{'is' if len(missing) == 1 else 'are'} not set; set them, or use "
                     "launcher auto under torchrun, SLURM or MPI")
-        for name in ("world_size", "local_world_size", "threads_per_process"):
+        for name, least in (("world_size", 1), ("local_world_size", 1),
+                            ("threads_per_process", 1), ("rank", 0), ("local_rank", 0)):
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"trainer.distributed.{name} must be >= 1, got {value}")
-        for name in ("rank", "local_rank"):
-            value = getattr(self, name)
-            if value is not None and value < 0:
-                raise ConfigError(f"trainer.distributed.{name} must be >= 0, got {value}")
+            if value is not None and value < least:
+                raise ConfigError(f"trainer.distributed.{name} must be >= {least}, got {value}")
         if (self.rank is not None and self.world_size is not None
                 and self.rank >= self.world_size):
             raise ConfigError(f"trainer.distributed.rank={self.rank} must be below "

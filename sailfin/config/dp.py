@@ -89,8 +89,8 @@ class DPArguments:
                 raise ConfigError(f"trainer.dp.{name} must be > 0 or null, got {value}"
                                   + (" (no noise is no privacy: use trainer.backend sp)"
                                      if name == "noise_multiplier" else ""))
-        if (self.target_epsilon is not None and _positive(self.target_epsilon)
-                and self.target_epsilon > WEAK_EPSILON and not self.allow_weak_privacy):
+        if (self.target_epsilon is not None and self.target_epsilon > WEAK_EPSILON
+                and not self.allow_weak_privacy):
             raise ConfigError(
                 f"trainer.dp.target_epsilon {self.target_epsilon:g} promises no meaningful "
                 f"privacy (above {WEAK_EPSILON:g}, e**epsilon bounds nothing: the solved noise "

@@ -13,7 +13,7 @@ import dataclasses
 import inspect
 import re
 import textwrap
-from typing import Any, Optional
+from typing import Any
 
 from .trainer import BACKENDS, TrainerArguments
 
@@ -29,8 +29,7 @@ def field_docs(cls: type) -> dict[str, str]:
     for node, after in zip(body, body[1:] + [None]):
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             text = ""
-            if isinstance(after, ast.Expr) and isinstance(getattr(after, "value", None),
-                                                          ast.Constant) \
+            if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) \
                     and isinstance(after.value.value, str):
                 text = first_sentence(" ".join(after.value.value.split()))
             docs[node.target.id] = text
@@ -50,27 +49,20 @@ def first_sentence(text: str) -> str:
 CHOICES: dict[str, tuple[str, ...]] = {"trainer.backend": ("auto", *BACKENDS)}
 
 
-def trainer_keys_help(cls: type = TrainerArguments, prefix: str = "trainer.") -> str:
-    """One line per key, nested sections (``trainer.checkpoint.*``) expanded."""
+def trainer_keys_help(defaults: Any = None, prefix: str = "trainer.") -> str:
+    """One line per key of ``defaults`` (a ``TrainerArguments()``), nested sections
+    (``trainer.checkpoint.*``) expanded."""
+    defaults = TrainerArguments() if defaults is None else defaults
     lines: list[str] = []
-    docs = field_docs(cls)
-    hints = {f.name: f.type for f in dataclasses.fields(cls)}
-    for f in dataclasses.fields(cls):
-        default = _default(f)
+    docs = field_docs(type(defaults))
+    for f in dataclasses.fields(defaults):
+        default = getattr(defaults, f.name)
         if dataclasses.is_dataclass(default):
-            lines.append(trainer_keys_help(type(default), f"{prefix}{f.name}."))
+            lines.append(trainer_keys_help(default, f"{prefix}{f.name}."))
             continue
-        kind = str(hints[f.name]).replace("typing.", "")
+        kind = str(f.type).replace("typing.", "")
         doc = docs.get(f.name, "")
         if f"{prefix}{f.name}" in CHOICES:  # the list itself, where the doc names it
             doc = doc.split("; one of ")[0] + "; one of: " + ", ".join(CHOICES[prefix + f.name])
         lines.append(f"  --{prefix}{f.name}  {kind} = {default!r}" + (f"  {doc}" if doc else ""))
     return "\n".join(lines)
-
-
-def _default(f: dataclasses.Field) -> Optional[Any]:
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
-    return None

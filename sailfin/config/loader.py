@@ -7,29 +7,24 @@ A run config has three sections::
     trainer: {epochs: 3, train_batch_size: 64, ...}
 
 Overrides are ``--trainer.backend sp-amp`` or ``--trainer.backend=sp-amp``; their
-types come from the schema, or for ``init_args`` from the class's signature.
-
-A top-level ``extends:`` names a YAML file, or a list of them, each relative to the file
-that names it. The bases are merged first, in order, then the file itself, then the
-overrides: mappings merge key by key at every depth; anything else (a number, a string,
-a list, ``null``) replaces the earlier value whole. A base may extend others in turn; a
-cycle, or a base that does not exist, is an error naming the files.
+types come from the schema, or for ``init_args`` from the class's signature. A top-level
+``extends:`` names base files merged underneath (docs/config.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
 import os
-import stat
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from .coerce import build_dataclass, coerce, field_types, parse_cli_value
 from .errors import ConfigError, short_repr, suggest, unknown_key
-from .strict_yaml import file_kind, load_yaml_file
+from .strict_yaml import load_yaml_file
 from .trainer import TrainerArguments
 
 SECTIONS = ("data", "module", "trainer")
@@ -89,17 +84,13 @@ class RunConfig:
         from ..utils.seed import seed_everything  # torch only when building
 
         seed_everything(self.trainer.seed)
-        data = None
-        if self.data is not None:
-            data = _instantiate(self.data, "data")
+        data = _instantiate(self.data, "data") if self.data is not None else None
         extra = {"data": data} if data is not None else {}
         module = _instantiate(self.module, "module", extra, construct)
         spec = {"module": dataclasses.asdict(self.module),
                 "data": dataclasses.asdict(self.data) if self.data is not None else None}
-        try:
+        with contextlib.suppress(AttributeError):  # __slots__: the resume check sees no recipe
             module.sailfin_config = spec
-        except AttributeError:  # a class with __slots__: the resume check sees no recipe
-            pass
         return module
 
     def to_dict(self) -> dict:
@@ -168,10 +159,7 @@ def load_config(path: Optional[str | os.PathLike] = None,
     """Read a YAML run config and apply ``--section.key value`` overrides."""
     raw: dict = {}
     if path is not None:
-        raw = load_yaml_file(path) or {}  # UTF-8, safe tags, no key given twice
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {path} must hold a mapping with sections "
-                              f"{', '.join(SECTIONS)}; got {type(raw).__name__}")
+        raw = _read_mapping(path)
         if EXTENDS in raw:  # base files first
             here = os.path.realpath(os.fspath(path))
             raw = _resolve_extends(raw, here, [here])
@@ -185,6 +173,14 @@ def load_config(path: Optional[str | os.PathLike] = None,
 EXTENDS = "extends"
 
 
+def _read_mapping(path: str | os.PathLike, named_in: Optional[str] = None) -> dict:
+    raw = load_yaml_file(path, named_in) or {}  # UTF-8, safe tags, no key given twice
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping with sections "
+                          f"{', '.join(SECTIONS)}; got {type(raw).__name__}")
+    return raw
+
+
 def _resolve_extends(raw: dict, here: str, chain: list[str]) -> dict:
     bases = _base_paths(raw.get(EXTENDS), here)
     merged: dict = {}
@@ -193,18 +189,7 @@ def _resolve_extends(raw: dict, here: str, chain: list[str]) -> dict:
             loop = " -> ".join(chain[chain.index(base):] + [base])
             raise ConfigError(f"config files extend each other in a cycle: {loop}; "
                               f"remove one 'extends:'")
-        if not os.path.exists(base):
-            raise ConfigError(f"config file {base} (in 'extends:' of {here}) not found; "
-                              f"paths are relative to the file that names them")
-        mode = os.stat(base).st_mode
-        if not stat.S_ISREG(mode):  # a FIFO would wait for a writer, /dev/zero never ends
-            what = "a directory" if stat.S_ISDIR(mode) else file_kind(mode)
-            raise ConfigError(f"config file {base} (in 'extends:' of {here}) is {what}, not "
-                              "a regular file; name a YAML file")
-        content = load_yaml_file(base) or {}  # the same checks as the file named
-        if not isinstance(content, dict):
-            raise ConfigError(f"config file {base} must hold a mapping; "
-                              f"got {type(content).__name__}")
+        content = _read_mapping(base, named_in=here)  # the same checks as the file named
         if EXTENDS in content:
             content = _resolve_extends(content, base, chain + [base])
         merged = merge(merged, content)
@@ -257,8 +242,6 @@ def from_dict(raw: dict) -> RunConfig:
     for name in ("data", "module"):
         if raw.get(name) is not None:
             kwargs[name] = _component(raw[name], name)
-    if "module" not in kwargs:
-        kwargs["module"] = ComponentSpec()
     trainer = raw.get("trainer") or {}
     if not isinstance(trainer, dict):
         raise ConfigError(f"config section 'trainer' must be a mapping, got {short_repr(trainer)}")
@@ -279,23 +262,17 @@ def _component(value: Any, name: str) -> ComponentSpec:
 def parse_overrides(argv: Sequence[str]) -> list[tuple[str, str]]:
     """``['--a.b', '1', '--c=2']`` -> ``[('a.b', '1'), ('c', '2')]``."""
     out = []
-    i = 0
-    argv = list(argv)
-    while i < len(argv):
-        arg = argv[i]
+    args = iter(argv)
+    for arg in args:
         if not arg.startswith("--") or len(arg) == 2:
             raise ConfigError("expected an override like --trainer.epochs 3, "
                               f"got {short_repr(arg)}")
-        body = arg[2:]
-        if "=" in body:
-            key, text = body.split("=", 1)
-        else:
-            if i + 1 >= len(argv):
-                raise ConfigError(f"override --{body} needs a value (--{body} VALUE)")
-            key, text = body, argv[i + 1]
-            i += 1
+        key, given, text = arg[2:].partition("=")
+        if not given:
+            text = next(args, None)
+            if text is None:
+                raise ConfigError(f"override --{key} needs a value (--{key} VALUE)")
         out.append((key, text))
-        i += 1
     return out
 
 
@@ -320,10 +297,7 @@ def apply_override(raw: dict, dotted: str, text: str) -> None:
 def _type_at(parts: list[str]) -> tuple[Any, list[str]]:
     """The schema type for a dotted key and its canonical spelling (aliases resolved)."""
     section = parts[0]
-    if section == "trainer":
-        cls: Any = TrainerArguments
-    else:
-        cls = ComponentSpec
+    cls: Any = TrainerArguments if section == "trainer" else ComponentSpec
     prefix = section + "."
     canonical = [section]
     for i, part in enumerate(parts[1:], start=1):

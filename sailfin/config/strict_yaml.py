@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Any
+from typing import Any, Optional
 
 import yaml
 
@@ -50,9 +50,10 @@ class StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def load_yaml_file(path: str | os.PathLike) -> Any:
-    """The YAML document in ``path``; ConfigError naming the file for every way it can be bad."""
-    return load_yaml_text(_read_config_bytes(path), f"config file {path}")
+def load_yaml_file(path: str | os.PathLike, named_in: Optional[str] = None) -> Any:
+    """The YAML document in ``path``; ConfigError naming the file (and the file whose
+    ``extends:`` named it, ``named_in``) for every way it can be bad."""
+    return load_yaml_text(_read_config_bytes(path, named_in), f"config file {path}")
 
 
 def load_yaml_text(data: bytes | str, source: str) -> Any:
@@ -100,34 +101,31 @@ def load_yaml_text(data: bytes | str, source: str) -> Any:
 MAX_FILE_BYTES = 16 * 1024 * 1024
 
 
-def _read_config_bytes(path: str | os.PathLike) -> bytes:
+def _read_config_bytes(path: str | os.PathLike, named_in: Optional[str]) -> bytes:
+    label = f"config file {path}" + (f" (in 'extends:' of {named_in})" if named_in else "")
     # O_NONBLOCK: opening a FIFO for reading returns at once instead of waiting for a writer,
     # so its kind can be named; a regular file reads as usual.
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {path} is a directory; give a YAML file") from None
+        raise ConfigError(f"{label} not found; paths are relative to the file that names them"
+                          if named_in else f"config file not found: {path}") from None
     except OSError as exc:
-        raise ConfigError(f"config file {path} cannot be opened: {exc.strerror}") from None
+        raise ConfigError(f"{label} cannot be opened: {exc.strerror}") from None
     with os.fdopen(fd, "rb") as fh:
-        info = os.fstat(fd)
-        if stat.S_ISDIR(info.st_mode):
-            raise ConfigError(f"config file {path} is a directory; give a YAML file")
-        if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(f"config file {path} is {file_kind(info.st_mode)}, not a regular "
-                              "file; give a YAML file")
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ConfigError(f"{label} is {_file_kind(mode)}, not a regular file; give a "
+                              "YAML file")
         data = fh.read(MAX_FILE_BYTES + 1)
     if len(data) > MAX_FILE_BYTES:
-        raise ConfigError(f"config file {path} is larger than {MAX_FILE_BYTES // 2**20} MiB; "
+        raise ConfigError(f"{label} is larger than {MAX_FILE_BYTES // 2**20} MiB; "
                           "a config is a few KB: load big data from a file the recipe reads")
     return data
 
 
-def file_kind(mode: int) -> str:
-    """What a path that is no regular file is, in words (from its ``st_mode``)."""
-    for test, name in ((stat.S_ISFIFO, "a FIFO (named pipe)"),
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                        (stat.S_ISSOCK, "a socket")):
         if test(mode):

@@ -150,9 +150,11 @@ class TrainerArguments:
     training stops the run (``check``); ``accept`` takes the new values and says which."""
 
     def __post_init__(self) -> None:
-        positive = ["epochs", "train_batch_size", "log_every_n_steps"]
+        positive = ["epochs", "train_batch_size", "log_every_n_steps",
+                    "preemption_check_every_n_steps"]
         optional_positive = ["max_steps", "max_train_steps_per_epoch", "micro_batch_size",
-                             "val_batch_size", "gpu_batch_size_limit", "max_val_steps_per_epoch"]
+                             "val_batch_size", "gpu_batch_size_limit", "max_val_steps_per_epoch",
+                             "val_every_n_steps"]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
@@ -172,9 +174,6 @@ class TrainerArguments:
         # Run safety: the seed feeds numpy's generators, which take unsigned 32-bit seeds.
         if not 0 <= self.seed < 2**32:
             raise ConfigError(f"trainer.seed must be between 0 and {2**32 - 1}, got {self.seed}")
-        if self.preemption_check_every_n_steps < 1:
-            raise ConfigError("trainer.preemption_check_every_n_steps must be >= 1, got "
-                              f"{self.preemption_check_every_n_steps}")
         if self.max_grad_norm is not None and not 0 < self.max_grad_norm < math.inf:
             raise ConfigError(
                 f"trainer.max_grad_norm must be > 0 or null (no clipping), got {self.max_grad_norm}")
@@ -202,7 +201,13 @@ class TrainerArguments:
             if isinstance(getattr(self, name), dict):
                 setattr(self, name, build_dataclass(cls, getattr(self, name),
                                                     prefix=f"trainer.{name}."))
-        self._check_loop_features()
+        if self.peak_tflops is not None and not 0 < self.peak_tflops < math.inf:
+            raise ConfigError(f"trainer.peak_tflops must be > 0 (dense TFLOP/s of one device) "
+                              f"or null, got {self.peak_tflops}")
+        if (self.early_stopping.enabled and not self.val_every_n_epochs
+                and not self.val_every_n_steps):
+            raise ConfigError("trainer.early_stopping needs validation: set "
+                              "trainer.val_every_n_steps or trainer.val_every_n_epochs")
         self._check_dp()
         hints = get_type_hints(type(self))
         for name in ("amp_dtype", "compile_mode", "on_nonfinite",
@@ -246,16 +251,3 @@ class TrainerArguments:
             if bad:
                 raise ConfigError(f"trainer.{key} does not combine with trainer.backend "
                                   f"{self.backend}: {why}")
-
-    def _check_loop_features(self) -> None:
-        """val_every_n_steps, early_stopping, peak_tflops."""
-        if self.val_every_n_steps is not None and self.val_every_n_steps < 1:
-            raise ConfigError(f"trainer.val_every_n_steps must be >= 1 or null, "
-                              f"got {self.val_every_n_steps}")
-        if self.peak_tflops is not None and not 0 < self.peak_tflops < math.inf:
-            raise ConfigError(f"trainer.peak_tflops must be > 0 (dense TFLOP/s of one device) "
-                              f"or null, got {self.peak_tflops}")
-        if (self.early_stopping.enabled and not self.val_every_n_epochs
-                and not self.val_every_n_steps):
-            raise ConfigError("trainer.early_stopping needs validation: set "
-                              "trainer.val_every_n_steps or trainer.val_every_n_epochs")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -45,10 +46,8 @@ def check_directory(directory: str, writer: str, key: str = "trainer.output_dir"
     except OSError as exc:
         raise destination_error(writer, directory, exc, key, who) from None
     finally:
-        try:
+        with contextlib.suppress(OSError):
             os.remove(probe)
-        except OSError:
-            pass
     _proven[os.path.abspath(directory)] = time.monotonic()
 
 

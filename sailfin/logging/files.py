@@ -7,13 +7,12 @@ import contextlib
 import csv
 import json
 import math
-import numbers
 import os
 import time
 from typing import Optional
 
 from .destination import check_directory, destination_error
-from .writers import Writer
+from .writers import Writer, scalars
 
 
 class TextFileWriter(Writer):
@@ -42,9 +41,6 @@ class TextFileWriter(Writer):
         """Write what an empty file begins with (nothing by default)."""
 
     def _written(self) -> None:
-        if self.flush_seconds <= 0:
-            self.flush()
-            return
         now = time.monotonic()
         if now - self._last_flush >= self.flush_seconds:
             self.flush()
@@ -59,8 +55,6 @@ class TextFileWriter(Writer):
                                         "trainer.output_dir") from None
 
     def close(self):
-        if not getattr(self, "_fh", None) or self._fh.closed:
-            return
         try:
             self.flush()
         finally:
@@ -128,13 +122,7 @@ class CsvWriter(TextFileWriter):
             self._csv.writerow(COLUMNS)
 
     def log_metrics(self, metrics, step, epoch, split):
-        dataset = metrics.get("dataset")
-        prefix = f"{dataset}/" if isinstance(dataset, str) else ""
-        for key, value in metrics.items():
-            if key == "dataset" or isinstance(value, bool) or not isinstance(
-                    value, numbers.Real):
-                continue
-            value = float(value)
+        for name, value in scalars(metrics):
             text = repr(value) if math.isfinite(value) else str(value)
-            self._csv.writerow((step, epoch, split, prefix + key, text))
+            self._csv.writerow((step, epoch, split, name, text))
         self._written()

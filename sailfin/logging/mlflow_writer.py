@@ -7,7 +7,6 @@ job ``MLFLOW_TRACKING_URI`` is already set and the run appears there.
 
 from __future__ import annotations
 
-import numbers
 import os
 import queue
 import threading
@@ -19,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from ..utils.voice import say
 from .destination import check_directory
-from .writers import Writer, WriterError
+from .writers import Writer, WriterError, scalars
 
 KEY = "trainer.mlflow_tracking_uri"
 _MAX_METRICS_PER_BATCH = 1000  # MLflow's limits for one log_batch call
@@ -59,7 +58,6 @@ class MlflowWriter(Writer):
         self._queue: "queue.Queue[Optional[list]]" = queue.Queue()
         self._error: Optional[WriterError] = None  # set by the sender thread
         self._reported = False
-        self._sender: Optional[threading.Thread] = None
         local = self.tracking_uri.startswith("sqlite:///")
         if local:
             check_directory(os.path.dirname(self.tracking_uri[len("sqlite:///"):]) or ".",
@@ -89,13 +87,9 @@ class MlflowWriter(Writer):
         self._sender.start()
 
     def log_metrics(self, metrics, step, epoch, split):
-        dataset = metrics.get("dataset")
-        prefix = f"{split}/{dataset}/" if isinstance(dataset, str) else f"{split}/"
         now_ms = int(time.time() * 1000)
-        for key, value in metrics.items():
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                continue
-            self._pending.append(Metric(prefix + key, float(value), now_ms, step))
+        self._pending.extend(Metric(name, value, now_ms, step)
+                             for name, value in scalars(metrics, f"{split}/"))
         now = time.monotonic()
         if (len(self._pending) >= _MAX_METRICS_PER_BATCH
                 or now - self._last_flush >= self.flush_seconds):
@@ -125,12 +119,11 @@ class MlflowWriter(Writer):
             self.flush()
         finally:
             self._queue.put(None)  # the sender stops after what is queued
-            if self._sender is not None:
-                self._sender.join(CLOSE_TIMEOUT_SECONDS)
-                if self._sender.is_alive():
-                    say(f"the mlflow writer is still sending to {self.tracking_uri} after "
-                        f"{CLOSE_TIMEOUT_SECONDS:.0f} s; the run may miss its last metrics",
-                        warning=True)
+            self._sender.join(CLOSE_TIMEOUT_SECONDS)
+            if self._sender.is_alive():
+                say(f"the mlflow writer is still sending to {self.tracking_uri} after "
+                    f"{CLOSE_TIMEOUT_SECONDS:.0f} s; the run may miss its last metrics",
+                    warning=True)
             status = "FINISHED" if self._error is None else "FAILED"
             try:
                 self._client.set_terminated(self.run_id, status)

@@ -21,10 +21,16 @@ def format_value(value: Any) -> str:
 def flop_rate(tflops: float) -> str:
     """Model FLOP/s in a unit that reads: 0.5 -> '500 GFLOP/s'; 7.4e-05 -> '74 MFLOP/s'.
     The one form the stdout lines, the progress display and the summary show."""
+    unit, scale = flop_unit(tflops)
+    return f"{tflops / scale:.3g} {unit}"
+
+
+def flop_unit(tflops: float) -> tuple[str, float]:
+    """The FLOP/s unit ``tflops`` reads best in, and TFLOP/s per that unit."""
     for unit, scale in (("T", 1.0), ("G", 1e-3), ("M", 1e-6), ("k", 1e-9)):
         if tflops >= scale:
-            return f"{tflops / scale:.3g} {unit}FLOP/s"
-    return f"{tflops * 1e12:.3g} FLOP/s"
+            return f"{unit}FLOP/s", scale
+    return "FLOP/s", 1e-12
 
 
 def _shown(key: str, value: Any) -> str:

@@ -7,14 +7,13 @@ Imported only when ``tensorboard`` is in ``trainer.writers`` (extra:
 from __future__ import annotations
 
 import math
-import numbers
 import os
 from typing import Any, Mapping
 
 from torch.utils.tensorboard import SummaryWriter
 
 from .destination import check_directory, destination_error
-from .writers import Writer
+from .writers import Writer, scalars
 
 
 class TensorBoardWriter(Writer):
@@ -39,15 +38,10 @@ class TensorBoardWriter(Writer):
             self._tb = SummaryWriter(self.log_dir, max_queue=100, flush_secs=flush_seconds)
         except OSError as exc:
             raise destination_error(self.name, self.log_dir, exc, "trainer.output_dir") from None
-        self._closed = False
 
     def log_metrics(self, metrics, step, epoch, split):
-        dataset = metrics.get("dataset")
-        prefix = f"{split}/{dataset}/" if isinstance(dataset, str) else f"{split}/"
-        for key, value in metrics.items():
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                continue
-            self._tb.add_scalar(prefix + key, float(value), global_step=step)
+        for tag, value in scalars(metrics, f"{split}/"):
+            self._tb.add_scalar(tag, value, global_step=step)
 
     def log_run_totals(self, totals, step, epoch):
         self.log_metrics(totals, step, epoch, "time")  # time/goodput, time/replayed_seconds...
@@ -61,10 +55,7 @@ class TensorBoardWriter(Writer):
         self._tb.add_hparams(clean, {}, run_name=".")
 
     def flush(self):
-        if not self._closed:
-            self._tb.flush()
+        self._tb.flush()  # like close, nothing once closed
 
     def close(self):
-        if not self._closed:
-            self._closed = True
-            self._tb.close()
+        self._tb.close()

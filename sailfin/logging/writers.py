@@ -7,8 +7,9 @@ heavy back ends (TensorBoard, MLflow) are imported only when chosen.
 from __future__ import annotations
 
 import importlib
+import numbers
 import os
-from typing import IO, Any, Callable, Iterable, Mapping, Optional
+from typing import IO, Any, Callable, Iterable, Iterator, Mapping, Optional
 
 
 class WriterError(OSError):
@@ -81,6 +82,15 @@ class Writers(Writer):
                 error = error or exc
         if error is not None:
             raise error
+
+
+def scalars(metrics: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:
+    """The real numbers (not bools) of an event, as floats, each named ``prefix``, then
+    ``<dataset>/`` when the event names its validation set, then its key."""
+    dataset = metrics.get("dataset")
+    prefix += f"{dataset}/" if isinstance(dataset, str) else ""
+    return ((prefix + key, float(value)) for key, value in metrics.items()
+            if isinstance(value, numbers.Real) and not isinstance(value, bool))
 
 
 # name -> (module, factory name, pip extra or None, where in output_dir). Modules are

@@ -4,6 +4,7 @@ garbage collector spared while a run is built."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import sys
 from typing import Callable, Iterator, Optional
@@ -17,10 +18,6 @@ def peak_rss_bytes() -> Optional[int]:
     program starts. ``getrusage``'s ``ru_maxrss`` does not: it keeps the peak of the
     process image before ``exec``, so a worker started by a large parent (a test runner,
     a notebook) would report the parent's size.
-
-    Example::
-
-        before = peak_rss_bytes()
     """
     try:
         with open("/proc/self/status", encoding="ascii") as fh:
@@ -43,15 +40,10 @@ def release_free_memory() -> None:
 
     A collective library (gloo) allocates and frees large buffers in threads of its
     own, and glibc keeps those freed pages in the threads' arenas: a loop of gathers
-    would otherwise grow the resident memory by about one buffer per iteration.
-
-    Example::
-
-        for tensor in tensors:
-            write(tensor.full_tensor())
-            release_free_memory()
+    would otherwise grow the resident memory by about one buffer per iteration: call it
+    after each gather.
     """
-    trim = _malloc_trim()
+    trim = _libc("malloc_trim")
     if trim is not None:
         trim(0)
 
@@ -64,35 +56,23 @@ def fix_mmap_threshold(size: int = 1 << 20) -> bool:
     By default glibc raises this threshold to the size of each large block freed, so
     after a few gathers of a sharded model's units (tens of MB each) those buffers come
     from heaps it keeps: the resident memory then holds units no tensor uses any more.
-
-    Example::
-
-        fix_mmap_threshold()   # before the first gather
+    Call it before the first gather.
     """
-    try:
-        import ctypes
-
-        mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    except (OSError, TypeError, AttributeError):  # no C library handle (Windows)
-        return False
-    if mallopt is None:
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, int(size)))
+    mallopt = _libc("mallopt")
+    return mallopt is not None and bool(mallopt(_M_MMAP_THRESHOLD, int(size)))
 
 
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
-_TRIM: list = []
 
 
-def _malloc_trim() -> Optional[Callable[[int], int]]:
-    if not _TRIM:
-        try:
-            import ctypes
+@functools.cache
+def _libc(name: str) -> Optional[Callable[..., int]]:
+    try:
+        import ctypes
 
-            _TRIM.append(getattr(ctypes.CDLL(None), "malloc_trim", None))
-        except (OSError, TypeError, AttributeError):  # no C library handle (Windows)
-            _TRIM.append(None)
-    return _TRIM[0]
+        return getattr(ctypes.CDLL(None), name, None)
+    except (OSError, TypeError):  # no C library handle (Windows)
+        return None
 
 
 @contextlib.contextmanager

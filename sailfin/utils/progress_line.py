@@ -14,9 +14,9 @@ from __future__ import annotations
 import time
 from typing import IO, Optional
 
-REPORT_SECONDS = 10.0
-
 from .voice import say
+
+REPORT_SECONDS = 10.0
 
 
 class ProgressLine:
@@ -52,12 +52,11 @@ class ProgressLine:
 
     def _say(self, now: float, extra: str, closing: bool = False) -> None:
         elapsed = max(now - self._start, 1e-9)
-        count = f"{self.done:,}"
+        text = f"{self.what}: {self.done:,}"
         if self.total and not closing:
-            count += f" of {self.total:,}"
-        text = f"{self.what}: {count} {self.unit}"
-        if self.total and not closing:
-            text += f" ({100 * self.done / self.total:.0f}%)"
+            text += f" of {self.total:,} {self.unit} ({100 * self.done / self.total:.0f}%)"
+        else:
+            text += f" {self.unit}"
         text += f"{', ' + extra if extra else ''}, {self.done / elapsed:,.0f} {self.unit}/s"
         if closing:
             text += f" in {elapsed:.1f} s"

@@ -1,20 +1,13 @@
 """sailfin's one voice: every line it writes for the person reading the job's output.
 
-Notices (a feature chose something, a run resumed, a lock was taken over) and warnings
-(a bad sample skipped, a non-finite loss) go through :func:`say`. Metrics go through the
-writers (``sailfin.logging``); a command's own result (``sailfin train``'s closing
-summary, ``--print-config``) goes to stdout, and the error a command ends on is its
-:func:`line`. Python's ``warnings`` are kept for what
-they are for: something in the user's own code (a loader with ``persistent_workers``
-and ``set_epoch``), and a category the user may filter or turn into an error
-(``NonFiniteLossWarning`` under ``trainer.on_nonfinite: warn``).
-
-Each line is a record of the ``sailfin`` logger, so an application (or a test's
-``caplog``) that routes logging sees every one, and is also written by sailfin's own
-handler to ``sys.stderr`` as it is at that moment, flushed: ``sailfin: <message>`` on
-rank 0, ``sailfin[rank 3]: <message>`` elsewhere, where only warnings are shown (one
-line per job, not one per rank). When the application's root logger already prints to
-the terminal, sailfin's handler stays quiet, so no line shows twice.
+Notices and warnings go through :func:`say`, metrics through the writers
+(``sailfin.logging``), a command's result to stdout and the error it ends on through
+:func:`line`; Python's ``warnings`` only for something in the user's own code or a
+category the user may filter (``NonFiniteLossWarning``). Each line is a record of the
+``sailfin`` logger (an application's logging, a test's ``caplog`` sees it), which sailfin's
+own handler also writes to the ``sys.stderr`` of the moment: ``sailfin: <message>`` on
+rank 0, ``sailfin[rank 3]: <message>`` (warnings only) elsewhere, and nothing when the
+root logger already prints to the terminal, so no line shows twice.
 
 Example::
 
@@ -51,27 +44,16 @@ def configure(rank: int = 0) -> None:
     _HANDLER.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 
 
-class _Terminal(logging.Handler):
-    """Writes each record to the ``sys.stderr`` of the moment (a test's capture, a
-    notebook's cell) and flushes it, unless the root logger prints it already."""
+class _Terminal(logging.StreamHandler):
+    """The ``sys.stderr`` of the moment (a test's capture, a notebook's cell), unless the
+    application's root logger prints to the terminal itself."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        if _root_prints():
-            return
-        try:
-            stream = sys.stderr
-            stream.write(self.format(record) + "\n")
-            stream.flush()
-        except Exception:  # a closed stream must not end the run
-            self.handleError(record)
-
-
-def _root_prints() -> bool:
-    """Whether the application's root logger writes records to the terminal itself."""
-    return any(isinstance(h, logging.StreamHandler)
-               and getattr(h, "stream", None) in (sys.stderr, sys.stdout, sys.__stderr__,
-                                                  sys.__stdout__)
-               for h in logging.getLogger().handlers)
+        terminal = (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)
+        if not any(isinstance(h, logging.StreamHandler) and getattr(h, "stream", None)
+                   in terminal for h in logging.getLogger().handlers):
+            self.stream = sys.stderr  # not setStream: it flushes the old one, maybe closed
+            super().emit(record)  # flushed; a closed stream does not end the run
 
 
 _HANDLER = _Terminal()
