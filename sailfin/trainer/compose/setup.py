@@ -12,7 +12,6 @@ from ...checkpoint import build_checkpointer
 from ...data.plan import BatchPlan
 from ...distributed.watchdog import DATA, build_watchdog
 from ...interfaces import ModuleInterface, RecipeError
-from ...logging.destination import check_directory
 from ...utils.seed import seed_everything
 from ...utils.voice import say
 from ..checkpointing.accepted import FreshHyperparameters, apply_accepted
@@ -82,11 +81,6 @@ def build_run(trainer: "Trainer") -> Run:
                           "([optimizer, ...], [scheduler, ...]) (the schedulers may be [])")
     # dp: clipping, noise and accounting around the optimizers (a no-op otherwise).
     backend.attach_optimizers(optimizers, train_sampler.num_samples, steps_per_epoch)
-    if dist.is_main:
-        # summary.json, weights, metrics and (by default) checkpoints go here:
-        # fail now, not after training.
-        check_directory(args.output_dir, "output",
-                        who="sailfin (summary.json, final weights, checkpoints)")
     checkpointer = build_checkpointer(args, dist, backend.barrier)
     saver = checkpoint_callback(checkpointer, args.checkpoint)
     run_stats = RunStats(args.checkpoint.best_metric, args.checkpoint.best_mode)
@@ -153,7 +147,7 @@ def start_run(trainer: "Trainer") -> None:
     if trainer.autobatch is not None:
         trainer.autobatch.start(trainer)  # the checkpoint's size, or a search after a resize
     # Writers and progress (rank 0), profiler: destination errors surface here.
-    observers = build_observers(args, dist, trainer._writers, trainer._hparams,
+    observers = build_observers(args, dist, trainer._writers, trainer.hparams,
                                 trainer.callbacks)
     trainer.writers = observers.writers
     trainer.callbacks = [*trainer.callbacks, *observers.callbacks]  # CALLBACK_ORDER's last

@@ -12,6 +12,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from ...checkpoint.storage import LocalStorage
 from ...utils.memory import gc_spares_existing_objects, peak_rss_bytes
 from ...utils.voice import configure
 from ..checkpointing.state import load_trainer_state, trainer_state
@@ -163,6 +164,7 @@ def finish_run(trainer: Trainer, write: bool = True) -> dict[str, Any]:
     """The run's summary; the final weights (and EMA weights) and summary.json written
     (unless not ``write``: a run that trained nothing leaves the finished one's files).
     Every rank calls it: under fsdp, gathering each full tensor is a collective."""
+    val, device = trainer.last_val_metrics, trainer.device
     summary = {
         "global_step": trainer.global_step,
         "epoch": trainer.epoch,
@@ -172,9 +174,12 @@ def finish_run(trainer: Trainer, write: bool = True) -> dict[str, Any]:
                                if trainer.train_seconds > 0 else None),
         "world_size": trainer.dist.world_size,
         "nonfinite_steps": trainer.nonfinite.count,
-        "val": _flat_val(trainer.last_val_metrics),
+        "val": next(iter(val.values())) if len(val) == 1 else val,
         "best": trainer.run_stats.best,
-        "peak_memory": peak_memory(trainer.device),
+        # Peak resident memory and, on CUDA, peak allocated tensor memory (bytes); None
+        # where the platform cannot tell.
+        "peak_memory": {"cpu_rss_bytes": peak_rss_bytes(), "cuda_max_allocated_bytes": (
+            int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None)},
         "micro_batch_size": trainer.plan.micro_batch,
     }
     summary.update(finish_summary(trainer))  # stopped_early, tflops, mfu, ema
@@ -192,41 +197,13 @@ def finish_run(trainer: Trainer, write: bool = True) -> dict[str, Any]:
                                os.path.join(output_dir, "final", "model.safetensors"), is_main)
     if trainer.ema is not None:  # final/ema.safetensors, the same names
         trainer.ema.save_final(trainer.module, output_dir, backend.save_final_weights, is_main)
-    if is_main:
-        write_json_atomic(os.path.join(output_dir, "summary.json"), summary)
+    if is_main:  # a temporary file renamed: a reader never sees half a file
+        LocalStorage().write_bytes(os.path.join(output_dir, "summary.json"), (json.dumps(
+            summary, indent=2, default=_jsonable) + "\n").encode("utf-8"))
     return summary
-
-
-def _flat_val(results: dict[str, dict[str, float]]) -> dict[str, Any]:
-    if len(results) == 1:
-        return next(iter(results.values()))
-    return results
-
-
-def write_json_atomic(path: str, data: Any) -> None:
-    """Write JSON to a temporary file and rename it: a reader never sees half a file."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2, default=_jsonable)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
     return str(value)
-
-
-def peak_memory(device: Any = None) -> dict[str, Optional[int]]:
-    """Peak resident memory of this process and, on CUDA, peak allocated tensor memory.
-
-    Both in bytes; ``None`` where the platform cannot tell (Windows; no CUDA device).
-    """
-    rss = peak_rss_bytes()
-    cuda: Optional[int] = None
-    if device is not None and getattr(device, "type", None) == "cuda":
-        cuda = int(torch.cuda.max_memory_allocated(device))
-    return {"cpu_rss_bytes": rss, "cuda_max_allocated_bytes": cuda}

@@ -52,7 +52,9 @@ class Loop(Run):
         self.dist = dist or DistEnv.from_config(self.args.distributed)
         self.backend = backend if backend is not None else build_backend(self.args, self.dist)
         self._writers = writers
-        self._hparams = hparams  # logged by the writers; default: the trainer settings
+        # The hyper-parameters the writers log (sailfin train: the run's config); None:
+        # the trainer settings.
+        self.hparams = hparams
         # The recipe's own components (configure_callbacks(), e.g. sailfin.hf's final/hf/
         # writer) follow the loop too.
         own = getattr(module, "configure_callbacks", None)
@@ -78,12 +80,6 @@ class Loop(Run):
         """Run with ``run``'s pieces: each of its fields becomes the loop's attribute."""
         for piece in fields(Run):
             setattr(self, piece.name, getattr(run, piece.name))
-
-    @property
-    def hparams(self) -> Optional[Mapping[str, Any]]:
-        """The hyper-parameters the writers log (``sailfin train``: the run's config);
-        None: the trainer settings."""
-        return self._hparams
 
     # -- the epochs ---------------------------------------------------------------
     def _run_epochs(self) -> None:

@@ -1,21 +1,12 @@
-"""``micro_batch_size: auto``: the largest micro-batch that fits, the global batch untouched.
-
-The search walks down :meth:`BatchPlan.micro_batch_sizes` from the largest size the
-plan allows. When a step's micro-batches raise ``torch.OutOfMemoryError``, the step's
-gradients are dropped, memory is freed, the plan and loaders are rebuilt with the next
-size, and the step runs again from its first micro-batch: the sampler is positioned at
-the step, and the optimizer and schedule have not moved yet.
+"""``micro_batch_size: auto``: the largest micro-batch that fits, the global batch untouched
+(docs/batch-plan.md). A step that runs out of memory runs again from its first
+micro-batch at the next smaller size: the optimizer and schedule have not moved yet.
 
 A rank that runs out of memory must not leave its partners waiting in DDP's gradient
-all-reduce. So for a size's first ``PROBE_STEPS`` steps (after a start, a resume, a
-resize or a size change) a multi-rank run *probes*: gradients stay local
-(``backend.local_gradients``), one small all-reduce agrees on the smallest size any
-rank proposes, and if every rank got through the gradients are averaged in one flat
-all-reduce (``backend.reduce_gradients``). Peak memory comes in the second step (the
-first creates the optimizer's state), hence two. After them a step costs a ``try``
-block; a rank that runs out of memory later (longer sequences) stops with an error
-naming the size to set. On one process any step may retry. The size is kept in
-checkpoints: a resume on the same world size starts from it; a resize searches again.
+all-reduce: so for a size's first ``PROBE_STEPS`` steps a multi-rank run *probes*:
+gradients stay local, one small all-reduce agrees on the smallest size any rank
+proposes, then the gradients are averaged in one flat all-reduce. Peak memory comes in
+the second step (the first creates the optimizer's state), hence two.
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
-"""Is a speed setting paying on this machine? Measured once, said in the log.
-
-**torch.compile.** On a small model or a CPU the compiled step can be slower than the
-eager one. With ``trainer.compile`` on, :class:`CompileCheck` times real training steps
-after warm-up: a window of compiled steps, one of the same steps run eagerly
-(``torch.compiler.set_stance("force_eager")`` keeps the compiled code), a second
-compiled one; below ``1.0`` (eager median over compiled median) the log says so, once.
-The windows are the same global steps in every run, resumed or not; eager and compiled
-steps agree to rounding, not bit for bit.
-
-**bf16 on a CPU.** CPUs with native bf16 matrix instructions (AVX512_BF16, AMX) run
-``sp-amp`` faster than fp32; an AVX2-only CPU emulates bf16 and can be an order of
-magnitude slower (measured here: a 512x512 matmul 46 ms in bf16, 3.6 ms in fp32).
-Without native bf16 (neither torch's capability nor ``/proc/cpuinfo`` says so),
-:class:`Bf16CpuCheck` times one matmul in each precision and, only when bf16 measured
-slower, warns with the cost and the advice to use ``sp``.
+"""Is a speed setting paying on this machine? Measured once, said in the log:
+``torch.compile`` against eager steps (:class:`CompileCheck`, docs/backends.md), and bf16
+autocast on a CPU that may emulate bf16, an order of magnitude slower than fp32 there
+(:class:`Bf16CpuCheck`: it warns only when a bf16 matmul measured slower).
 
 Example::
 
@@ -78,7 +66,7 @@ class CompileCheck(Callback):
 
     Steps ``(warmup, warmup + w]`` and ``(warmup + 2w, warmup + 3w]`` run compiled,
     ``(warmup + w, warmup + 2w]`` eagerly (global step numbers, so a resumed run
-    does the same). ``clock`` and ``stance`` are injectable for tests.
+    does the same).
 
     Example::
 

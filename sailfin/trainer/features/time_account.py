@@ -1,18 +1,7 @@
-"""The time account: where a run's wall time went, from its first start to its end,
-across every restart, and its goodput (the share that became kept training).
-
-Each start of the run (the first, a torchrun restart, a resume) is a *segment* of
-``<output_dir>/time_account.json``, whose seconds split into components that sum to it:
-``productive`` (training of kept steps); ``replayed`` (training a restart threw away;
-after the account's last write, estimated from the steps ``metrics.jsonl`` logged);
-``startup`` (process start to the first step); ``restart_gap`` (the previous segment's
-last sign of life to this start); ``data_wait``, ``checkpoint`` and ``snapshot``
-(stalls), ``validation``, ``oom_retries`` (steps ``micro_batch_size: auto`` ran again);
-``other`` (the rest: the final weights, end-of-run work).
-
-``goodput = productive / wall``. Rank 0 keeps the account, on its own clock, at the
-boundaries that already exist (start, each save, each epoch end, the end): nothing runs
-per step, and the data wait is sampled off the step (:class:`PhaseSampler`).
+"""The time account: where a run's wall time went, across every restart, and its goodput
+(the share that became kept training); the components are docs/goodput.md's. Rank 0
+keeps it at boundaries that exist already (start, each save, each epoch end, the end):
+nothing runs per step, and the data wait is sampled off the step (:class:`PhaseSampler`).
 """
 
 from __future__ import annotations
@@ -63,9 +52,7 @@ class TimeAccount(Callback):
         self._stalls = {"checkpoint": 0.0, "snapshot": 0.0}
         self._loop_end: Optional[float] = None
         self._last_write = 0.0
-        if not is_main:
-            return
-        if continues:  # resume: auto or a path; never starts a new account
+        if is_main and continues:  # resume: auto or a path; never starts a new account
             previous, problem = read_account(self.path)
             if problem:
                 say(f"time account: {problem}; starting a new one", warning=True)
@@ -93,7 +80,7 @@ class TimeAccount(Callback):
         segments.append(seg)
         self._segment = seg
         self._view = trainer  # summary_fields() brings the account up to the loop's end
-        self._validation0 = getattr(trainer, "validation_seconds", 0.0)
+        self._validation0 = trainer.validation_seconds
         self._oom0 = _retry_seconds(trainer)
         if self.sampler is not None:
             self.sampler.start()
@@ -136,12 +123,12 @@ class TimeAccount(Callback):
         self._segment["ended"] = "finished"
         self.write(trainer, durable=True)
         totals = self.totals()
-        summary = getattr(trainer, "summary", None)
-        if isinstance(summary, dict) and summary.get("nothing_trained"):
+        summary = trainer.summary
+        if summary is not None and summary.get("nothing_trained"):
             self._segment = None  # the account has the segment; the finished run's files stay
             return
         path = os.path.join(trainer.args.output_dir, "summary.json")
-        if isinstance(summary, dict) and os.path.exists(path):
+        if summary is not None and os.path.exists(path):
             summary["time_account"] = totals
             set_summary_field(path, "time_account", totals)
         metrics = {"goodput": totals["goodput"], "wall_seconds": totals["wall_seconds"],
@@ -160,8 +147,7 @@ class TimeAccount(Callback):
         seg["step"] = trainer.global_step
         sec = seg["seconds"]
         sec["checkpoint"], sec["snapshot"] = self._stalls["checkpoint"], self._stalls["snapshot"]
-        sec["validation"] = max(0.0, getattr(trainer, "validation_seconds", 0.0)
-                                - self._validation0)
+        sec["validation"] = max(0.0, trainer.validation_seconds - self._validation0)
         sec["oom_retries"] = max(0.0, _retry_seconds(trainer) - self._oom0)
         if self._loop_end is None:  # still training: the loop's time not spent otherwise
             self._account_loop(seg, now)
@@ -267,28 +253,21 @@ def _roll_back(seg: dict[str, Any], step: int) -> None:
     if marks[-1][0] <= step:
         return
     kept = _productive_at(marks, step)
-    moved = marks[-1][1] - kept
     sec = seg["seconds"]
-    moved = min(moved, sec["productive"])
+    moved = min(marks[-1][1] - kept, sec["productive"])
     sec["productive"] -= moved
     sec["replayed"] += moved
     seg["marks"] = [m for m in marks if m[0] < step] + [[max(step, marks[0][0]), kept]]
 
 
 def _retry_seconds(trainer: "RunView") -> float:
-    autobatch = getattr(trainer, "autobatch", None)
-    return float(getattr(autobatch, "retry_seconds", 0.0)) if autobatch is not None else 0.0
+    return trainer.autobatch.retry_seconds if trainer.autobatch is not None else 0.0
 
 
 class PhaseSampler:
-    """How much of training waits for data, measured without touching the step.
-
-    The loop already writes its phase into the heartbeat (``data loading`` while it
-    waits in ``next(batches)``). A background thread reads it every ``interval``
-    seconds and counts; the share of readings in the data phase, times the training
-    time, is the data wait. The thread takes the GIL for a few microseconds 50 times a
-    second. It is a sample: good to a fraction of a percent over minutes, rough over
-    seconds.
+    """How much of training waits for data, measured without touching the step: a thread
+    reads the heartbeat's phase every ``interval`` seconds (a few microseconds of GIL);
+    the share of readings in the data phase, times the training time, is the data wait.
 
     Example::
 
