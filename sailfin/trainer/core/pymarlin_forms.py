@@ -1,15 +1,8 @@
-"""PyMarlin's forms of a recipe's returns and callbacks, accepted and made exact.
-
-- ``train_step`` may return ``(loss, {name: scalar})`` (stats, logged) or PyMarlin's
-  ``(loss, t1, t2, ...)``: the extras of the step's last micro-batch go to
-  ``on_end_train_step(global_step, loss, t1, t2, ...)``.
-- ``val_step`` may return a dict or PyMarlin's tuple, whose gathered columns go to
-  ``on_end_val_epoch(global_step, *columns, key=name)`` by position, as PyMarlin passed
-  them (into ``*inputs`` or named parameters).
-- A 0-d tensor from ``val_step`` is that batch's mean: repeated once per sample, so a
-  column's mean is the exact per-sample mean whatever the batch sizes and world size.
-- Callbacks with PyMarlin's shorter signatures get the arguments they take (the
-  signature is read once, when the loop is built).
+"""PyMarlin's forms of a recipe's returns and callbacks, accepted and made exact
+(docs/migrating-from-pymarlin.md): ``train_step``'s ``(loss, t1, t2, ...)``, whose
+extras go to ``on_end_train_step``; ``val_step``'s tuple, whose gathered columns go to
+``on_end_val_epoch`` by position; a 0-d ``val_step`` tensor, a batch mean repeated once
+per sample; callbacks with shorter signatures (read once, when the loop is built).
 
 Example::
 

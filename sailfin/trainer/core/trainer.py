@@ -1,8 +1,6 @@
-"""The training loop. It owns the loop; the backend supplies each step's pieces.
-
-:class:`Loop` runs epochs and steps over the pieces the composition root
-(:class:`sailfin.trainer.Trainer`, ``trainer/compose/``) builds from the config. It
-imports no feature: features follow it as callbacks and see it as a
+"""The training loop: :class:`Loop` runs epochs and steps over the pieces the composition
+root (``trainer/compose/``) builds from the config; the backend supplies each step's
+pieces. It imports no feature: features follow it as callbacks and see it as a
 :class:`~sailfin.trainer.core.view.RunView`.
 """
 
@@ -33,12 +31,11 @@ from .view import StopSignal
 
 
 class Loop(Run):
-    """The epochs, the steps and validation of a run: the run's pieces (a :class:`Run`'s
-    fields, which :meth:`attach` takes), its counters and the loop over them. Users
-    construct :class:`sailfin.trainer.Trainer`, which adds set-up, checks and outputs.
+    """The epochs, the steps and validation of a run over its pieces (a :class:`Run`'s
+    fields, which :meth:`attach` takes). Users construct :class:`sailfin.trainer.Trainer`,
+    which adds set-up, checks and outputs.
     """
 
-    # The pieces (Run's fields, core/run.py) come from the composition root: attach().
     # Set by Trainer.train before the first step: SIGTERM / first Ctrl-C.
     preemption: StopSignal
 

@@ -1,12 +1,7 @@
-"""Model FLOPs of a training step, achieved TFLOP/s and model FLOPs utilisation (MFU).
-
-The FLOPs of one training step (forward and backward) are counted once, on the first
-step this process runs, under :class:`torch.utils.flop_counter.FlopCounterMode` (it only
-counts: the result is unchanged), unless the recipe gives ``flops_per_sample`` (an
-attribute or method: forward + backward FLOPs of one sample, e.g. ``6 * n_params *
-tokens``; needed under ``torch.compile``). Each train log line then carries ``tflops``
-per device and ``mfu``: that over the device's dense peak (``trainer.peak_tflops`` or
-:data:`PEAK_TFLOPS`). The counter counts what runs, recomputed forwards included.
+"""Model FLOPs of a training step, achieved TFLOP/s and model FLOPs utilisation (MFU)
+(docs/validation-and-features.md): the first step's forwards and backwards are counted
+once under :class:`torch.utils.flop_counter.FlopCounterMode` (which only counts), unless
+the recipe gives ``flops_per_sample`` (needed under ``torch.compile``).
 """
 
 from __future__ import annotations
@@ -49,9 +44,8 @@ PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
 
 
 def device_peak_tflops(device: Any, precision: str) -> Optional[float]:
-    """The table's dense peak for ``device`` (a CUDA device) at ``precision``
-    (``bf16``, ``fp16``, ``fp32``: TF32 if PyTorch lets fp32 matmuls use it); None
-    when the device or the precision is not in the table."""
+    """The table's dense peak for ``device`` at ``precision`` (``fp32``: TF32 if PyTorch
+    lets fp32 matmuls use it); None when the device or the precision is not in it."""
     if getattr(device, "type", None) != "cuda" or not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name(device)
@@ -85,7 +79,6 @@ class FlopsMeter:
         self._mode: Any = None
 
     def start(self) -> None:
-        """Begin counting (the step's forwards and backwards follow)."""
         from torch.utils.flop_counter import FlopCounterMode
 
         self._mode = FlopCounterMode(display=False)

@@ -10,9 +10,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -46,19 +47,15 @@ def compile_verdict(compiled: list[float], eager: list[float], first_step: Optio
                   f"{e * 1000:.2f} ms ({speedup:.2f}x faster){first}{payback}")
 
 
-class EagerStance:
+class EagerStance(contextlib.ExitStack):
     """``stance(True)`` runs compiled code eagerly from now on; ``stance(False)`` puts back
     the stance that was in force before (the application's own, if it set one)."""
 
-    def __init__(self) -> None:
-        self._context: Optional[Any] = None
-
     def __call__(self, eager: bool) -> None:
-        if eager and self._context is None:
-            self._context = torch.compiler.set_stance("force_eager")  # in force at once
-        elif not eager and self._context is not None:
-            self._context.__exit__(None, None, None)  # the previous stance again
-            self._context = None
+        if eager:
+            self.enter_context(torch.compiler.set_stance("force_eager"))
+        else:
+            self.close()
 
 
 class CompileCheck(Callback):
