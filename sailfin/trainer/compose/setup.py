@@ -19,8 +19,7 @@ from ..checkpointing.memory_snapshots import memory_snapshot_callback
 from ..checkpointing.resume import resume
 from ..checkpointing.saver import checkpoint_callback, checkpoint_callbacks
 from ..features.autobatch import auto_micro_batch
-from ..features.loop_features import build_loop_features
-from ..features.loop_features import build_observers
+from ..features.loop_features import build_loop_features, build_observers
 from ..features.run_stats import RunStats
 from ..features.time_account import TimeAccount
 from ..safety.nonfinite import NonFiniteGuard
@@ -84,7 +83,6 @@ def build_run(trainer: "Trainer") -> Run:
     checkpointer = build_checkpointer(args, dist, backend.barrier)
     saver = checkpoint_callback(checkpointer, args.checkpoint)
     run_stats = RunStats(args.checkpoint.best_metric, args.checkpoint.best_mode)
-    # EMA, step validation, early stopping: before the saver, which saves their state.
     features = build_loop_features(module, args, backend, dist)
     memory = memory_snapshot_callback(checkpointer, args, saver, module)
     # The time account reads how far a killed run logged before resuming trims metrics.jsonl.
@@ -116,7 +114,8 @@ def build_run(trainer: "Trainer") -> Run:
                                  getattr(train_sampler, "step_indices", None)),
         callbacks=callbacks, checkpointer=checkpointer, saver=saver, run_stats=run_stats,
         ema=features.ema, flops=features.flops, autobatch=autobatch, time_account=account,
-        end_backward_hook=overridden(module, "on_end_backward"),
+        end_backward_hook=(None if type(module).on_end_backward is ModuleInterface.on_end_backward
+                           else module.on_end_backward),
         end_train_step_hook=end_train_step,
         end_val_epoch_hook=val_epoch_end_caller(module),
         dataset_epoch_hook=dataset_set_epoch(train_loader))
@@ -127,13 +126,6 @@ def as_list(value: Any) -> list:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def overridden(module: ModuleInterface, name: str) -> Any:
-    """The module's callback if the recipe overrides it, else None (skip the call)."""
-    if getattr(type(module), name, None) is getattr(ModuleInterface, name):
-        return None
-    return getattr(module, name)
 
 
 def start_run(trainer: "Trainer") -> None:
@@ -157,11 +149,8 @@ def start_watchdog(trainer: "Trainer", in_setup: bool = False) -> None:
     """Start ``trainer.watchdog`` as ``trainer.distributed.hang_seconds`` asks (once).
 
     Set-up has collectives of its own (the model's broadcast, the resume's agreement,
-    the start-up checks' batches), and a rank stopped there leaves the others waiting as
-    surely as one stopped in a step: so the watchdog starts as the group is joined
-    (``in_setup``), in phase ``starting``. A single process has no partner to wait for
-    in set-up: its watchdog starts with the first step instead. Called again as training
-    begins, it publishes the rank's record at once."""
+    the start-up checks' batches): so with several ranks the watchdog starts as the group
+    is joined (``in_setup``); a single process's starts with the first step."""
     if trainer.watchdog is None and not (in_setup and trainer.dist.world_size == 1):
         args = trainer.args
         # A hang ends this process (exit 75) or raises HangDetected in it:

@@ -43,7 +43,7 @@ class WeightAverage(Callback):
         self.args = args
         self.decay = float(args.decay)
         self.every = args.every_n_steps
-        named = [(n, p) for n, p in module.named_parameters()]
+        named = list(module.named_parameters())
         self.names = [n for n, _ in named]
         self._params = [p for _, p in named]
         with torch.no_grad():
@@ -97,9 +97,8 @@ class WeightAverage(Callback):
                    save: Callable[[torch.nn.Module, str, bool], Optional[str]],
                    write: bool) -> Optional[str]:
         """``<output_dir>/final/ema.safetensors``: the averaged weights under the names of
-        ``final/model.safetensors`` (buffers, e.g. batch-norm statistics, are the model's).
-        Every rank calls it with the backend's ``save_final_weights`` as ``save`` (under
-        fsdp a collective: each averaged tensor gathered in turn); the rank with ``write``
+        ``final/model.safetensors`` (buffers are the model's), saved by every rank with the
+        backend's ``save_final_weights`` (under fsdp a collective); ``write``: this rank
         writes the file."""
         with self.swapped_in(module):  # the live (swapped-in) tensors are saved
             return save(module, os.path.join(output_dir, "final", "ema.safetensors"), write)

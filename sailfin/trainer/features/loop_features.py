@@ -21,7 +21,7 @@ from .flops import FirstStepFlops, FlopsMeter, build_flops_meter
 from .privacy import PrivacyCallback
 from .profiler import StepProfiler
 from .progress import Progress
-from .speed_checks import CompileCheck, bf16_cpu_check
+from .speed_checks import Bf16CpuCheck, CompileCheck
 
 if TYPE_CHECKING:
     from ..core.view import RunView
@@ -81,9 +81,8 @@ def build_loop_features(module: Any, args: TrainerArguments, backend: Any,
     compiled = bool(getattr(getattr(backend, "execution", None), "compile", args.compile))
     flops = build_flops_meter(module, args, dist.world_size, backend.device, precision,
                               compiled=compiled)
-    check = bf16_cpu_check(backend)  # sp-amp on a CPU that emulates bf16: warn at start
-    if check is not None:
-        callbacks.append(check)
+    if precision == "bf16" and backend.device.type == "cpu":  # sp-amp: is bf16 emulated?
+        callbacks.append(Bf16CpuCheck())
     counting = [FirstStepFlops(flops)] if flops.pending else []
     return LoopFeatures(ema, flops, callbacks, counting)
 
@@ -113,14 +112,9 @@ def build_observers(args: TrainerArguments, dist: DistEnv,
                     writers: Optional[Iterable[Writer]] = None,
                     hparams: Optional[Mapping[str, Any]] = None,
                     callbacks: Iterable[Callback] = ()) -> Observers:
-    """Writers (``writers`` if given, else ``args.writers``), progress and profiler.
-
-    Ranks other than 0 get no writers and no progress display. Writers check
-    their destinations here, before the first step. ``hparams`` (default: the
-    trainer settings) are logged once, flattened to dotted keys. A callback
-    that is also a :class:`Writer` (a :class:`Progress` passed in ``callbacks``)
-    receives the logged values too.
-    """
+    """Writers (``writers`` if given, else ``args.writers``; they check their destinations
+    here, before the first step), progress and profiler; ranks but 0 get no writers and
+    no progress. ``hparams`` (default: the trainer settings) are logged once, flattened."""
     made: list[Callback] = []
     progress: Optional[Progress] = None
     built = Writers()
@@ -141,7 +135,7 @@ def build_observers(args: TrainerArguments, dist: DistEnv,
         except BaseException:
             built.close()
             raise
-        # The progress display shows the values the trainer logs: it is a writer too.
+        # A callback that is a writer too (a Progress given) sees the logged values.
         built.writers.extend(c for c in callbacks if isinstance(c, Writer))
         if progress is not None:
             built.writers.append(progress)

@@ -196,12 +196,3 @@ class Bf16CpuCheck(Callback):
             "faster on this machine")
         if trainer.dist.is_main:
             say(self.message, warning=True)
-
-
-def bf16_cpu_check(backend: object) -> Optional[Bf16CpuCheck]:
-    """The check when ``backend`` autocasts to bf16 on the CPU, else None."""
-    precision = getattr(backend, "precision", None)
-    device = getattr(backend, "device", None)
-    if getattr(precision, "name", None) == "bf16" and getattr(device, "type", None) == "cpu":
-        return Bf16CpuCheck()
-    return None
