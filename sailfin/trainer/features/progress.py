@@ -214,14 +214,19 @@ class Progress(Writer, Callback):
     def _epoch_text(self, trainer: "RunView") -> str:
         return f"epoch {min(trainer.epoch + 1, self._epochs)}/{self._epochs}"
 
-    def _average_rate(self, now: float) -> Optional[float]:
+    def _samples_seen(self) -> int:
+        trainer = self._trainer
+        return trainer.samples_seen if trainer is not None else self._start_samples
+
+    def _average_rate(self, samples_seen: int, now: float) -> Optional[float]:
         """Samples per second of training time since the start (validation excluded,
         as in summary.json): the trainer's finished epochs plus this one so far."""
         trainer = self._trainer
-        elapsed = trainer.train_seconds - self._start_train_seconds + now - self._epoch_started
-        return (trainer.samples_seen - self._start_samples) / elapsed if elapsed > 0 else None
+        done = trainer.train_seconds - self._start_train_seconds if trainer is not None else 0.0
+        elapsed = done + (now - self._epoch_started)
+        return (samples_seen - self._start_samples) / elapsed if elapsed > 0 else None
 
-    def _value_parts(self, now: float) -> list[tuple[int, str]]:
+    def _value_parts(self, samples_seen: int, now: float) -> list[tuple[int, str]]:
         """(rank, text) in display order; the bar drops the highest ranks first. A text
         starting with a space belongs to the value before it."""
         parts = []
@@ -230,7 +235,7 @@ class Progress(Writer, Callback):
         if self.lr is not None:
             parts.append((3, f"lr {self.lr:.2e}"))
         parts.append((1, f"{human(self.samples_per_second)} samples/s"))
-        parts.append((5, f" (avg {human(self._average_rate(now))})"))
+        parts.append((5, f" (avg {human(self._average_rate(samples_seen, now))})"))
         if self.epsilon is not None:
             parts.append((2, f"ε {self.epsilon:.3g}"))
         if self.tflops is not None:
@@ -239,9 +244,9 @@ class Progress(Writer, Callback):
                 parts.append((6, f" (MFU {100 * self.mfu:.1f}%)"))
         return parts
 
-    def _values_text(self, now: float, keep: int = 99) -> str:
+    def _values_text(self, samples_seen: int, now: float, keep: int = 99) -> str:
         text = ""
-        for rank, part in self._value_parts(now):
+        for rank, part in self._value_parts(samples_seen, now):
             if rank <= keep:
                 text += part if part.startswith(" ") or not text else ", " + part
         return text
@@ -251,9 +256,9 @@ class Progress(Writer, Callback):
         bar = self._bar
         bar.ncols = width = terminal_width(bar.fp)
         meter = dict(bar.format_dict, ncols=None, bar_format=BAR_FORMAT.replace("{bar}", ""))
-        now = time.perf_counter()
+        samples_seen, now = self._samples_seen(), time.perf_counter()
         for keep in range(6, -1, -1):
-            text = self._values_text(now, keep)
+            text = self._values_text(samples_seen, now, keep)
             meter["postfix"] = text
             if len(bar.format_meter(**meter)) + MIN_BAR_COLUMNS + SLACK_COLUMNS <= width:
                 return text
@@ -271,7 +276,7 @@ class Progress(Writer, Callback):
         eta = 0.0 if left <= 0 else (left / self._step_rate if self._step_rate else None)
         pct = 100.0 * step / self._total if self._total else 100.0
         text = (f"[progress] step {step}/{self._total} ({pct:.0f}%) | "
-                f"{self._epoch_text(trainer)} | {self._values_text(now)} | "
+                f"{self._epoch_text(trainer)} | {self._values_text(trainer.samples_seen, now)} | "
                 f"elapsed {clock(now - self._start)} | ETA {clock(eta)}")
         out = self._lines()
         out.write(text + "\n")
