@@ -18,7 +18,7 @@ from ..checkpointing.accepted import FreshHyperparameters, apply_accepted
 from ..checkpointing.memory_snapshots import memory_snapshot_callback
 from ..checkpointing.resume import resume
 from ..checkpointing.saver import checkpoint_callback, checkpoint_callbacks
-from ..features.autobatch import auto_micro_batch
+from ..features.autobatch import AutoMicroBatch
 from ..features.loop_features import build_loop_features, build_observers
 from ..features.run_stats import RunStats
 from ..features.time_account import TimeAccount
@@ -61,8 +61,11 @@ def build_run(trainer: "Trainer") -> Run:
     :meth:`Trainer.setup`, which attaches them, then calls :func:`start_run`)."""
     args, dist, module, backend = trainer.args, trainer.dist, trainer.module, trainer.backend
     seed_everything(args.seed + dist.rank)  # per-rank streams (dropout) differ
-    # micro_batch_size: auto searches from the largest size (see autobatch.py).
-    autobatch = auto_micro_batch(args, dist.rank, dist.world_size)
+    # micro_batch_size: auto searches from the largest size, up to PyMarlin's
+    # gpu_batch_size_limit if given (see autobatch.py).
+    autobatch = (AutoMicroBatch(args.train_batch_size, dist.world_size,
+                                args.gpu_batch_size_limit, dist.rank)
+                 if args.micro_batch_size == "auto" else None)
     size = args.micro_batch_size if autobatch is None else autobatch.size
     plan = BatchPlan.create(args.train_batch_size, size, dist.world_size, args.drop_last,
                             args.max_train_steps_per_epoch,

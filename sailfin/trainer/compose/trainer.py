@@ -150,7 +150,6 @@ class Trainer(Loop):
         self.setup()
         return super().validate()
 
-    # -- checkpoint state ------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Every stateful piece but the random streams (per rank: ``checkpoint.rng``)."""
         return trainer_state(self)
@@ -182,7 +181,7 @@ def finish_run(trainer: Trainer, write: bool = True) -> dict[str, Any]:
             int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None)},
         "micro_batch_size": trainer.plan.micro_batch,
     }
-    summary.update(finish_summary(trainer))  # stopped_early, tflops, mfu, ema
+    summary.update(finish_summary(trainer, summary["samples_per_second"]))  # tflops, ema...
     for callback in trainer.callbacks:  # e.g. privacy (dp)
         fields = getattr(callback, "summary_fields", None)
         if callable(fields):

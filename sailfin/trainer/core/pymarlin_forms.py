@@ -135,13 +135,10 @@ def _first_tensor(batch: Any) -> Optional[torch.Tensor]:
 def _positional_count(hook: Callable) -> Optional[int]:
     """How many positional arguments ``hook`` takes (None: any number, ``*args``)."""
     try:
-        params = inspect.signature(hook).parameters.values()
+        kinds = [p.kind for p in inspect.signature(hook).parameters.values()]
     except (TypeError, ValueError):
         return None
-    count = 0
-    for p in params:
-        if p.kind is p.VAR_POSITIONAL:
-            return None
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            count += 1
-    return count
+    if inspect.Parameter.VAR_POSITIONAL in kinds:
+        return None
+    return sum(k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+               for k in kinds)

@@ -155,7 +155,6 @@ class AutoMicroBatch(Callback):
         return {"micro_batch_size": self.size, "tried": list(self.sizes[:self.sizes.index(
             self.size) + 1]), "out_of_memory_steps": list(self.out_of_memory_steps)}
 
-    # -- checkpoint state ----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"size": self.size, "world_size": self.world_size,
                 "global_batch": self.global_batch,
@@ -164,19 +163,10 @@ class AutoMicroBatch(Callback):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._saved = dict(state)  # applied by start(), once the trainer knows its world
 
-    # -- helpers ----------------------------------------------------------------------
     def _next_size(self) -> int:
         """The next smaller size the plan allows; 0 when there is none."""
         i = self.sizes.index(self.size)
         return self.sizes[i + 1] if i + 1 < len(self.sizes) else 0
-
-
-def auto_micro_batch(args: Any, rank: int, world_size: int) -> Optional[AutoMicroBatch]:
-    """An :class:`AutoMicroBatch` when ``trainer.micro_batch_size`` is ``auto``, else None."""
-    if args.micro_batch_size != "auto":
-        return None
-    # PyMarlin's gpu_batch_size_limit, given with auto, is the search's ceiling.
-    return AutoMicroBatch(args.train_batch_size, world_size, args.gpu_batch_size_limit, rank)
 
 
 def _free_memory(device: torch.device) -> None:

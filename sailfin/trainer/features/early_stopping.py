@@ -85,7 +85,6 @@ class EarlyStopping(Callback):
             raise ConfigError(f"trainer.early_stopping.metric {key!r} is {value!r}, not a number")
         return float(value)
 
-    # -- carried in checkpoints ---------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "best_step": self.best_step,
                 "bad_validations": self.bad_validations}

@@ -6,7 +6,7 @@ the recipe gives ``flops_per_sample`` (needed under ``torch.compile``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -114,8 +114,7 @@ class FlopsMeter:
 
 
 def build_flops_meter(module: Any, args: Any, world_size: int, device: Any,
-                      precision: str, compiled: bool,
-                      say: Callable[[str], None] = say) -> FlopsMeter:
+                      precision: str, compiled: bool) -> FlopsMeter:
     """The meter ``trainer.count_flops`` and ``trainer.peak_tflops`` ask for."""
     given = getattr(module, "flops_per_sample", None)  # the recipe's: a number or a method
     if callable(given):

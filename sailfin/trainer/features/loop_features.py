@@ -87,13 +87,12 @@ def build_loop_features(module: Any, args: TrainerArguments, backend: Any,
     return LoopFeatures(ema, flops, callbacks, counting)
 
 
-def finish_summary(trainer: "RunView") -> dict[str, Any]:
-    """summary.json's fields for these features: why the run stopped early, FLOPs, EMA."""
+def finish_summary(trainer: "RunView", rate: Optional[float]) -> dict[str, Any]:
+    """summary.json's fields for these features (``rate``: samples/s): why the run stopped
+    early, FLOPs, EMA."""
     out: dict[str, Any] = {"stopped_early": trainer.stop_reason}
     meter = trainer.flops
     if meter.flops_per_sample is not None:
-        rate = (trainer.samples_seen / trainer.train_seconds
-                if trainer.train_seconds > 0 else None)
         out["flops_per_sample"] = meter.flops_per_sample
         out.update(meter.metrics(rate) if rate else {})
     if trainer.ema is not None:
