@@ -5,6 +5,7 @@ behind (summary.json, final/model.safetensors)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -25,7 +26,7 @@ from ..safety.startup_checks import (check_schedulers_fit, nothing_to_train, san
 from .setup import build_run, start_run, start_watchdog
 
 
-class Trainer(Loop):
+class Trainer(Loop, contextlib.AbstractContextManager):
     """Trains a :class:`ModuleInterface` as ``args`` says.
 
     Example::
@@ -119,9 +120,6 @@ class Trainer(Loop):
             # Raising here (in a finally) tells the partners' reports who stopped first.
             self.watchdog.stop(failed=sys.exc_info()[0] is not None)
             self.watchdog = None
-
-    def __enter__(self) -> "Trainer":
-        return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()

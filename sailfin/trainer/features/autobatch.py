@@ -35,10 +35,8 @@ class MicroBatchError(RuntimeError):
 
 
 class AutoMicroBatch(Callback):
-    """Finds and keeps the micro-batch size for ``trainer.micro_batch_size: auto``.
-
-    As a callback it wraps each step's micro-batches and changes the micro-batch
-    through ``trainer.replan``.
+    """Finds and keeps the micro-batch size for ``trainer.micro_batch_size: auto``, changing
+    it through ``trainer.replan``.
 
     Example::
 

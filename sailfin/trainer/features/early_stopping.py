@@ -44,8 +44,6 @@ class EarlyStopping(Callback):
     def on_validation_end(self, trainer: "RunView",
                           metrics: Mapping[str, Mapping[str, float]]) -> None:
         value = self._value(metrics)
-        if value is None:
-            return
         delta = self.args.min_delta
         # A non-finite value (a NaN loss) never improves.
         if math.isfinite(value) and (self.best is None or (
@@ -71,9 +69,7 @@ class EarlyStopping(Callback):
             say(f"{reason}; {'the resumed run had stopped' if resumed else 'stopping'} at "
                 f"step {trainer.global_step}", warning=True)
 
-    def _value(self, metrics: Mapping[str, Mapping[str, float]]) -> Optional[float]:
-        if not metrics:
-            return None
+    def _value(self, metrics: Mapping[str, Mapping[str, float]]) -> float:
         flat = flat_metrics(metrics)
         key = self.args.metric
         if key not in flat:

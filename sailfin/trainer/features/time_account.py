@@ -114,12 +114,10 @@ class TimeAccount(Callback):
             self.sampler.stop()
 
     def on_train_end(self, trainer: "RunView") -> None:
-        """After the final save: the segment ends, the totals go to summary.json, the end
-        line and the writers."""
+        """After the final save (and summary_fields): the segment ends, the totals go to
+        summary.json, the end line and the writers."""
         if self._segment is None:
             return
-        if self._loop_end is None:
-            self.summary_fields()
         self._segment["ended"] = "finished"
         self.write(trainer, durable=True)
         totals = self.totals()
@@ -213,9 +211,7 @@ def _settle_gap(prev: dict[str, Any], seg: dict[str, Any]) -> None:
     """Give the previous segment the time of the steps it trained after its account's last
     write, from its tail and then this segment's restart gap, at its step time (or this
     one's, when it wrote no step: killed before its first save)."""
-    steps = seg.get("unaccounted_steps")
-    if not steps:
-        return
+    steps = seg["unaccounted_steps"]
     step_seconds = _step_seconds(prev) or _step_seconds(seg)
     if not step_seconds and (steps["kept"] or steps["lost"]):
         return  # no step time yet: the next write settles it
@@ -286,8 +282,6 @@ class PhaseSampler:
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> None:
-        if self._thread is not None:
-            return
         # The thread holds the sampler weakly: a trainer that failed and was dropped
         # without stop() does not keep a thread alive.
         self._thread = threading.Thread(target=_sample, args=(weakref.ref(self), self._stop,
