@@ -101,7 +101,6 @@ def build_run(trainer: "Trainer") -> Run:
         "last_features": features.last_callbacks,
         "time_account": [account],
     })  # the observers follow, once the resume is done (start_run)
-    # The recipe's callbacks, called with what their signatures take (PyMarlin's too).
     end_train_step = train_step_end_caller(module)
     for snapshots in memory:  # a snapshot's write is waited for before its step's log
         end_train_step = snapshots.before_log(trainer, end_train_step)
@@ -156,10 +155,8 @@ def start_watchdog(trainer: "Trainer", in_setup: bool = False) -> None:
     is joined (``in_setup``); a single process's starts with the first step."""
     if trainer.watchdog is None and not (in_setup and trainer.dist.world_size == 1):
         args = trainer.args
-        # A hang ends this process (exit 75) or raises HangDetected in it:
-        # trainer.end_process_on_hang when set (the sailfin command sets True), else only
-        # in a worker torchrun started (it restarts the job); a notebook or test that
-        # trains in-process is never ended by the library.
+        # Only a worker torchrun started (which restarts the job) ends by default: a
+        # notebook or test that trains in-process is never ended by the library.
         chosen = trainer.end_process_on_hang
         end = bool(chosen) if chosen is not None else "TORCHELASTIC_RUN_ID" in os.environ
         trainer.watchdog = build_watchdog(

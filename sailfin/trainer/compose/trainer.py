@@ -173,8 +173,7 @@ def finish_run(trainer: Trainer, write: bool = True) -> dict[str, Any]:
         "nonfinite_steps": trainer.nonfinite.count,
         "val": next(iter(val.values())) if len(val) == 1 else val,
         "best": trainer.run_stats.best,
-        # Peak resident memory and, on CUDA, peak allocated tensor memory (bytes); None
-        # where the platform cannot tell.
+        # In bytes; None where the platform cannot tell.
         "peak_memory": {"cpu_rss_bytes": peak_rss_bytes(), "cuda_max_allocated_bytes": (
             int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None)},
         "micro_batch_size": trainer.plan.micro_batch,

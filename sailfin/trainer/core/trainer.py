@@ -49,9 +49,7 @@ class Loop(Run):
         self.dist = dist or DistEnv.from_config(self.args.distributed)
         self.backend = backend if backend is not None else build_backend(self.args, self.dist)
         self._writers = writers
-        # The hyper-parameters the writers log (sailfin train: the run's config); None:
-        # the trainer settings.
-        self.hparams = hparams
+        self.hparams = hparams  # what the writers log (None: the trainer settings)
         # The recipe's own components (configure_callbacks(), e.g. sailfin.hf's final/hf/
         # writer) follow the loop too.
         own = getattr(module, "configure_callbacks", None)

@@ -42,7 +42,6 @@ def run_validation(trainer: "Loop") -> dict[str, dict[str, float]]:
             trainer.heartbeat.phase = VALIDATION_GATHER  # done here: a slower rank is behind
             outputs = trainer.backend.gather_outputs(local)
             trainer.heartbeat.phase = VALIDATION
-            # The recipe's on_end_val_epoch, called with what its signature takes.
             metrics = trainer.end_val_epoch_hook(trainer.global_step, outputs, name) or {}
             results[name] = metrics = {k: scalar(v) for k, v in metrics.items()}
             if metrics:

@@ -140,7 +140,9 @@ class AutoMicroBatch(Callback):
                 f"runs out of memory (step {trainer.global_step + 1}); the model does not fit "
                 "this device: use a smaller model, activation_checkpointing, a *-amp "
                 "backend, or more memory")
-        _free_memory(trainer.device)
+        gc.collect()  # activations held by reference cycles (a traceback's frames)
+        if trainer.device.type == "cuda":
+            torch.cuda.empty_cache()
         self.size, self.clean_steps = new, 0
         trainer.replan(new)
         if trainer.dist.is_main:
@@ -165,9 +167,3 @@ class AutoMicroBatch(Callback):
         """The next smaller size the plan allows; 0 when there is none."""
         i = self.sizes.index(self.size)
         return self.sizes[i + 1] if i + 1 < len(self.sizes) else 0
-
-
-def _free_memory(device: torch.device) -> None:
-    gc.collect()  # activations held by reference cycles (a traceback's frames)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()

@@ -43,8 +43,15 @@ class EarlyStopping(Callback):
 
     def on_validation_end(self, trainer: "RunView",
                           metrics: Mapping[str, Mapping[str, float]]) -> None:
-        value = self._value(metrics)
-        delta = self.args.min_delta
+        flat, key = flat_metrics(metrics), self.args.metric
+        if key not in flat:
+            raise ConfigError(f"trainer.early_stopping.metric {key!r} is not among the "
+                              f"validation metrics{suggest(str(key), flat)}: "
+                              f"{', '.join(sorted(flat))}")
+        value = flat[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"trainer.early_stopping.metric {key!r} is {value!r}, not a number")
+        value, delta = float(value), self.args.min_delta
         # A non-finite value (a NaN loss) never improves.
         if math.isfinite(value) and (self.best is None or (
                 value < self.best - delta if self.args.mode == "min"
@@ -68,18 +75,6 @@ class EarlyStopping(Callback):
         if trainer.dist.is_main:
             say(f"{reason}; {'the resumed run had stopped' if resumed else 'stopping'} at "
                 f"step {trainer.global_step}", warning=True)
-
-    def _value(self, metrics: Mapping[str, Mapping[str, float]]) -> float:
-        flat = flat_metrics(metrics)
-        key = self.args.metric
-        if key not in flat:
-            raise ConfigError(f"trainer.early_stopping.metric {key!r} is not among the "
-                              f"validation metrics{suggest(str(key), flat)}: "
-                              f"{', '.join(sorted(flat))}")
-        value = flat[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"trainer.early_stopping.metric {key!r} is {value!r}, not a number")
-        return float(value)
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "best_step": self.best_step,

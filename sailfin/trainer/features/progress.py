@@ -214,10 +214,6 @@ class Progress(Writer, Callback):
     def _epoch_text(self, trainer: "RunView") -> str:
         return f"epoch {min(trainer.epoch + 1, self._epochs)}/{self._epochs}"
 
-    def _samples_seen(self) -> int:
-        trainer = self._trainer
-        return trainer.samples_seen if trainer is not None else self._start_samples
-
     def _average_rate(self, samples_seen: int, now: float) -> Optional[float]:
         """Samples per second of training time since the start (validation excluded,
         as in summary.json): the trainer's finished epochs plus this one so far."""
@@ -256,7 +252,7 @@ class Progress(Writer, Callback):
         bar = self._bar
         bar.ncols = width = terminal_width(bar.fp)
         meter = dict(bar.format_dict, ncols=None, bar_format=BAR_FORMAT.replace("{bar}", ""))
-        samples_seen, now = self._samples_seen(), time.perf_counter()
+        samples_seen, now = self._trainer.samples_seen, time.perf_counter()
         for keep in range(6, -1, -1):
             text = self._values_text(samples_seen, now, keep)
             meter["postfix"] = text

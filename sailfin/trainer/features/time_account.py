@@ -144,7 +144,7 @@ class TimeAccount(Callback):
         seg["last_seen"] = time.time()
         seg["step"] = trainer.global_step
         sec = seg["seconds"]
-        sec["checkpoint"], sec["snapshot"] = self._stalls["checkpoint"], self._stalls["snapshot"]
+        sec.update(self._stalls)  # checkpoint, snapshot
         sec["validation"] = max(0.0, trainer.validation_seconds - self._validation0)
         sec["oom_retries"] = max(0.0, _retry_seconds(trainer) - self._oom0)
         if self._loop_end is None:  # still training: the loop's time not spent otherwise
