@@ -123,10 +123,9 @@ class Preemption:
     def poll(self, global_step: int) -> bool:
         """True when every rank stops after ``global_step``; with several ranks, one small
         all-reduce, so every rank calls it at the same steps."""
-        if not self.distributed:
-            if self.signal_name is not None:
-                self._report(global_step)
-            return self.signal_name is not None
+        if not self.distributed:  # polled only once a signal came (check_at 0)
+            self._report(global_step)
+            return True
         self.check_at = global_step + self.check_every
         flag = torch.tensor(0.0 if self.signal_name is None else 1.0, device=self.device)
         if self.all_reduce_mean(flag).item() > 0:

@@ -15,10 +15,7 @@ from typing import IO, Any, Callable, Optional
 from ...utils.voice import say
 
 LOCK_NAME = ".sailfin.lock"
-
-
-# How long a busy lock is waited for before it counts as another run's.
-GRACE_SECONDS = 5.0
+GRACE_SECONDS = 5.0  # how long a busy lock is waited for before it is another run's
 
 
 class RunLockError(RuntimeError):

@@ -11,6 +11,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import itertools
 import random
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
@@ -124,9 +125,7 @@ def sanity_validate(trainer: "RunView") -> None:
                 where = (f"validation set {name!r}, sanity check before training; "
                          f"trainer.sanity_val_batches {count}")
                 outputs, sizes = [], []
-                for i, batch in enumerate(trainer.heartbeat.count(loader)):
-                    if i >= count:
-                        break
+                for batch in itertools.islice(trainer.heartbeat.count(loader), count):
                     sizes.append(batch_size(batch))
                     out = trainer.backend.val_step(module, trainer.global_step, batch)
                     if not isinstance(out, (Mapping, tuple, list)):  # see pymarlin_forms
