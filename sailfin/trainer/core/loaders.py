@@ -1,8 +1,7 @@
 """The recipe's data loaders, built with the samplers sailfin hands it (which decide which
 samples form each optimizer step and which share each rank sees) and checked. A loader
 over in-memory tensors is rebuilt to gather each micro-batch in one call
-(:mod:`sailfin.data.batched`), with bit-identical batches.
-"""
+(:mod:`sailfin.data.batched`), with bit-identical batches."""
 
 from __future__ import annotations
 

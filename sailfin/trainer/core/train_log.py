@@ -4,8 +4,7 @@ It is the loop's only host-device sync. With several ranks it also carries the
 straggler figures (docs/many-processes.md): each rank's own work per step before it can
 exchange gradients (its "ready time": data, forwards, backwards up to the step's last
 backward) travels in the all-gather that carries the loss; the ranks' wall-clock step
-times are all the same, as they wait for each other in the gradient all-reduce.
-"""
+times are all the same, as they wait for each other in the gradient all-reduce."""
 
 from __future__ import annotations
 
@@ -22,14 +21,7 @@ if TYPE_CHECKING:
 
 class TrainLog:
     """The clocks behind the train log line: samples/s since the last line and each
-    rank's "ready" time (its own work up to the step's last backward).
-
-    Example::
-
-        log = TrainLog()
-        log.restart(samples_seen=0)     # at the start of an epoch
-        log.write(trainer, step_loss, stats)
-    """
+    rank's "ready" time (its own work up to the step's last backward)."""
 
     def __init__(self) -> None:
         self.ready_seconds = 0.0  # this rank's own work since the last log line

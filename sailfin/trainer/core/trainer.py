@@ -1,8 +1,7 @@
 """The training loop: :class:`Loop` runs epochs and steps over the pieces the composition
 root (``trainer/compose/``) builds from the config; the backend supplies each step's
 pieces. It imports no feature: features follow it as callbacks and see it as a
-:class:`~sailfin.trainer.core.view.RunView`.
-"""
+:class:`~sailfin.trainer.core.view.RunView`."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ from .view import StopSignal
 class Loop(Run):
     """The epochs, the steps and validation of a run over its pieces (a :class:`Run`'s
     fields, which :meth:`attach` takes). Users construct :class:`sailfin.trainer.Trainer`,
-    which adds set-up, checks and outputs.
-    """
+    which adds set-up, checks and outputs."""
 
     # Set by Trainer.train before the first step: SIGTERM / first Ctrl-C.
     preemption: StopSignal

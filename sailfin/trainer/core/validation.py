@@ -65,8 +65,7 @@ def merge_outputs(batches: list[Any], sizes: list[int]) -> dict[str, Any]:
     and counts once per sample of its batch (``sizes[i]``, else the length of another
     output), so a column's mean is the exact per-sample mean. Lists are chained; any
     other value becomes a list with one entry per batch. A tuple return (PyMarlin's
-    form) becomes columns "0", "1", ... (see :mod:`.pymarlin_forms`).
-    """
+    form) becomes columns "0", "1", ... (see :mod:`.pymarlin_forms`)."""
     columns: dict[str, list[Any]] = {}
     for i, out in enumerate(batches):
         if isinstance(out, (tuple, list)):  # PyMarlin's tuple: columns "0", "1", ...

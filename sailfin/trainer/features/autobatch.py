@@ -6,8 +6,7 @@ A rank that runs out of memory must not leave its partners waiting in DDP's grad
 all-reduce: so for a size's first ``PROBE_STEPS`` steps a multi-rank run *probes*:
 gradients stay local, one small all-reduce agrees on the smallest size any rank
 proposes, then the gradients are averaged in one flat all-reduce. Peak memory comes in
-the second step (the first creates the optimizer's state), hence two.
-"""
+the second step (the first creates the optimizer's state), hence two."""
 
 from __future__ import annotations
 

@@ -19,13 +19,7 @@ class EarlyStopping(Callback):
     """Counts validations without improvement; at ``patience`` it asks the trainer to stop
     (the run then ends as at its last step; ``summary.json``'s ``stopped_early`` says
     why). The count and the best value travel in checkpoints: a resumed run goes on
-    counting, and one that had stopped stops again at once (raise ``patience``).
-
-    Example::
-
-        stopper = EarlyStopping(EarlyStoppingArguments(metric="loss", patience=3))
-        Trainer(module, args, callbacks=[stopper]).train()   # or trainer.early_stopping
-    """
+    counting, and one that had stopped stops again at once (raise ``patience``)."""
 
     state_key = "early_stopping"
 

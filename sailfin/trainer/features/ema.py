@@ -3,8 +3,7 @@
 After every ``every_n_steps``-th optimizer step, ``ema = decay * ema + (1 - decay) * w``,
 starting from the weights the run began with: one fused lerp
 (``sailfin.compat.torch.lerp_all_``) whatever the parameters are (plain, DDP's, equal on
-every rank, or fsdp shards, each rank averaging its own).
-"""
+every rank, or fsdp shards, each rank averaging its own)."""
 
 from __future__ import annotations
 

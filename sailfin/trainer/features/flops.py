@@ -1,8 +1,7 @@
 """Model FLOPs of a training step, achieved TFLOP/s and model FLOPs utilisation (MFU)
 (docs/validation-and-features.md): the first step's forwards and backwards are counted
 once under :class:`torch.utils.flop_counter.FlopCounterMode` (which only counts), unless
-the recipe gives ``flops_per_sample`` (needed under ``torch.compile``).
-"""
+the recipe gives ``flops_per_sample`` (needed under ``torch.compile``)."""
 
 from __future__ import annotations
 
@@ -61,14 +60,7 @@ def device_peak_tflops(device: Any, precision: str) -> Optional[float]:
 
 class FlopsMeter:
     """Counts the first step's FLOPs (unless the recipe gave them) and turns the
-    trainer's samples/s into ``tflops`` and ``mfu``.
-
-    Example::
-
-        meter = FlopsMeter(world_size=1, peak_tflops=312.0)
-        meter.start(); loss = model(x).sum(); loss.backward(); meter.stop(samples=len(x))
-        meter.metrics(samples_per_second=5000.0)   # {"tflops": ..., "mfu": ...}
-    """
+    trainer's samples/s into ``tflops`` and ``mfu``."""
 
     def __init__(self, world_size: int = 1, peak_tflops: Optional[float] = None,
                  flops_per_sample: Optional[float] = None, count: bool = True) -> None:
@@ -133,12 +125,7 @@ def build_flops_meter(module: Any, args: Any, world_size: int, device: Any,
 class FirstStepFlops(Callback):
     """``trainer.count_flops``: counts the FLOPs of the first step's forwards and
     backwards with ``meter``. A step run again (a smaller micro-batch after running out
-    of memory) is counted afresh; once a step is counted it leaves the loop.
-
-    Example::
-
-        Trainer(module, args, callbacks=[FirstStepFlops(FlopsMeter())]).train()
-    """
+    of memory) is counted afresh; once a step is counted it leaves the loop."""
 
     def __init__(self, meter: FlopsMeter) -> None:
         self.meter = meter

@@ -31,12 +31,7 @@ class StepValidation(Callback):
     """``trainer.val_every_n_steps``: calls ``trainer.validate()`` after steps N, 2N, ...
     (a function of the global step, so a resumed run validates where the uninterrupted
     one would have). The time spent validating is not training time: it leaves
-    ``train_seconds`` and the throughput of the next train log line.
-
-    Example::
-
-        Trainer(module, args, callbacks=[StepValidation(500)]).train()  # or val_every_n_steps
-    """
+    ``train_seconds`` and the throughput of the next train log line."""
 
     def __init__(self, every: int) -> None:
         if every < 1:

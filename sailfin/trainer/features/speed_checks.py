@@ -1,12 +1,7 @@
 """Is a speed setting paying on this machine? Measured once, said in the log:
 ``torch.compile`` against eager steps (:class:`CompileCheck`, docs/backends.md), and bf16
 autocast on a CPU that may emulate bf16, an order of magnitude slower than fp32 there
-(:class:`Bf16CpuCheck`: it warns only when a bf16 matmul measured slower).
-
-Example::
-
-    Trainer(module, args, callbacks=[CompileCheck()])   # added with trainer.compile on
-"""
+(:class:`Bf16CpuCheck`: it warns only when a bf16 matmul measured slower)."""
 
 from __future__ import annotations
 

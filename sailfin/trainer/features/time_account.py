@@ -1,8 +1,7 @@
 """The time account: where a run's wall time went, across every restart, and its goodput
 (the share that became kept training); the components are docs/goodput.md's. Rank 0
 keeps it at boundaries that exist already (start, each save, each epoch end, the end):
-nothing runs per step, and the data wait is sampled off the step (:class:`PhaseSampler`).
-"""
+nothing runs per step, and the data wait is sampled off the step (:class:`PhaseSampler`)."""
 
 from __future__ import annotations
 
@@ -263,16 +262,7 @@ def _retry_seconds(trainer: "RunView") -> float:
 class PhaseSampler:
     """How much of training waits for data, measured without touching the step: a thread
     reads the heartbeat's phase every ``interval`` seconds (a few microseconds of GIL);
-    the share of readings in the data phase, times the training time, is the data wait.
-
-    Example::
-
-        sampler = PhaseSampler(trainer.heartbeat)
-        sampler.start()
-        ...                                   # training
-        sampler.stop()
-        sampler.data_share()                  # 0.07: 7 % of the readings were data waits
-    """
+    the share of readings in the data phase, times the training time, is the data wait."""
 
     def __init__(self, heartbeat: Any, interval: float = 0.02) -> None:
         self.heartbeat, self.interval = heartbeat, interval

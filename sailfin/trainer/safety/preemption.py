@@ -2,8 +2,7 @@
 (docs/robustness.md). The handler only notes the signal; the loop finishes its optimizer
 step, every rank saves the same step and the run exits with :data:`PREEMPTED_EXIT_CODE`.
 Several ranks agree every ``trainer.preemption_check_every_n_steps`` steps with one
-all-reduce of one number; between those the loop pays one integer comparison per step.
-"""
+all-reduce of one number; between those the loop pays one integer comparison per step."""
 
 from __future__ import annotations
 

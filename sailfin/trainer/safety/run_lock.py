@@ -1,8 +1,7 @@
 """A run owns its output directory: rank 0 holds an OS file lock (``fcntl.flock`` on
 ``<output_dir>/.sailfin.lock``, naming its owner) for the run's life, so a second run
 into the directory stops at once. The kernel releases it when the process dies, however
-it dies; which file systems lock across nodes: docs/robustness.md.
-"""
+it dies; which file systems lock across nodes: docs/robustness.md."""
 
 from __future__ import annotations
 
@@ -23,16 +22,8 @@ class RunLockError(RuntimeError):
 
 
 class RunLock:
-    """The exclusive lock of one output directory.
-
-    Example::
-
-        lock = RunLock("outputs/run1").acquire()   # RunLockError if another run has it
-        try:
-            train()
-        finally:
-            lock.release()
-    """
+    """The exclusive lock of one output directory: ``acquire()`` (RunLockError if another
+    run has it), then ``release()``."""
 
     def __init__(self, output_dir: str) -> None:
         self.output_dir = output_dir

@@ -1,12 +1,6 @@
 """Checks that fail a run at its start rather than after an epoch: the schedulers' length,
 a few validation batches (drawing nothing from the training's random streams) and the
-first ``train_step``'s return.
-
-Example::
-
-    check_schedulers_fit(trainer)    # in Trainer.train, before the first step
-    sanity_validate(trainer)
-"""
+first ``train_step``'s return (all called by Trainer.train before the first step)."""
 
 from __future__ import annotations
 
