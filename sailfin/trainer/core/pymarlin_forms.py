@@ -2,14 +2,7 @@
 (docs/migrating-from-pymarlin.md): ``train_step``'s ``(loss, t1, t2, ...)``, whose
 extras go to ``on_end_train_step``; ``val_step``'s tuple, whose gathered columns go to
 ``on_end_val_epoch`` by position; a 0-d ``val_step`` tensor, a batch mean repeated once
-per sample; callbacks with shorter signatures (read once, when the loop is built).
-
-Example::
-
-    loss, stats = unpack(module.train_step(step, batch, device))
-    call = train_step_end_caller(module)   # None when the recipe does not override it
-    call(step, loss, stats)
-"""
+per sample; callbacks with shorter signatures (read once, when the loop is built)."""
 
 from __future__ import annotations
 

@@ -58,12 +58,7 @@ class CompileCheck(Callback):
 
     Steps ``(warmup, warmup + w]`` and ``(warmup + 2w, warmup + 3w]`` run compiled,
     ``(warmup + w, warmup + 2w]`` eagerly (global step numbers, so a resumed run
-    does the same).
-
-    Example::
-
-        Trainer(module, args, callbacks=[CompileCheck()])  # added by itself with compile on
-    """
+    does the same). The trainer adds it with ``trainer.compile`` on."""
 
     def __init__(self, warmup: Optional[int] = None, window: Optional[int] = None,
                  clock: Callable[[], float] = time.perf_counter,

@@ -29,14 +29,7 @@ _SNAPSHOT_WRITE = 1.0  # seconds between writes when snapshots come every step
 
 class TimeAccount(Callback):
     """Keeps ``<output_dir>/time_account.json`` and puts its totals in ``summary.json``.
-    The trainer builds one for every run, before the resume trims ``metrics.jsonl``.
-
-    Example::
-
-        account = TimeAccount("outputs/run", is_main=True)
-        Trainer(module, args, callbacks=[account])   # the trainer adds its own
-        account.totals()["goodput"]                  # 0.93
-    """
+    The trainer builds one for every run, before the resume trims ``metrics.jsonl``."""
 
     def __init__(self, output_dir: str, is_main: bool, continues: bool = True,
                  heartbeat: Any = None) -> None:
