@@ -18,7 +18,6 @@ from ...utils.memory import gc_spares_existing_objects, peak_rss_bytes
 from ...utils.voice import configure
 from ..checkpointing.state import load_trainer_state, trainer_state
 from ..core.trainer import Loop
-from ..features.loop_features import finish_summary
 from ..safety.preemption import Preemption
 from ..safety.run_lock import RunLock, take_run_lock
 from ..safety.startup_checks import (check_schedulers_fit, nothing_to_train, sanity_validate,
@@ -177,8 +176,15 @@ def finish_run(trainer: Trainer, write: bool = True) -> dict[str, Any]:
         "peak_memory": {"cpu_rss_bytes": peak_rss_bytes(), "cuda_max_allocated_bytes": (
             int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None)},
         "micro_batch_size": trainer.plan.micro_batch,
+        "stopped_early": trainer.stop_reason,
     }
-    summary.update(finish_summary(trainer, summary["samples_per_second"]))  # tflops, ema...
+    rate, meter = summary["samples_per_second"], trainer.flops
+    if meter.flops_per_sample is not None:
+        summary["flops_per_sample"] = meter.flops_per_sample
+        summary.update(meter.metrics(rate) if rate else {})  # tflops, mfu
+    if trainer.ema is not None:
+        summary["ema"] = {"decay": trainer.ema.decay, "updates": trainer.ema.updates,
+                          "validated_with_ema": trainer.args.ema.validate}
     for callback in trainer.callbacks:  # e.g. privacy (dp)
         fields = getattr(callback, "summary_fields", None)
         if callable(fields):

@@ -1,6 +1,6 @@
 """Builds the optional pieces of the loop from the config: EMA weights, validation
-every N steps, early stopping, the FLOPs meter (and their part of summary.json); then
-what watches the run: writers and the progress display (rank 0 only), the profiler."""
+every N steps, early stopping, the FLOPs meter; then what watches the run: writers and
+the progress display (rank 0 only), the profiler."""
 
 from __future__ import annotations
 
@@ -80,20 +80,6 @@ def build_loop_features(module: Any, args: TrainerArguments, backend: Any,
         callbacks.append(Bf16CpuCheck())
     counting = [FirstStepFlops(flops)] if flops.pending else []
     return LoopFeatures(ema, flops, callbacks, counting)
-
-
-def finish_summary(trainer: "RunView", rate: Optional[float]) -> dict[str, Any]:
-    """summary.json's fields for these features (``rate``: samples/s): why the run stopped
-    early, FLOPs, EMA."""
-    out: dict[str, Any] = {"stopped_early": trainer.stop_reason}
-    meter = trainer.flops
-    if meter.flops_per_sample is not None:
-        out["flops_per_sample"] = meter.flops_per_sample
-        out.update(meter.metrics(rate) if rate else {})
-    if trainer.ema is not None:
-        out["ema"] = {"decay": trainer.ema.decay, "updates": trainer.ema.updates,
-                      "validated_with_ema": trainer.args.ema.validate}
-    return out
 
 
 @dataclass
