@@ -45,8 +45,7 @@ class WeightAverage(Callback):
         named = list(module.named_parameters())
         self.names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        with torch.no_grad():
-            self.shadow = [p.detach().clone() for p in self._params]
+        self.shadow = [p.detach().clone() for p in self._params]
         # Integer parameters (rare) are not averaged: they stay as they started.
         floats = [i for i, p in enumerate(self._params) if p.is_floating_point()]
         self._lerp_shadow = [self.shadow[i] for i in floats]
@@ -84,8 +83,7 @@ class WeightAverage(Callback):
     def swapped_in(self, module: torch.nn.Module) -> Iterator[None]:
         """The averaged weights in ``module`` inside the block; the trained ones after,
         whatever happens inside. Costs one extra copy of the weights meanwhile."""
-        with torch.no_grad():
-            saved = [p.detach().clone() for p in self._params]
+        saved = [p.detach().clone() for p in self._params]
         _copy(self._params, self.shadow)
         try:
             yield
