@@ -1,6 +1,5 @@
-"""The trainer: the loop (core/), optional features (features/), run safety (safety/),
-the trainer's side of checkpoints (checkpointing/), and the composition root that
-builds a run from its config (compose/). Features see the run as a RunView."""
+"""The trainer: the loop (core/), features/, safety/, checkpointing/ and the composition
+root that builds a run from its config (compose/)."""
 
 from .compose.trainer import Trainer
 from .core.callbacks import Callback

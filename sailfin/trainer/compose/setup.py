@@ -12,16 +12,14 @@ from ...checkpoint import build_checkpointer
 from ...data.plan import BatchPlan
 from ...distributed.watchdog import DATA, build_watchdog
 from ...interfaces import ModuleInterface, RecipeError
-from ...logging.destination import check_directory
 from ...utils.seed import seed_everything
 from ...utils.voice import say
 from ..checkpointing.accepted import FreshHyperparameters, apply_accepted
 from ..checkpointing.memory_snapshots import memory_snapshot_callback
 from ..checkpointing.resume import resume
 from ..checkpointing.saver import checkpoint_callback, checkpoint_callbacks
-from ..features.autobatch import auto_micro_batch
-from ..features.loop_features import build_loop_features
-from ..features.loop_features import build_observers
+from ..features.autobatch import AutoMicroBatch
+from ..features.loop_features import build_loop_features, build_observers
 from ..features.run_stats import RunStats
 from ..features.time_account import TimeAccount
 from ..safety.nonfinite import NonFiniteGuard
@@ -63,8 +61,11 @@ def build_run(trainer: "Trainer") -> Run:
     :meth:`Trainer.setup`, which attaches them, then calls :func:`start_run`)."""
     args, dist, module, backend = trainer.args, trainer.dist, trainer.module, trainer.backend
     seed_everything(args.seed + dist.rank)  # per-rank streams (dropout) differ
-    # micro_batch_size: auto searches from the largest size (see autobatch.py).
-    autobatch = auto_micro_batch(args, dist.rank, dist.world_size)
+    # micro_batch_size: auto searches from the largest size, up to PyMarlin's
+    # gpu_batch_size_limit if given (see autobatch.py).
+    autobatch = (AutoMicroBatch(args.train_batch_size, dist.world_size,
+                                args.gpu_batch_size_limit, dist.rank)
+                 if args.micro_batch_size == "auto" else None)
     size = args.micro_batch_size if autobatch is None else autobatch.size
     plan = BatchPlan.create(args.train_batch_size, size, dist.world_size, args.drop_last,
                             args.max_train_steps_per_epoch,
@@ -82,15 +83,9 @@ def build_run(trainer: "Trainer") -> Run:
                           "([optimizer, ...], [scheduler, ...]) (the schedulers may be [])")
     # dp: clipping, noise and accounting around the optimizers (a no-op otherwise).
     backend.attach_optimizers(optimizers, train_sampler.num_samples, steps_per_epoch)
-    if dist.is_main:
-        # summary.json, weights, metrics and (by default) checkpoints go here:
-        # fail now, not after training.
-        check_directory(args.output_dir, "output",
-                        who="sailfin (summary.json, final weights, checkpoints)")
     checkpointer = build_checkpointer(args, dist, backend.barrier)
     saver = checkpoint_callback(checkpointer, args.checkpoint)
     run_stats = RunStats(args.checkpoint.best_metric, args.checkpoint.best_mode)
-    # EMA, step validation, early stopping: before the saver, which saves their state.
     features = build_loop_features(module, args, backend, dist)
     memory = memory_snapshot_callback(checkpointer, args, saver, module)
     # The time account reads how far a killed run logged before resuming trims metrics.jsonl.
@@ -106,7 +101,6 @@ def build_run(trainer: "Trainer") -> Run:
         "last_features": features.last_callbacks,
         "time_account": [account],
     })  # the observers follow, once the resume is done (start_run)
-    # The recipe's callbacks, called with what their signatures take (PyMarlin's too).
     end_train_step = train_step_end_caller(module)
     for snapshots in memory:  # a snapshot's write is waited for before its step's log
         end_train_step = snapshots.before_log(trainer, end_train_step)
@@ -122,7 +116,8 @@ def build_run(trainer: "Trainer") -> Run:
                                  getattr(train_sampler, "step_indices", None)),
         callbacks=callbacks, checkpointer=checkpointer, saver=saver, run_stats=run_stats,
         ema=features.ema, flops=features.flops, autobatch=autobatch, time_account=account,
-        end_backward_hook=overridden(module, "on_end_backward"),
+        end_backward_hook=(None if type(module).on_end_backward is ModuleInterface.on_end_backward
+                           else module.on_end_backward),
         end_train_step_hook=end_train_step,
         end_val_epoch_hook=val_epoch_end_caller(module),
         dataset_epoch_hook=dataset_set_epoch(train_loader))
@@ -133,13 +128,6 @@ def as_list(value: Any) -> list:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def overridden(module: ModuleInterface, name: str) -> Any:
-    """The module's callback if the recipe overrides it, else None (skip the call)."""
-    if getattr(type(module), name, None) is getattr(ModuleInterface, name):
-        return None
-    return getattr(module, name)
 
 
 def start_run(trainer: "Trainer") -> None:
@@ -153,7 +141,7 @@ def start_run(trainer: "Trainer") -> None:
     if trainer.autobatch is not None:
         trainer.autobatch.start(trainer)  # the checkpoint's size, or a search after a resize
     # Writers and progress (rank 0), profiler: destination errors surface here.
-    observers = build_observers(args, dist, trainer._writers, trainer._hparams,
+    observers = build_observers(args, dist, trainer._writers, trainer.hparams,
                                 trainer.callbacks)
     trainer.writers = observers.writers
     trainer.callbacks = [*trainer.callbacks, *observers.callbacks]  # CALLBACK_ORDER's last
@@ -163,17 +151,12 @@ def start_watchdog(trainer: "Trainer", in_setup: bool = False) -> None:
     """Start ``trainer.watchdog`` as ``trainer.distributed.hang_seconds`` asks (once).
 
     Set-up has collectives of its own (the model's broadcast, the resume's agreement,
-    the start-up checks' batches), and a rank stopped there leaves the others waiting as
-    surely as one stopped in a step: so the watchdog starts as the group is joined
-    (``in_setup``), in phase ``starting``. A single process has no partner to wait for
-    in set-up: its watchdog starts with the first step instead. Called again as training
-    begins, it publishes the rank's record at once."""
+    the start-up checks' batches): so with several ranks the watchdog starts as the group
+    is joined (``in_setup``); a single process's starts with the first step."""
     if trainer.watchdog is None and not (in_setup and trainer.dist.world_size == 1):
         args = trainer.args
-        # A hang ends this process (exit 75) or raises HangDetected in it:
-        # trainer.end_process_on_hang when set (the sailfin command sets True), else only
-        # in a worker torchrun started (it restarts the job); a notebook or test that
-        # trains in-process is never ended by the library.
+        # Only a worker torchrun started (which restarts the job) ends by default: a
+        # notebook or test that trains in-process is never ended by the library.
         chosen = trainer.end_process_on_hang
         end = bool(chosen) if chosen is not None else "TORCHELASTIC_RUN_ID" in os.environ
         trainer.watchdog = build_watchdog(

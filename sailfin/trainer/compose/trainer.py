@@ -5,6 +5,7 @@ behind (summary.json, final/model.safetensors)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -12,11 +13,11 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from ...checkpoint.storage import LocalStorage
 from ...utils.memory import gc_spares_existing_objects, peak_rss_bytes
 from ...utils.voice import configure
 from ..checkpointing.state import load_trainer_state, trainer_state
 from ..core.trainer import Loop
-from ..features.loop_features import finish_summary
 from ..safety.preemption import Preemption
 from ..safety.run_lock import RunLock, take_run_lock
 from ..safety.startup_checks import (check_schedulers_fit, nothing_to_train, sanity_validate,
@@ -24,7 +25,7 @@ from ..safety.startup_checks import (check_schedulers_fit, nothing_to_train, san
 from .setup import build_run, start_run, start_watchdog
 
 
-class Trainer(Loop):
+class Trainer(Loop, contextlib.AbstractContextManager):
     """Trains a :class:`ModuleInterface` as ``args`` says.
 
     Example::
@@ -119,9 +120,6 @@ class Trainer(Loop):
             self.watchdog.stop(failed=sys.exc_info()[0] is not None)
             self.watchdog = None
 
-    def __enter__(self) -> "Trainer":
-        return self
-
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
@@ -149,7 +147,6 @@ class Trainer(Loop):
         self.setup()
         return super().validate()
 
-    # -- checkpoint state ------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Every stateful piece but the random streams (per rank: ``checkpoint.rng``)."""
         return trainer_state(self)
@@ -163,6 +160,7 @@ def finish_run(trainer: Trainer, write: bool = True) -> dict[str, Any]:
     """The run's summary; the final weights (and EMA weights) and summary.json written
     (unless not ``write``: a run that trained nothing leaves the finished one's files).
     Every rank calls it: under fsdp, gathering each full tensor is a collective."""
+    val, device = trainer.last_val_metrics, trainer.device
     summary = {
         "global_step": trainer.global_step,
         "epoch": trainer.epoch,
@@ -172,12 +170,21 @@ def finish_run(trainer: Trainer, write: bool = True) -> dict[str, Any]:
                                if trainer.train_seconds > 0 else None),
         "world_size": trainer.dist.world_size,
         "nonfinite_steps": trainer.nonfinite.count,
-        "val": _flat_val(trainer.last_val_metrics),
+        "val": next(iter(val.values())) if len(val) == 1 else val,
         "best": trainer.run_stats.best,
-        "peak_memory": peak_memory(trainer.device),
+        # In bytes; None where the platform cannot tell.
+        "peak_memory": {"cpu_rss_bytes": peak_rss_bytes(), "cuda_max_allocated_bytes": (
+            int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None)},
         "micro_batch_size": trainer.plan.micro_batch,
+        "stopped_early": trainer.stop_reason,
     }
-    summary.update(finish_summary(trainer))  # stopped_early, tflops, mfu, ema
+    rate, meter = summary["samples_per_second"], trainer.flops
+    if meter.flops_per_sample is not None:
+        summary["flops_per_sample"] = meter.flops_per_sample
+        summary.update(meter.metrics(rate) if rate else {})  # tflops, mfu
+    if trainer.ema is not None:
+        summary["ema"] = {"decay": trainer.ema.decay, "updates": trainer.ema.updates,
+                          "validated_with_ema": trainer.args.ema.validate}
     for callback in trainer.callbacks:  # e.g. privacy (dp)
         fields = getattr(callback, "summary_fields", None)
         if callable(fields):
@@ -192,41 +199,13 @@ def finish_run(trainer: Trainer, write: bool = True) -> dict[str, Any]:
                                os.path.join(output_dir, "final", "model.safetensors"), is_main)
     if trainer.ema is not None:  # final/ema.safetensors, the same names
         trainer.ema.save_final(trainer.module, output_dir, backend.save_final_weights, is_main)
-    if is_main:
-        write_json_atomic(os.path.join(output_dir, "summary.json"), summary)
+    if is_main:  # a temporary file renamed: a reader never sees half a file
+        LocalStorage().write_bytes(os.path.join(output_dir, "summary.json"), (json.dumps(
+            summary, indent=2, default=_jsonable) + "\n").encode("utf-8"))
     return summary
-
-
-def _flat_val(results: dict[str, dict[str, float]]) -> dict[str, Any]:
-    if len(results) == 1:
-        return next(iter(results.values()))
-    return results
-
-
-def write_json_atomic(path: str, data: Any) -> None:
-    """Write JSON to a temporary file and rename it: a reader never sees half a file."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2, default=_jsonable)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
     return str(value)
-
-
-def peak_memory(device: Any = None) -> dict[str, Optional[int]]:
-    """Peak resident memory of this process and, on CUDA, peak allocated tensor memory.
-
-    Both in bytes; ``None`` where the platform cannot tell (Windows; no CUDA device).
-    """
-    rss = peak_rss_bytes()
-    cuda: Optional[int] = None
-    if device is not None and getattr(device, "type", None) == "cuda":
-        cuda = int(torch.cuda.max_memory_allocated(device))
-    return {"cpu_rss_bytes": rss, "cuda_max_allocated_bytes": cuda}

@@ -1,2 +1,1 @@
-"""The core loop (Loop), its loaders, validation, the train log line, callbacks (the hook
-interface) and RunView (what a feature may read and call). It imports no feature."""
+"""The core loop and what features see of it (RunView); it imports no feature."""

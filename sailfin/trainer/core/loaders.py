@@ -1,9 +1,7 @@
-"""The recipe's data loaders, built around sailfin's samplers and checked: the recipe
-builds them (``get_train_dataloader(sampler, batch_size)``, ``get_val_dataloaders``) with
-the samplers sailfin hands it, which decide which samples form each optimizer step and
-which share each rank sees. A loader over in-memory tensors is rebuilt to gather each
-micro-batch in one call (:mod:`sailfin.data.batched`), with bit-identical batches.
-"""
+"""The recipe's data loaders, built with the samplers sailfin hands it (which decide which
+samples form each optimizer step and which share each rank sees) and checked. A loader
+over in-memory tensors is rebuilt to gather each micro-batch in one call
+(:mod:`sailfin.data.batched`), with bit-identical batches."""
 
 from __future__ import annotations
 

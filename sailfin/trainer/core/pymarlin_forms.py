@@ -1,22 +1,8 @@
-"""PyMarlin's forms of a recipe's returns and callbacks, accepted and made exact.
-
-- ``train_step`` may return ``(loss, {name: scalar})`` (stats, logged) or PyMarlin's
-  ``(loss, t1, t2, ...)``: the extras of the step's last micro-batch go to
-  ``on_end_train_step(global_step, loss, t1, t2, ...)``.
-- ``val_step`` may return a dict or PyMarlin's tuple, whose gathered columns go to
-  ``on_end_val_epoch(global_step, *columns, key=name)`` by position, as PyMarlin passed
-  them (into ``*inputs`` or named parameters).
-- A 0-d tensor from ``val_step`` is that batch's mean: repeated once per sample, so a
-  column's mean is the exact per-sample mean whatever the batch sizes and world size.
-- Callbacks with PyMarlin's shorter signatures get the arguments they take (the
-  signature is read once, when the loop is built).
-
-Example::
-
-    loss, stats = unpack(module.train_step(step, batch, device))
-    call = train_step_end_caller(module)   # None when the recipe does not override it
-    call(step, loss, stats)
-"""
+"""PyMarlin's forms of a recipe's returns and callbacks, accepted and made exact
+(docs/migrating-from-pymarlin.md): ``train_step``'s ``(loss, t1, t2, ...)``, whose
+extras go to ``on_end_train_step``; ``val_step``'s tuple, whose gathered columns go to
+``on_end_val_epoch`` by position; a 0-d ``val_step`` tensor, a batch mean repeated once
+per sample; callbacks with shorter signatures (read once, when the loop is built)."""
 
 from __future__ import annotations
 
@@ -142,13 +128,10 @@ def _first_tensor(batch: Any) -> Optional[torch.Tensor]:
 def _positional_count(hook: Callable) -> Optional[int]:
     """How many positional arguments ``hook`` takes (None: any number, ``*args``)."""
     try:
-        params = inspect.signature(hook).parameters.values()
+        kinds = [p.kind for p in inspect.signature(hook).parameters.values()]
     except (TypeError, ValueError):
         return None
-    count = 0
-    for p in params:
-        if p.kind is p.VAR_POSITIONAL:
-            return None
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
-            count += 1
-    return count
+    if inspect.Parameter.VAR_POSITIONAL in kinds:
+        return None
+    return sum(k in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+               for k in kinds)

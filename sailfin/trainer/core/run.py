@@ -1,8 +1,7 @@
 """The pieces a run is made of, each a typed field: what ``build_run``
 (``compose/setup.py``) builds from the config and :meth:`Loop.attach
 <sailfin.trainer.core.trainer.Loop.attach>` takes. The loop holds them as its own
-attributes (a step reads ``self.plan``), so ``replan`` and the resume change the loop's.
-"""
+attributes (a step reads ``self.plan``), so ``replan`` and the resume change the loop's."""
 
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
 """The train log line every ``log_every_n_steps``: loss, lr, throughput, the recipe's stats.
 
 It is the loop's only host-device sync. With several ranks it also carries the
-straggler figures: the slowest and the median rank's step time. Ranks wait for each
-other in the gradient all-reduce, so their wall-clock step times are all the same;
-what differs is each rank's own work before it can exchange gradients (loading its
-data, its forwards and backwards up to the step's last backward; on CUDA, the host's
-part of them). The loop adds that "ready time" up per step; at a log line each rank's
-mean per step travels in the all-gather that also carries the loss, and rank 0 logs
-``step_time_median``, ``step_time_slowest`` and ``slowest_rank``. A slow disk, a
-throttled device or a busy host shows there before it hangs anything.
-"""
+straggler figures (docs/many-processes.md): each rank's own work per step before it can
+exchange gradients (its "ready time": data, forwards, backwards up to the step's last
+backward) travels in the all-gather that carries the loss; the ranks' wall-clock step
+times are all the same, as they wait for each other in the gradient all-reduce."""
 
 from __future__ import annotations
 
@@ -26,14 +21,7 @@ if TYPE_CHECKING:
 
 class TrainLog:
     """The clocks behind the train log line: samples/s since the last line and each
-    rank's "ready" time (its own work up to the step's last backward).
-
-    Example::
-
-        log = TrainLog()
-        log.restart(samples_seen=0)     # at the start of an epoch
-        log.write(trainer, step_loss, stats)
-    """
+    rank's "ready" time (its own work up to the step's last backward)."""
 
     def __init__(self) -> None:
         self.ready_seconds = 0.0  # this rank's own work since the last log line

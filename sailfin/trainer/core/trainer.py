@@ -1,10 +1,7 @@
-"""The training loop. It owns the loop; the backend supplies each step's pieces.
-
-:class:`Loop` runs epochs and steps over the pieces the composition root
-(:class:`sailfin.trainer.Trainer`, ``trainer/compose/``) builds from the config. It
-imports no feature: features follow it as callbacks and see it as a
-:class:`~sailfin.trainer.core.view.RunView`.
-"""
+"""The training loop: :class:`Loop` runs epochs and steps over the pieces the composition
+root (``trainer/compose/``) builds from the config; the backend supplies each step's
+pieces. It imports no feature: features follow it as callbacks and see it as a
+:class:`~sailfin.trainer.core.view.RunView`."""
 
 from __future__ import annotations
 
@@ -33,12 +30,10 @@ from .view import StopSignal
 
 
 class Loop(Run):
-    """The epochs, the steps and validation of a run: the run's pieces (a :class:`Run`'s
-    fields, which :meth:`attach` takes), its counters and the loop over them. Users
-    construct :class:`sailfin.trainer.Trainer`, which adds set-up, checks and outputs.
-    """
+    """The epochs, the steps and validation of a run over its pieces (a :class:`Run`'s
+    fields, which :meth:`attach` takes). Users construct :class:`sailfin.trainer.Trainer`,
+    which adds set-up, checks and outputs."""
 
-    # The pieces (Run's fields, core/run.py) come from the composition root: attach().
     # Set by Trainer.train before the first step: SIGTERM / first Ctrl-C.
     preemption: StopSignal
 
@@ -52,7 +47,7 @@ class Loop(Run):
         self.dist = dist or DistEnv.from_config(self.args.distributed)
         self.backend = backend if backend is not None else build_backend(self.args, self.dist)
         self._writers = writers
-        self._hparams = hparams  # logged by the writers; default: the trainer settings
+        self.hparams = hparams  # what the writers log (None: the trainer settings)
         # The recipe's own components (configure_callbacks(), e.g. sailfin.hf's final/hf/
         # writer) follow the loop too.
         own = getattr(module, "configure_callbacks", None)
@@ -78,12 +73,6 @@ class Loop(Run):
         """Run with ``run``'s pieces: each of its fields becomes the loop's attribute."""
         for piece in fields(Run):
             setattr(self, piece.name, getattr(run, piece.name))
-
-    @property
-    def hparams(self) -> Optional[Mapping[str, Any]]:
-        """The hyper-parameters the writers log (``sailfin train``: the run's config);
-        None: the trainer settings."""
-        return self._hparams
 
     # -- the epochs ---------------------------------------------------------------
     def _run_epochs(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 
@@ -42,14 +42,11 @@ def run_validation(trainer: "Loop") -> dict[str, dict[str, float]]:
             trainer.heartbeat.phase = VALIDATION_GATHER  # done here: a slower rank is behind
             outputs = trainer.backend.gather_outputs(local)
             trainer.heartbeat.phase = VALIDATION
-            # The recipe's on_end_val_epoch, called with what its signature takes.
             metrics = trainer.end_val_epoch_hook(trainer.global_step, outputs, name) or {}
-            metrics = {k: scalar(v) for k, v in metrics.items()}
-            results[name] = metrics
+            results[name] = metrics = {k: scalar(v) for k, v in metrics.items()}
             if metrics:
-                event = dict(metrics)
-                if len(trainer.val_loaders) > 1:
-                    event = {"dataset": name, **event}
+                event = ({"dataset": name, **metrics} if len(trainer.val_loaders) > 1
+                         else dict(metrics))
                 trainer.writers.log_metrics(event, trainer.global_step, trainer.epoch, "val")
     module.train(was_training)
     return results
@@ -61,18 +58,14 @@ def due_after_epoch(args: TrainerArguments, epoch: int) -> bool:
     return bool(every) and ((epoch + 1) % every == 0 or epoch + 1 == args.epochs)
 
 
-def merge_outputs(batches: list[Any], sizes: Optional[list[int]] = None) -> dict[str, Any]:
+def merge_outputs(batches: list[Any], sizes: list[int]) -> dict[str, Any]:
     """Merge per-batch ``val_step`` dicts into one dict, concatenating once per key.
 
     Tensors are concatenated on their first dimension; a 0-d tensor is the batch's mean
     and counts once per sample of its batch (``sizes[i]``, else the length of another
     output), so a column's mean is the exact per-sample mean. Lists are chained; any
     other value becomes a list with one entry per batch. A tuple return (PyMarlin's
-    form) becomes columns "0", "1", ... (see :mod:`.pymarlin_forms`).
-    """
-    if not batches:
-        return {}
-    keys = None
+    form) becomes columns "0", "1", ... (see :mod:`.pymarlin_forms`)."""
     columns: dict[str, list[Any]] = {}
     for i, out in enumerate(batches):
         if isinstance(out, (tuple, list)):  # PyMarlin's tuple: columns "0", "1", ...
@@ -82,16 +75,15 @@ def merge_outputs(batches: list[Any], sizes: Optional[list[int]] = None) -> dict
                             f"batch {i} returned {type(out).__name__}")
         zero_d = [k for k, v in out.items() if isinstance(v, torch.Tensor) and v.dim() == 0]
         if zero_d:  # a batch mean: one entry per sample of its batch (an exact mean)
-            count = sizes[i] if sizes is not None and i < len(sizes) else batch_size(None, out)
+            count = sizes[i] if i < len(sizes) else batch_size(None, out)
             out = {k: v.reshape(1).expand(count) if k in zero_d else v for k, v in out.items()}
-        if keys is None:
-            keys = list(out)
-            columns = {k: [] for k in keys}
-        elif set(out) != set(keys):
+        if not i:
+            columns = {k: [] for k in out}
+        elif set(out) != set(columns):
             raise ValueError(f"val_step returned keys {sorted(out)} for batch {i} but "
-                             f"{sorted(keys)} before; return the same keys every batch")
-        for k in keys:
-            columns[k].append(out[k])
+                             f"{sorted(columns)} before; return the same keys every batch")
+        for k, column in columns.items():
+            column.append(out[k])
     return {k: _concat(v) for k, v in columns.items()}
 
 

@@ -1,8 +1,7 @@
 """What a feature may read and call on the run: the door between the loop and the
-modules in ``trainer/features``, ``trainer/checkpointing`` and ``trainer/safety``.
-Every hook receives the run as a :class:`RunView`; a feature that needs more adds it
-here, with a line saying what it is (``tests/test_architecture.py`` checks the rooms
-reach nothing else, and that ``docs/architecture.md`` lists the same names).
+modules in ``trainer/features``, ``trainer/checkpointing`` and ``trainer/safety``; a
+feature that needs more adds it here, with a line saying what it is (and to
+docs/architecture.md: ``tests/test_architecture.py`` checks both).
 
 Example::
 

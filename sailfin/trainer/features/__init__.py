@@ -1,2 +1,1 @@
-"""Optional features that plug into the loop as callbacks: validation every N steps, EMA,
-early stopping, FLOPs, auto micro-batch, compile check, profiler, progress and statistics."""
+"""Optional features that plug into the loop as callbacks (docs/architecture.md)."""

@@ -1,22 +1,12 @@
-"""``micro_batch_size: auto``: the largest micro-batch that fits, the global batch untouched.
-
-The search walks down :meth:`BatchPlan.micro_batch_sizes` from the largest size the
-plan allows. When a step's micro-batches raise ``torch.OutOfMemoryError``, the step's
-gradients are dropped, memory is freed, the plan and loaders are rebuilt with the next
-size, and the step runs again from its first micro-batch: the sampler is positioned at
-the step, and the optimizer and schedule have not moved yet.
+"""``micro_batch_size: auto``: the largest micro-batch that fits, the global batch untouched
+(docs/batch-plan.md). A step that runs out of memory runs again from its first
+micro-batch at the next smaller size: the optimizer and schedule have not moved yet.
 
 A rank that runs out of memory must not leave its partners waiting in DDP's gradient
-all-reduce. So for a size's first ``PROBE_STEPS`` steps (after a start, a resume, a
-resize or a size change) a multi-rank run *probes*: gradients stay local
-(``backend.local_gradients``), one small all-reduce agrees on the smallest size any
-rank proposes, and if every rank got through the gradients are averaged in one flat
-all-reduce (``backend.reduce_gradients``). Peak memory comes in the second step (the
-first creates the optimizer's state), hence two. After them a step costs a ``try``
-block; a rank that runs out of memory later (longer sequences) stops with an error
-naming the size to set. On one process any step may retry. The size is kept in
-checkpoints: a resume on the same world size starts from it; a resize searches again.
-"""
+all-reduce: so for a size's first ``PROBE_STEPS`` steps a multi-rank run *probes*:
+gradients stay local, one small all-reduce agrees on the smallest size any rank
+proposes, then the gradients are averaged in one flat all-reduce. Peak memory comes in
+the second step (the first creates the optimizer's state), hence two."""
 
 from __future__ import annotations
 
@@ -44,10 +34,8 @@ class MicroBatchError(RuntimeError):
 
 
 class AutoMicroBatch(Callback):
-    """Finds and keeps the micro-batch size for ``trainer.micro_batch_size: auto``.
-
-    As a callback it wraps each step's micro-batches and changes the micro-batch
-    through ``trainer.replan``.
+    """Finds and keeps the micro-batch size for ``trainer.micro_batch_size: auto``, changing
+    it through ``trainer.replan``.
 
     Example::
 
@@ -151,7 +139,9 @@ class AutoMicroBatch(Callback):
                 f"runs out of memory (step {trainer.global_step + 1}); the model does not fit "
                 "this device: use a smaller model, activation_checkpointing, a *-amp "
                 "backend, or more memory")
-        _free_memory(trainer.device)
+        gc.collect()  # activations held by reference cycles (a traceback's frames)
+        if trainer.device.type == "cuda":
+            torch.cuda.empty_cache()
         self.size, self.clean_steps = new, 0
         trainer.replan(new)
         if trainer.dist.is_main:
@@ -164,7 +154,6 @@ class AutoMicroBatch(Callback):
         return {"micro_batch_size": self.size, "tried": list(self.sizes[:self.sizes.index(
             self.size) + 1]), "out_of_memory_steps": list(self.out_of_memory_steps)}
 
-    # -- checkpoint state ----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"size": self.size, "world_size": self.world_size,
                 "global_batch": self.global_batch,
@@ -173,22 +162,7 @@ class AutoMicroBatch(Callback):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._saved = dict(state)  # applied by start(), once the trainer knows its world
 
-    # -- helpers ----------------------------------------------------------------------
     def _next_size(self) -> int:
         """The next smaller size the plan allows; 0 when there is none."""
         i = self.sizes.index(self.size)
         return self.sizes[i + 1] if i + 1 < len(self.sizes) else 0
-
-
-def auto_micro_batch(args: Any, rank: int, world_size: int) -> Optional[AutoMicroBatch]:
-    """An :class:`AutoMicroBatch` when ``trainer.micro_batch_size`` is ``auto``, else None."""
-    if args.micro_batch_size != "auto":
-        return None
-    # PyMarlin's gpu_batch_size_limit, given with auto, is the search's ceiling.
-    return AutoMicroBatch(args.train_batch_size, world_size, args.gpu_batch_size_limit, rank)
-
-
-def _free_memory(device: torch.device) -> None:
-    gc.collect()  # activations held by reference cycles (a traceback's frames)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()

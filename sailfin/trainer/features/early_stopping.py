@@ -19,13 +19,7 @@ class EarlyStopping(Callback):
     """Counts validations without improvement; at ``patience`` it asks the trainer to stop
     (the run then ends as at its last step; ``summary.json``'s ``stopped_early`` says
     why). The count and the best value travel in checkpoints: a resumed run goes on
-    counting, and one that had stopped stops again at once (raise ``patience``).
-
-    Example::
-
-        stopper = EarlyStopping(EarlyStoppingArguments(metric="loss", patience=3))
-        Trainer(module, args, callbacks=[stopper]).train()   # or trainer.early_stopping
-    """
+    counting, and one that had stopped stops again at once (raise ``patience``)."""
 
     state_key = "early_stopping"
 
@@ -43,10 +37,15 @@ class EarlyStopping(Callback):
 
     def on_validation_end(self, trainer: "RunView",
                           metrics: Mapping[str, Mapping[str, float]]) -> None:
-        value = self._value(metrics)
-        if value is None:
-            return
-        delta = self.args.min_delta
+        flat, key = flat_metrics(metrics), self.args.metric
+        if key not in flat:
+            raise ConfigError(f"trainer.early_stopping.metric {key!r} is not among the "
+                              f"validation metrics{suggest(str(key), flat)}: "
+                              f"{', '.join(sorted(flat))}")
+        value = flat[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"trainer.early_stopping.metric {key!r} is {value!r}, not a number")
+        value, delta = float(value), self.args.min_delta
         # A non-finite value (a NaN loss) never improves.
         if math.isfinite(value) and (self.best is None or (
                 value < self.best - delta if self.args.mode == "min"
@@ -71,21 +70,6 @@ class EarlyStopping(Callback):
             say(f"{reason}; {'the resumed run had stopped' if resumed else 'stopping'} at "
                 f"step {trainer.global_step}", warning=True)
 
-    def _value(self, metrics: Mapping[str, Mapping[str, float]]) -> Optional[float]:
-        if not metrics:
-            return None
-        flat = flat_metrics(metrics)
-        key = self.args.metric
-        if key not in flat:
-            raise ConfigError(f"trainer.early_stopping.metric {key!r} is not among the "
-                              f"validation metrics{suggest(str(key), flat)}: "
-                              f"{', '.join(sorted(flat))}")
-        value = flat[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"trainer.early_stopping.metric {key!r} is {value!r}, not a number")
-        return float(value)
-
-    # -- carried in checkpoints ---------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "best_step": self.best_step,
                 "bad_validations": self.bad_validations}

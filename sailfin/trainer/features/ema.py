@@ -3,8 +3,7 @@
 After every ``every_n_steps``-th optimizer step, ``ema = decay * ema + (1 - decay) * w``,
 starting from the weights the run began with: one fused lerp
 (``sailfin.compat.torch.lerp_all_``) whatever the parameters are (plain, DDP's, equal on
-every rank, or fsdp shards, each rank averaging its own).
-"""
+every rank, or fsdp shards, each rank averaging its own)."""
 
 from __future__ import annotations
 
@@ -43,11 +42,10 @@ class WeightAverage(Callback):
         self.args = args
         self.decay = float(args.decay)
         self.every = args.every_n_steps
-        named = [(n, p) for n, p in module.named_parameters()]
+        named = list(module.named_parameters())
         self.names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        with torch.no_grad():
-            self.shadow = [p.detach().clone() for p in self._params]
+        self.shadow = [p.detach().clone() for p in self._params]
         # Integer parameters (rare) are not averaged: they stay as they started.
         floats = [i for i, p in enumerate(self._params) if p.is_floating_point()]
         self._lerp_shadow = [self.shadow[i] for i in floats]
@@ -85,8 +83,7 @@ class WeightAverage(Callback):
     def swapped_in(self, module: torch.nn.Module) -> Iterator[None]:
         """The averaged weights in ``module`` inside the block; the trained ones after,
         whatever happens inside. Costs one extra copy of the weights meanwhile."""
-        with torch.no_grad():
-            saved = [p.detach().clone() for p in self._params]
+        saved = [p.detach().clone() for p in self._params]
         _copy(self._params, self.shadow)
         try:
             yield
@@ -97,9 +94,8 @@ class WeightAverage(Callback):
                    save: Callable[[torch.nn.Module, str, bool], Optional[str]],
                    write: bool) -> Optional[str]:
         """``<output_dir>/final/ema.safetensors``: the averaged weights under the names of
-        ``final/model.safetensors`` (buffers, e.g. batch-norm statistics, are the model's).
-        Every rank calls it with the backend's ``save_final_weights`` as ``save`` (under
-        fsdp a collective: each averaged tensor gathered in turn); the rank with ``write``
+        ``final/model.safetensors`` (buffers are the model's), saved by every rank with the
+        backend's ``save_final_weights`` (under fsdp a collective); ``write``: this rank
         writes the file."""
         with self.swapped_in(module):  # the live (swapped-in) tensors are saved
             return save(module, os.path.join(output_dir, "final", "ema.safetensors"), write)

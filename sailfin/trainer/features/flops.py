@@ -1,17 +1,11 @@
-"""Model FLOPs of a training step, achieved TFLOP/s and model FLOPs utilisation (MFU).
-
-The FLOPs of one training step (forward and backward) are counted once, on the first
-step this process runs, under :class:`torch.utils.flop_counter.FlopCounterMode` (it only
-counts: the result is unchanged), unless the recipe gives ``flops_per_sample`` (an
-attribute or method: forward + backward FLOPs of one sample, e.g. ``6 * n_params *
-tokens``; needed under ``torch.compile``). Each train log line then carries ``tflops``
-per device and ``mfu``: that over the device's dense peak (``trainer.peak_tflops`` or
-:data:`PEAK_TFLOPS`). The counter counts what runs, recomputed forwards included.
-"""
+"""Model FLOPs of a training step, achieved TFLOP/s and model FLOPs utilisation (MFU)
+(docs/validation-and-features.md): the first step's forwards and backwards are counted
+once under :class:`torch.utils.flop_counter.FlopCounterMode` (which only counts), unless
+the recipe gives ``flops_per_sample`` (needed under ``torch.compile``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -49,9 +43,8 @@ PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
 
 
 def device_peak_tflops(device: Any, precision: str) -> Optional[float]:
-    """The table's dense peak for ``device`` (a CUDA device) at ``precision``
-    (``bf16``, ``fp16``, ``fp32``: TF32 if PyTorch lets fp32 matmuls use it); None
-    when the device or the precision is not in the table."""
+    """The table's dense peak for ``device`` at ``precision`` (``fp32``: TF32 if PyTorch
+    lets fp32 matmuls use it); None when the device or the precision is not in it."""
     if getattr(device, "type", None) != "cuda" or not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name(device)
@@ -67,14 +60,7 @@ def device_peak_tflops(device: Any, precision: str) -> Optional[float]:
 
 class FlopsMeter:
     """Counts the first step's FLOPs (unless the recipe gave them) and turns the
-    trainer's samples/s into ``tflops`` and ``mfu``.
-
-    Example::
-
-        meter = FlopsMeter(world_size=1, peak_tflops=312.0)
-        meter.start(); loss = model(x).sum(); loss.backward(); meter.stop(samples=len(x))
-        meter.metrics(samples_per_second=5000.0)   # {"tflops": ..., "mfu": ...}
-    """
+    trainer's samples/s into ``tflops`` and ``mfu``."""
 
     def __init__(self, world_size: int = 1, peak_tflops: Optional[float] = None,
                  flops_per_sample: Optional[float] = None, count: bool = True) -> None:
@@ -85,7 +71,6 @@ class FlopsMeter:
         self._mode: Any = None
 
     def start(self) -> None:
-        """Begin counting (the step's forwards and backwards follow)."""
         from torch.utils.flop_counter import FlopCounterMode
 
         self._mode = FlopCounterMode(display=False)
@@ -121,8 +106,7 @@ class FlopsMeter:
 
 
 def build_flops_meter(module: Any, args: Any, world_size: int, device: Any,
-                      precision: str, compiled: bool,
-                      say: Callable[[str], None] = say) -> FlopsMeter:
+                      precision: str, compiled: bool) -> FlopsMeter:
     """The meter ``trainer.count_flops`` and ``trainer.peak_tflops`` ask for."""
     given = getattr(module, "flops_per_sample", None)  # the recipe's: a number or a method
     if callable(given):
@@ -141,12 +125,7 @@ def build_flops_meter(module: Any, args: Any, world_size: int, device: Any,
 class FirstStepFlops(Callback):
     """``trainer.count_flops``: counts the FLOPs of the first step's forwards and
     backwards with ``meter``. A step run again (a smaller micro-batch after running out
-    of memory) is counted afresh; once a step is counted it leaves the loop.
-
-    Example::
-
-        Trainer(module, args, callbacks=[FirstStepFlops(FlopsMeter())]).train()
-    """
+    of memory) is counted afresh; once a step is counted it leaves the loop."""
 
     def __init__(self, meter: FlopsMeter) -> None:
         self.meter = meter

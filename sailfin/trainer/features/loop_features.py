@@ -1,6 +1,6 @@
 """Builds the optional pieces of the loop from the config: EMA weights, validation
-every N steps, early stopping, the FLOPs meter (and their part of summary.json); then
-what watches the run: writers and the progress display (rank 0 only), the profiler."""
+every N steps, early stopping, the FLOPs meter; then what watches the run: writers and
+the progress display (rank 0 only), the profiler."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from .flops import FirstStepFlops, FlopsMeter, build_flops_meter
 from .privacy import PrivacyCallback
 from .profiler import StepProfiler
 from .progress import Progress
-from .speed_checks import CompileCheck, bf16_cpu_check
+from .speed_checks import Bf16CpuCheck, CompileCheck
 
 if TYPE_CHECKING:
     from ..core.view import RunView
@@ -31,12 +31,7 @@ class StepValidation(Callback):
     """``trainer.val_every_n_steps``: calls ``trainer.validate()`` after steps N, 2N, ...
     (a function of the global step, so a resumed run validates where the uninterrupted
     one would have). The time spent validating is not training time: it leaves
-    ``train_seconds`` and the throughput of the next train log line.
-
-    Example::
-
-        Trainer(module, args, callbacks=[StepValidation(500)]).train()  # or val_every_n_steps
-    """
+    ``train_seconds`` and the throughput of the next train log line."""
 
     def __init__(self, every: int) -> None:
         if every < 1:
@@ -81,26 +76,10 @@ def build_loop_features(module: Any, args: TrainerArguments, backend: Any,
     compiled = bool(getattr(getattr(backend, "execution", None), "compile", args.compile))
     flops = build_flops_meter(module, args, dist.world_size, backend.device, precision,
                               compiled=compiled)
-    check = bf16_cpu_check(backend)  # sp-amp on a CPU that emulates bf16: warn at start
-    if check is not None:
-        callbacks.append(check)
+    if precision == "bf16" and backend.device.type == "cpu":  # sp-amp: is bf16 emulated?
+        callbacks.append(Bf16CpuCheck())
     counting = [FirstStepFlops(flops)] if flops.pending else []
     return LoopFeatures(ema, flops, callbacks, counting)
-
-
-def finish_summary(trainer: "RunView") -> dict[str, Any]:
-    """summary.json's fields for these features: why the run stopped early, FLOPs, EMA."""
-    out: dict[str, Any] = {"stopped_early": trainer.stop_reason}
-    meter = trainer.flops
-    if meter.flops_per_sample is not None:
-        rate = (trainer.samples_seen / trainer.train_seconds
-                if trainer.train_seconds > 0 else None)
-        out["flops_per_sample"] = meter.flops_per_sample
-        out.update(meter.metrics(rate) if rate else {})
-    if trainer.ema is not None:
-        out["ema"] = {"decay": trainer.ema.decay, "updates": trainer.ema.updates,
-                      "validated_with_ema": trainer.args.ema.validate}
-    return out
 
 
 @dataclass
@@ -113,14 +92,9 @@ def build_observers(args: TrainerArguments, dist: DistEnv,
                     writers: Optional[Iterable[Writer]] = None,
                     hparams: Optional[Mapping[str, Any]] = None,
                     callbacks: Iterable[Callback] = ()) -> Observers:
-    """Writers (``writers`` if given, else ``args.writers``), progress and profiler.
-
-    Ranks other than 0 get no writers and no progress display. Writers check
-    their destinations here, before the first step. ``hparams`` (default: the
-    trainer settings) are logged once, flattened to dotted keys. A callback
-    that is also a :class:`Writer` (a :class:`Progress` passed in ``callbacks``)
-    receives the logged values too.
-    """
+    """Writers (``writers`` if given, else ``args.writers``; they check their destinations
+    here, before the first step), progress and profiler; ranks but 0 get no writers and
+    no progress. ``hparams`` (default: the trainer settings) are logged once, flattened."""
     made: list[Callback] = []
     progress: Optional[Progress] = None
     built = Writers()
@@ -141,7 +115,7 @@ def build_observers(args: TrainerArguments, dist: DistEnv,
         except BaseException:
             built.close()
             raise
-        # The progress display shows the values the trainer logs: it is a writer too.
+        # A callback that is a writer too (a Progress given) sees the logged values.
         built.writers.extend(c for c in callbacks if isinstance(c, Writer))
         if progress is not None:
             built.writers.append(progress)

@@ -16,16 +16,11 @@ if TYPE_CHECKING:
 
 
 class PrivacyCallback(Callback):
-    """Before the first step, has the backend choose this run's noise for the steps it may
-    still take (``target_epsilon`` bounds the whole run, across resumes) and finds the
-    step after which ``trainer.dp.max_epsilon`` would be passed. Then epsilon is logged
-    every ``log_every_n_steps``, the run stops before passing ``max_epsilon``, and
-    ``privacy`` goes into summary.json (the accountant itself is backend state).
-
-    Example (the trainer adds it for a ``*-dp`` backend)::
-
-        Trainer(module, TrainerArguments(backend="sp-dp", dp={"noise_multiplier": 1.0}))
-    """
+    """Has the backend choose this run's noise for the steps it may still take
+    (``target_epsilon`` bounds the whole run, across resumes); logs epsilon every
+    ``log_every_n_steps``, stops the run before it passes ``trainer.dp.max_epsilon``, and
+    puts ``privacy`` in summary.json (the accountant itself is backend state). The
+    trainer adds it for a ``*-dp`` backend."""
 
     def __init__(self, args: DPArguments, log_every: int) -> None:
         self.args = args

@@ -27,12 +27,11 @@ class StepProfiler(Callback):
     """
 
     def __init__(self, start: int, end: int, out_dir: str, rank: int = 0,
-                 stream: Optional[IO[str]] = None, cuda: bool = False,
-                 row_limit: int = TOP_OPERATORS) -> None:
+                 stream: Optional[IO[str]] = None) -> None:
         if not 1 <= start <= end:
             raise ValueError(f"need 1 <= start <= end, got [{start}, {end}]")
         self.start, self.end, self.out_dir, self.rank = start, end, out_dir, rank
-        self.stream, self.cuda, self.row_limit = stream, cuda, row_limit
+        self.stream, self.cuda = stream, False
         self.trace_path = os.path.join(out_dir, f"trace_rank{rank}.json")
         self.table_path = os.path.join(out_dir, f"top_ops_rank{rank}.txt")
         self._prof: Any = None
@@ -41,7 +40,7 @@ class StepProfiler(Callback):
 
     def on_train_start(self, trainer: "RunView") -> None:
         os.makedirs(self.out_dir, exist_ok=True)  # fail now, not after the steps ran
-        self.cuda = self.cuda or getattr(trainer.device, "type", None) == "cuda"
+        self.cuda = trainer.device.type == "cuda"
         if trainer.global_step + 2 >= self.start and trainer.global_step < self.end:
             self._begin(trainer.global_step + 1)  # warm-up (or first recorded) step is next
 
@@ -78,7 +77,7 @@ class StepProfiler(Callback):
         prof.stop()
         self.done = True
         sort = "self_cuda_time_total" if self.cuda else "self_cpu_time_total"
-        table = prof.key_averages().table(sort_by=sort, row_limit=self.row_limit)
+        table = prof.key_averages().table(sort_by=sort, row_limit=TOP_OPERATORS)
         prof.export_chrome_trace(self.trace_path)
         with open(self.table_path, "w", encoding="utf-8") as fh:
             fh.write(table + "\n")

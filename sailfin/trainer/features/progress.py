@@ -1,8 +1,5 @@
 """Rank 0's view of a run: a progress bar in a terminal, plain lines elsewhere, and a
-short summary at the end. It is a :class:`Writer` (it shows the values the trainer logs,
-never reading a tensor) and a :class:`Callback` (one counter update per step; the
-terminal is redrawn at most twice a second).
-"""
+short summary at the end. It shows the values the trainer logs, never reading a tensor."""
 
 from __future__ import annotations
 
@@ -180,15 +177,13 @@ class Progress(Writer, Callback):
             self._bar.set_postfix_str(self._fitted_values(), refresh=False)
 
     def on_train_end(self, trainer: "RunView") -> None:
-        summary = getattr(trainer, "summary", None)
+        summary = trainer.summary
         if summary and summary.get("nothing_trained"):  # said once, by the trainer
             self.close()
             return
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-        else:
+        if self._bar is None:
             self._print_line(trainer, time.perf_counter())
+        self.close()
         if summary:
             out = self._lines()
             out.write(summary_text(summary) + "\n")
@@ -218,10 +213,6 @@ class Progress(Writer, Callback):
     # -- text ---------------------------------------------------------------------------
     def _epoch_text(self, trainer: "RunView") -> str:
         return f"epoch {min(trainer.epoch + 1, self._epochs)}/{self._epochs}"
-
-    def _samples_seen(self) -> int:
-        trainer = self._trainer
-        return trainer.samples_seen if trainer is not None else self._start_samples
 
     def _average_rate(self, samples_seen: int, now: float) -> Optional[float]:
         """Samples per second of training time since the start (validation excluded,
@@ -261,7 +252,7 @@ class Progress(Writer, Callback):
         bar = self._bar
         bar.ncols = width = terminal_width(bar.fp)
         meter = dict(bar.format_dict, ncols=None, bar_format=BAR_FORMAT.replace("{bar}", ""))
-        samples_seen, now = self._samples_seen(), time.perf_counter()
+        samples_seen, now = self._trainer.samples_seen, time.perf_counter()
         for keep in range(6, -1, -1):
             text = self._values_text(samples_seen, now, keep)
             meter["postfix"] = text

@@ -1,30 +1,14 @@
-"""Is a speed setting paying on this machine? Measured once, said in the log.
-
-**torch.compile.** On a small model or a CPU the compiled step can be slower than the
-eager one. With ``trainer.compile`` on, :class:`CompileCheck` times real training steps
-after warm-up: a window of compiled steps, one of the same steps run eagerly
-(``torch.compiler.set_stance("force_eager")`` keeps the compiled code), a second
-compiled one; below ``1.0`` (eager median over compiled median) the log says so, once.
-The windows are the same global steps in every run, resumed or not; eager and compiled
-steps agree to rounding, not bit for bit.
-
-**bf16 on a CPU.** CPUs with native bf16 matrix instructions (AVX512_BF16, AMX) run
-``sp-amp`` faster than fp32; an AVX2-only CPU emulates bf16 and can be an order of
-magnitude slower (measured here: a 512x512 matmul 46 ms in bf16, 3.6 ms in fp32).
-Without native bf16 (neither torch's capability nor ``/proc/cpuinfo`` says so),
-:class:`Bf16CpuCheck` times one matmul in each precision and, only when bf16 measured
-slower, warns with the cost and the advice to use ``sp``.
-
-Example::
-
-    Trainer(module, args, callbacks=[CompileCheck()])   # added with trainer.compile on
-"""
+"""Is a speed setting paying on this machine? Measured once, said in the log:
+``torch.compile`` against eager steps (:class:`CompileCheck`, docs/backends.md), and bf16
+autocast on a CPU that may emulate bf16, an order of magnitude slower than fp32 there
+(:class:`Bf16CpuCheck`: it warns only when a bf16 matmul measured slower)."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -58,19 +42,15 @@ def compile_verdict(compiled: list[float], eager: list[float], first_step: Optio
                   f"{e * 1000:.2f} ms ({speedup:.2f}x faster){first}{payback}")
 
 
-class EagerStance:
+class EagerStance(contextlib.ExitStack):
     """``stance(True)`` runs compiled code eagerly from now on; ``stance(False)`` puts back
     the stance that was in force before (the application's own, if it set one)."""
 
-    def __init__(self) -> None:
-        self._context: Optional[Any] = None
-
     def __call__(self, eager: bool) -> None:
-        if eager and self._context is None:
-            self._context = torch.compiler.set_stance("force_eager")  # in force at once
-        elif not eager and self._context is not None:
-            self._context.__exit__(None, None, None)  # the previous stance again
-            self._context = None
+        if eager:
+            self.enter_context(torch.compiler.set_stance("force_eager"))
+        else:
+            self.close()
 
 
 class CompileCheck(Callback):
@@ -78,12 +58,7 @@ class CompileCheck(Callback):
 
     Steps ``(warmup, warmup + w]`` and ``(warmup + 2w, warmup + 3w]`` run compiled,
     ``(warmup + w, warmup + 2w]`` eagerly (global step numbers, so a resumed run
-    does the same). ``clock`` and ``stance`` are injectable for tests.
-
-    Example::
-
-        Trainer(module, args, callbacks=[CompileCheck()])  # added by itself with compile on
-    """
+    does the same). The trainer adds it with ``trainer.compile`` on."""
 
     def __init__(self, warmup: Optional[int] = None, window: Optional[int] = None,
                  clock: Callable[[], float] = time.perf_counter,
@@ -211,12 +186,3 @@ class Bf16CpuCheck(Callback):
             "faster on this machine")
         if trainer.dist.is_main:
             say(self.message, warning=True)
-
-
-def bf16_cpu_check(backend: object) -> Optional[Bf16CpuCheck]:
-    """The check when ``backend`` autocasts to bf16 on the CPU, else None."""
-    precision = getattr(backend, "precision", None)
-    device = getattr(backend, "device", None)
-    if getattr(precision, "name", None) == "bf16" and getattr(device, "type", None) == "cpu":
-        return Bf16CpuCheck()
-    return None

@@ -1,19 +1,7 @@
-"""The time account: where a run's wall time went, from its first start to its end,
-across every restart, and its goodput (the share that became kept training).
-
-Each start of the run (the first, a torchrun restart, a resume) is a *segment* of
-``<output_dir>/time_account.json``, whose seconds split into components that sum to it:
-``productive`` (training of kept steps); ``replayed`` (training a restart threw away;
-after the account's last write, estimated from the steps ``metrics.jsonl`` logged);
-``startup`` (process start to the first step); ``restart_gap`` (the previous segment's
-last sign of life to this start); ``data_wait``, ``checkpoint`` and ``snapshot``
-(stalls), ``validation``, ``oom_retries`` (steps ``micro_batch_size: auto`` ran again);
-``other`` (the rest: the final weights, end-of-run work).
-
-``goodput = productive / wall``. Rank 0 keeps the account, on its own clock, at the
-boundaries that already exist (start, each save, each epoch end, the end): nothing runs
-per step, and the data wait is sampled off the step (:class:`PhaseSampler`).
-"""
+"""The time account: where a run's wall time went, across every restart, and its goodput
+(the share that became kept training); the components are docs/goodput.md's. Rank 0
+keeps it at boundaries that exist already (start, each save, each epoch end, the end):
+nothing runs per step, and the data wait is sampled off the step (:class:`PhaseSampler`)."""
 
 from __future__ import annotations
 
@@ -41,14 +29,7 @@ _SNAPSHOT_WRITE = 1.0  # seconds between writes when snapshots come every step
 
 class TimeAccount(Callback):
     """Keeps ``<output_dir>/time_account.json`` and puts its totals in ``summary.json``.
-    The trainer builds one for every run, before the resume trims ``metrics.jsonl``.
-
-    Example::
-
-        account = TimeAccount("outputs/run", is_main=True)
-        Trainer(module, args, callbacks=[account])   # the trainer adds its own
-        account.totals()["goodput"]                  # 0.93
-    """
+    The trainer builds one for every run, before the resume trims ``metrics.jsonl``."""
 
     def __init__(self, output_dir: str, is_main: bool, continues: bool = True,
                  heartbeat: Any = None) -> None:
@@ -63,9 +44,7 @@ class TimeAccount(Callback):
         self._stalls = {"checkpoint": 0.0, "snapshot": 0.0}
         self._loop_end: Optional[float] = None
         self._last_write = 0.0
-        if not is_main:
-            return
-        if continues:  # resume: auto or a path; never starts a new account
+        if is_main and continues:  # resume: auto or a path; never starts a new account
             previous, problem = read_account(self.path)
             if problem:
                 say(f"time account: {problem}; starting a new one", warning=True)
@@ -93,7 +72,7 @@ class TimeAccount(Callback):
         segments.append(seg)
         self._segment = seg
         self._view = trainer  # summary_fields() brings the account up to the loop's end
-        self._validation0 = getattr(trainer, "validation_seconds", 0.0)
+        self._validation0 = trainer.validation_seconds
         self._oom0 = _retry_seconds(trainer)
         if self.sampler is not None:
             self.sampler.start()
@@ -127,21 +106,19 @@ class TimeAccount(Callback):
             self.sampler.stop()
 
     def on_train_end(self, trainer: "RunView") -> None:
-        """After the final save: the segment ends, the totals go to summary.json, the end
-        line and the writers."""
+        """After the final save (and summary_fields): the segment ends, the totals go to
+        summary.json, the end line and the writers."""
         if self._segment is None:
             return
-        if self._loop_end is None:
-            self.summary_fields()
         self._segment["ended"] = "finished"
         self.write(trainer, durable=True)
         totals = self.totals()
-        summary = getattr(trainer, "summary", None)
-        if isinstance(summary, dict) and summary.get("nothing_trained"):
+        summary = trainer.summary
+        if summary is not None and summary.get("nothing_trained"):
             self._segment = None  # the account has the segment; the finished run's files stay
             return
         path = os.path.join(trainer.args.output_dir, "summary.json")
-        if isinstance(summary, dict) and os.path.exists(path):
+        if summary is not None and os.path.exists(path):
             summary["time_account"] = totals
             set_summary_field(path, "time_account", totals)
         metrics = {"goodput": totals["goodput"], "wall_seconds": totals["wall_seconds"],
@@ -159,9 +136,8 @@ class TimeAccount(Callback):
         seg["last_seen"] = time.time()
         seg["step"] = trainer.global_step
         sec = seg["seconds"]
-        sec["checkpoint"], sec["snapshot"] = self._stalls["checkpoint"], self._stalls["snapshot"]
-        sec["validation"] = max(0.0, getattr(trainer, "validation_seconds", 0.0)
-                                - self._validation0)
+        sec.update(self._stalls)  # checkpoint, snapshot
+        sec["validation"] = max(0.0, trainer.validation_seconds - self._validation0)
         sec["oom_retries"] = max(0.0, _retry_seconds(trainer) - self._oom0)
         if self._loop_end is None:  # still training: the loop's time not spent otherwise
             self._account_loop(seg, now)
@@ -227,9 +203,7 @@ def _settle_gap(prev: dict[str, Any], seg: dict[str, Any]) -> None:
     """Give the previous segment the time of the steps it trained after its account's last
     write, from its tail and then this segment's restart gap, at its step time (or this
     one's, when it wrote no step: killed before its first save)."""
-    steps = seg.get("unaccounted_steps")
-    if not steps:
-        return
+    steps = seg["unaccounted_steps"]
     step_seconds = _step_seconds(prev) or _step_seconds(seg)
     if not step_seconds and (steps["kept"] or steps["lost"]):
         return  # no step time yet: the next write settles it
@@ -267,37 +241,21 @@ def _roll_back(seg: dict[str, Any], step: int) -> None:
     if marks[-1][0] <= step:
         return
     kept = _productive_at(marks, step)
-    moved = marks[-1][1] - kept
     sec = seg["seconds"]
-    moved = min(moved, sec["productive"])
+    moved = min(marks[-1][1] - kept, sec["productive"])
     sec["productive"] -= moved
     sec["replayed"] += moved
     seg["marks"] = [m for m in marks if m[0] < step] + [[max(step, marks[0][0]), kept]]
 
 
 def _retry_seconds(trainer: "RunView") -> float:
-    autobatch = getattr(trainer, "autobatch", None)
-    return float(getattr(autobatch, "retry_seconds", 0.0)) if autobatch is not None else 0.0
+    return trainer.autobatch.retry_seconds if trainer.autobatch is not None else 0.0
 
 
 class PhaseSampler:
-    """How much of training waits for data, measured without touching the step.
-
-    The loop already writes its phase into the heartbeat (``data loading`` while it
-    waits in ``next(batches)``). A background thread reads it every ``interval``
-    seconds and counts; the share of readings in the data phase, times the training
-    time, is the data wait. The thread takes the GIL for a few microseconds 50 times a
-    second. It is a sample: good to a fraction of a percent over minutes, rough over
-    seconds.
-
-    Example::
-
-        sampler = PhaseSampler(trainer.heartbeat)
-        sampler.start()
-        ...                                   # training
-        sampler.stop()
-        sampler.data_share()                  # 0.07: 7 % of the readings were data waits
-    """
+    """How much of training waits for data, measured without touching the step: a thread
+    reads the heartbeat's phase every ``interval`` seconds (a few microseconds of GIL);
+    the share of readings in the data phase, times the training time, is the data wait."""
 
     def __init__(self, heartbeat: Any, interval: float = 0.02) -> None:
         self.heartbeat, self.interval = heartbeat, interval
@@ -307,8 +265,6 @@ class PhaseSampler:
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> None:
-        if self._thread is not None:
-            return
         # The thread holds the sampler weakly: a trainer that failed and was dropped
         # without stop() does not keep a thread alive.
         self._thread = threading.Thread(target=_sample, args=(weakref.ref(self), self._stop,

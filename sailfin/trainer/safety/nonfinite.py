@@ -11,8 +11,7 @@ the run before the bad step touches the weights. On an accelerator or across pro
 ``stop`` and ``warn`` keep the losses on the device and read them where the loop syncs
 anyway (each log line, epoch end, before a checkpoint): the step named is still exact,
 but later steps have been applied. ``skip`` must know before the optimizer step: one
-sync per step (and, across processes, one small all-reduce, so all ranks skip alike).
-"""
+sync per step (and, across processes, one small all-reduce, so all ranks skip alike)."""
 
 from __future__ import annotations
 
@@ -43,15 +42,8 @@ SampleLookup = Callable[[int, int], list[int]]  # (epoch, step in epoch) -> data
 
 
 class NonFiniteGuard:
-    """Watches each step's loss for the trainer.
-
-    Example::
-
-        guard = NonFiniteGuard("stop", torch.device("cpu"))
-        if guard.observe(step_loss, global_step, epoch, step):   # False: skip this step
-            optimizer.step()
-        guard.check()                                           # at the loop's sync points
-    """
+    """Watches each step's loss for the trainer: ``observe`` each step (False: skip its
+    optimizer step), ``check`` at the loop's sync points."""
 
     def __init__(self, policy: str, device: torch.device, world_size: int = 1,
                  reduce: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,

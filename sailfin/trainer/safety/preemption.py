@@ -1,16 +1,8 @@
-"""Preemption: SIGTERM (or a first Ctrl-C) ends the run cleanly, with a checkpoint.
-
-SLURM, Kubernetes and spot instances send SIGTERM some time before they kill. The
-handler only notes the signal; the loop finishes its optimizer step, every rank saves a
-checkpoint of the same step, and the run exits with :data:`PREEMPTED_EXIT_CODE`; the
-same command resumes from it. A second Ctrl-C aborts at once (``KeyboardInterrupt``,
-exit 130); earlier checkpoints are safe whenever it lands.
-
-Ranks must stop at the same step, but a signal reaches each at its own moment: a
-single process stops after the step in progress; several ranks agree every
-``trainer.preemption_check_every_n_steps`` steps with one all-reduce of one number.
-Between those steps the loop pays one integer comparison per step.
-"""
+"""Preemption: SIGTERM (or a first Ctrl-C) ends the run cleanly, with a checkpoint
+(docs/robustness.md). The handler only notes the signal; the loop finishes its optimizer
+step, every rank saves the same step and the run exits with :data:`PREEMPTED_EXIT_CODE`.
+Several ranks agree every ``trainer.preemption_check_every_n_steps`` steps with one
+all-reduce of one number; between those the loop pays one integer comparison per step."""
 
 from __future__ import annotations
 
@@ -130,10 +122,9 @@ class Preemption:
     def poll(self, global_step: int) -> bool:
         """True when every rank stops after ``global_step``; with several ranks, one small
         all-reduce, so every rank calls it at the same steps."""
-        if not self.distributed:
-            if self.signal_name is not None:
-                self._report(global_step)
-            return self.signal_name is not None
+        if not self.distributed:  # polled only once a signal came (check_at 0)
+            self._report(global_step)
+            return True
         self.check_at = global_step + self.check_every
         flag = torch.tensor(0.0 if self.signal_name is None else 1.0, device=self.device)
         if self.all_reduce_mean(flag).item() > 0:

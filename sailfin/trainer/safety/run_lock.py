@@ -1,16 +1,7 @@
-"""A run owns its output directory: an OS file lock held for the run's life.
-
-Rank 0 takes ``<output_dir>/.sailfin.lock`` with ``fcntl.flock`` before it writes
-anything there, and writes its owner (host, pid, start time) into it; a second run into
-the directory stops at once, naming the owner. The kernel releases the lock when its
-process dies, however it dies: the next run finds the owner's line still there and says
-it takes over from a run no longer running. A run that ends normally empties the file.
-
-On Linux NFS, ``flock`` is a whole-file byte-range lock every client sees (a crashed
-client's locks go after the lease time). File systems without locks (some FUSE mounts,
-NFS with ``nolock`` or ``local_lock=all``) lock within one node only (docs/robustness.md).
-Object stores have no locks: this protects ``output_dir``, not a checkpoint URL.
-"""
+"""A run owns its output directory: rank 0 holds an OS file lock (``fcntl.flock`` on
+``<output_dir>/.sailfin.lock``, naming its owner) for the run's life, so a second run
+into the directory stops at once. The kernel releases it when the process dies, however
+it dies; which file systems lock across nodes: docs/robustness.md."""
 
 from __future__ import annotations
 
@@ -23,10 +14,7 @@ from typing import IO, Any, Callable, Optional
 from ...utils.voice import say
 
 LOCK_NAME = ".sailfin.lock"
-
-
-# How long a busy lock is waited for before it counts as another run's.
-GRACE_SECONDS = 5.0
+GRACE_SECONDS = 5.0  # how long a busy lock is waited for before it is another run's
 
 
 class RunLockError(RuntimeError):
@@ -34,16 +22,8 @@ class RunLockError(RuntimeError):
 
 
 class RunLock:
-    """The exclusive lock of one output directory.
-
-    Example::
-
-        lock = RunLock("outputs/run1").acquire()   # RunLockError if another run has it
-        try:
-            train()
-        finally:
-            lock.release()
-    """
+    """The exclusive lock of one output directory: ``acquire()`` (RunLockError if another
+    run has it), then ``release()``."""
 
     def __init__(self, output_dir: str) -> None:
         self.output_dir = output_dir
@@ -110,26 +90,23 @@ class RunLock:
             fh.close()  # closing the descriptor releases the flock
 
 
-def take_run_lock(output_dir: str, is_main: bool,
-                  keep: Optional[Callable[[RunLock], None]] = None) -> Optional[RunLock]:
-    """Rank 0 locks ``output_dir`` (other ranks get None); say so when a dead run's lock
-    is taken over. ``keep(lock)`` is called before the lock is taken: the caller holds
-    the object to release even when a stop (an exception raised by a signal handler)
-    lands while it is being taken."""
+def take_run_lock(output_dir: str, is_main: bool, keep: Callable[[RunLock], None]) -> None:
+    """Rank 0 locks ``output_dir``; say so when a dead run's lock is taken over.
+    ``keep(lock)`` is called before the lock is taken: the caller holds the object to
+    release even when a stop (an exception raised by a signal handler) lands while it
+    is being taken."""
     if not is_main:
-        return None
+        return
     from ...logging.destination import check_directory
 
     # A path through a file, a read-only directory...: the writer's clear message first.
     check_directory(output_dir, "output", who="sailfin (summary.json, final weights, checkpoints)")
     lock = RunLock(output_dir)
-    if keep is not None:
-        keep(lock)
+    keep(lock)
     lock.acquire()
     if lock.took_over:
         say(f"took over the lock of {output_dir} from a run that is no longer running "
             f"({_describe(lock.took_over)}); it ended without releasing it (killed?)")
-    return lock
 
 
 def _read_owner(fh: IO[str]) -> dict[str, Any]:

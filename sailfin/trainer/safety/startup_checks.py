@@ -1,18 +1,11 @@
-"""Checks that fail a run at its start rather than after an epoch: a scheduler built for
-fewer steps than the run takes (:func:`check_schedulers_fit`), a few validation batches
-through ``val_step`` and ``on_end_val_epoch``'s signature (:func:`sanity_validate`,
-drawing nothing from the training's random streams), and the first ``train_step``
-return (:func:`train_output_checker`).
-
-Example::
-
-    check_schedulers_fit(trainer)    # in Trainer.train, before the first step
-    sanity_validate(trainer)
-"""
+"""Checks that fail a run at its start rather than after an epoch: the schedulers' length,
+a few validation batches (drawing nothing from the training's random streams) and the
+first ``train_step``'s return (all called by Trainer.train before the first step)."""
 
 from __future__ import annotations
 
 import copy
+import itertools
 import random
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
@@ -106,11 +99,9 @@ def check_schedulers_fit(trainer: "RunView") -> None:
 
 # -- validation sanity check -----------------------------------------------------------
 def sanity_validate(trainer: "RunView") -> None:
-    """Run ``sanity_val_batches`` batches of each validation set through ``val_step``,
-    and check that the recipe's ``on_end_val_epoch`` takes their gathered outputs: a
-    callback whose signature cannot take them fails here, in one line. The callback is
-    called only when the recipe sets ``sanity_check_on_end_val_epoch`` (what it returns
-    is not logged)."""
+    """Run ``sanity_val_batches`` batches of each validation set through ``val_step``, and
+    check that the recipe's ``on_end_val_epoch`` takes their gathered outputs (calling it
+    only when the recipe sets ``sanity_check_on_end_val_epoch``)."""
     count = trainer.args.sanity_val_batches
     if not count or not trainer.val_loaders:
         return
@@ -128,12 +119,15 @@ def sanity_validate(trainer: "RunView") -> None:
                 where = (f"validation set {name!r}, sanity check before training; "
                          f"trainer.sanity_val_batches {count}")
                 outputs, sizes = [], []
-                for i, batch in enumerate(trainer.heartbeat.count(loader)):
-                    if i >= count:
-                        break
+                for batch in itertools.islice(trainer.heartbeat.count(loader), count):
                     sizes.append(batch_size(batch))
                     out = trainer.backend.val_step(module, trainer.global_step, batch)
-                    check_val_output(out, f"val_step ({where})")
+                    if not isinstance(out, (Mapping, tuple, list)):  # see pymarlin_forms
+                        raise StartupCheckError(
+                            f"val_step ({where}) returned {type(out).__name__}; it must "
+                            "return a dict of per-sample values, e.g. {'pred': "
+                            "logits.argmax(1), 'label': y} (first dimension = batch), or "
+                            "PyMarlin's tuple (loss, logits, labels)")
                     outputs.append(out)
                 merged = merge_outputs(outputs, sizes=sizes)
                 trainer.heartbeat.phase = STARTUP_CHECKS_GATHER  # a slower rank is behind
@@ -156,16 +150,6 @@ def sanity_validate(trainer: "RunView") -> None:
             module.train(was_training)
             random.setstate(states[0])
             np.random.set_state(states[1])
-
-
-def check_val_output(out: Any, where: str = "val_step") -> None:
-    """A dict (or PyMarlin's tuple) of per-sample values; a 0-d tensor is the batch's
-    mean and is counted once per sample (see :mod:`.pymarlin_forms`)."""
-    if not isinstance(out, (Mapping, tuple, list)):
-        raise StartupCheckError(
-            f"{where} returned {type(out).__name__}; it must return a dict of per-sample "
-            "values, e.g. {'pred': logits.argmax(1), 'label': y} (first dimension = batch), "
-            "or PyMarlin's tuple (loss, logits, labels)")
 
 
 # -- the first train_step ------------------------------------------------------------------
