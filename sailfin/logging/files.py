@@ -41,6 +41,9 @@ class TextFileWriter(Writer):
         """Write what an empty file begins with (nothing by default)."""
 
     def _written(self) -> None:
+        if self.flush_seconds <= 0:  # every event: no clock to read
+            self.flush()
+            return
         now = time.monotonic()
         if now - self._last_flush >= self.flush_seconds:
             self.flush()

@@ -18,18 +18,23 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
+_FLOP_UNITS = (("TFLOP/s", 1.0), ("GFLOP/s", 1e-3), ("MFLOP/s", 1e-6), ("kFLOP/s", 1e-9))
+
+
 def flop_rate(tflops: float) -> str:
     """Model FLOP/s in a unit that reads: 0.5 -> '500 GFLOP/s'; 7.4e-05 -> '74 MFLOP/s'.
     The one form the stdout lines, the progress display and the summary show."""
-    unit, scale = flop_unit(tflops)
-    return f"{tflops / scale:.3g} {unit}"
+    for unit, scale in _FLOP_UNITS:  # (no call to flop_unit: this runs at every log)
+        if tflops >= scale:
+            return f"{tflops / scale:.3g} {unit}"
+    return f"{tflops * 1e12:.3g} FLOP/s"
 
 
 def flop_unit(tflops: float) -> tuple[str, float]:
     """The FLOP/s unit ``tflops`` reads best in, and TFLOP/s per that unit."""
-    for unit, scale in (("T", 1.0), ("G", 1e-3), ("M", 1e-6), ("k", 1e-9)):
+    for unit, scale in _FLOP_UNITS:
         if tflops >= scale:
-            return f"{unit}FLOP/s", scale
+            return unit, scale
     return "FLOP/s", 1e-12
 
 
