@@ -197,7 +197,7 @@ class TrainerArguments:
         # TrainerArguments(checkpoint={...}) from Python: each section from its dict.
         for name, cls in (("checkpoint", CheckpointArguments), ("fsdp", FSDPArguments),
                           ("dp", DPArguments), ("early_stopping", EarlyStoppingArguments),
-                          ("ema", EmaArguments)):
+                          ("ema", EmaArguments), ("distributed", DistArguments)):
             if isinstance(getattr(self, name), dict):
                 setattr(self, name, build_dataclass(cls, getattr(self, name),
                                                     prefix=f"trainer.{name}."))

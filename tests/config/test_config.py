@@ -217,3 +217,19 @@ def test_build_seeds_before_building_so_python_reproduces_the_cli():
         "tests.config.test_config.Unseeded"
     torch.manual_seed(5)
     assert torch.equal(torch.randn(3), first)  # seeded with trainer.seed
+
+
+def test_every_section_given_as_a_dict_from_python_becomes_its_dataclass():
+    from sailfin.config.distributed import DistArguments
+
+    args = TrainerArguments(distributed={"launcher": "manual", "rank": 0, "world_size": 1,
+                                         "master_addr": "127.0.0.1", "master_port": 29500},
+                            checkpoint={"keep_last": 2})
+    assert isinstance(args.distributed, DistArguments)
+    assert (args.distributed.launcher, args.distributed.world_size) == ("manual", 1)
+    assert args.checkpoint.keep_last == 2
+    with pytest.raises(ConfigError, match=r"trainer\.distributed\.rnak"):
+        TrainerArguments(distributed={"rnak": 0})
+    # The section's own checks run too, as they do for a YAML config.
+    with pytest.raises(ConfigError, match=r"trainer\.distributed\.master_addr"):
+        TrainerArguments(distributed={"launcher": "manual", "rank": 0, "world_size": 1})
