@@ -15,7 +15,8 @@ from .distributed.exit_codes import NOTHING_TO_TRAIN_EXIT_CODE
 from .distributed.launch_notes import FINISHED, USER_ERROR, leave_note, noted_by_others
 from .logging.writers import WriterError
 from .signals import (PREEMPTED_EXIT_CODE, StoppedDuringSetup, default_signals,
-                      note_preempted, setup_over, stop_at_start, stop_during_setup)
+                      note_preempted, raise_swallowed_stop, setup_over, stop_at_start,
+                      stop_during_setup)
 from .utils.voice import line
 
 
@@ -147,6 +148,7 @@ def _setup_over_callback():
         """Training begins: a signal from now on is the loop's, not set-up's."""
 
         def on_train_start(self, trainer) -> None:
+            raise_swallowed_stop()  # not a step after a stop that set-up code swallowed
             setup_over()
 
     return SetupOver()

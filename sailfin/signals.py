@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any, Iterator, Optional
@@ -28,7 +29,8 @@ from .distributed.exit_codes import PREEMPTED_EXIT_CODE
 from .distributed.launch_notes import LAUNCH_DIR_ENV, PREEMPTED, clear_notes, leave_note
 
 __all__ = ["LAUNCH_DIR_ENV", "PREEMPTED_EXIT_CODE", "StoppedDuringSetup", "default_signals",
-           "note_preempted", "setup_over", "stop_at_start", "stop_during_setup"]
+           "note_preempted", "raise_swallowed_stop", "setup_over", "stop_at_start",
+           "stop_during_setup"]
 
 STUCK_SECONDS = 5.0
 """How long set-up may take to unwind after a stop signal before the process ends anyway."""
@@ -79,6 +81,8 @@ class _SetupStop:
         name, now = signal.Signals(signum).name, time.monotonic()
         if self.first is None:
             self.first = (name, now)
+            if self.end_stuck and _in_import(frame):
+                _end_setup(name)
             raise StoppedDuringSetup(name)
         if signum == signal.SIGINT and now - self.first[1] > _SAME_PRESS_SECONDS:
             raise KeyboardInterrupt  # a second Ctrl-C: abort
@@ -128,7 +132,7 @@ class _SetupStop:
                      signal.getsignal(b) == self.on_signal]  # set-up's, not the loop's
             if stops and not self.done.wait(STUCK_SECONDS):
                 name = self.first[0] if self.first else signal.Signals(stops[0]).name
-                _end_stuck_setup(name)
+                _end_setup(name)
 
     def restore(self) -> None:
         """Training began (or ran): set-up is over, the signals get their previous actions
@@ -142,13 +146,29 @@ class _SetupStop:
                 signal.signal(sig, handler)
 
 
-def _end_stuck_setup(name: str) -> None:
-    """The main thread is blocked in C (a collective waiting for a peer): end here."""
+def _end_setup(name: str) -> None:
+    """End the process here (the sailfin command only): its main thread is blocked in C
+    (a collective waiting for a peer), or imports (:func:`_in_import`)."""
     note_preempted()
-    line = f"sailfin: {StoppedDuringSetup(name)} (exit code {PREEMPTED_EXIT_CODE})\n"
+    _end_now(f"sailfin: {StoppedDuringSetup(name)} (exit code {PREEMPTED_EXIT_CODE})")
+
+
+def _end_now(line: str) -> None:
     with contextlib.suppress(OSError):
-        os.write(2, line.encode())  # not sys.stderr: the main thread may hold its lock
+        os.write(2, f"{line}\n".encode())  # not sys.stderr: the main thread may hold its lock
     os._exit(PREEMPTED_EXIT_CODE)
+
+
+def _in_import(frame: Any) -> bool:
+    """Whether the signal came while a module imports. An exception raised there can meet
+    a bare ``except:`` (dill's) or a module that torch's C++ start-up imports, where
+    pybind11 aborts the process. Ending there skips set-up's unwinding, as a set-up stuck
+    in C does (a memory snapshot directory it claimed is its next run's to reuse)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 @contextlib.contextmanager
@@ -166,6 +186,11 @@ def stop_during_setup(end_stuck: bool = False) -> Iterator[None]:
     _installed.append(stop)
     try:
         yield
+    except Exception as exc:
+        if stop.first is None or stop.over:
+            raise
+        # Set-up code swallowed the stop (a bare ``except:``), then failed on its work.
+        raise StoppedDuringSetup(stop.first[0]) from exc
     finally:
         _installed.remove(stop)
         stop.uninstall()
@@ -174,18 +199,33 @@ def stop_during_setup(end_stuck: bool = False) -> Iterator[None]:
 _installed: list[_SetupStop] = []
 
 
+def raise_swallowed_stop() -> None:
+    """Raise a stop of set-up again, at a point of sailfin's own, if code it called
+    swallowed it (a bare ``except:``): no step may run after a stop."""
+    for stop in _installed:
+        if stop.first is not None and not stop.over:
+            raise StoppedDuringSetup(stop.first[0])
+
+
 def stop_at_start() -> None:
     """The sailfin command's first instruction: from here on SIGTERM or Ctrl-C raises
-    :class:`StoppedDuringSetup` (one line and exit 75 where the command catches it),
-    never a ``KeyboardInterrupt`` traceback or a bare -15 while it imports torch. Copies
-    of the same stop that arrive while it unwinds are ignored. Each command then installs
+    :class:`StoppedDuringSetup` (one line and exit 75 where the command catches it), or
+    ends the process with that line while a module imports (:func:`_in_import`); never a
+    ``KeyboardInterrupt`` traceback or a bare -15. Copies of the same stop that arrive
+    while it unwinds are ignored. Each command then installs
     its own handlers (:func:`stop_during_setup`, torchrun's) or :func:`default_signals`."""
     first: list[str] = []
 
     def on_signal(signum: int, frame: Any) -> None:
-        if not first:
-            first.append(signal.Signals(signum).name)
-            raise StoppedDuringSetup(first[0])
+        if first:
+            return
+        first.append(signal.Signals(signum).name)
+        if _in_import(frame):  # torch's, under sailfin launch: no worker, no file yet
+            _end_now(f"{'sailfin launch' if sys.argv[1:2] == ['launch'] else 'sailfin'}: "
+                     f"stopped by {first[0]} while starting, before any work began: "
+                     "nothing was lost; run the same command again (exit code "
+                     f"{PREEMPTED_EXIT_CODE})")
+        raise StoppedDuringSetup(first[0])
 
     for sig in _SIGNALS:
         signal.signal(sig, on_signal)

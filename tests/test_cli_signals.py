@@ -57,3 +57,35 @@ def test_a_sigterm_after_steps_says_what_was_lost(tmp_path, capsys,
     saved = sorted(p.name for p in (tmp_path / "out" / "checkpoints").glob("step-*")) \
         if every == 4 else []
     assert saved == (["step-00000004"] if every == 4 else [])
+
+
+class SwallowsAStop(LinearRecipe):
+    """Set-up code with a bare ``except:`` (dill's import has one) around the moment a
+    SIGTERM lands: then it fails on the half-done work, or goes on as if nothing came."""
+
+    def __init__(self, data, then: str = "goes on") -> None:
+        super().__init__(data)
+        try:
+            signal.raise_signal(signal.SIGTERM)
+        except:  # noqa: E722
+            pass
+        if then == "fails":
+            raise AttributeError("partially initialized module 'torch' has no attribute "
+                                 "'distributed' (most likely due to a circular import)")
+
+
+@pytest.mark.parametrize("then", ["fails", "goes on"])
+def test_a_stop_that_set_up_code_swallowed_still_ends_the_run_with_one_line_and_75(
+        tmp_path, capsys, then):
+    out = tmp_path / "out"
+    path = tmp_path / "run.yaml"
+    path.write_text(CONFIG.replace("OUT", str(out)).replace("EVERY", "1").replace(
+        "tests.test_cli_signals.PeerGone", "tests.test_cli_signals.SwallowsAStop, "
+        f"init_args: {{then: {then}}}"))
+    assert main(["train", str(path)]) == 75
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["sailfin: stopped by SIGTERM during set-up, before the first step; nothing "
+                   "was lost: run the same command again to start (or resume) (exit code "
+                   "75)"], err
+    assert not list(out.glob("checkpoints/step-*"))  # not one step trained (it saves each)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # in-process: put back

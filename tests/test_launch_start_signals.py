@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from sailfin.signals import STUCK_SECONDS
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = """data: {class_path: tests.recipes.IdData, init_args: {n_train: 200, n_val: 4}}
 module: {class_path: tests.recipes.LinearRecipe}
@@ -73,3 +75,57 @@ def test_a_stop_while_starting_is_one_line_and_75(tmp_path, command, sig, after)
     assert lines[0].startswith(f"{who}: stopped by {name}") and lines[0].endswith(
         "(exit code 75)"), lines[0]
     assert "nothing was lost" in lines[0]
+
+
+SWALLOWING_IMPORT = '''
+import pathlib, time
+pathlib.Path(__file__).with_name("importing").touch()
+end = time.monotonic() + 60
+while time.monotonic() < end:  # work in a library's import under a bare except (dill's)
+    try:
+        time.sleep(0.1)
+    except:
+        pass
+from tests.recipes import LinearRecipe as Recipe
+'''
+
+
+# What ``sailfin launch`` runs until torchrun takes the signals over, with an import.
+LAUNCH_IMPORTING = ("import sys; sys.argv[1:] = ['launch']; from sailfin.signals import "
+                    "stop_at_start; stop_at_start(); import swallowing")
+
+
+@pytest.mark.parametrize("command", ["train", "launch"])
+def test_a_stop_while_a_module_with_a_bare_except_imports_ends_at_once(tmp_path, command):
+    """A module swallows any exception while it imports and goes on with its work (the
+    recipe's under ``sailfin train``, torch's under ``sailfin launch``): the stop still
+    ends the command there, in one line and 75, not a minute later."""
+    (tmp_path / "swallowing.py").write_text(SWALLOWING_IMPORT)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(CONFIG.replace("OUT", str(tmp_path / "out")).replace(
+        "tests.recipes.LinearRecipe", "swallowing.Recipe"))
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{tmp_path}", "OMP_NUM_THREADS": "1"}
+    args = (["-m", "sailfin", "train", str(cfg)] if command == "train"
+            else ["-c", LAUNCH_IMPORTING])
+    proc = subprocess.Popen([sys.executable, *args], env=env, cwd=ROOT,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "importing").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=20)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert (proc.returncode, err.strip().splitlines()) == (75, [
+        "sailfin: stopped by SIGTERM during set-up, before the first step; nothing was lost: "
+        "run the same command again to start (or resume) (exit code 75)"
+        if command == "train" else "sailfin launch: stopped by SIGTERM while starting, "
+        "before any work began: nothing was lost; run the same command again (exit code 75)"])
+    # At once, not when the thread that ends a set-up stuck in C gives up waiting.
+    assert took < STUCK_SECONDS - 2, took
