@@ -77,3 +77,25 @@ def test_gpt2_ema_saved_by_async_saves_is_the_average_the_run_reports(data_dir, 
     assert saved and len(saved) <= len(got)
     for name, value in saved.items():
         assert torch.equal(value, got[name]), f"{name}: the checkpoint's EMA is not the final"
+
+
+def test_gpt2_trained_by_the_command_is_the_same_as_by_the_trainer(data_dir, tmp_path):
+    """``sailfin train`` watches set-up for a stop (its signal handlers, and the check at
+    the first step for a stop set-up code swallowed): the GPT-2 it saves is bit for bit
+    the one ``Trainer`` trains without them, and the weights it saves are the model's."""
+    import yaml
+    from safetensors.torch import load_file
+
+    from sailfin.cli import main
+    from tests.hf.helpers import write, yaml_config
+
+    off_model, _, _ = train("causal_lm", data_dir, tmp_path / "off", **QUIET)
+    cfg = yaml.safe_load(yaml_config("causal_lm", data_dir, tmp_path / "on",
+                                     val_batch_size=16, **QUIET))
+    cfg["module"]["init_args"].update(warmup_steps=2, weight_decay=0.01)  # helpers.module's
+    assert main(["train", write(tmp_path / "c.yaml", yaml.safe_dump(cfg))]) == 0
+    saved = load_file(str(tmp_path / "on" / "final" / "model.safetensors"))
+    want = off_model.state_dict()
+    assert set(want) >= set(saved) and len(saved) >= 8
+    for key, value in saved.items():
+        assert torch.equal(value, want[key]), f"{key} changed by the command"
