@@ -243,6 +243,9 @@ def _replace_per_device_batch(raw: dict, dotted: str, given: list[str]) -> None:
 
 
 def from_dict(raw: dict) -> RunConfig:
+    """A :class:`RunConfig` from the mapping a YAML file holds (checked as a file is: keys,
+    types, and the limits a checkpoint's manifest can hold)."""
+    check_limits(raw, "the config")
     for key in raw:
         if key not in SECTIONS:
             raise unknown_key(str(key), SECTIONS, "")

@@ -89,3 +89,19 @@ def test_a_config_just_under_the_bound_writes_a_manifest_the_reader_takes(tmp_pa
     # The manifest reader takes whatever a config within the bound adds up to.
     assert manifest.MAX_BYTES >= 2 * CONFIG_MAX_BYTES
     assert manifest.MAX_DEPTH > CONFIG_MAX_DEPTH
+
+
+def test_a_config_given_as_a_dict_is_held_to_the_same_limits():
+    from sailfin.config import from_dict
+
+    deep: dict = {"a": 1}
+    for _ in range(CONFIG_MAX_DEPTH):
+        deep = {"a": deep}
+    with pytest.raises(ConfigError, match=f"^the config nests values more than "
+                                          f"{CONFIG_MAX_DEPTH} levels deep"):
+        from_dict({"module": {"class_path": "tests.recipes.LinearRecipe",
+                              "init_args": {"extra": deep}}})
+    wide = {"module": {"class_path": "tests.recipes.LinearRecipe",
+                       "init_args": {"extra": [list(range(1000))] * 1000}}}  # shared rows
+    with pytest.raises(ConfigError, match="^the config takes more than 4 MiB written out"):
+        from_dict(wide)
