@@ -42,6 +42,14 @@ def _nested(levels: int) -> str:
     return "x: " + "[" * levels + "1" + "]" * levels + "\n"
 
 
+def _aliased(width: int = 20, levels: int = 5) -> str:
+    """``levels`` anchored lists, each ``width`` aliases of the one before: width**levels
+    values written out (3.2 million), from a few hundred bytes of YAML."""
+    items = [f"l0: &l0 [{', '.join(['12345'] * width)}]"]
+    items += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * width)}]" for i in range(1, levels)]
+    return "x: {" + ", ".join(items) + "}\n"
+
+
 def _two_saves_then(damage):
     """Train 2 steps (saves step 1 and 2), then damage step 2 with ``damage(step_dir)``."""
     def setup(tmp_path, capsys):
@@ -79,6 +87,11 @@ TABLE = [
     ("YAML nested 5,000 levels", None, [], _nested(5000), 2,
      "nests values more than 100 levels deep"),
     ("YAML nested 150 levels (loads, still refused)", None, [], _nested(150), 2,
+     "nests values more than 100 levels deep"),
+    ("YAML aliases writing out past 4 MiB", None, [], _aliased(), 2,
+     "takes more than 4 MiB written out (its YAML aliases (*name) expanded)"),
+    ("a dotted override 101 levels deep", None,
+     ["--module.init_args." + ".".join(["a"] * 101), "1"], "", 2,
      "nests values more than 100 levels deep"),
     ("module.class_path: sailfin.ModuleInterface", None,
      ["--module.class_path", "sailfin.ModuleInterface"], "", 2,

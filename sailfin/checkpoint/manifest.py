@@ -14,15 +14,17 @@ import json
 import math
 from typing import Any, Mapping
 
+from ..config.limits import MANIFEST_MAX_BYTES, MANIFEST_MAX_DEPTH
 from .errors import CheckpointCorrupt
 from .serialize import FileEntry, plain_name
 
 FORMAT = "sailfin-checkpoint/1"
 MANIFEST = "manifest.json"
 # Bounds on what is parsed: a manifest is a few kB (the config included); a damaged or
-# hostile one must not take the start-up's memory or Python's stack.
-MAX_BYTES = 16 << 20
-MAX_DEPTH = 64
+# hostile one must not take the start-up's memory or Python's stack. They follow the
+# config's own bounds: whatever config loads, its checkpoints' manifests read back.
+MAX_BYTES = MANIFEST_MAX_BYTES
+MAX_DEPTH = MANIFEST_MAX_DEPTH
 REQUIRED = ("step", "epoch", "step_in_epoch", "samples_seen", "world_size", "files")
 COUNTERS = ("step", "epoch", "step_in_epoch", "samples_seen", "world_size")
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from .coerce import build_dataclass, coerce, field_types, parse_cli_value
 from .errors import ConfigError, short_repr, suggest, unknown_key
-from .strict_yaml import load_yaml_file
+from .strict_yaml import check_limits, load_yaml_file
 from .trainer import TrainerArguments
 
 SECTIONS = ("data", "module", "trainer")
@@ -158,15 +158,23 @@ def load_config(path: Optional[str | os.PathLike] = None,
                 overrides: Sequence[str] = ()) -> RunConfig:
     """Read a YAML run config and apply ``--section.key value`` overrides."""
     raw: dict = {}
+    extended = False
     if path is not None:
         raw = _read_mapping(path)
-        if EXTENDS in raw:  # base files first
+        extended = EXTENDS in raw
+        if extended:  # base files first
             here = os.path.realpath(os.fspath(path))
             raw = _resolve_extends(raw, here, [here])
     pairs = parse_overrides(overrides)
     for key, text in pairs:
         _replace_per_device_batch(raw, key, [k for k, _ in pairs])
         apply_override(raw, key, text)
+    if extended or pairs:  # each file was checked as it was read; the sum may be more
+        parts = ([f"config file {path}"] if path is not None else []) + (
+            ["its 'extends:' bases"] if extended else []) + (
+            ["the command-line overrides"] if pairs else [])
+        check_limits(raw, " with ".join(parts[:2]) + (" and " + parts[2] if len(parts) > 2
+                                                      else ""))
     return from_dict(raw)
 
 
@@ -235,6 +243,9 @@ def _replace_per_device_batch(raw: dict, dotted: str, given: list[str]) -> None:
 
 
 def from_dict(raw: dict) -> RunConfig:
+    """A :class:`RunConfig` from the mapping a YAML file holds (checked as a file is: keys,
+    types, and the limits a checkpoint's manifest can hold)."""
+    check_limits(raw, "the config")
     for key in raw:
         if key not in SECTIONS:
             raise unknown_key(str(key), SECTIONS, "")

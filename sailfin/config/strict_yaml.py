@@ -12,6 +12,7 @@ from typing import Any, Optional
 import yaml
 
 from .errors import ConfigError
+from .limits import CONFIG_MAX_BYTES, CONFIG_MAX_DEPTH, TooBig, json_size
 
 
 class StrictLoader(yaml.SafeLoader):
@@ -72,27 +73,20 @@ def load_yaml_text(data: bytes | str, source: str) -> Any:
         text = data
     loader = StrictLoader(text)
     loader.source = source
-    too_deep = ConfigError(f"{source} nests values more than {MAX_DEPTH} levels "
-                           "deep; a config is a few levels of mappings: flatten it")
     try:
         document = loader.get_single_data()
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source} is not valid YAML: {_one_line(exc)}") from None
     except RecursionError:  # PyYAML composes and constructs recursively
-        raise too_deep from None
+        raise ConfigError(f"{source} nests values more than {CONFIG_MAX_DEPTH} levels "
+                          "deep; a config is a few levels of mappings: flatten it") from None
     finally:
         loader.dispose()
     if loader.aliases > MAX_ALIASES:
         raise ConfigError(f"{source} uses YAML aliases (*name) {loader.aliases} "
                           f"times, more than {MAX_ALIASES}; a config needs a few: write the "
                           "values out")
-    depth, size = _measure(document)
-    if depth > MAX_DEPTH:  # what loads may still be too deep to copy or print
-        raise too_deep
-    if size > MAX_EXPANDED:
-        raise ConfigError(f"{source} expands through its YAML aliases (*name) to "
-                          f"more than {MAX_EXPANDED:,} values and characters; a config is "
-                          "small: write the values out once, or load big data from a file")
+    check_limits(document, source)
     return document
 
 
@@ -112,11 +106,12 @@ def _read_config_bytes(path: str | os.PathLike, named_in: Optional[str]) -> byte
                           if named_in else f"config file not found: {path}") from None
     except OSError as exc:
         raise ConfigError(f"{label} cannot be opened: {exc.strerror}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):  # before fdopen, which refuses a directory with a traceback
+        os.close(fd)
+        raise ConfigError(f"{label} is {_file_kind(mode)}, not a regular file; give a "
+                          "YAML file")
     with os.fdopen(fd, "rb") as fh:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise ConfigError(f"{label} is {_file_kind(mode)}, not a regular file; give a "
-                              "YAML file")
         data = fh.read(MAX_FILE_BYTES + 1)
     if len(data) > MAX_FILE_BYTES:
         raise ConfigError(f"{label} is larger than {MAX_FILE_BYTES // 2**20} MiB; "
@@ -146,43 +141,44 @@ def _one_line(exc: yaml.YAMLError) -> str:
     return " ".join(str(exc).split())
 
 
-# Bounds on a document: deeper than this is no config (the schema's deepest key is a few
-# levels down); more aliases or a bigger expansion is a YAML "billion laughs", which would
-# hang whatever walks or prints the value.
-MAX_DEPTH = 100
+# More aliases than this is a YAML "billion laughs" in the making (a config needs a few);
+# how deep and how big a document may be are the config's limits (limits.py), which the
+# checkpoint manifest that stores a config shares.
 MAX_ALIASES = 1000
-MAX_EXPANDED = 10_000_000
+MAX_DEPTH = CONFIG_MAX_DEPTH
 
 
-def _measure(document: Any) -> tuple[int, int]:
-    """How deep ``document`` nests and its size with every alias written out (values plus
-    characters of strings), computed once per shared node (no recursion, no expansion)."""
-    deepest, size_of = 0, {}
-    stack: list[tuple[Any, int, bool]] = [(document, 1, False)]
-    depth_seen: dict[int, int] = {}
+def check_limits(document: Any, source: str) -> None:
+    """Refuse ``document`` (one line beginning with ``source``) when it nests deeper than
+    :data:`CONFIG_MAX_DEPTH` or takes more than :data:`CONFIG_MAX_BYTES` written out (its
+    aliases expanded, one level down, as a checkpoint's manifest stores it)."""
+    if _depth(document) > CONFIG_MAX_DEPTH:  # what loads may still be too deep to copy
+        raise ConfigError(f"{source} nests values more than {CONFIG_MAX_DEPTH} levels "
+                          "deep; a config is a few levels of mappings: flatten it")
+    try:
+        json_size(document, depth=1)
+    except TooBig:
+        raise ConfigError(
+            f"{source} takes more than {CONFIG_MAX_BYTES // 2**20} MiB written out (its YAML "
+            "aliases (*name) expanded), as every checkpoint's manifest stores it; a config is "
+            "small: write the values out once, or load big data from a file the recipe "
+            "reads") from None
+
+
+def _depth(document: Any) -> int:
+    """How deep ``document`` nests (no recursion; a node shared through aliases is walked
+    again only where it sits deeper than before)."""
+    deepest, seen = 0, {}
+    stack: list[tuple[Any, int]] = [(document, 1)]
     while stack:
-        value, depth, done = stack.pop()
-        if not isinstance(value, (dict, list)):
+        value, depth = stack.pop()
+        if not isinstance(value, (dict, list)) or seen.get(id(value), 0) >= depth:
             continue
+        seen[id(value)] = depth
+        deepest = max(deepest, depth)
+        if deepest > CONFIG_MAX_DEPTH:
+            break
         children = list(value.keys()) + list(value.values()) if isinstance(value, dict) \
             else value
-        if done:
-            size_of[id(value)] = min(MAX_EXPANDED + 1, 1 + sum(_size(c, size_of) for c in children))
-            continue
-        if depth_seen.get(id(value), 0) >= depth:
-            continue  # a shared node seen at this depth or deeper: its depth is counted
-        first = id(value) not in depth_seen
-        depth_seen[id(value)] = depth
-        deepest = max(deepest, depth)
-        if deepest > MAX_DEPTH:
-            return deepest, 0
-        if first:
-            stack.append((value, depth, True))
-        stack.extend((c, depth + 1, False) for c in children)
-    return deepest, _size(document, size_of)
-
-
-def _size(value: Any, size_of: dict[int, int]) -> int:
-    if isinstance(value, (dict, list)):
-        return size_of.get(id(value), 1)
-    return 1 + len(value) if isinstance(value, str) else 1
+        stack.extend((c, depth + 1) for c in children)
+    return deepest

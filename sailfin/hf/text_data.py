@@ -81,7 +81,7 @@ class TextData(DataInterface):
         rows = {}
         for split, source in self.files.items():
             rows[split] = read_rows(source, f"{split}_file")
-            check_columns(rows[split], columns, _label(source), f"{split}_file")
+            check_columns(rows[split], columns, _label(source), f"{split}_file", task)
         if task in ("classification", "token_classification"):
             self.labels = self._find_labels(rows, task)
         label2id = {name: i for i, name in enumerate(self.labels)}

@@ -16,6 +16,7 @@ import torch
 
 from sailfin import Trainer
 from sailfin.checkpoint import CheckpointCorrupt
+from sailfin.checkpoint.manifest import MAX_DEPTH as MANIFEST_MAX_DEPTH
 from tests.checkpoint.helpers import Crash, CrashAt
 from tests.recipes import IdData, LinearRecipe, args
 
@@ -109,7 +110,7 @@ def no_files(step):
 
 def deep_json(step):
     (step / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
-    return step / "manifest.json", "nests deeper than 64 levels"
+    return step / "manifest.json", f"nests deeper than {MANIFEST_MAX_DEPTH} levels"
 
 
 def huge_manifest(step):

@@ -63,3 +63,24 @@ def test_bf16_and_fsdp_on_cuda_stay_near_fp32(task, backend, data_dir, tmp_path)
     if backend == "fsdp":  # fp32 sharded: the same arithmetic, up to reduction order
         return
     assert changed, "bf16 autocast left every weight bit-identical to fp32: was it on?"
+
+
+def test_the_frozen_base_checksum_on_cuda_is_the_cpus_one_chunk_at_a_time(monkeypatch):
+    """The fingerprint of a base on the GPU: the CPU's checksum, with at most one chunk of
+    it on the host at a time (each copy to the host is a chunk's size)."""
+    from sailfin.trainer.checkpointing.frozen_base import tensor_crc32
+
+    t = torch.randn(1024, 257, generator=torch.Generator().manual_seed(0))
+    on_gpu = t.to("cuda", torch.bfloat16)
+    sizes = []
+    real_cpu = torch.Tensor.cpu
+
+    def cpu(self, *a, **k):
+        sizes.append(self.numel() * self.element_size())
+        return real_cpu(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    got = tensor_crc32(on_gpu, chunk_bytes=4096)
+    monkeypatch.undo()
+    assert got == tensor_crc32(on_gpu.cpu())
+    assert sizes and max(sizes) <= 4096 and sum(sizes) == on_gpu.numel() * 2

@@ -332,3 +332,35 @@ def test_lora_under_compile_trains_the_adapters_as_eager(data_dir, tmp_path):
                            module_kw=kw, compile=True, compile_check=False)
     for key, value in params(eager).items():
         torch.testing.assert_close(params(compiled)[key], value, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("field,expected", [
+    ("r: 1000000000", "config key 'module.init_args.peft.r' got 1000000000, more than the "
+                      "rank any weight matrix of GPT2LMHeadModel can have (32, its largest is "),
+    ("r: 2.5", "config key 'module.init_args.peft.r' got 2.5 (float); expected int"),
+    ("r: eight", "config key 'module.init_args.peft.r' got 'eight' (str); expected int"),
+    ("r: 0", "config key 'module.init_args.peft.r' got 0; a rank is 1 or more"),
+    ("lora_alpha: .nan", "config key 'module.init_args.peft.lora_alpha' got nan (float); "
+                         "expected int"),
+    ("lora_dropout: .inf", "config key 'module.init_args.peft.lora_dropout' got inf; "
+                           "expected a finite number"),
+])
+def test_a_rank_or_scale_peft_cannot_take_is_one_line_before_anything_is_allocated(
+        data_dir, tmp_path, capsys, field, expected):
+    text = yaml_config("causal_lm", data_dir, tmp_path / "out")
+    bad = text.replace("lr: 0.003", f"lr: 0.003\n    peft: {{{field}}}")
+    assert main(["train", write(tmp_path / "bad.yaml", bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_the_rank_bound_is_the_models_and_a_rank_pattern_is_held_to_it(data_dir):
+    from sailfin.hf.adapters import apply_peft
+
+    m = build("causal_lm", data_dir)
+    with pytest.raises(HFConfigError, match=r"peft.rank_pattern.c_attn' got 33, more than .* "
+                                            r"\(32, its largest"):
+        apply_peft(torch.nn.Module(), m.model, {"r": 4, "rank_pattern": {"c_attn": 33}})
+    wrapped = apply_peft(torch.nn.Module(), m.model, {"r": 32, "target_modules": ["c_attn"]})
+    assert wrapped.peft_config["default"].r == 32  # the bound itself is taken

@@ -3,6 +3,7 @@ within 1e-4 of ddp; fsdp-dp (Opacus's FSDP ghost clipping) and ddp-dp with LoRA 
 the adapters and leave the frozen base as built."""
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from tests.distributed.harness import errors, run_ranks
@@ -63,3 +64,34 @@ def _only_the_adapters_moved(final, data_dir):
     for key, value in final.items():
         if "lora_" not in key:  # the frozen base: the weights every run starts from
             assert (value == start[key]).all(), key
+
+
+def test_a_lora_checkpoint_of_fsdp_resumes_on_one_process_with_its_base_checked(data_dir,
+                                                                               tmp_path):
+    """The fingerprint of the frozen base is a checksum of each whole tensor (gathered under
+    fsdp): one process resumes a 2-process fsdp checkpoint onto the same base, and refuses
+    the base with two rows of wte swapped."""
+    from sailfin import Trainer, seed_everything
+    from sailfin.checkpoint import CheckpointError
+    from tests.hf.helpers import NO_DROPOUT, args, module
+
+    run("fsdp", data_dir, tmp_path / "fsdp", max_steps=2, checkpoint={"every_n_steps": 2})
+    out = tmp_path / "fsdp" / "run"
+
+    def built():
+        seed_everything(0)
+        return module("causal_lm", data_dir, config_kw=NO_DROPOUT["causal_lm"],
+                      peft={"r": 4, "lora_alpha": 8, "lora_dropout": 0.0})
+
+    swapped = built()
+    (wte,) = [p for n, p in swapped.named_parameters() if n.endswith("transformer.wte.weight")]
+    with torch.no_grad():
+        wte[[0, 1]] = wte[[1, 0]].clone()
+    trainer = Trainer(swapped, args(out, **{**TRAINER, "max_steps": 3}))
+    with pytest.raises(CheckpointError, match="another frozen base: frozen parameter "
+                                              ".*transformer.wte.weight differs"):
+        trainer.setup()
+    trainer.close()
+    trainer = Trainer(built(), args(out, **{**TRAINER, "max_steps": 3}))
+    trainer.train()
+    assert trainer.resumed_from.name == "step-00000002"

@@ -17,6 +17,7 @@ from ...utils.voice import say
 from ...checkpoint.errors import CheckpointError
 from ...checkpoint.sharded import load_sharded
 from ...checkpoint.weights_file import SafetensorsSource, StateDictSource, load_into
+from .frozen_base import mismatch
 from .state import frozen_names
 
 if TYPE_CHECKING:
@@ -44,6 +45,13 @@ def load_initial_weights(trainer: "RunView", path: str) -> None:
                                   ) from None
         shown = loaded.location
         origin = f"checkpoint at step {loaded.manifest['step']}"
+        saved = loaded.shared.get("trainer")
+        if isinstance(saved, dict) and "frozen" in saved:  # adapters: onto their base only
+            why = mismatch(saved["frozen"], trainer.module)
+            if why:
+                raise CheckpointError(
+                    f"trainer.init_from: checkpoint {shown} holds only the parameters that "
+                    f"train, and {why}; build the module on the base it was trained on")
         if loaded.sharded is not None:  # DCP reads each rank's rows
             ref = dataclasses.replace(loaded.sharded, keys=["module"])
             try:

@@ -2,23 +2,22 @@
 
 With ``ModuleInterface.checkpoint_frozen_params = False`` (LoRA through ``peft:``),
 checkpoints hold only the parameters that train and a fingerprint of the frozen base
-(per parameter: name, shape, dtype, float64 sum and sum of squares, reduced over the
-ranks under fsdp), checked on resume.
+(per parameter: name, shape, dtype and a checksum of its bytes: ``frozen_base``), checked
+on resume and on ``init_from``.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
+
+from .frozen_base import fingerprint, frozen_names, mismatch
 
 if TYPE_CHECKING:
     from ..core.callbacks import Callback
     from ..core.view import RunView
 
-_FROZEN: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[frozenset, list]]" = (
-    weakref.WeakKeyDictionary())
 # The trainer's counters, as trainer.pt holds them.
 COUNTERS = ("global_step", "epoch", "step_in_epoch", "samples_seen", "train_seconds",
             "last_val_step")
@@ -82,9 +81,9 @@ def _with_frozen(trainer: "RunView", state: Mapping[str, Any]) -> dict[str, Any]
                              "module as that run did")
         return model
     if saved is not None:
-        why = mismatch(saved, fingerprint(module))
+        why = mismatch(saved, module)
         if why:
-            raise ValueError(f"it was trained on another frozen base: {why}")
+            raise ValueError(why)
     current = trainer.backend.model_state_dict(module)
     return {**{k: current[k] for k in frozen_names(module) if k in current}, **model}
 
@@ -97,45 +96,3 @@ def state_key(callback: "Callback") -> str:
 def excludes_frozen(module: torch.nn.Module) -> bool:
     """Whether ``module``'s checkpoints leave its frozen parameters out."""
     return not getattr(module, "checkpoint_frozen_params", True)
-
-
-def frozen_names(module: torch.nn.Module) -> frozenset[str]:
-    """The state-dict names of ``module``'s parameters that do not train."""
-    return _frozen(module)[0]
-
-
-def fingerprint(module: torch.nn.Module) -> list[list[Any]]:
-    """What identifies the frozen base (computed once per module: it does not change)."""
-    return _frozen(module)[1]
-
-
-def _frozen(module: torch.nn.Module) -> tuple[frozenset, list]:
-    cached = _FROZEN.get(module)
-    if cached is None:
-        frozen = [(name, p) for name, p in module.named_parameters(remove_duplicate=False)
-                  if not p.requires_grad]
-        prints = [[name, list(p.shape), str(p.dtype).replace("torch.", ""),
-                   _figure(p.detach().double().sum()),
-                   _figure(p.detach().double().square().sum())] for name, p in frozen]
-        cached = _FROZEN[module] = (frozenset(n for n, _ in frozen), prints)
-    return cached
-
-
-def _figure(value: torch.Tensor) -> float:
-    full = getattr(value, "full_tensor", None)  # a DTensor (fsdp): reduced over the ranks
-    return float(f"{float(full() if full else value):.10g}")
-
-
-def mismatch(saved: list, now: list) -> str:
-    """Why ``saved`` (a checkpoint's fingerprint) is not ``now``'s; "" when they agree."""
-    saved_by = {entry[0]: entry for entry in saved}
-    now_by = {entry[0]: entry for entry in now}
-    if set(saved_by) != set(now_by):
-        extra = sorted(set(saved_by) ^ set(now_by))[:3]
-        return (f"the frozen parameters differ by name ({len(saved_by)} saved, {len(now_by)} "
-                f"now; e.g. {', '.join(extra)})")
-    for name, entry in now_by.items():
-        if saved_by[name] != entry:
-            return (f"frozen parameter {name} differs (saved shape/dtype/sum "
-                    f"{saved_by[name][1:]}, now {entry[1:]})")
-    return ""
