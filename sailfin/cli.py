@@ -328,7 +328,22 @@ def command() -> int:
 def main(argv: Optional[Sequence[str]] = None, own_process: bool = False) -> int:
     """Run one sailfin command; return its exit code. In-process (``own_process`` False:
     a test, a notebook) it never ends the process and leaves its signal handlers as it
-    found them."""
+    found them: ``--help``, ``--version`` and a usage error return their code too."""
+    try:
+        return _main(argv, own_process)
+    except SystemExit as exc:  # argparse's (and torchrun's parser's) way to end
+        return _exit_code(exc)
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """The code ``sys.exit`` would give the process for ``exc``."""
+    if exc.code is None or isinstance(exc.code, int):
+        return int(exc.code or 0)
+    print(exc.code, file=sys.stderr)  # sys.exit("message"): printed, exit 1
+    return 1
+
+
+def _main(argv: Optional[Sequence[str]], own_process: bool) -> int:
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
     if own_process and args.command not in ("train", "launch"):
