@@ -346,6 +346,8 @@ def _exit_code(exc: SystemExit) -> int:
 def _main(argv: Optional[Sequence[str]], own_process: bool) -> int:
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
+    if own_process:
+        raise_swallowed_stop()  # a stop while it started, that code there swallowed
     if own_process and args.command not in ("train", "launch"):
         default_signals()  # these handle no stop of their own: Ctrl-C is Python's
     if rest and args.command in ("report", "export", "clean"):

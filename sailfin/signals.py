@@ -200,8 +200,11 @@ _installed: list[_SetupStop] = []
 
 
 def raise_swallowed_stop() -> None:
-    """Raise a stop of set-up again, at a point of sailfin's own, if code it called
-    swallowed it (a bare ``except:``): no step may run after a stop."""
+    """Raise a stop of set-up (or of the command's start, :func:`stop_at_start`) again, at
+    a point of sailfin's own, if code it called swallowed it (a bare ``except:``): no step
+    may run after a stop."""
+    if _started_stops:
+        raise StoppedDuringSetup(_started_stops[0])
     for stop in _installed:
         if stop.first is not None and not stop.over:
             raise StoppedDuringSetup(stop.first[0])
@@ -220,6 +223,7 @@ def stop_at_start() -> None:
         if first:
             return
         first.append(signal.Signals(signum).name)
+        _started_stops.append(first[0])  # raise_swallowed_stop: until the process ends
         if _in_import(frame):  # torch's, under sailfin launch: no worker, no file yet
             _end_now(f"{'sailfin launch' if sys.argv[1:2] == ['launch'] else 'sailfin'}: "
                      f"stopped by {first[0]} while starting, before any work began: "
@@ -229,6 +233,10 @@ def stop_at_start() -> None:
 
     for sig in _SIGNALS:
         signal.signal(sig, on_signal)
+
+
+# The stops stop_at_start's handler raised in this process (the sailfin command's).
+_started_stops: list[str] = []
 
 
 def default_signals() -> None:
