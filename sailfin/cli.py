@@ -69,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("launch", add_help=False,  # its own help: sailfin.launch.HELP
                    help="torchrun with the same arguments, a closing line and exit codes "
                         "a scheduler can read (75: preempted, requeue)")
+    # sailfin launch: these may stand where torchrun takes a script (launch train CONFIG)
+    parser.set_defaults(sailfin_commands=tuple(n for n in sub.choices if n != "launch"))
     return parser
 
 
@@ -357,7 +359,8 @@ def _main(argv: Optional[Sequence[str]], own_process: bool) -> int:
         return report_command(args.output_dir, args.compare, args.out, args.dpi)
     if args.command == "launch":
         from .launch import launch_command
-        return launch_command(list(argv if argv is not None else sys.argv[1:])[1:])
+        return launch_command(list(argv if argv is not None else sys.argv[1:])[1:],
+                              args.sailfin_commands)
     if args.command == "export":
         from .hf.export import export_command
         path = export_command(args.checkpoint, args.out)

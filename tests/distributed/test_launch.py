@@ -284,3 +284,64 @@ def test_the_closing_line_comes_from_the_workers_notes():
     assert code == 75 and "2 saved a checkpoint" in line
     # A failure that is none of these: torchrun's own report, and its code.
     assert _closing_line({0: 1, 1: -15}, notes(training={0, 1})) == (None, 1)
+
+
+SHORT = """
+data: {{class_path: tests.recipes.IdData, init_args: {{n_train: 40, n_val: 4}}}}
+module: {{class_path: tests.recipes.LinearRecipe}}
+trainer: {{epochs: 1, train_batch_size: 10, writers: [jsonl], output_dir: {out},
+           progress: none}}
+"""
+RDZV = ["--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:0"]
+
+
+def test_a_sailfin_command_where_torchrun_takes_a_script_is_run_with_m_sailfin(tmp_path):
+    """`sailfin launch --nproc-per-node 2 train config.yaml` ran `python train` (torchrun's
+    "can't open file .../train", exit 2 twice per rank)."""
+    from torch.distributed.run import parse_args
+
+    from sailfin.launch import sailfin_command
+
+    args = parse_args([*RDZV, "train", "c.yaml", "--trainer.epochs", "2"])
+    assert sailfin_command(args, [], ("train", "report")) is None
+    assert (args.module, args.training_script, args.training_script_args) == (
+        True, "sailfin", ["train", "c.yaml", "--trainer.epochs", "2"])
+    script = tmp_path / "train.py"
+    args = parse_args([*RDZV, str(script), "x"])  # a script stays a script
+    assert sailfin_command(args, [], ("train",)) is None and not args.module
+
+
+def test_a_config_where_the_script_goes_is_refused_in_one_line_showing_the_form(
+        tmp_path, capsys):
+    from sailfin.cli import main
+
+    cfg = tmp_path / "c.yaml"
+    assert main(["launch", *RDZV, str(cfg), "--trainer.epochs", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"sailfin launch: {cfg} is a config, not a script torchrun can run; name "
+                   f"the command before it: sailfin launch {' '.join(RDZV)} -m sailfin train "
+                   f"{cfg} --trainer.epochs 2"]
+
+
+@pytest.mark.slow
+def test_launch_train_config_and_the_advised_form_train_two_ranks(tmp_path, capsys):
+    import shlex
+
+    from sailfin.cli import main
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for name in ("short", "advised"):
+        cfg = tmp_path / f"{name}.yaml"
+        cfg.write_text(SHORT.format(out=tmp_path / name))
+        if name == "short":  # as a user types it first
+            argv = ["sailfin", "launch", *RDZV, "train", str(cfg), "--trainer.backend", "ddp"]
+        else:
+            capsys.readouterr()
+            assert main(["launch", *RDZV, str(cfg), "--trainer.backend", "ddp"]) == 2
+            argv = shlex.split(capsys.readouterr().err.split("name the command before it: ")[1])
+        done = subprocess.run([sys.executable, "-m", *argv], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["global_step"] == 4 and summary["world_size"] == 2, summary
