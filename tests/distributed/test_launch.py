@@ -345,3 +345,89 @@ def test_launch_train_config_and_the_advised_form_train_two_ranks(tmp_path, caps
         assert done.returncode == 0, done.stderr[-3000:]
         summary = json.loads((tmp_path / name / "summary.json").read_text())
         assert summary["global_step"] == 4 and summary["world_size"] == 2, summary
+
+
+def test_the_launcher_watch_tells_once_when_the_parent_changes():
+    from sailfin.distributed.launcher_watch import LauncherWatch, parent_gone
+
+    told = []
+    here = LauncherWatch(told.append, interval=0.01)  # this process's parent: alive
+    here.start()
+    time.sleep(0.1)
+    here.stop()
+    assert told == [] and not parent_gone(os.getppid(), wait=0.05)
+    gone = LauncherWatch(told.append, interval=0.01, parent=os.getppid() + 1)  # not ours
+    gone.start()
+    deadline = time.monotonic() + 10
+    while not told and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gone.check() and told == [os.getppid() + 1]  # once, from the thread
+    gone.stop()
+
+
+# Starts the launcher and reaps every process below it, the workers a killed launcher
+# leaves included (a sub-reaper: they are handed to it), recording each one's exit code.
+REAPER = r"""
+import ctypes, json, os, subprocess, sys
+assert ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+launcher = subprocess.Popen(sys.argv[2:])
+with open(sys.argv[1] + ".pid", "w") as fh:
+    fh.write(str(launcher.pid))
+codes = {}
+while True:
+    try:
+        pid, status = os.wait()
+    except ChildProcessError:
+        break
+    codes[pid] = os.waitstatus_to_exitcode(status)
+with open(sys.argv[1], "w") as fh:
+    json.dump(codes, fh)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a sub-reaper: Linux")
+@pytest.mark.parametrize("launcher", ["torchrun", "sailfin launch"])
+def test_workers_of_a_killed_launcher_save_and_stop_with_one_line(tmp_path, launcher):
+    """kill -9 of the launcher left its workers (each in a session of its own) training
+    to the end, writing checkpoints and the final model unsupervised."""
+    from tests.distributed.elastic_helpers import pid_of, single_node
+
+    cfg = write_config(tmp_path, "job", every=100, step_seconds=0.3, epochs=20)  # 240 steps
+    records, log, codes = tmp_path / "job" / "records", tmp_path / "job.log", tmp_path / "codes"
+    start = (["-m", "torch.distributed.run"] if launcher == "torchrun"
+             else ["-m", "sailfin", "launch"])
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    with open(log, "ab") as fh:
+        reaper = subprocess.Popen([sys.executable, "-c", REAPER, str(codes), sys.executable,
+                                   *start, *single_node(2, cfg, restarts=0)],
+                                  env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
+                                  start_new_session=True)
+    try:
+        wait_until(lambda: reached(records, 0, "0-") >= 3, [reaper], 180, [log], "step 3")
+        launcher_pid = int((tmp_path / "codes.pid").read_text())
+        before = len(log.read_bytes())
+        os.kill(launcher_pid, signal.SIGKILL)
+        killed_at = reached(records, 0, "0-")
+        wait([reaper], 120, [log])  # the workers stopped: the reaper reaped them all
+    finally:
+        stop(reaper)
+    exits = {int(pid): code for pid, code in json.loads(codes.read_text()).items()}
+    workers = [pid_of(records, rank, "0-w2") for rank in (0, 1)]
+    assert exits[launcher_pid] == -signal.SIGKILL
+    assert [exits[pid] for pid in workers] == [75, 75], tail([log])
+    # Stopped at a step boundary soon after (the ranks agree every 10 steps), with a save.
+    checkpoints = tmp_path / "job" / "run" / "checkpoints"
+    manifest = json.loads((checkpoints / (checkpoints / "latest").read_text().strip()
+                           / "manifest.json").read_text())
+    assert killed_at <= manifest["step"] <= killed_at + 12 and manifest["step"] < 240
+    assert reached(records, 0, "0-") == reached(records, 1, "0-") == manifest["step"]
+    assert not (tmp_path / "job" / "run" / "final").exists()
+    text = log.read_bytes()[before:].decode(errors="replace")
+    # sailfin's one line. (torch's C++ store client may warn of the broken connection to
+    # the launcher's store, when a watchdog's request was in flight as the launcher died.)
+    assert "Traceback" not in text and "hang watchdog" not in text, tail([log])
+    assert [x for x in text.splitlines() if x.startswith("sailfin")] == [f"sailfin: stopped by the loss of its launcher (pid {launcher_pid}) after "
+                    f"step {manifest['step']}; saved checkpoint {checkpoints}/step-"
+                    f"{manifest['step']:08d}. Run the same command again to resume from it "
+                    "(exit code 75)"], tail([log])
