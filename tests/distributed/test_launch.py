@@ -397,7 +397,9 @@ def test_workers_of_a_killed_launcher_save_and_stop_with_one_line(tmp_path, laun
     records, log, codes = tmp_path / "job" / "records", tmp_path / "job.log", tmp_path / "codes"
     start = (["-m", "torch.distributed.run"] if launcher == "torchrun"
              else ["-m", "sailfin", "launch"])
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    (tmp_path / "tmp").mkdir()  # the killed launcher's notes and logs: removed with it
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "TMPDIR": str(tmp_path / "tmp")}
     with open(log, "ab") as fh:
         reaper = subprocess.Popen([sys.executable, "-c", REAPER, str(codes), sys.executable,
                                    *start, *single_node(2, cfg, restarts=0)],
