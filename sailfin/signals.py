@@ -27,6 +27,7 @@ from typing import Any, Iterator, Optional
 
 from .distributed.exit_codes import PREEMPTED_EXIT_CODE
 from .distributed.launch_notes import LAUNCH_DIR_ENV, PREEMPTED, clear_notes, leave_note
+from .distributed.launcher_watch import launcher_pid  # noqa: F401 (notes the launcher now)
 
 __all__ = ["LAUNCH_DIR_ENV", "PREEMPTED_EXIT_CODE", "StoppedDuringSetup", "default_signals",
            "note_preempted", "raise_swallowed_stop", "setup_over", "stop_at_start",

@@ -22,9 +22,19 @@ import time
 from typing import Callable, Optional
 
 
+# The parent when sailfin's command began (sailfin.signals imports this module first
+# thing): the launcher, even if it dies while the worker still sets up.
+_PARENT_AT_START = os.getppid()
+
+
 def under_a_launcher() -> bool:
     """Whether torchrun (or ``sailfin launch``) started this process."""
     return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def launcher_pid() -> int:
+    """The launcher's pid: this process's parent when sailfin's command began."""
+    return _PARENT_AT_START
 
 
 def parent_gone(parent: int, wait: float = 0.0) -> bool:
@@ -41,13 +51,14 @@ def parent_gone(parent: int, wait: float = 0.0) -> bool:
 
 class LauncherWatch:
     """Calls ``on_gone(launcher_pid)`` once, from a thread, when the launcher that started
-    this process exits. The launcher is the parent at construction (or ``parent``)."""
+    this process exits. The launcher is the parent when the command began (or
+    ``parent``)."""
 
     def __init__(self, on_gone: Callable[[int], None], interval: float = 0.5,
                  parent: Optional[int] = None) -> None:
         self.on_gone = on_gone
         self.interval = interval
-        self.parent = os.getppid() if parent is None else parent
+        self.parent = launcher_pid() if parent is None else parent
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._told = False

@@ -28,7 +28,7 @@ from .hang_report import (ALL_REDUCE, BACKWARD, CHECKPOINT_SAVE, DATA, END_OF_EP
                           STARTUP_CHECKS, STARTUP_CHECKS_GATHER, VALIDATION, VALIDATION_GATHER,
                           RankRecord, culprits, hang_report, limit_of, recipe_step)
 from .launch_notes import HANG, leave_note
-from .launcher_watch import parent_gone, under_a_launcher
+from .launcher_watch import launcher_pid, parent_gone, under_a_launcher
 
 AUTO_HANG_SECONDS = 300.0
 
@@ -96,7 +96,7 @@ class Watchdog:
         self._present: list[str] = []  # judge: the record keys that exist
         self._process = (os.getpid(), socket.gethostname())
         # torchrun's agent holds the store: killed, the loop stops this worker (preemption)
-        self._launcher = os.getppid() if under_a_launcher() else None
+        self._launcher = launcher_pid() if under_a_launcher() else None
         self._store_gone = False  # with the launcher: no record is written any more
 
     def start(self) -> None:

@@ -365,6 +365,37 @@ def test_the_launcher_watch_tells_once_when_the_parent_changes():
     gone.stop()
 
 
+WORKER_OF_A_DYING_LAUNCHER = """
+import os, sys, time
+import sailfin.signals  # the command's start: the launcher is noted
+first = os.getppid()
+print(first, flush=True)
+sys.stdin.read()  # the launcher is gone (its end of the pipe closed)
+while os.getppid() == first:
+    time.sleep(0.01)
+from sailfin.distributed.launcher_watch import LauncherWatch
+told = []
+print(LauncherWatch(told.append).check(), told == [first], flush=True)
+"""
+
+
+def test_a_launcher_that_dies_while_the_worker_sets_up_is_still_noticed():
+    """The launcher is the parent when the command began, not when training begins."""
+    launcher = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', sys.argv[1]], "
+                "stdin=subprocess.PIPE); sys.stdout.flush()")
+    import select
+
+    proc = subprocess.Popen([sys.executable, "-c", launcher + "; import time; time.sleep(1)",
+                             WORKER_OF_A_DYING_LAUNCHER], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    first = proc.stdout.readline().split()  # the worker's parent: the launcher
+    assert first == [str(proc.pid)]
+    proc.wait(timeout=60)  # the launcher ends; the worker is handed to another process
+    ready, _, _ = select.select([proc.stdout], [], [], 60)
+    assert ready and proc.stdout.readline().split() == ["True", "True"]
+    proc.stdout.close()
+
+
 # Starts the launcher and reaps every process below it, the workers a killed launcher
 # leaves included (a sub-reaper: they are handed to it), recording each one's exit code.
 REAPER = r"""
