@@ -94,7 +94,8 @@ def sailfin_command(args: Any, argv: Sequence[str], commands: Sequence[str]) -> 
     script = args.training_script
     if args.module or args.no_python:
         return None
-    if script in commands and not os.path.exists(script):
+    runnable = os.path.isfile(script) or os.path.isfile(os.path.join(script, "__main__.py"))
+    if script in commands and not runnable:  # a folder named train/ is no script
         args.module = True
         args.training_script = "sailfin"
         args.training_script_args = [script, *args.training_script_args]

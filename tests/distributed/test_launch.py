@@ -296,7 +296,8 @@ RDZV = ["--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d",
         "--rdzv-endpoint=127.0.0.1:0"]
 
 
-def test_a_sailfin_command_where_torchrun_takes_a_script_is_run_with_m_sailfin(tmp_path):
+def test_a_sailfin_command_where_torchrun_takes_a_script_is_run_with_m_sailfin(tmp_path,
+                                                                               monkeypatch):
     """`sailfin launch --nproc-per-node 2 train config.yaml` ran `python train` (torchrun's
     "can't open file .../train", exit 2 twice per rank)."""
     from torch.distributed.run import parse_args
@@ -309,6 +310,13 @@ def test_a_sailfin_command_where_torchrun_takes_a_script_is_run_with_m_sailfin(t
         True, "sailfin", ["train", "c.yaml", "--trainer.epochs", "2"])
     script = tmp_path / "train.py"
     args = parse_args([*RDZV, str(script), "x"])  # a script stays a script
+    assert sailfin_command(args, [], ("train",)) is None and not args.module
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train").mkdir()  # a folder of the same name: still the command
+    args = parse_args([*RDZV, "train", "c.yaml"])
+    assert sailfin_command(args, [], ("train",)) is None and args.module
+    (tmp_path / "train" / "__main__.py").write_text("")  # python can run this one
+    args = parse_args([*RDZV, "train", "c.yaml"])
     assert sailfin_command(args, [], ("train",)) is None and not args.module
 
 
