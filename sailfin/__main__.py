@@ -1,28 +1,25 @@
-"""``python -m sailfin``: the sailfin command, a process of its own.
+"""``python -m sailfin`` and the ``sailfin`` console script: the sailfin command, a process
+of its own.
 
-Its first instruction makes SIGTERM and Ctrl-C a stop: while the command imports its
-own modules a stop is one line and exit code 75, not a ``KeyboardInterrupt`` traceback
-or a bare -15. Nothing has begun to clean up, so the handler ends the process itself
-(an exception could meet a bare ``except:``); :func:`sailfin.cli.command` then takes
-the signals over.
+Its first instruction makes SIGTERM and Ctrl-C a stop (under ``python -m sailfin`` the
+package's own first lines already did, see ``sailfin/__init__.py``): while the command
+imports its modules a stop is one line and exit code 75, not a ``KeyboardInterrupt``
+traceback, a bare -15, or a Ctrl-C that an import swallowed while the run went on.
+:func:`sailfin.cli.command` then takes the signals over.
 """
 
-import os
-import signal
 import sys
 
-
-def _stop(signum, frame):
-    who = "sailfin launch" if sys.argv[1:2] == ["launch"] else "sailfin"
-    os.write(2, f"{who}: stopped by {signal.Signals(signum).name} while starting, before "
-             "any work began: nothing was lost; run the same command again (exit code 75)\n"
-             .encode())
-    os._exit(75)
+from . import _catch_stops_while_starting
 
 
-for _sig in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(_sig, _stop)
+def run() -> int:
+    """The console script's entry point (``pyproject.toml``: ``sailfin.__main__:run``)."""
+    _catch_stops_while_starting()
+    from .cli import command  # after the handlers: a stop while it imports
 
-from .cli import command  # noqa: E402  (after the handlers: a stop while it imports)
+    return command()
 
-sys.exit(command())
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -69,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("launch", add_help=False,  # its own help: sailfin.launch.HELP
                    help="torchrun with the same arguments, a closing line and exit codes "
                         "a scheduler can read (75: preempted, requeue)")
+    # sailfin launch: these may stand where torchrun takes a script (launch train CONFIG)
+    parser.set_defaults(sailfin_commands=tuple(n for n in sub.choices if n != "launch"))
     return parser
 
 
@@ -328,9 +330,26 @@ def command() -> int:
 def main(argv: Optional[Sequence[str]] = None, own_process: bool = False) -> int:
     """Run one sailfin command; return its exit code. In-process (``own_process`` False:
     a test, a notebook) it never ends the process and leaves its signal handlers as it
-    found them."""
+    found them: ``--help``, ``--version`` and a usage error return their code too."""
+    try:
+        return _main(argv, own_process)
+    except SystemExit as exc:  # argparse's (and torchrun's parser's) way to end
+        return _exit_code(exc)
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """The code ``sys.exit`` would give the process for ``exc``."""
+    if exc.code is None or isinstance(exc.code, int):
+        return int(exc.code or 0)
+    print(exc.code, file=sys.stderr)  # sys.exit("message"): printed, exit 1
+    return 1
+
+
+def _main(argv: Optional[Sequence[str]], own_process: bool) -> int:
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
+    if own_process:
+        raise_swallowed_stop()  # a stop while it started, that code there swallowed
     if own_process and args.command not in ("train", "launch"):
         default_signals()  # these handle no stop of their own: Ctrl-C is Python's
     if rest and args.command in ("report", "export", "clean"):
@@ -340,7 +359,8 @@ def main(argv: Optional[Sequence[str]] = None, own_process: bool = False) -> int
         return report_command(args.output_dir, args.compare, args.out, args.dpi)
     if args.command == "launch":
         from .launch import launch_command
-        return launch_command(list(argv if argv is not None else sys.argv[1:])[1:])
+        return launch_command(list(argv if argv is not None else sys.argv[1:])[1:],
+                              args.sailfin_commands)
     if args.command == "export":
         from .hf.export import export_command
         path = export_command(args.checkpoint, args.out)

@@ -15,10 +15,11 @@ Example::
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import tempfile
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from .distributed.exit_codes import (HANG_EXIT_CODE, NOTHING_TO_TRAIN_EXIT_CODE,
                                      PREEMPTED_EXIT_CODE)
@@ -31,6 +32,9 @@ HELP = f"""\
 usage: sailfin launch [torchrun options] -m sailfin train CONFIG.yaml [--section.key value ...]
 
 torchrun (torch.distributed.run) with the same options. What sailfin launch adds:
+
+  a sailfin command where torchrun takes a script: sailfin launch [torchrun options]
+  train CONFIG.yaml runs -m sailfin train CONFIG.yaml (unless a file named train exists);
 
   a closing line on stderr (sailfin launch: ...) that says how the job ended, read from
   the workers' notes (saved a checkpoint on a signal, printed a user error, stopped by the
@@ -65,15 +69,16 @@ def wants_help(argv: Sequence[str]) -> bool:
 _STOPPED_BY_AGENT = (-signal.SIGTERM, -signal.SIGKILL)
 
 
-def launch_command(argv: Sequence[str]) -> int:
+def launch_command(argv: Sequence[str], commands: Sequence[str] = ("train",)) -> int:
     """Run torchrun with ``argv`` (or print :data:`HELP`); return the exit code :data:`HELP`
-    lists. A stop before torchrun's agent takes the signals over (while torch imports,
-    during the rendezvous; :func:`sailfin.signals.stop_at_start`) is one line and 75."""
+    lists. ``commands``: sailfin's, which may stand where torchrun takes a script. A stop
+    before torchrun's agent takes the signals over (while torch imports, during the
+    rendezvous; :func:`sailfin.signals.stop_at_start`) is one line and 75."""
     if wants_help(argv):
         print(HELP, end="")
         return 0
     try:
-        return _launch(argv)
+        return _launch(argv, commands)
     except StoppedDuringSetup as exc:
         line(f"sailfin launch: stopped by {exc.signal_name} while starting, before any "
              "worker began: nothing was lost; run the same command again (exit code "
@@ -81,12 +86,38 @@ def launch_command(argv: Sequence[str]) -> int:
         return PREEMPTED_EXIT_CODE
 
 
-def _launch(argv: Sequence[str]) -> int:
+def sailfin_command(args: Any, argv: Sequence[str], commands: Sequence[str]) -> Optional[str]:
+    """torchrun's parsed ``args`` with a sailfin command where the script goes
+    (``sailfin launch --nproc-per-node 2 train config.yaml``) made ``-m sailfin train
+    config.yaml``, in place; a config given as the script: the line that refuses it,
+    showing the form that works."""
+    script = args.training_script
+    if args.module or args.no_python:
+        return None
+    runnable = os.path.isfile(script) or os.path.isfile(os.path.join(script, "__main__.py"))
+    if script in commands and not runnable:  # a folder named train/ is no script
+        args.module = True
+        args.training_script = "sailfin"
+        args.training_script_args = [script, *args.training_script_args]
+    elif script.endswith((".yaml", ".yml")):
+        at = max(i for i, arg in enumerate(argv) if arg == script)
+        right = shlex.join(["sailfin", "launch", *argv[:at], "-m", "sailfin", "train",
+                            *argv[at:]])
+        return (f"sailfin launch: {script} is a config, not a script torchrun can run; name "
+                f"the command before it: {right}")
+    return None
+
+
+def _launch(argv: Sequence[str], commands: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import determine_local_world_size, parse_args, run
 
     args = parse_args(list(argv))
+    refused = sailfin_command(args, argv, commands)
+    if refused:
+        line(refused)
+        return 2
     notes = tempfile.mkdtemp(prefix="sailfin-launch-")
     previous = os.environ.get(LAUNCH_DIR_ENV)
     os.environ[LAUNCH_DIR_ENV] = notes  # the workers inherit it

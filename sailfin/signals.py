@@ -27,6 +27,7 @@ from typing import Any, Iterator, Optional
 
 from .distributed.exit_codes import PREEMPTED_EXIT_CODE
 from .distributed.launch_notes import LAUNCH_DIR_ENV, PREEMPTED, clear_notes, leave_note
+from .distributed.launcher_watch import launcher_pid  # noqa: F401 (notes the launcher now)
 
 __all__ = ["LAUNCH_DIR_ENV", "PREEMPTED_EXIT_CODE", "StoppedDuringSetup", "default_signals",
            "note_preempted", "raise_swallowed_stop", "setup_over", "stop_at_start",
@@ -200,8 +201,11 @@ _installed: list[_SetupStop] = []
 
 
 def raise_swallowed_stop() -> None:
-    """Raise a stop of set-up again, at a point of sailfin's own, if code it called
-    swallowed it (a bare ``except:``): no step may run after a stop."""
+    """Raise a stop of set-up (or of the command's start, :func:`stop_at_start`) again, at
+    a point of sailfin's own, if code it called swallowed it (a bare ``except:``): no step
+    may run after a stop."""
+    if _started_stops:
+        raise StoppedDuringSetup(_started_stops[0])
     for stop in _installed:
         if stop.first is not None and not stop.over:
             raise StoppedDuringSetup(stop.first[0])
@@ -220,6 +224,7 @@ def stop_at_start() -> None:
         if first:
             return
         first.append(signal.Signals(signum).name)
+        _started_stops.append(first[0])  # raise_swallowed_stop: until the process ends
         if _in_import(frame):  # torch's, under sailfin launch: no worker, no file yet
             _end_now(f"{'sailfin launch' if sys.argv[1:2] == ['launch'] else 'sailfin'}: "
                      f"stopped by {first[0]} while starting, before any work began: "
@@ -229,6 +234,10 @@ def stop_at_start() -> None:
 
     for sig in _SIGNALS:
         signal.signal(sig, on_signal)
+
+
+# The stops stop_at_start's handler raised in this process (the sailfin command's).
+_started_stops: list[str] = []
 
 
 def default_signals() -> None:

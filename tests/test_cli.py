@@ -118,6 +118,29 @@ def test_the_digits_demo_reaches_95_percent(tmp_path):
     assert summary["val"]["accuracy"] == pytest.approx(accuracy, abs=1e-4)
 
 
+@pytest.mark.parametrize("argv, code, where, text", [
+    (["train"], 2, "err", "the following arguments are required: config"),
+    (["trian", "x.yaml"], 2, "err", "invalid choice: 'trian'"),
+    (["export", "a", "b", "c"], 2, "err", "unrecognized arguments: c"),
+    (["launch", "--nproc-per-node"], 2, "err", "expected one argument"),  # torchrun's parser
+    (["--version"], 0, "out", "sailfin "),
+    (["--help"], 0, "out", "usage: sailfin"),
+    (["export", "--help"], 0, "out", "usage: sailfin export"),
+])
+def test_main_returns_the_code_argparse_would_end_the_process_with(argv, code, where, text,
+                                                                  capsys):
+    """main() is for in-process use: it raised SystemExit (from argparse) instead."""
+    assert main(argv) == code
+    assert text in getattr(capsys.readouterr(), where)
+
+
+def test_the_command_still_exits_with_argparses_code(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "sailfin", "trian", "x.yaml"], env=env,
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 2 and "invalid choice: 'trian'" in done.stderr
+
+
 def test_import_sailfin_is_light():
     code = "import sys, sailfin; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -135,8 +158,7 @@ def test_train_help_lists_every_config_key_from_the_schema(capsys):
     from sailfin.config.trainer import TrainerArguments
     from sailfin.cli import main as cli_main
 
-    with pytest.raises(SystemExit):
-        cli_main(["train", "--help"])
+    assert cli_main(["train", "--help"]) == 0
     out = capsys.readouterr().out
     lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  --trainer.")}
 
@@ -154,8 +176,7 @@ def test_train_help_lists_every_config_key_from_the_schema(capsys):
         name, rest = lines[key].split(None, 1)
         assert " = " in rest and len(rest.split(" = ", 1)[1].split("  ", 1)) == 2, lines[key]
     assert "--trainer.seed  int = 42  Seeds the data order" in out
-    with pytest.raises(SystemExit):
-        cli_main(["--version"])
+    assert cli_main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"sailfin {__version__}"
 
 
@@ -170,8 +191,7 @@ def test_train_help_lists_every_backend_the_registry_builds(capsys):
     from sailfin.config.trainer import BACKENDS, TrainerArguments
     from sailfin.distributed import DistEnv
 
-    with pytest.raises(SystemExit):
-        cli_main(["train", "--help"])
+    assert cli_main(["train", "--help"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines()
                 if x.startswith("  --trainer.backend "))
     listed = line.split("one of: ", 1)[1].split(", ")
@@ -199,8 +219,7 @@ def test_train_help_cuts_each_doc_at_its_first_sentence_not_at_an_abbreviation(c
     from sailfin.cli import main as cli_main
     from sailfin.config.help import first_sentence
 
-    with pytest.raises(SystemExit):
-        cli_main(["train", "--help"])
+    assert cli_main(["train", "--help"]) == 0
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("  --trainer.")]
     ema = next(x for x in lines if x.startswith("  --trainer.ema.decay "))
     assert ema.endswith("In (0, 1); e.g. 0.999 (an average over about 1 / (1 - decay) updates)")

@@ -54,7 +54,7 @@ def test_the_documented_wheel_command_builds_an_installable_wheel(tmp_path):
         names = zf.namelist()
         entry = next(n for n in names if n.endswith("entry_points.txt"))
         metadata = zf.read(next(n for n in names if n.endswith("METADATA"))).decode()
-        assert "sailfin = sailfin.cli:command" in zf.read(entry).decode()
+        assert "sailfin = sailfin.__main__:run" in zf.read(entry).decode()
     assert "sailfin/cli.py" in names and not any(n.startswith("tests/") for n in names)
     required = [line.split(":", 1)[1].strip() for line in metadata.splitlines()
                 if line.startswith("Requires-Dist:") and "extra ==" not in line]

@@ -28,6 +28,7 @@ from .hang_report import (ALL_REDUCE, BACKWARD, CHECKPOINT_SAVE, DATA, END_OF_EP
                           STARTUP_CHECKS, STARTUP_CHECKS_GATHER, VALIDATION, VALIDATION_GATHER,
                           RankRecord, culprits, hang_report, limit_of, recipe_step)
 from .launch_notes import HANG, leave_note
+from .launcher_watch import launcher_pid, parent_gone, under_a_launcher
 
 AUTO_HANG_SECONDS = 300.0
 
@@ -94,6 +95,9 @@ class Watchdog:
         self._seen: dict[int, tuple[int, float]] = {}  # judge: rank -> (seq, when it moved)
         self._present: list[str] = []  # judge: the record keys that exist
         self._process = (os.getpid(), socket.gethostname())
+        # torchrun's agent holds the store: killed, the loop stops this worker (preemption)
+        self._launcher = launcher_pid() if under_a_launcher() else None
+        self._store_gone = False  # with the launcher: no record is written any more
 
     def start(self) -> None:
         self._started = time.monotonic()
@@ -112,6 +116,8 @@ class Watchdog:
         self._thread.join()
         self._thread = None
         self.heartbeat.phase = FAILED if failed else FINISHED
+        if self._store_gone:
+            return
         with contextlib.suppress(Exception):  # the store may be gone at the end of a job
             self._publish(0.0, -1)
 
@@ -129,6 +135,9 @@ class Watchdog:
         beat = self.heartbeat
         last, moved = None, time.monotonic()
         while not self._stop.wait(self.interval):
+            if self._launcher is not None and parent_gone(self._launcher):
+                self._store_gone = True  # its store with it: not touched (torch warns)
+                return
             now = time.monotonic()
             position = (beat.step, beat.phase, beat.beats)
             if position != last:
@@ -142,6 +151,9 @@ class Watchdog:
                     self._end()
                     return
             except Exception as exc:  # noqa: BLE001 - a store gone at exit is no hang
+                if self._launcher is not None and parent_gone(self._launcher, wait=2.0):
+                    self._store_gone = True
+                    return  # the launcher was killed: the loop's stop says so, once
                 if not self._stop.is_set():
                     say(f"hang watchdog (rank {self.rank}) stopped: {exc}", warning=True)
                 return

@@ -20,6 +20,7 @@ from ..checkpoint.memory_dirs import pid_alive
 from ..trainer import Callback
 from ..utils.voice import line
 from .errors import HFConfigError, require
+from .export_out import Source, check_out, copy_final, remove, resolve_source, write_mark
 
 if TYPE_CHECKING:
     from .module import HFModule
@@ -70,10 +71,11 @@ def load_best(trainer: Any, final: str) -> str:
 
 
 def save_pretrained_from(module: "HFModule", weights: Union[str, Mapping[str, torch.Tensor]],
-                         out_dir: str) -> str:
+                         out_dir: str, mark: Optional[Source] = None) -> str:
     """Write ``out_dir`` from the recipe's full state dict (saved at ``weights``, or a
     state dict): a ``save_pretrained`` directory, or with ``peft`` an adapter directory
-    (the merged model with ``peft_merge``)."""
+    (the merged model with ``peft_merge``). ``mark``: ``sailfin export``'s source, which
+    marks the directory as an export (:data:`~sailfin.hf.export_out.MARK`)."""
     from safetensors.torch import load_file
 
     transformers = require("transformers")
@@ -82,7 +84,7 @@ def save_pretrained_from(module: "HFModule", weights: Union[str, Mapping[str, to
     model = _model_from(module, state, weights if isinstance(weights, str) else "the module")
     remove_stale(out_dir)  # what an export killed part-way left
     tmp = f"{out_dir}{TMP}{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove(tmp)
     bars = transformers.utils.logging
     quiet = bars.is_progress_bar_enabled()
     bars.disable_progress_bar()  # a bar for one file in a run's log
@@ -92,6 +94,8 @@ def save_pretrained_from(module: "HFModule", weights: Union[str, Mapping[str, to
         if quiet:
             bars.enable_progress_bar()
     module.tokenizer.save_pretrained(tmp)
+    if mark is not None:
+        write_mark(tmp, mark)
     replace_dir(tmp, out_dir)
     return out_dir
 
@@ -106,7 +110,7 @@ def replace_dir(new: str, out_dir: str) -> None:
     whole, or (between the renames) none, never half of one; :func:`remove_stale`
     removes what it left aside."""
     aside = f"{out_dir}{ASIDE}{os.getpid()}"
-    shutil.rmtree(aside, ignore_errors=True)
+    remove(aside)
     had_one = os.path.lexists(out_dir)
     if had_one:
         os.rename(out_dir, aside)
@@ -129,7 +133,7 @@ def remove_stale(out_dir: str) -> list[str]:
             pid = name[len(base) + len(mark):] if name.startswith(base + mark) else ""
             # this process's own leftovers are stale too (it is not writing them)
             if pid.isdigit() and (int(pid) == os.getpid() or not pid_alive(int(pid))):
-                shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+                remove(os.path.join(folder, name))  # a FIFO there is not opened
                 removed.append(name)
     return removed
 
@@ -158,7 +162,10 @@ def _model_from(module: "HFModule", state: dict[str, torch.Tensor], where: str) 
 def export_checkpoint(checkpoint: str, out_dir: str) -> str:
     """``sailfin export CHECKPOINT OUT``: the recipe the checkpoint's manifest records is
     built, the weights loaded as ``trainer.init_from`` loads them (any backend's
-    checkpoint), and ``OUT`` written as ``final/hf`` would be.
+    checkpoint), and ``OUT`` written as ``final/hf`` would be. ``checkpoints/latest`` and
+    ``checkpoints/best`` are followed; a run's output directory gives its final model.
+    ``OUT`` is checked first (:func:`~sailfin.hf.export_out.check_out`): an export never
+    replaces what it did not write.
 
     Example::
 
@@ -177,6 +184,11 @@ def export_checkpoint(checkpoint: str, out_dir: str) -> str:
     from ..trainer.checkpointing.init_from import load_initial_weights
     from .module import HFModule
 
+    source = resolve_source(checkpoint)  # pointers followed; a run: its final model
+    out_dir = check_out(out_dir, source)  # before anything is built or read
+    if source.final is not None:
+        return export_final(source, out_dir)
+    checkpoint = source.checkpoint
     dist = DistEnv()
     manifest = DirectoryCheckpointer(checkpoint, CheckpointArguments(), dist).load(
         checkpoint, mmap=True).manifest
@@ -197,7 +209,18 @@ def export_checkpoint(checkpoint: str, out_dir: str) -> str:
     view = SimpleNamespace(module=module, args=args, dist=dist,
                            backend=SingleDevice(Precision(), torch.device("cpu"), dist))
     load_initial_weights(view, checkpoint)
-    return save_pretrained_from(module, module.state_dict(), out_dir)
+    return save_pretrained_from(module, module.state_dict(), out_dir, source)
+
+
+def export_final(source: Source, out_dir: str) -> str:
+    """A run's final model (``final/hf``) copied to ``out_dir``, as an export is written."""
+    remove_stale(out_dir)
+    tmp = f"{out_dir}{TMP}{os.getpid()}"
+    remove(tmp)
+    copy_final(source.final, tmp)
+    write_mark(tmp, source)
+    replace_dir(tmp, out_dir)
+    return out_dir
 
 
 def export_command(checkpoint: str, out_dir: str) -> Optional[str]:
@@ -212,5 +235,8 @@ def export_command(checkpoint: str, out_dir: str) -> Optional[str]:
         path = export_checkpoint(checkpoint, out_dir)
     except (ConfigError, CheckpointError) as exc:
         line(f"sailfin: export: {str(exc).replace('trainer.init_from: ', '')}")
+        return None
+    except OSError as exc:  # OUT's folder is a file, the disk is full, ...
+        line(f"sailfin: export: {exc}")
         return None
     return path

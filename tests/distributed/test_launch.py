@@ -284,3 +284,191 @@ def test_the_closing_line_comes_from_the_workers_notes():
     assert code == 75 and "2 saved a checkpoint" in line
     # A failure that is none of these: torchrun's own report, and its code.
     assert _closing_line({0: 1, 1: -15}, notes(training={0, 1})) == (None, 1)
+
+
+SHORT = """
+data: {{class_path: tests.recipes.IdData, init_args: {{n_train: 40, n_val: 4}}}}
+module: {{class_path: tests.recipes.LinearRecipe}}
+trainer: {{epochs: 1, train_batch_size: 10, writers: [jsonl], output_dir: {out},
+           progress: none}}
+"""
+RDZV = ["--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:0"]
+
+
+def test_a_sailfin_command_where_torchrun_takes_a_script_is_run_with_m_sailfin(tmp_path,
+                                                                               monkeypatch):
+    """`sailfin launch --nproc-per-node 2 train config.yaml` ran `python train` (torchrun's
+    "can't open file .../train", exit 2 twice per rank)."""
+    from torch.distributed.run import parse_args
+
+    from sailfin.launch import sailfin_command
+
+    args = parse_args([*RDZV, "train", "c.yaml", "--trainer.epochs", "2"])
+    assert sailfin_command(args, [], ("train", "report")) is None
+    assert (args.module, args.training_script, args.training_script_args) == (
+        True, "sailfin", ["train", "c.yaml", "--trainer.epochs", "2"])
+    script = tmp_path / "train.py"
+    args = parse_args([*RDZV, str(script), "x"])  # a script stays a script
+    assert sailfin_command(args, [], ("train",)) is None and not args.module
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train").mkdir()  # a folder of the same name: still the command
+    args = parse_args([*RDZV, "train", "c.yaml"])
+    assert sailfin_command(args, [], ("train",)) is None and args.module
+    (tmp_path / "train" / "__main__.py").write_text("")  # python can run this one
+    args = parse_args([*RDZV, "train", "c.yaml"])
+    assert sailfin_command(args, [], ("train",)) is None and not args.module
+
+
+def test_a_config_where_the_script_goes_is_refused_in_one_line_showing_the_form(
+        tmp_path, capsys):
+    from sailfin.cli import main
+
+    cfg = tmp_path / "c.yaml"
+    assert main(["launch", *RDZV, str(cfg), "--trainer.epochs", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"sailfin launch: {cfg} is a config, not a script torchrun can run; name "
+                   f"the command before it: sailfin launch {' '.join(RDZV)} -m sailfin train "
+                   f"{cfg} --trainer.epochs 2"]
+
+
+@pytest.mark.slow
+def test_launch_train_config_and_the_advised_form_train_two_ranks(tmp_path, capsys):
+    import shlex
+
+    from sailfin.cli import main
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for name in ("short", "advised"):
+        cfg = tmp_path / f"{name}.yaml"
+        cfg.write_text(SHORT.format(out=tmp_path / name))
+        if name == "short":  # as a user types it first
+            argv = ["sailfin", "launch", *RDZV, "train", str(cfg), "--trainer.backend", "ddp"]
+        else:
+            capsys.readouterr()
+            assert main(["launch", *RDZV, str(cfg), "--trainer.backend", "ddp"]) == 2
+            argv = shlex.split(capsys.readouterr().err.split("name the command before it: ")[1])
+        done = subprocess.run([sys.executable, "-m", *argv], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["global_step"] == 4 and summary["world_size"] == 2, summary
+
+
+def test_the_launcher_watch_tells_once_when_the_parent_changes():
+    from sailfin.distributed.launcher_watch import LauncherWatch, parent_gone
+
+    told = []
+    here = LauncherWatch(told.append, interval=0.01)  # this process's parent: alive
+    here.start()
+    time.sleep(0.1)
+    here.stop()
+    assert told == [] and not parent_gone(os.getppid(), wait=0.05)
+    gone = LauncherWatch(told.append, interval=0.01, parent=os.getppid() + 1)  # not ours
+    gone.start()
+    deadline = time.monotonic() + 10
+    while not told and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gone.check() and told == [os.getppid() + 1]  # once, from the thread
+    gone.stop()
+
+
+WORKER_OF_A_DYING_LAUNCHER = """
+import os, sys, time
+import sailfin.signals  # the command's start: the launcher is noted
+first = os.getppid()
+print(first, flush=True)
+sys.stdin.read()  # the launcher is gone (its end of the pipe closed)
+while os.getppid() == first:
+    time.sleep(0.01)
+from sailfin.distributed.launcher_watch import LauncherWatch
+told = []
+print(LauncherWatch(told.append).check(), told == [first], flush=True)
+"""
+
+
+def test_a_launcher_that_dies_while_the_worker_sets_up_is_still_noticed():
+    """The launcher is the parent when the command began, not when training begins."""
+    launcher = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', sys.argv[1]], "
+                "stdin=subprocess.PIPE); sys.stdout.flush()")
+    import select
+
+    proc = subprocess.Popen([sys.executable, "-c", launcher + "; import time; time.sleep(1)",
+                             WORKER_OF_A_DYING_LAUNCHER], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    first = proc.stdout.readline().split()  # the worker's parent: the launcher
+    assert first == [str(proc.pid)]
+    proc.wait(timeout=60)  # the launcher ends; the worker is handed to another process
+    ready, _, _ = select.select([proc.stdout], [], [], 60)
+    assert ready and proc.stdout.readline().split() == ["True", "True"]
+    proc.stdout.close()
+
+
+# Starts the launcher and reaps every process below it, the workers a killed launcher
+# leaves included (a sub-reaper: they are handed to it), recording each one's exit code.
+REAPER = r"""
+import ctypes, json, os, subprocess, sys
+assert ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+launcher = subprocess.Popen(sys.argv[2:])
+with open(sys.argv[1] + ".pid", "w") as fh:
+    fh.write(str(launcher.pid))
+codes = {}
+while True:
+    try:
+        pid, status = os.wait()
+    except ChildProcessError:
+        break
+    codes[pid] = os.waitstatus_to_exitcode(status)
+with open(sys.argv[1], "w") as fh:
+    json.dump(codes, fh)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a sub-reaper: Linux")
+@pytest.mark.parametrize("launcher", ["torchrun", "sailfin launch"])
+def test_workers_of_a_killed_launcher_save_and_stop_with_one_line(tmp_path, launcher):
+    """kill -9 of the launcher left its workers (each in a session of its own) training
+    to the end, writing checkpoints and the final model unsupervised."""
+    from tests.distributed.elastic_helpers import pid_of, single_node
+
+    cfg = write_config(tmp_path, "job", every=100, step_seconds=0.3, epochs=20)  # 240 steps
+    records, log, codes = tmp_path / "job" / "records", tmp_path / "job.log", tmp_path / "codes"
+    start = (["-m", "torch.distributed.run"] if launcher == "torchrun"
+             else ["-m", "sailfin", "launch"])
+    (tmp_path / "tmp").mkdir()  # the killed launcher's notes and logs: removed with it
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "TMPDIR": str(tmp_path / "tmp")}
+    with open(log, "ab") as fh:
+        reaper = subprocess.Popen([sys.executable, "-c", REAPER, str(codes), sys.executable,
+                                   *start, *single_node(2, cfg, restarts=0)],
+                                  env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT,
+                                  start_new_session=True)
+    try:
+        wait_until(lambda: reached(records, 0, "0-") >= 3, [reaper], 180, [log], "step 3")
+        launcher_pid = int((tmp_path / "codes.pid").read_text())
+        before = len(log.read_bytes())
+        os.kill(launcher_pid, signal.SIGKILL)
+        killed_at = reached(records, 0, "0-")
+        wait([reaper], 120, [log])  # the workers stopped: the reaper reaped them all
+    finally:
+        stop(reaper)
+    exits = {int(pid): code for pid, code in json.loads(codes.read_text()).items()}
+    workers = [pid_of(records, rank, "0-w2") for rank in (0, 1)]
+    assert exits[launcher_pid] == -signal.SIGKILL
+    assert [exits[pid] for pid in workers] == [75, 75], tail([log])
+    # Stopped at a step boundary soon after (the ranks agree every 10 steps), with a save.
+    checkpoints = tmp_path / "job" / "run" / "checkpoints"
+    manifest = json.loads((checkpoints / (checkpoints / "latest").read_text().strip()
+                           / "manifest.json").read_text())
+    assert killed_at <= manifest["step"] <= killed_at + 12 and manifest["step"] < 240
+    assert reached(records, 0, "0-") == reached(records, 1, "0-") == manifest["step"]
+    assert not (tmp_path / "job" / "run" / "final").exists()
+    text = log.read_bytes()[before:].decode(errors="replace")
+    # sailfin's one line. (torch's C++ store client may warn of the broken connection to
+    # the launcher's store, when a watchdog's request was in flight as the launcher died.)
+    assert "Traceback" not in text and "hang watchdog" not in text, tail([log])
+    assert [x for x in text.splitlines() if x.startswith("sailfin")] == [f"sailfin: stopped by the loss of its launcher (pid {launcher_pid}) after "
+                    f"step {manifest['step']}; saved checkpoint {checkpoints}/step-"
+                    f"{manifest['step']:08d}. Run the same command again to resume from it "
+                    "(exit code 75)"], tail([log])

@@ -1,6 +1,8 @@
 """Preemption: SIGTERM (or a first Ctrl-C) ends the run cleanly, with a checkpoint
 (docs/robustness.md). The handler only notes the signal; the loop finishes its optimizer
 step, every rank saves the same step and the run exits with :data:`PREEMPTED_EXIT_CODE`.
+A worker whose launcher (torchrun, ``sailfin launch``) is gone stops the same way
+(:mod:`sailfin.distributed.launcher_watch`).
 Several ranks agree every ``trainer.preemption_check_every_n_steps`` steps with one
 all-reduce of one number; between those the loop pays one integer comparison per step."""
 
@@ -17,6 +19,7 @@ import torch
 
 from ...distributed.exit_codes import PREEMPTED_EXIT_CODE  # noqa: F401 (the CLI reads it here)
 from ...distributed.launch_notes import TRAINING, leave_note
+from ...distributed.launcher_watch import LauncherWatch, under_a_launcher
 from ...utils.voice import say
 
 _NEVER = sys.maxsize
@@ -64,6 +67,9 @@ class Preemption:
         self._sigint_at: Optional[float] = None
         self._previous: dict[int, Any] = {}
         self._pid = os.getpid()
+        # Under torchrun: its parent, the launcher, is watched from install to uninstall.
+        self._launcher = LauncherWatch(self._on_launcher_gone) if under_a_launcher() else None
+        self._launcher_gone = False
 
     # -- handlers ----------------------------------------------------------------------
     def install(self, global_step: int) -> None:
@@ -71,6 +77,8 @@ class Preemption:
         if self.distributed:  # the same steps on every rank: a pure function of the step
             self.check_at = (global_step // self.check_every + 1) * self.check_every
         leave_note(TRAINING)  # sailfin launch: steps can be lost from here, unless saved
+        if self._launcher is not None:
+            self._launcher.start()
         if threading.current_thread() is not threading.main_thread():
             return
         self._pid = os.getpid()
@@ -78,6 +86,8 @@ class Preemption:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def uninstall(self) -> None:
+        if self._launcher is not None:
+            self._launcher.stop()
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
@@ -104,6 +114,16 @@ class Preemption:
         if not self.distributed:
             self.check_at = 0  # the loop stops after the step in progress
 
+    def _on_launcher_gone(self, pid: int) -> None:
+        """The watch's thread: the launcher exited without stopping this worker (killed
+        with SIGKILL): no one supervises the run any more; stop as on a SIGTERM."""
+        if self.signal_name is not None:
+            return
+        self._launcher_gone = True
+        self.signal_name = f"the loss of its launcher (pid {pid})"
+        if not self.distributed:
+            self.check_at = 0
+
     # -- the loop's question -------------------------------------------------------------
     def save_and_stop(self, trainer: Any) -> None:
         """Every rank: save this step (unless saved already), wait until it is on storage,
@@ -126,6 +146,8 @@ class Preemption:
             self._report(global_step)
             return True
         self.check_at = global_step + self.check_every
+        if self._launcher is not None:
+            self._launcher.check()  # a rank whose watch has not looked yet names it too
         flag = torch.tensor(0.0 if self.signal_name is None else 1.0, device=self.device)
         if self.all_reduce_mean(flag).item() > 0:
             if self.signal_name is None:
@@ -137,6 +159,8 @@ class Preemption:
 
     def _report(self, global_step: int) -> None:
         """The signal handler's message, printed from the loop (the handler does no I/O)."""
+        if self._launcher_gone:
+            return  # the stop's one line (TrainingPreempted) says it all
         where = (f" (step {global_step}: the ranks agree every {self.check_every} steps)"
                  if self.distributed else "")
         say(f"{self.signal_name} received: stopping after this step{where}, "
