@@ -2,6 +2,8 @@
 without failures, and observing it never changes the weights."""
 
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from sailfin.logging import Writer
 from sailfin.logging.files import JsonlWriter
 from sailfin.trainer.compose import setup
 from tests.checkpoint.helpers import SlowLinear
-from tests.recipes import IdData, args
+from tests.recipes import IdData, LinearRecipe, args
 
 
 class Totals(Writer):
@@ -61,9 +63,6 @@ def test_observing_the_time_never_changes_the_weights(tmp_path, monkeypatch):
 
     class Off(Callback):  # the same run with no account at all
         def __init__(self, *a, **k):
-            pass
-
-        def stop_sampling(self):  # what train() calls on the account as it ends
             pass
 
     monkeypatch.setattr(setup, "TimeAccount", Off)
@@ -134,3 +133,80 @@ def test_max_steps_inside_an_epoch_counts_every_trained_step(tmp_path):
     # 30 steps of >= 20 ms each: at least 0.6 s trained, all of it productive.
     assert seconds["productive"] >= 0.6, seconds
     assert seconds["productive"] > seconds["other"], seconds
+
+
+class SlowData(IdData):
+    """Each sample takes ``seconds`` to read: the loop waits for its micro-batches."""
+
+    def __init__(self, n: int, seconds: float) -> None:
+        super().__init__(n, 0)
+        self.train = SlowSamples(self.train, seconds)
+
+
+class SlowSamples(torch.utils.data.Dataset):
+    def __init__(self, inner, seconds):
+        self.inner, self.seconds = inner, seconds
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        time.sleep(self.seconds)
+        return self.inner[i]
+
+
+class SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class SlowBackward(SlowLinear):
+    """Each micro-batch's forward takes ``step_seconds``, its backward ``backward_seconds``."""
+
+    def __init__(self, data, step_seconds: float, backward_seconds: float) -> None:
+        super().__init__(data, step_seconds=step_seconds)
+        self.backward_seconds = backward_seconds
+
+    def train_step(self, global_step, batch, device):
+        loss, stats = super().train_step(global_step, batch, device)
+        return SleepInBackward.apply(loss, self.backward_seconds), stats
+
+
+@pytest.mark.parametrize("micro", [4, 8])
+def test_data_wait_is_the_loops_time_in_next_batches_and_nothing_else(tmp_path, micro):
+    """10 steps of 8 samples, each sample 2.5 ms to read (20 ms of reading per step), each
+    micro-batch's forward 5 ms and backward 10 ms: the data wait holds the reading and
+    none of the forwards or backwards (with 2 micro-batches a step, the wait for the
+    second starts after the first's backward), which are productive."""
+    module = SlowBackward(SlowData(80, 0.0025), step_seconds=0.005, backward_seconds=0.01)
+    trainer = Trainer(module, args(tmp_path / "run", train_batch_size=8, micro_batch_size=micro,
+                                   checkpoint={"at_epoch_end": False}))
+    summary = trainer.train()
+    trainer.close()
+    seconds = summary["time_account"]["seconds"]
+    micros = 10 * 8 // micro
+    reading, computing = 80 * 0.0025, micros * (0.005 + 0.01)
+    assert reading <= seconds["data_wait"] < reading + computing / 2, seconds
+    assert seconds["productive"] >= computing, seconds
+    # The loop's own counter, which the account reads, holds the same wait.
+    assert trainer.data_seconds == pytest.approx(seconds["data_wait"], abs=1e-4)  # rounded
+
+
+def test_no_thread_runs_beside_the_loop(tmp_path):
+    """The time account measures on the loop's own clock: while training, the only thread
+    is the one training (the hang watchdog, off here, is the one that may add another)."""
+    seen = []
+
+    class Threads(Callback):
+        def on_step_end(self, trainer):
+            seen.append(sorted(t.name for t in threading.enumerate()))
+
+    Trainer(LinearRecipe(IdData(40, 0)), args(tmp_path), callbacks=[Threads()]).train()
+    assert seen and all(names == [threading.main_thread().name] for names in seen), seen
