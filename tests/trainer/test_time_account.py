@@ -138,45 +138,65 @@ def test_max_steps_inside_an_epoch_counts_every_trained_step(tmp_path):
 class SlowData(IdData):
     """Each sample takes ``seconds`` to read: the loop waits for its micro-batches."""
 
-    def __init__(self, n: int, seconds: float) -> None:
+    def __init__(self, n: int, seconds: float, spent: list) -> None:
         super().__init__(n, 0)
-        self.train = SlowSamples(self.train, seconds)
+        self.train = SlowSamples(self.train, seconds, spent)
 
 
 class SlowSamples(torch.utils.data.Dataset):
-    def __init__(self, inner, seconds):
-        self.inner, self.seconds = inner, seconds
+    def __init__(self, inner, seconds, spent):
+        self.inner, self.seconds, self.spent = inner, seconds, spent
 
     def __len__(self):
         return len(self.inner)
 
     def __getitem__(self, i):
+        started = time.perf_counter()
         time.sleep(self.seconds)
+        self.spent.append(time.perf_counter() - started)  # as long as it really took
         return self.inner[i]
 
 
 class SleepInBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
+    def forward(ctx, x, seconds, spent):
+        ctx.seconds, ctx.spent = seconds, spent
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
+        started = time.perf_counter()
         time.sleep(ctx.seconds)
-        return grad, None
+        ctx.spent.append(time.perf_counter() - started)
+        return grad, None, None
 
 
-class SlowBackward(SlowLinear):
-    """Each micro-batch's forward takes ``step_seconds``, its backward ``backward_seconds``."""
+class SlowBackward(LinearRecipe):
+    """Each micro-batch's forward takes ``seconds``, its backward twice that; ``spent``
+    holds how long they really took (a loaded machine's sleeps run long)."""
 
-    def __init__(self, data, step_seconds: float, backward_seconds: float) -> None:
-        super().__init__(data, step_seconds=step_seconds)
-        self.backward_seconds = backward_seconds
+    def __init__(self, data, seconds: float, spent: list) -> None:
+        super().__init__(data)
+        self.seconds, self.spent = seconds, spent
 
     def train_step(self, global_step, batch, device):
+        started = time.perf_counter()
+        time.sleep(self.seconds)
+        self.spent.append(time.perf_counter() - started)
         loss, stats = super().train_step(global_step, batch, device)
-        return SleepInBackward.apply(loss, self.backward_seconds), stats
+        return SleepInBackward.apply(loss, 2 * self.seconds, self.spent), stats
+
+
+class Reset(Callback):
+    """Counts only what the loop does: reads before the first step (the start-up checks')
+    are forgotten."""
+
+    def __init__(self, *spent):
+        self.spent = spent
+
+    def on_train_start(self, trainer):
+        for times in self.spent:
+            times.clear()
 
 
 @pytest.mark.parametrize("micro", [4, 8])
@@ -185,16 +205,19 @@ def test_data_wait_is_the_loops_time_in_next_batches_and_nothing_else(tmp_path, 
     micro-batch's forward 5 ms and backward 10 ms: the data wait holds the reading and
     none of the forwards or backwards (with 2 micro-batches a step, the wait for the
     second starts after the first's backward), which are productive."""
-    module = SlowBackward(SlowData(80, 0.0025), step_seconds=0.005, backward_seconds=0.01)
+    reading, computing = [], []
+    module = SlowBackward(SlowData(80, 0.0025, reading), 0.005, computing)
     trainer = Trainer(module, args(tmp_path / "run", train_batch_size=8, micro_batch_size=micro,
-                                   checkpoint={"at_epoch_end": False}))
+                                   checkpoint={"at_epoch_end": False}),
+                      callbacks=[Reset(reading, computing)])
     summary = trainer.train()
     trainer.close()
     seconds = summary["time_account"]["seconds"]
-    micros = 10 * 8 // micro
-    reading, computing = 80 * 0.0025, micros * (0.005 + 0.01)
-    assert reading <= seconds["data_wait"] < reading + computing / 2, seconds
-    assert seconds["productive"] >= computing, seconds
+    assert len(reading) == 80 and len(computing) == 2 * 10 * 8 // micro
+    read, computed = sum(reading), sum(computing)
+    # Every read happens inside next(batches); no forward or backward does.
+    assert read <= seconds["data_wait"] + 1e-4 < read + computed / 2, (read, computed, seconds)
+    assert seconds["productive"] >= computed, (computed, seconds)
     # The loop's own counter, which the account reads, holds the same wait.
     assert trainer.data_seconds == pytest.approx(seconds["data_wait"], abs=1e-4)  # rounded
 
