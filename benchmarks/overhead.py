@@ -1,39 +1,50 @@
-"""Two figures, named for what they are: the trainer's own overhead, and what batched
-fetching gains over the standard ``DataLoader``.
+"""sailfin's Trainer against the loop a user would write by hand, the trainer's own
+overhead, what batched fetching gains, and (``--against REV``) an earlier sailfin.
 
 The same tiny MLP (64 -> 256 -> 256 -> 10, batch 32, SGD), the same data in the
-same order (sailfin's permutation for seed 42), trained by:
+same order (sailfin's permutation for seed 42), trained by (``_overhead_arms.py``):
 
-- ``hand``: a hand-written loop that fetches whole batches by index exactly as
-  sailfin's loader does (``_hand.batched_loader``: a ``DataLoader`` whose dataset
-  gathers each batch with one ``index_select`` per tensor; sailfin/data/batched.py);
-- ``sailfin``: the Trainer, default writers and progress, no checkpoints;
-- ``hand-per-sample``: the hand loop with the standard ``DataLoader``
-  (``dataset[i]`` per sample, then ``default_collate``);
-- ``hand-direct``: the hand loop indexing the tensors itself, no ``DataLoader``
-  (what the ``DataLoader`` machinery costs);
+- ``hand-per-sample``, **the reference**: a hand-written loop over the standard
+  ``DataLoader`` (``dataset[i]`` per sample, then ``default_collate``);
+- ``sailfin``: the Trainer as a user runs it, default writers and progress, no
+  checkpoints (over a ``TensorDataset`` it gathers each batch in one call);
+- ``hand``: the hand loop fetching whole batches by index exactly as sailfin's
+  loader does (``_hand.batched_loader``; sailfin/data/batched.py);
+- ``sailfin-per-sample``: the Trainer over a dataset it does not gather, so its
+  loader is the reference's standard ``DataLoader``;
+- ``hand-direct``: the hand loop indexing the tensors itself, no ``DataLoader``;
 - Lightning's Trainer, Lightning Fabric and Accelerate when installed, on the
-  same batched loader as ``hand``.
+  same batched loader as ``hand``;
+- with ``--against REV``: ``sailfin@REV``, the sailfin of that git rev (checked out
+  to a temporary worktree, imported in a child process through ``PYTHONPATH``;
+  ``_against.py``), and ``sailfin@here``, this tree's the same way.
 
 Every loop does the same work per step and ends with the same weights (checked
-and printed). The figures:
+and printed). The figures, steps/s over steps/s, per round:
 
-(1) trainer overhead = sailfin steps/s / hand steps/s (same fetch; 1.00 = none);
-(2) batched fetch gain = hand steps/s / hand-per-sample steps/s.
+(0) sailfin / hand-per-sample: the Trainer against the hand loop over the standard
+    DataLoader (the summary line);
+(1) trainer overhead = sailfin / hand (the same batched fetch; 1.00 = none), and
+(1b) the same on the standard DataLoader = sailfin-per-sample / hand-per-sample;
+(2) batched fetch gain = hand / hand-per-sample;
+(3) with --against: sailfin@here / sailfin@REV, both in fresh processes (below 1:
+    this tree is slower per step).
 
 Clocks, the same for every variant: steady (after set-up, to the end of the
 last optimizer step) and end to end (from before anything is built to the
 return). Rounds interleave, each figure is the median of per-round ratios
-(``_measure.py``). Two counts the machine's load does not move:
-``--bytecodes`` counts Python bytecodes and C calls per step, by function
-(``_bytecodes.py``; runs anywhere, a minute), ``--instructions`` machine
+(``_measure.py``), printed with the load before and after. Two counts the
+machine's load does not move: ``--bytecodes`` counts Python bytecodes and C calls
+per step, by function (``_bytecodes.py``; runs anywhere, a minute; with
+``--against REV`` REV's too, and which functions moved), ``--instructions`` machine
 instructions per step under callgrind (``_callgrind.py``; needs valgrind, and
 an idle machine: torch's import under callgrind alone takes minutes);
 ``--profile`` prints which functions sailfin's step spends more in than the hand
 loop's (cProfile: times inflated by the profiler, call counts exact).
 
     python benchmarks/overhead.py [--rounds 9] [--steps 3000] [--threads 1]
-    python benchmarks/overhead.py --bytecodes         # load-independent, by function
+    python benchmarks/overhead.py --against 8132136   # + the earlier release, same rounds
+    python benchmarks/overhead.py --bytecodes [--against 8132136]  # load-independent
     python benchmarks/overhead.py --instructions      # needs valgrind; minutes
     python benchmarks/overhead.py --profile
     python benchmarks/overhead.py --watchdog 300 --ema 0.999   # extra sailfin variants
@@ -50,130 +61,21 @@ import os
 import statistics
 import sys
 import tempfile
-import time
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
-from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
+from _against import FROM_PYTHONPATH, checkout, run_child as against_child, say_result  # noqa
+if not os.environ.get(FROM_PYTHONPATH):  # --against's children import an earlier sailfin
+    sys.path.insert(1, os.path.dirname(HERE))
 
 from _bytecodes import Counts, per_step  # noqa: E402
 from _callgrind import instructions_per_step  # noqa: E402
-from _hand import (BATCH, batched_loader, direct_batches, fingerprint, make_data,  # noqa: E402
-                   make_model, per_sample_loader, synchronize)
+from _hand import BATCH, make_data  # noqa: E402
 from _measure import add_load_options, interleave, machine, spread, start, summary  # noqa
-from _peers import PEERS  # noqa: E402
-from sailfin import Callback, DataInterface, ModuleInterface, Trainer, TrainerArguments  # noqa
-from sailfin.config import CheckpointArguments, EmaArguments  # noqa: E402
-from sailfin.config.distributed import DistArguments  # noqa: E402
-
-LOG_EVERY = 10
-LOADERS: dict[str, Callable[[Any], Any]] = {
-    "hand": batched_loader, "hand-per-sample": per_sample_loader, "hand-direct": direct_batches}
-
-
-# -- the hand-written loop -----------------------------------------------------------------
-def run_hand(ds, fetch: str = "hand", device: str = "cpu") -> tuple[float, float, float]:
-    """Seconds per step (steady, end to end) and the final weights' fingerprint."""
-    begin = time.perf_counter()
-    model = make_model().to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    batches = LOADERS[fetch](ds)
-    start = time.perf_counter()
-    step = 0
-    for step, (x, y) in enumerate(batches, 1):
-        loss = nn.functional.cross_entropy(model(x.to(device)), y.to(device))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if step % LOG_EVERY == 0:
-            print(f"step {step} loss {loss.item():.4f}")
-    synchronize(device)
-    end = time.perf_counter()
-    return (end - start) / step, (end - begin) / step, fingerprint(model)
-
-
-# -- sailfin -------------------------------------------------------------------------------
-class Data(DataInterface):
-    def __init__(self, ds):
-        self.ds = ds
-
-    def get_train_dataset(self):
-        return self.ds
-
-
-class Recipe(ModuleInterface):
-    def __init__(self, data):
-        super().__init__()
-        self.data = data
-        self.net = make_model()
-
-    def get_optimizers_schedulers(self, estimated_global_steps_per_epoch, epochs):
-        return [torch.optim.SGD(self.parameters(), lr=0.01)], []
-
-    def train_step(self, global_step, batch, device):
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x.to(device)), y.to(device))
-
-
-class LastStep(Callback):
-    """When the last optimizer step ended (the steady clock's stop)."""
-
-    at = 0.0
-
-    def __init__(self, last_step: int, device: str = "cpu") -> None:
-        self.last_step, self.device = last_step, device
-
-    def on_step_end(self, trainer):
-        if trainer.global_step == self.last_step:  # as the hand loop: wait for the device once
-            synchronize(self.device)
-        self.at = time.perf_counter()
-
-
-def run_sailfin(ds, out_dir, ema: Optional[float] = None, hang_seconds: Optional[float] = None,
-                device: str = "cpu") -> tuple[float, float, float]:
-    """Seconds per step (steady, end to end) and the final weights' fingerprint."""
-    begin = time.perf_counter()
-    module = Recipe(Data(ds))
-    args = TrainerArguments(epochs=1, train_batch_size=BATCH, log_every_n_steps=LOG_EVERY,
-                            output_dir=out_dir, val_every_n_epochs=0,
-                            ema=EmaArguments(decay=ema),  # decay None: off
-                            # no checkpoints, as Lightning's enable_checkpointing=False
-                            checkpoint=CheckpointArguments(at_epoch_end=False),
-                            distributed=DistArguments(hang_seconds=hang_seconds), device=device)
-    last = LastStep(len(ds) // BATCH, device)
-    trainer = Trainer(module, args, callbacks=[last])
-    trainer.setup()
-    start = time.perf_counter()
-    steps = trainer.train()["global_step"]
-    end = time.perf_counter()
-    return (last.at - start) / steps, (end - begin) / steps, fingerprint(module.net)
-
-
-def run_variant(name: str, ds, out_dir: str, opts: argparse.Namespace) -> tuple[float, ...]:
-    device = opts.device
-    if name in LOADERS:
-        return run_hand(ds, name, device)
-    if name == "sailfin":
-        return run_sailfin(ds, out_dir, device=device)
-    if name == "sailfin+ema":
-        return run_sailfin(ds, out_dir, ema=opts.ema, device=device)
-    if name == "sailfin+watchdog":  # the same trainer with the watchdog's thread running
-        return run_sailfin(ds, out_dir, hang_seconds=opts.watchdog, device=device)
-    steady, whole = PEERS[name][1](make_model, batched_loader(ds), out_dir, LOG_EVERY, device)
-    return steady, whole, float("nan")
-
-
-# -- the load-independent figure and the profile ----------------------------------------------
-def run_child(variant: str, steps: int, opts: argparse.Namespace) -> None:
-    ds = make_data(steps)
-    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()), \
-            contextlib.redirect_stderr(io.StringIO()):
-        run_variant(variant, ds, tmp, opts)
-
+from _overhead_arms import LOADERS, PEERS, REFERENCE, run_child, run_variant  # noqa: E402
 
 def count_instructions(opts: argparse.Namespace) -> None:
     names = ["hand", "sailfin", "hand-per-sample"]
@@ -196,20 +98,41 @@ def count_instructions(opts: argparse.Namespace) -> None:
           f"{counts['hand-per-sample'] / counts['hand']:.3f}")
 
 
+def count_one(name: str, opts: argparse.Namespace) -> dict[str, Any]:
+    """Per-step counts of one variant (``_bytecodes.per_step``), its functions named by
+    their path inside the tree (``sailfin/...``), so that two trees' counts compare."""
+    import sailfin
+
+    roots = [os.path.dirname(os.path.dirname(os.path.abspath(sailfin.__file__))) + os.sep,
+             os.path.dirname(HERE) + os.sep]  # sailfin's tree, and this one's benchmarks/
+    run_child(name, 20, opts)  # warm: lazy imports happen before the count
+    runs = []
+    for steps in (opts.short, opts.long):
+        ds = make_data(steps)
+        with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
+            runs.append(Counts.measure(lambda: run_variant(name, ds, tmp, opts)))
+    counted = per_step(runs[0], runs[1], opts.long - opts.short)
+    counted["by_function"] = {f"{tree_path(path, roots)} {fn}": n
+                              for (path, fn), n in counted["by_function"].items()}
+    return counted
+
+
+def tree_path(path: str, roots: list[str]) -> str:
+    """``path`` inside the first of ``roots`` that holds it (as it is elsewhere)."""
+    return next((path[len(root):] for root in roots if path.startswith(root)), path)
+
+
 def count_bytecodes(opts: argparse.Namespace) -> None:
     """Python bytecodes and C calls per step (``_bytecodes.py``), and where sailfin's extra
-    bytecodes are, per function."""
+    bytecodes are, per function; with ``--against REV`` that sailfin's counts too."""
     names = ["hand", "sailfin", "hand-per-sample"]
-    counted = {}
-    for name in names:
-        run_child(name, 20, opts)  # warm: lazy imports happen before the count
-        runs = []
-        for steps in (opts.short, opts.long):
-            ds = make_data(steps)
-            with tempfile.TemporaryDirectory() as tmp, \
-                    contextlib.redirect_stdout(io.StringIO()):
-                runs.append(Counts.measure(lambda: run_variant(name, ds, tmp, opts)))
-        counted[name] = per_step(runs[0], runs[1], opts.long - opts.short)
+    counted = {name: count_one(name, opts) for name in names}
+    earlier = f"sailfin@{opts.against}" if opts.against else None
+    if earlier:
+        with checkout(opts.against) as tree:
+            counted[earlier] = against_child(
+                [sys.executable, os.path.abspath(__file__), "--child-count", "sailfin",
+                 "--short", str(opts.short), "--long", str(opts.long)], tree)["counts"]
     print(f"Python work per step (sys.settrace opcodes + sys.setprofile C calls, main thread, "
           f"{opts.long} - {opts.short} steps of batch {BATCH}; {machine()}):")
     for name, c in counted.items():
@@ -222,12 +145,21 @@ def count_bytecodes(opts: argparse.Namespace) -> None:
     per = counted["hand-per-sample"]
     print(f"(2) batched fetch: the standard DataLoader runs {per['opcodes'] / hand['opcodes']:.2f}x "
           f"the bytecodes and {per['c_calls'] / hand['c_calls']:.2f}x the C calls per step")
+    if earlier:
+        old = counted[earlier]
+        print(f"(3) this tree against {opts.against}: {sail['opcodes'] / old['opcodes']:.4f}x "
+              f"the bytecodes ({sail['opcodes'] - old['opcodes']:+,.1f}) and "
+              f"{sail['c_calls'] / old['c_calls']:.4f}x the C calls per step; by function:")
+        moved = collections.Counter(sail["by_function"])
+        moved.subtract(old["by_function"])
+        for where, n in sorted(moved.items(), key=lambda kv: -abs(kv[1]))[:opts.top // 2]:
+            if abs(n) >= 0.05:
+                print(f"{n:+9.1f}  {where[-100:]}")
     diff = collections.Counter(sail["by_function"])
     diff.subtract(hand["by_function"])
     print(f"bytecodes per step, sailfin minus hand, by function (share of sailfin's "
           f"{sail['opcodes']:,.0f}):")
-    for (path, fn), n in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:opts.top]:
-        where = f"{os.path.relpath(path) if path.startswith('/') else path} {fn}"
+    for where, n in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:opts.top]:
         print(f"{n:+9.1f} {n / sail['opcodes']:+7.2%}  {where[-100:]}")
     calls = collections.Counter(sail["c_by_name"])
     calls.subtract(hand["c_by_name"])
@@ -302,13 +234,28 @@ def main() -> None:
     parser.add_argument("--watchdog", type=float, default=None, metavar="SECONDS",
                         help="also run sailfin with the hang watchdog on (hang_seconds "
                              "SECONDS) in the same rounds (and under --instructions)")
+    parser.add_argument("--against", metavar="REV",
+                        help="also run the sailfin of git rev REV (checked out to a temporary "
+                             "worktree) in the same rounds, and this tree's beside it, each in "
+                             "a fresh process: the per-step ratio of the two (with "
+                             "--bytecodes: REV's counts)")
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "STEPS"),
                         help=argparse.SUPPRESS)  # one run under callgrind
+    parser.add_argument("--child-time", nargs=2, metavar=("VARIANT", "STEPS"),
+                        help=argparse.SUPPRESS)  # one timed run for --against
+    parser.add_argument("--child-count", metavar="VARIANT",
+                        help=argparse.SUPPRESS)  # one variant's counts for --against
     add_load_options(parser)
     opts = parser.parse_args()
+    opts.trees = {}  # variant name -> the tree its sailfin is imported from (--against)
     torch.set_num_threads(opts.threads)
     if opts.child:
         return run_child(opts.child[0], int(opts.child[1]), opts)
+    if opts.child_time:
+        steady, whole, weights = run_child(opts.child_time[0], int(opts.child_time[1]), opts)
+        return say_result({"steady": steady, "whole": whole, "weights": weights})
+    if opts.child_count:
+        return say_result({"counts": count_one(opts.child_count, opts)})
     if opts.instructions:
         return count_instructions(opts)
     if opts.bytecodes:
@@ -316,14 +263,27 @@ def main() -> None:
     if opts.profile:
         return profile(opts)
     load = start(opts, "overhead.py")
-    ds = make_data(opts.steps)
-    names = ["hand", "sailfin", "hand-per-sample", "hand-direct"]
+    names = ["hand-per-sample", "sailfin", "hand", "sailfin-per-sample", "hand-direct"]
     if not opts.no_others:
         names += [name for name, (pkg, _) in PEERS.items() if importlib.util.find_spec(pkg)]
     if opts.ema is not None:
         names.append("sailfin+ema")
     if opts.watchdog is not None:
         names.append("sailfin+watchdog")
+    if opts.against:
+        with checkout(opts.against) as tree:
+            opts.trees = {"sailfin@here": os.path.dirname(HERE),
+                          f"sailfin@{opts.against}": tree}
+            rounds, ends, weights = timed_rounds(names + list(opts.trees), opts)
+    else:
+        rounds, ends, weights = timed_rounds(names, opts)
+    report(rounds, ends, weights, load, opts)
+
+
+def timed_rounds(names: list[str], opts: argparse.Namespace) -> tuple[list, dict, dict]:
+    """Interleaved rounds of ``names``: each round's steady seconds per step by name, and
+    by name every round's end-to-end seconds per step and final weights' fingerprint."""
+    ds = make_data(opts.steps)
     results: dict[str, tuple[float, ...]] = {}
     ends: dict[str, list[float]] = {name: [] for name in names}
     weights: dict[str, set[float]] = {name: set() for name in names}
@@ -340,40 +300,60 @@ def main() -> None:
             for name in names:
                 ends[name].append(results[name][1])
                 weights[name].add(results[name][2])
-            print(f"round {i}: hand {1 / steady['hand']:8.1f} steps/s | " + " | ".join(
-                f"{k} {steady['hand'] / v:.3f}" for k, v in steady.items() if k != "hand")
+            ref = steady[REFERENCE]
+            print(f"round {i}: {REFERENCE} {1 / ref:8.1f} steps/s | " + " | ".join(
+                f"{k} {ref / v:.3f}" for k, v in steady.items() if k != REFERENCE)
                 + f" | load1 {os.getloadavg()[0]:.2f}", flush=True)
 
         rounds = interleave(opts.rounds, {name: variant(name) for name in names},
                             on_round=on_round)
-    hand_rates = [1 / r["hand"] for r in rounds]
-    print(f"\nhand loop (batched fetch): median {statistics.median(hand_rates):.1f} steps/s "
-          f"({opts.steps} steps of batch {BATCH}, {opts.threads} thread(s), on {opts.device})")
+    return rounds, ends, weights
+
+
+def report(rounds: list, ends: dict, weights: dict, load: Any, opts: argparse.Namespace
+           ) -> None:
+    names = list(ends)
+    rates = [1 / r[REFERENCE] for r in rounds]
+    print(f"\nhand loop over the standard DataLoader (the reference): median "
+          f"{statistics.median(rates):.1f} steps/s ({opts.steps} steps of batch {BATCH}, "
+          f"{opts.threads} thread(s), on {opts.device})")
     same = {name: weights[name] == weights["hand"] for name in names
-            if name in LOADERS or name == "sailfin"}
+            if name in LOADERS or name.startswith("sailfin") and "+" not in name}
     print("same final weights as the hand loop (same work per step): " +
           ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in same.items()))
-    print("steps/s relative to the hand loop with the same batched fetch, per-round ratios "
+    print("steps/s relative to the hand loop over the standard DataLoader, per-round ratios "
           "(steady: after set-up, to the last step; end to end: all of it):")
-    for name in names[1:]:
-        steady = [r["hand"] / r[name] for r in rounds]
-        whole = [a / b for a, b in zip(ends["hand"], ends[name])]
-        print(f"{name:>18}: steady {spread(steady)}; end to end {spread(whole)}")
+    for name in names:
+        if name != REFERENCE:
+            steady = [r[REFERENCE] / r[name] for r in rounds]
+            whole = [a / b for a, b in zip(ends[REFERENCE], ends[name])]
+            print(f"{name:>18}: steady {spread(steady)}; end to end {spread(whole)}")
+
+    def ratio(over: str, under: str) -> list[float]:  # steps/s of `over` / of `under`
+        return [r[under] / r[over] for r in rounds]
+
+    figures = {"(1) trainer overhead on the same batched fetch, sailfin / hand":
+               ratio("sailfin", "hand"),
+               "(1b) trainer overhead on the standard DataLoader, sailfin-per-sample / "
+               "hand-per-sample": ratio("sailfin-per-sample", REFERENCE),
+               "(2) batched fetch gain, hand / hand-per-sample": ratio("hand", REFERENCE)}
     if "sailfin+ema" in names:  # seconds per step with the average minus without
         cost = [r["sailfin+ema"] - r["sailfin"] for r in rounds]
         print(f"EMA (decay {opts.ema}, every step): median "
               f"{statistics.median(cost) * 1e6:+.1f} us per step (min "
               f"{min(cost) * 1e6:+.1f}, max {max(cost) * 1e6:+.1f})")
     if "sailfin+watchdog" in names:
-        paired = [r["sailfin"] / r["sailfin+watchdog"] for r in rounds]
-        print(f"watchdog on / off (same rounds): {spread(paired)}")
-    gain = [r["hand-per-sample"] / r["hand"] for r in rounds]
-    whole = [a / b for a, b in zip(ends["hand"], ends["sailfin"])]
-    print(f"(2) batched fetch gain: hand loop batched / standard DataLoader {spread(gain)}")
-    summary("overhead.py", "(1) trainer overhead: sailfin / hand loop on the same batched "
-            "fetch, steps/s (steady, per-round)",
-            [r["hand"] / r["sailfin"] for r in rounds], load, opts.threads,
-            extra=f"end to end {statistics.median(whole):.3f}; (2) batched fetch gain {statistics.median(gain):.3f}")
+        figures["watchdog on / off"] = ratio("sailfin+watchdog", "sailfin")
+    if opts.against:
+        figures[f"(3) this tree / {opts.against}, sailfin@here / sailfin@{opts.against} "
+                "(each run in a fresh process)"] = ratio("sailfin@here",
+                                                         f"sailfin@{opts.against}")
+    for what, values in figures.items():
+        print(f"{what}: {spread(values)}")
+    summary("overhead.py", "(0) sailfin / hand loop over the standard DataLoader, steps/s "
+            "(steady, per-round)", ratio("sailfin", REFERENCE), load, opts.threads,
+            extra="; ".join(f"{what.split(',')[0]} {statistics.median(v):.3f}"
+                            for what, v in figures.items()))
 
 
 if __name__ == "__main__":

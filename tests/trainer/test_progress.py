@@ -201,3 +201,34 @@ def test_train_lines_number_epochs_as_the_bar_and_show_flops_as_it_does(tmp_path
     rate = re.search(r"\| [\d.]+ [kMGT]?FLOP/s( \||$)", train[-1])
     assert rate and "tflops" not in train[-1], train[-1]
     assert re.search(r", [\d.]+ [kMGT]?FLOP/s", progress[-1])
+
+
+def test_the_bar_fits_its_values_again_only_when_something_changed(tmp_path, monkeypatch):
+    """Fitting the values beside the bar lays the bar out with tqdm up to 7 times: done at
+    every logged event it was the largest per-step cost of a small model's run in a
+    terminal. Done again only when the width changes, the values' text grows past the last
+    fit's, or REFIT_SECONDS pass: far fewer layouts than events, and every frame still fits."""
+    import tqdm
+
+    from sailfin.trainer.features import progress as progress_module
+
+    fits = []
+    layout = tqdm.tqdm.format_meter
+    fitting = progress_module.BAR_FORMAT.replace("{bar}", "")
+
+    def counted(*a, **kw):
+        if kw.get("bar_format") == fitting:
+            fits.append(1)
+        return layout(*a, **kw)
+
+    monkeypatch.setattr(tqdm.tqdm, "format_meter", staticmethod(counted))
+    monkeypatch.setenv("COLUMNS", "100")
+    stream = Tty()
+    events = 100
+    Trainer(LinearRecipe(IdData(10 * events, 0)),
+            args(tmp_path, epochs=1, log_every_n_steps=1, progress="none"),
+            callbacks=[Progress("bar", bar_stream=stream, line_stream=io.StringIO())]).train()
+    frames = [f.rstrip() for f in stream.getvalue().replace("\n", "\r").split("\r")]
+    assert any("loss" in f for f in frames)
+    assert all(len(f) <= 100 for f in frames)
+    assert 1 <= len(fits) <= events // 2, len(fits)  # each fit: up to 7 layouts

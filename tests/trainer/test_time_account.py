@@ -2,6 +2,8 @@
 without failures, and observing it never changes the weights."""
 
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from sailfin.logging import Writer
 from sailfin.logging.files import JsonlWriter
 from sailfin.trainer.compose import setup
 from tests.checkpoint.helpers import SlowLinear
-from tests.recipes import IdData, args
+from tests.recipes import IdData, LinearRecipe, args
 
 
 class Totals(Writer):
@@ -61,9 +63,6 @@ def test_observing_the_time_never_changes_the_weights(tmp_path, monkeypatch):
 
     class Off(Callback):  # the same run with no account at all
         def __init__(self, *a, **k):
-            pass
-
-        def stop_sampling(self):  # what train() calls on the account as it ends
             pass
 
     monkeypatch.setattr(setup, "TimeAccount", Off)
@@ -134,3 +133,104 @@ def test_max_steps_inside_an_epoch_counts_every_trained_step(tmp_path):
     # 30 steps of >= 20 ms each: at least 0.6 s trained, all of it productive.
     assert seconds["productive"] >= 0.6, seconds
     assert seconds["productive"] > seconds["other"], seconds
+
+
+class SlowData(IdData):
+    """Each sample takes ``seconds`` to read: the loop waits for its micro-batches."""
+
+    def __init__(self, n: int, seconds: float, spent: list) -> None:
+        super().__init__(n, 0)
+        self.train = SlowSamples(self.train, seconds, spent)
+
+
+class SlowSamples(torch.utils.data.Dataset):
+    def __init__(self, inner, seconds, spent):
+        self.inner, self.seconds, self.spent = inner, seconds, spent
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        started = time.perf_counter()
+        time.sleep(self.seconds)
+        self.spent.append(time.perf_counter() - started)  # as long as it really took
+        return self.inner[i]
+
+
+class SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds, spent):
+        ctx.seconds, ctx.spent = seconds, spent
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        started = time.perf_counter()
+        time.sleep(ctx.seconds)
+        ctx.spent.append(time.perf_counter() - started)
+        return grad, None, None
+
+
+class SlowBackward(LinearRecipe):
+    """Each micro-batch's forward takes ``seconds``, its backward twice that; ``spent``
+    holds how long they really took (a loaded machine's sleeps run long)."""
+
+    def __init__(self, data, seconds: float, spent: list) -> None:
+        super().__init__(data)
+        self.seconds, self.spent = seconds, spent
+
+    def train_step(self, global_step, batch, device):
+        started = time.perf_counter()
+        time.sleep(self.seconds)
+        self.spent.append(time.perf_counter() - started)
+        loss, stats = super().train_step(global_step, batch, device)
+        return SleepInBackward.apply(loss, 2 * self.seconds, self.spent), stats
+
+
+class Reset(Callback):
+    """Counts only what the loop does: reads before the first step (the start-up checks')
+    are forgotten."""
+
+    def __init__(self, *spent):
+        self.spent = spent
+
+    def on_train_start(self, trainer):
+        for times in self.spent:
+            times.clear()
+
+
+@pytest.mark.parametrize("micro", [4, 8])
+def test_data_wait_is_the_loops_time_in_next_batches_and_nothing_else(tmp_path, micro):
+    """10 steps of 8 samples, each sample 2.5 ms to read (20 ms of reading per step), each
+    micro-batch's forward 5 ms and backward 10 ms: the data wait holds the reading and
+    none of the forwards or backwards (with 2 micro-batches a step, the wait for the
+    second starts after the first's backward), which are productive."""
+    reading, computing = [], []
+    module = SlowBackward(SlowData(80, 0.0025, reading), 0.005, computing)
+    trainer = Trainer(module, args(tmp_path / "run", train_batch_size=8, micro_batch_size=micro,
+                                   checkpoint={"at_epoch_end": False}),
+                      callbacks=[Reset(reading, computing)])
+    summary = trainer.train()
+    trainer.close()
+    seconds = summary["time_account"]["seconds"]
+    assert len(reading) == 80 and len(computing) == 2 * 10 * 8 // micro
+    read, computed = sum(reading), sum(computing)
+    # Every read happens inside next(batches); no forward or backward does.
+    assert read <= seconds["data_wait"] + 1e-4 < read + computed / 2, (read, computed, seconds)
+    assert seconds["productive"] >= computed, (computed, seconds)
+    # The loop's own counter, which the account reads, holds the same wait.
+    assert trainer.data_seconds == pytest.approx(seconds["data_wait"], abs=1e-4)  # rounded
+
+
+def test_no_thread_runs_beside_the_loop(tmp_path):
+    """The time account measures on the loop's own clock: training starts no thread (the
+    hang watchdog, off here, is the one that may)."""
+    before = set(threading.enumerate())  # (a thread an earlier test left is not the run's)
+    seen = []
+
+    class Threads(Callback):
+        def on_step_end(self, trainer):
+            seen.append([t.name for t in threading.enumerate() if t not in before])
+
+    Trainer(LinearRecipe(IdData(40, 0)), args(tmp_path), callbacks=[Threads()]).train()
+    assert len(seen) == 4 and not any(seen), seen

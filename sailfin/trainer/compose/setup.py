@@ -89,8 +89,7 @@ def build_run(trainer: "Trainer") -> Run:
     features = build_loop_features(module, args, backend, dist)
     memory = memory_snapshot_callback(checkpointer, args, saver, module)
     # The time account reads how far a killed run logged before resuming trims metrics.jsonl.
-    account = TimeAccount(args.output_dir, dist.is_main, args.resume != "never",
-                          trainer.heartbeat)
+    account = TimeAccount(args.output_dir, dist.is_main, args.resume != "never")
     callbacks = in_order({
         "given": trainer.callbacks,
         "features": features.callbacks,
@@ -115,7 +114,7 @@ def build_run(trainer: "Trainer") -> Run:
                                  backend.all_reduce_mean,
                                  getattr(train_sampler, "step_indices", None)),
         callbacks=callbacks, checkpointer=checkpointer, saver=saver, run_stats=run_stats,
-        ema=features.ema, flops=features.flops, autobatch=autobatch, time_account=account,
+        ema=features.ema, flops=features.flops, autobatch=autobatch,
         end_backward_hook=(None if type(module).on_end_backward is ModuleInterface.on_end_backward
                            else module.on_end_backward),
         end_train_step_hook=end_train_step,

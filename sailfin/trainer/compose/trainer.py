@@ -92,7 +92,6 @@ class Trainer(Loop, contextlib.AbstractContextManager):
             self.checkpointer.close()  # a background save finishes, or reports its error
         finally:
             self._stop_watchdog()
-            self.time_account.stop_sampling()  # preempted or failed: no on_train_end
             self.writers.flush()  # close() closes them; validate() may still log
             self._release_run_lock()
 

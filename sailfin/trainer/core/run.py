@@ -15,7 +15,7 @@ from ...data.plan import BatchPlan
 from ...data.sampler import ResumableSampler
 from ...logging.writers import Writers
 from .callbacks import Callback
-from .view import LossGuard, Sampling, StepFlops
+from .view import LossGuard, StepFlops
 
 
 @dataclass(eq=False, repr=False)
@@ -41,7 +41,6 @@ class Run:
     ema: Optional[Callback]          # the weight average, or None
     flops: StepFlops                 # the FLOPs meter
     autobatch: Optional[Callback]    # micro_batch_size: auto's search, or None
-    time_account: Sampling           # where the run's time went (its sampler thread)
     # -- the recipe's hooks, called with what their signatures take (None: not overridden) -
     end_backward_hook: Optional[Callable[[int, torch.Tensor], Any]]
     end_train_step_hook: Optional[Callable[..., Any]]  # memory snapshots' wait chained first

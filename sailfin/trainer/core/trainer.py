@@ -60,6 +60,7 @@ class Loop(Run):
         self.last_val_metrics: dict[str, dict[str, float]] = {}
         self.train_seconds = 0.0
         self.validation_seconds = 0.0  # time spent validating (the time account reads it)
+        self.data_seconds = 0.0  # time spent waiting for training data (the time account)
         self.summary: Optional[dict[str, Any]] = None  # set when train() finishes
         self.last_val_step = -1  # the global step last validated at
         self._check_first_output: Any = None  # checks the first train_step's return, once
@@ -174,7 +175,10 @@ class Loop(Run):
         self._full_steps = plan.uniform_steps(n)  # dp (Poisson steps): none
         self._full_micros = plan.micro_batches(0, n, self.dist.rank) if self._full_steps else ()
         self.train_log.restart(self.samples_seen)
-        return iter(self.train_loader)
+        started = time.perf_counter()
+        batches = iter(self.train_loader)  # worker processes start here: a data wait too
+        self.data_seconds += time.perf_counter() - started
+        return batches
 
     def _forward_backward(self, batches: Iterator[Any], micros: Any, out_of_memory: list
                           ) -> tuple[Optional[torch.Tensor], Optional[Mapping[str, Any]]]:
@@ -182,15 +186,18 @@ class Loop(Run):
         last micro-batch's stats. (None, None) when a callback handles running out of memory."""
         backend, module, beat, clock = self.backend, self.module, self.heartbeat, time.perf_counter
         step_loss, stats = None, None
-        started = ready = clock()
+        started = asked = ready = clock()
+        waited = 0.0  # seconds in next(batches) this step: the time account's data wait
         try:
             for micro in micros:
                 beat.phase = DATA
                 batch = next(batches)
-                beat.phase = FORWARD
+                beat.phase, fetched = FORWARD, clock()
+                waited += fetched - asked
                 if micro.padding:
                     step_loss, stats = padding_micro_batch(backend, module, self.global_step,
                                                           batch, step_loss, stats)
+                    asked = clock()
                     continue
                 out = backend.train_step(module, self.global_step, batch, micro.last)
                 if self._check_first_output is not None:
@@ -205,12 +212,15 @@ class Loop(Run):
                 beat.phase, ready = BACKWARD, clock()
                 backend.backward(loss)
                 step_loss = loss if step_loss is None else step_loss.detach() + loss.detach()
+                if not micro.last:  # the next micro-batch's wait starts here
+                    asked = clock()
         except torch.OutOfMemoryError:
             if not out_of_memory:
                 raise
-            for callback in out_of_memory:
+            for callback in out_of_memory:  # (the retry's clock holds its data wait)
                 callback.on_out_of_memory(self)
             return None, None  # returning drops the traceback that holds the activations
+        self.data_seconds += waited
         self.train_log.ready_seconds += ready - started  # straggler figures (train_log.py)
         return step_loss, stats
 

@@ -60,14 +60,6 @@ class StepFlops(Protocol):
         """Leave the counting mode (an error inside the counted step)."""
 
 
-class Sampling(Protocol):
-    """What the trainer asks of the time account (features/time_account.py) on every way
-    out of a run, a failed or preempted one included."""
-
-    def stop_sampling(self) -> None:
-        """Stop its sampler thread (safe to call twice)."""
-
-
 class RunView(Protocol):
     """The run as a feature sees it (grouped as in docs/architecture.md)."""
 
@@ -88,6 +80,7 @@ class RunView(Protocol):
     samples_seen: int                # samples behind the optimizer steps done
     train_seconds: float             # time spent training (validation every N excluded)
     validation_seconds: float        # time spent validating (features/time_account.py)
+    data_seconds: float              # time spent waiting for the train loader (next, iter)
     steps_per_epoch: int             # optimizer steps in a full epoch
     num_train_samples: int           # samples in one epoch of the training data
     last_val_step: int               # the global step last validated at (-1: none yet)

@@ -24,6 +24,10 @@ BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{r
 # before the values are fitted again.
 MIN_BAR_COLUMNS = 10
 SLACK_COLUMNS = 4
+# The values are fitted again (tqdm's layout, up to 7 times: a logged event's largest
+# cost) when the terminal's width changes, their text grows past the last fit's, or after
+# this long (the clocks grow); else the last fit's choice stands.
+REFIT_SECONDS = 10.0
 _EMA = 0.3  # weight of the newest window in the moving averages
 
 
@@ -118,6 +122,7 @@ class Progress(Writer, Callback):
         self._epochs = 1
         self._next_line = 0.0
         self._last_line = (0.0, 0)
+        self._fit = (-1, 0, 0, 0.0)  # the bar's last fit: keep, width, text length, until
 
     # -- the stream the stdout writer prints to: above the bar, never through it --------
     def console(self) -> IO[str]:
@@ -248,17 +253,25 @@ class Progress(Writer, Callback):
         return text
 
     def _fitted_values(self) -> str:
-        """The values that fit the terminal beside the bar (re-read: it may be resized)."""
+        """The values that fit the terminal beside the bar (re-read: it may be resized;
+        fitted again as :data:`REFIT_SECONDS` says)."""
         bar = self._bar
-        bar.ncols = width = terminal_width(bar.fp)
-        meter = dict(bar.format_dict, ncols=None, bar_format=BAR_FORMAT.replace("{bar}", ""))
+        width = terminal_width(bar.fp)
         samples_seen, now = self._trainer.samples_seen, time.perf_counter()
-        for keep in range(6, -1, -1):
+        keep, fitted_width, fitted_length, until = self._fit
+        text = self._values_text(samples_seen, now, keep)
+        if width == fitted_width and len(text) <= fitted_length and now < until:
+            return text
+        bar.ncols = width
+        meter = dict(bar.format_dict, ncols=None, bar_format=BAR_FORMAT.replace("{bar}", ""))
+        for keep in range(6, -2, -1):  # -1: no value fits
             text = self._values_text(samples_seen, now, keep)
             meter["postfix"] = text
-            if len(bar.format_meter(**meter)) + MIN_BAR_COLUMNS + SLACK_COLUMNS <= width:
-                return text
-        return ""
+            if keep < 0 or (len(bar.format_meter(**meter)) + MIN_BAR_COLUMNS + SLACK_COLUMNS
+                            <= width):
+                break
+        self._fit = (keep, width, len(text), now + REFIT_SECONDS)
+        return text
 
     def _print_line(self, trainer: "RunView", now: float) -> None:
         step = trainer.global_step

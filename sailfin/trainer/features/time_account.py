@@ -1,21 +1,19 @@
 """The time account: where a run's wall time went, across every restart, and its goodput
 (the share that became kept training); the components are docs/goodput.md's. Rank 0
 keeps it at boundaries that exist already (start, each save, each epoch end, the end):
-nothing runs per step, and the data wait is sampled off the step (:class:`PhaseSampler`)."""
+nothing runs per step; the data wait is the loop's own clock around ``next(batches)``
+(``data_seconds``), and no thread is needed."""
 
 from __future__ import annotations
 
 import os
-import threading
 import time
-import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
 from ...checkpoint.metrics_log import last_logged_step
 from ...checkpoint.time_account_file import (COMPONENTS, VERSION, account_path, account_totals,
                                              read_account, run_start_time, set_summary_field,
                                              write_account)
-from ...distributed.watchdog import DATA
 from ...utils.voice import say
 from ..core.callbacks import Callback
 
@@ -31,15 +29,13 @@ class TimeAccount(Callback):
     """Keeps ``<output_dir>/time_account.json`` and puts its totals in ``summary.json``.
     The trainer builds one for every run, before the resume trims ``metrics.jsonl``."""
 
-    def __init__(self, output_dir: str, is_main: bool, continues: bool = True,
-                 heartbeat: Any = None) -> None:
+    def __init__(self, output_dir: str, is_main: bool, continues: bool = True) -> None:
         self.active = is_main
         self.path = account_path(output_dir)
         self.started = run_start_time()
         self.account: dict[str, Any] = {"version": VERSION, "segments": []}
         self.reached: Optional[int] = None
         self.last_sign: Optional[float] = None
-        self.sampler = PhaseSampler(heartbeat) if heartbeat is not None and is_main else None
         self._segment: Optional[dict[str, Any]] = None
         self._stalls = {"checkpoint": 0.0, "snapshot": 0.0}
         self._loop_end: Optional[float] = None
@@ -74,8 +70,7 @@ class TimeAccount(Callback):
         self._view = trainer  # summary_fields() brings the account up to the loop's end
         self._validation0 = trainer.validation_seconds
         self._oom0 = _retry_seconds(trainer)
-        if self.sampler is not None:
-            self.sampler.start()
+        self._data0 = trainer.data_seconds
         self.write(trainer, durable=True)
 
     def on_save_end(self, trainer: "RunView", kind: str, seconds: float) -> None:
@@ -93,17 +88,11 @@ class TimeAccount(Callback):
         """Called once the loop is done (summary.json): training time stops here."""
         if self._segment is None:
             return {}
-        self.stop_sampling()
         # The loop ends here (max_steps may end it inside an epoch, after the last write):
         # every step it trained is counted now, then the account stops counting the loop.
         self.write(self._view)
         self._loop_end = time.perf_counter()
         return {"time_account": self.totals()}
-
-    def stop_sampling(self) -> None:
-        """Stop the data-wait sampler's thread (the run ended, however it ended)."""
-        if self.sampler is not None:
-            self.sampler.stop()
 
     def on_train_end(self, trainer: "RunView") -> None:
         """After the final save (and summary_fields): the segment ends, the totals go to
@@ -140,7 +129,7 @@ class TimeAccount(Callback):
         sec["validation"] = max(0.0, trainer.validation_seconds - self._validation0)
         sec["oom_retries"] = max(0.0, _retry_seconds(trainer) - self._oom0)
         if self._loop_end is None:  # still training: the loop's time not spent otherwise
-            self._account_loop(seg, now)
+            self._account_loop(seg, now, trainer.data_seconds - self._data0)
         if "unaccounted_steps" in seg:  # (a restart: the previous segment is before it)
             _settle_gap(self.account["segments"][-2], seg)
         # The segment so far: its gap, then process start to now; what is not measured.
@@ -149,11 +138,11 @@ class TimeAccount(Callback):
         self._last_write = now
         write_account(self.path, self.account, durable)
 
-    def _account_loop(self, seg: dict[str, Any], now: float) -> None:
+    def _account_loop(self, seg: dict[str, Any], now: float, data_wait: float) -> None:
         """The loop's time up to ``now`` that no other component took is productive."""
         sec = seg["seconds"]
         loop = now - self._train_start
-        sec["data_wait"] = self.sampler.data_share() * loop if self.sampler else 0.0
+        sec["data_wait"] = max(0.0, data_wait)
         sec["productive"] = max(0.0, loop - sec["data_wait"] - sec["checkpoint"]
                                 - sec["snapshot"] - sec["validation"] - sec["oom_retries"])
         marks = seg["marks"]
@@ -251,50 +240,3 @@ def _roll_back(seg: dict[str, Any], step: int) -> None:
 def _retry_seconds(trainer: "RunView") -> float:
     return trainer.autobatch.retry_seconds if trainer.autobatch is not None else 0.0
 
-
-class PhaseSampler:
-    """How much of training waits for data, measured without touching the step: a thread
-    reads the heartbeat's phase every ``interval`` seconds (a few microseconds of GIL);
-    the share of readings in the data phase, times the training time, is the data wait."""
-
-    def __init__(self, heartbeat: Any, interval: float = 0.02) -> None:
-        self.heartbeat, self.interval = heartbeat, interval
-        self.readings = 0
-        self.data_readings = 0
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
-
-    def start(self) -> None:
-        # The thread holds the sampler weakly: a trainer that failed and was dropped
-        # without stop() does not keep a thread alive.
-        self._thread = threading.Thread(target=_sample, args=(weakref.ref(self), self._stop,
-                                                              self.interval),
-                                        name="sailfin-phase-sampler", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
-
-    def data_share(self) -> float:
-        """The share of readings taken while the loop waited for data."""
-        return self.data_readings / self.readings if self.readings else 0.0
-
-    def _read(self) -> None:
-        self.readings += 1
-        if self.heartbeat.phase == DATA:
-            self.data_readings += 1
-
-    def __del__(self) -> None:
-        self._stop.set()
-
-
-def _sample(ref: "weakref.ref[PhaseSampler]", stop: threading.Event, interval: float) -> None:
-    while not stop.wait(interval):
-        sampler = ref()
-        if sampler is None:
-            return
-        sampler._read()
-        del sampler
