@@ -271,8 +271,11 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
         if _STEP.match(name) and self.storage.exists(self.path(name)):
             return self.storage, self.path(name)
         storage, where = open_storage(name, self.args.storage_options)
-        if storage.exists(storage.join(where, manifests.MANIFEST)):
-            return storage, where
+        manifest, base = storage.join(where, manifests.MANIFEST), os.path.basename(where)
+        local = storage.local_path(manifest)
+        if (storage.exists(manifest) or (local is not None and os.path.lexists(local))
+                or (_STEP.match(base) and storage.exists(where))):
+            return storage, where  # a checkpoint, perhaps damaged: loading it says how
         if not storage.exists(where):
             raise CheckpointError(f"trainer.resume: {name!r} does not exist; give a checkpoint "
                                   "directory (one holding manifest.json), a directory of "
