@@ -16,10 +16,9 @@ from ..distributed import DistEnv
 from .checkpointer import Checkpointer, DirectoryCheckpointer, Loaded, Snapshot
 from .errors import CheckpointCorrupt, CheckpointError
 from .memory_checkpointer import persisting_args, with_memory_snapshots
-from .metrics_log import trim_metrics_log
 
 __all__ = ["CheckpointArguments", "CheckpointCorrupt", "CheckpointError", "Checkpointer",
-           "DirectoryCheckpointer", "Loaded", "Snapshot", "build_checkpointer", "trim_metrics_log"]
+           "DirectoryCheckpointer", "Loaded", "Snapshot", "build_checkpointer"]
 
 
 def build_checkpointer(args: TrainerArguments, dist: DistEnv,

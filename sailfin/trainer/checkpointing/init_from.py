@@ -18,7 +18,7 @@ from ...checkpoint.checkpointer import DirectoryCheckpointer
 from ...utils.voice import say
 from ...checkpoint.errors import CheckpointCorrupt, CheckpointError
 from ...checkpoint.sharded import load_sharded
-from ...checkpoint.weights_file import SafetensorsSource, StateDictSource, load_into
+from ...backends.weights_file import SafetensorsSource, StateDictSource, load_into
 from .state import frozen_names
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ import torch
 from ...checkpoint.checkpointer import Checkpointer, Loaded
 from ...checkpoint.errors import CheckpointCorrupt, CheckpointError
 from ...checkpoint.manifest import MANIFEST
-from ...checkpoint.metrics_log import last_logged_step, trim_metrics_log
+from ...logging.metrics_log import last_logged_step, trim_metrics_log
 from ...checkpoint.rng import derive_rng, restore_rng
 from ...checkpoint.sharded import load_sharded
 from ...utils.voice import say
