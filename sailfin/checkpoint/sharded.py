@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from ..compat.torch import dcp_load, fsspec_reader, fsspec_writer
-from .errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError
+from .errors import (CheckpointCorrupt, CheckpointError, CheckpointWriteError, errno_of,
+                     per_rank)
 from .serialize import plain_name
 from .shard_checksums import (check_index, checksummed_writer, describe, restricted_reader,
                               verify)
@@ -296,7 +297,7 @@ def load_sharded(ref: ShardedRef, module: torch.nn.Module,
             dcp_load(state, ref.reader())
     except CheckpointException as exc:  # DCP names the missing or mismatched key
         shown = ref.storage.display(ref.path)
-        refused = [e for e in _per_rank(exc).values()
+        refused = [e for e in per_rank(exc).values()
                    if isinstance(e, (CheckpointCorrupt, pickle.UnpicklingError))]
         if refused:
             found = re.search(r"GLOBAL ([\w.]+)", str(refused[0]))
@@ -319,7 +320,7 @@ def load_sharded(ref: ShardedRef, module: torch.nn.Module,
 def _write_failure(storage: Storage, path: str, exc: BaseException) -> CheckpointWriteError:
     """DCP's failure to write shards, as one line; a full disk (torch.save reports it as
     ``unexpected pos``, the OSError lost) is told by the space left there."""
-    code = _errno_in(exc)
+    code = errno_of(exc)
     if code is None and _full(storage, path):
         code = errno.ENOSPC
     reason = "no space left on device" if code == errno.ENOSPC else _reason(exc)
@@ -327,18 +328,6 @@ def _write_failure(storage: Storage, path: str, exc: BaseException) -> Checkpoin
                                    f"failed: {reason}", storage.display(path), code)
     failure.every_rank = True  # DCP's save is collective: every rank gets its failure
     return failure
-
-
-def _errno_in(exc: BaseException) -> Optional[int]:
-    """The errno of an OSError in ``exc``, in DCP's per-rank failures, or in their causes."""
-    stack, seen = [exc], 0
-    while stack and seen < 50:
-        item, seen = stack.pop(), seen + 1
-        if isinstance(item, OSError) and item.errno is not None:
-            return item.errno
-        stack.extend(_per_rank(item).values())
-        stack.extend(x for x in (item.__cause__, item.__context__) if x is not None)
-    return None
 
 
 def _full(storage: Storage, path: str) -> bool:
@@ -357,17 +346,8 @@ def _full(storage: Storage, path: str) -> bool:
 
 def _reason(exc: BaseException) -> str:
     """DCP's per-rank errors without their tracebacks (it puts those in the message)."""
-    failures = _per_rank(exc)
+    failures = per_rank(exc)
     if not failures:
         return str(exc)
     return "; ".join(f"rank {rank}: {type(inner).__name__}: {inner}"
                      for rank, inner in sorted(failures.items()))
-
-
-def _per_rank(exc: BaseException) -> dict[int, BaseException]:
-    """DCP's CheckpointException's failure of each rank (it pairs each with a traceback)."""
-    failures = getattr(exc, "failures", None)
-    if not isinstance(failures, dict):
-        return {}
-    return {rank: failure[0] if isinstance(failure, tuple) else failure
-            for rank, failure in failures.items()}

@@ -43,7 +43,9 @@ def load_initial_weights(trainer: "RunView", path: str) -> None:
             # Memory-mapped: a rank touches only the pages of the rows it keeps.
             loaded = reader.load(path, mmap=True)
         except CheckpointError as exc:
-            error = CheckpointError(str(exc).replace("trainer.resume:", "trainer.init_from:"))
+            said = str(exc).replace("trainer.resume:", "trainer.init_from:")
+            error = (CheckpointCorrupt(said, exc.file) if isinstance(exc, CheckpointCorrupt)
+                     else CheckpointError(said))
         # Each rank checked its share of the files: none unpickles a thing until all agree.
         if not all_ranks(trainer, error is None):
             raise error or CheckpointError(f"trainer.init_from: another rank found {path} "
