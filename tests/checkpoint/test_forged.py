@@ -66,3 +66,25 @@ def test_export_of_a_forged_index_ends_in_one_line_and_runs_nothing(run, tmp_pat
     err = capfd.readouterr().err
     assert len(err.splitlines()) == 1 and "shards/.metadata is not DCP's metadata" in err, err
     assert not (tmp_path / "marker").exists() and not (tmp_path / "exported").exists()
+
+
+@pytest.mark.parametrize("file", ["trainer.pt", "manifest.json", "rng-rank00000.pt"])
+@pytest.mark.parametrize("kind", ["socket", "link loop"])
+def test_a_special_file_under_init_from_is_one_line(run, tmp_path, capfd, file, kind):
+    """A Unix socket or a loop of symbolic links in place of a checkpoint file: one line
+    naming it (init_from; resume: tests/checkpoint/test_damaged_files.py)."""
+    import shutil
+
+    from tests.checkpoint.test_damaged_files import link_loop, unix_socket
+
+    base, config = run
+    step = tmp_path / "step-00000002"
+    shutil.copytree(base / "out" / "checkpoints" / "step-00000002", step)
+    (unix_socket if kind == "socket" else link_loop)(step / file)
+    capfd.readouterr()
+    code = main(["train", str(config), "--trainer.init_from", str(step),
+                 "--trainer.output_dir", str(tmp_path / "again")])
+    err = capfd.readouterr().err
+    said = "it is a socket" if kind == "socket" else "a loop of symbolic links"
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert str(step / file) in err and said in err, err
