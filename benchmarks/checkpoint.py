@@ -28,7 +28,16 @@ start vs the end of an epoch.
    first step includes planning the rest of the epoch's sample order, which is
    less work near its end: a resume never costs more than starting an epoch.)
 
+3. Per backend, against a baseline. ``--backends sp,ddp,fsdp``: the sync and the
+   async stall per save of the same MLP (smaller: ``--backend-dims``) on each
+   backend (ddp and fsdp on 2 processes, gloo), each arm in a process of its own
+   whose sailfin is this tree or ``--baseline REV`` (default 562e3ce, the release
+   before the state layer's rebuild), checked out for the run with ``git worktree
+   add`` and removed after; arms interleaved per round. Printed: the median stall
+   of rank 0 per save, and this tree over the baseline per backend and mode.
+
     python benchmarks/checkpoint.py [--rounds 5] [--threads 1] [--no-resume] [--no-memory]
+    python benchmarks/checkpoint.py --only-backends --rounds 2 [--baseline 562e3ce]
 """
 
 from __future__ import annotations
@@ -37,8 +46,10 @@ import argparse
 import contextlib
 import gc
 import io
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +57,8 @@ import time
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+if "--child" not in sys.argv:  # a child's sailfin is its arm's tree (PYTHONPATH)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _measure import add_load_options, interleave, spread, start, summary  # noqa: E402
@@ -157,7 +169,110 @@ def replay_time(data: Data, batches: int) -> float:
     return time.perf_counter() - start
 
 
+# -- 3. per backend, this tree against a baseline -----------------------------------------
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _rank_stalls(rank: int, world: int, port: int, spec: dict) -> None:
+    """One rank of a backend arm (a child process whose sailfin is the arm's)."""
+    from sailfin.config.distributed import DistArguments
+
+    torch.set_num_threads(1)
+    dist = (DistArguments(launcher="manual", rank=rank, world_size=world, master_addr="127.0.0.1",
+                          master_port=port, timeout_seconds=120) if world > 1 else DistArguments())
+    module = Recipe(Data(spec["steps"] * 8, spec["dims"][0]), spec["dims"])
+    args = TrainerArguments(epochs=1, train_batch_size=8, micro_batch_size=8 // world,
+                            output_dir=spec["out"], writers=[], val_every_n_epochs=0,
+                            log_every_n_steps=1000, resume="never", backend=spec["backend"],
+                            distributed=dist,
+                            checkpoint=CheckpointArguments(every_n_steps=spec["every"],
+                                                           at_epoch_end=False, keep_last=1,
+                                                           async_save=spec["async"]))
+    trainer = Trainer(module, args)
+    trainer.train()
+    if rank == 0:
+        saver = next(c for c in trainer.callbacks if hasattr(c, "stall_seconds"))
+        with open(os.path.join(spec["out"], "stalls.json"), "w") as fh:
+            json.dump(saver.stall_seconds, fh)
+
+
+def _child(spec: dict) -> None:
+    world = 1 if spec["backend"] == "sp" else 2
+    if world == 1:
+        _rank_stalls(0, 1, 0, spec)
+        return
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    torch.multiprocessing.spawn(_rank_stalls, args=(world, port, spec), nprocs=world)
+
+
+def backend_stalls(tree: str, spec: dict) -> list[float]:
+    """Rank 0's stall per save of one arm, run with ``tree``'s sailfin."""
+    env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, os.path.join(HERE, "checkpoint.py"), "--child",
+                           json.dumps(spec)], env=env, capture_output=True, text=True,
+                          timeout=900, cwd=tree)
+    if done.returncode != 0:
+        raise RuntimeError(f"{spec['backend']} arm of {tree} failed:\n{done.stderr[-3000:]}")
+    with open(os.path.join(spec["out"], "stalls.json")) as fh:
+        return json.load(fh)
+
+
+@contextlib.contextmanager
+def baseline_tree(rev: str):
+    """A temporary checkout of ``rev`` (``git worktree add``), removed afterwards."""
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=HERE, text=True,
+                          capture_output=True, check=True).stdout.strip()
+    path = tempfile.mkdtemp(prefix="sailfin-baseline-")
+    subprocess.run(["git", "worktree", "add", "--detach", path, rev], cwd=root, check=True,
+                   capture_output=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", path], cwd=root,
+                       capture_output=True)
+
+
+def measure_backends(opts: argparse.Namespace) -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout still removes the
+    tree = os.path.dirname(HERE)                             # baseline's worktree
+    dims = [int(d) for d in opts.backend_dims.split(",")]
+    backends = opts.backends.split(",")
+    with baseline_tree(opts.baseline) as base, tempfile.TemporaryDirectory() as tmp:
+        trees = {"this": tree, opts.baseline: base}
+        arms = {}
+        for backend in backends:
+            for mode in ("sync", "async"):
+                for name, where in trees.items():
+                    def arm(i, backend=backend, mode=mode, name=name, where=where):
+                        spec = {"backend": backend, "async": mode == "async", "dims": dims,
+                                "steps": opts.steps, "every": opts.every,
+                                "out": os.path.join(tmp, f"{backend}-{mode}-{name}-{i}")}
+                        return statistics.median(backend_stalls(where, spec))
+                    arms[f"{backend} {mode} {name}"] = arm
+        rounds = interleave(opts.rounds, arms)
+    params = sum(a * b + b for a, b in zip(dims, dims[1:]))
+    print(f"per backend: {params / 1e6:.1f} M parameters, a save every {opts.every} of "
+          f"{opts.steps} steps, {opts.rounds} rounds; rank 0's stall per save (median)")
+    for backend in backends:
+        for mode in ("sync", "async"):
+            this = [r[f"{backend} {mode} this"] for r in rounds]
+            then = [r[f"{backend} {mode} {opts.baseline}"] for r in rounds]
+            ratio = [a / b for a, b in zip(this, then)]
+            print(f"  {backend:>5} {mode:>5}: this tree {statistics.median(this) * 1000:7.1f} ms, "
+                  f"{opts.baseline} {statistics.median(then) * 1000:7.1f} ms; this / "
+                  f"{opts.baseline} per round {spread(ratio)}")
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        _child(json.loads(sys.argv[2]))
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=24, help="steps per stall run")
@@ -166,10 +281,22 @@ def main() -> None:
     parser.add_argument("--no-resume", action="store_true", help="only the stall figures")
     parser.add_argument("--no-memory", action="store_true",
                         help="leave out the arm with a memory snapshot every step")
+    parser.add_argument("--backends", default="sp,ddp,fsdp",
+                        help="the per-backend arms (sync and async, this tree and --baseline)")
+    parser.add_argument("--baseline", default="562e3ce", help="git revision of the baseline")
+    parser.add_argument("--backend-dims", default="512,1024,1024,512,10",
+                        help="the per-backend arms' layer widths")
+    parser.add_argument("--only-backends", action="store_true",
+                        help="only the per-backend arms against the baseline")
+    parser.add_argument("--no-backends", action="store_true",
+                        help="leave out the per-backend arms against the baseline")
     add_load_options(parser)
     opts = parser.parse_args()
     torch.set_num_threads(opts.threads)
     load = start(opts, "checkpoint.py")
+    if opts.only_backends:
+        measure_backends(opts)
+        return
     params = sum(a * b + b for a, b in zip(BIG, BIG[1:]))
     saves = opts.steps // opts.every
     sink = io.StringIO()
@@ -227,6 +354,9 @@ def main() -> None:
                 f"{statistics.median(true_ratio):.3f} "
                 f"({statistics.median(cost['async']) * 1000:.0f} vs "
                 f"{statistics.median(cost['sync']) * 1000:.0f} ms)")
+        if not opts.no_backends:
+            print()
+            measure_backends(opts)
         if opts.no_resume:
             return
 

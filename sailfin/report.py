@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .checkpoint.time_account_file import COMPONENTS, account_path, account_totals, read_account
+from .logging.time_account_file import COMPONENTS, account_path, account_totals, read_account
 from .logging.stdout import flop_rate, flop_unit
 from .utils.voice import line
 

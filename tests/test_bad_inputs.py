@@ -19,6 +19,7 @@ import pytest
 
 from sailfin.cli import main
 from sailfin.config import ConfigError, TrainerArguments, load_config
+from sailfin.checkpoint.manifest import seal
 
 BASE = """
 data: {class_path: tests.recipes.IdData, init_args: {n_train: 20, n_val: 4}}
@@ -66,7 +67,7 @@ def _trainer_pt_is_a_directory(step):
 def _manifest_step_is_x(step):
     doc = json.loads((step / "manifest.json").read_text())
     doc["step"] = "x"
-    (step / "manifest.json").write_text(json.dumps(doc))
+    (step / "manifest.json").write_bytes(seal(doc))
 
 
 def _memory_dir_is_a_file(tmp_path, capsys):

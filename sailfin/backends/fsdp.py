@@ -20,7 +20,7 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
                                     OffloadPolicy, fully_shard)
 from torch.distributed.tensor import DTensor
 
-from ..checkpoint.weights_file import SafetensorsWriter, TensorSpec, file_order
+from .weights_file import SafetensorsWriter, TensorSpec, file_order
 from ..compat.fsdp import settle_roots
 from ..config.distributed import DistArguments
 from ..config.errors import ConfigError

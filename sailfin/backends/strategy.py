@@ -259,7 +259,7 @@ class SingleDevice:
         """The full weights as safetensors at ``path``, under the plain model's names,
         tied weights once (under their first name). Every rank calls it (a collective
         under fsdp); the rank with ``write`` writes the file and gets its path."""
-        from ..checkpoint.weights_file import save_weights
+        from .weights_file import save_weights
 
         return save_weights(self.final_state_dict(module), path) if write else None
 

@@ -13,13 +13,12 @@ from ..config.checkpoint import CheckpointArguments
 from ..config.errors import ConfigError
 from ..config.trainer import TrainerArguments
 from ..distributed import DistEnv
-from .checkpointer import Checkpointer, DirectoryCheckpointer, Loaded, Snapshot
+from .checkpointer import Checkpointer, DirectoryCheckpointer, Loaded, SaveRequest
 from .errors import CheckpointCorrupt, CheckpointError
 from .memory_checkpointer import persisting_args, with_memory_snapshots
-from .metrics_log import trim_metrics_log
 
 __all__ = ["CheckpointArguments", "CheckpointCorrupt", "CheckpointError", "Checkpointer",
-           "DirectoryCheckpointer", "Loaded", "Snapshot", "build_checkpointer", "trim_metrics_log"]
+           "DirectoryCheckpointer", "Loaded", "SaveRequest", "build_checkpointer"]
 
 
 def build_checkpointer(args: TrainerArguments, dist: DistEnv,

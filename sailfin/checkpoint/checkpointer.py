@@ -21,7 +21,7 @@ from .storage import Storage, open_storage
 
 
 @dataclass
-class Snapshot:
+class SaveRequest:
     """One save as the trainer hands it to a checkpointer, on every rank. Rank 0 writes
     ``shared`` (file stem -> object, the same on every rank); ``rank_state`` is this rank's
     own (its random streams); ``facts`` are plain JSON values for the manifest."""
@@ -39,7 +39,7 @@ class Snapshot:
 
 @dataclass
 class Loaded:
-    """A checkpoint read back: what :class:`Snapshot` held, for this rank."""
+    """A checkpoint read back: what :class:`SaveRequest` held, for this rank."""
 
     name: str
     location: str
@@ -54,15 +54,15 @@ class Loaded:
 class Checkpointer(abc.ABC):
     """Saves and loads checkpoints. Subclass it to keep them elsewhere or in another form.
 
-    Every rank calls :meth:`save` with its :class:`Snapshot` and :meth:`load` to read
+    Every rank calls :meth:`save` with its :class:`SaveRequest` and :meth:`load` to read
     back; ``barrier()`` waits for every rank. ``trainer.checkpoint.class_path`` names a
     subclass, built as ``cls(location, args, dist, barrier)``.
 
     Example::
 
         class AnnouncingCheckpointer(DirectoryCheckpointer):
-            def commit(self, name, staging, files, snapshot):
-                super().commit(name, staging, files, snapshot)
+            def commit(self, name, staging, files, request):
+                super().commit(name, staging, files, request)
                 print("saved", name)
     """
 
@@ -74,7 +74,7 @@ class Checkpointer(abc.ABC):
         self.barrier = barrier
 
     @abc.abstractmethod
-    def save(self, snapshot: Snapshot) -> None:
+    def save(self, request: SaveRequest) -> None:
         """Save on every rank; may return before the data is on storage (async saves)."""
 
     @abc.abstractmethod
@@ -106,7 +106,7 @@ class Checkpointer(abc.ABC):
 
     def settle(self) -> bool:
         """Before each optimizer step while async saves are on: wait for what the last save
-        copies in the background (:attr:`Snapshot.later`); True when there was such a copy."""
+        copies in the background (:attr:`SaveRequest.later`); True when there was such a copy."""
         return False
 
     def abort(self) -> None:
@@ -138,50 +138,50 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
         self._executor: Optional[ThreadPoolExecutor] = None
         self._pending: Optional[tuple[int, Future]] = None
         self.shards = ShardedWriter(self.storage, args.storage_options)
-        self.writes_shards = True  # Snapshot.sharded is written, with DCP
+        self.writes_shards = True  # SaveRequest.sharded is written, with DCP
 
-    def save(self, snapshot: Snapshot) -> None:
+    def save(self, request: SaveRequest) -> None:
         self.wait()  # one save in flight at a time; raises if the previous one failed
-        name = self.name_for(snapshot.step)
+        name = self.name_for(request.step)
         staging = self.path(f".tmp-{name}" if self.storage.atomic_rename else name)
         self.storage.makedirs(staging)
         if self.dist.is_main and not self.storage.atomic_rename:
             # Re-saving a step in place (a run resumed before it): it is incomplete from now on.
             self.storage.remove(self.storage.join(staging, manifests.MANIFEST))
-        if snapshot.sharded:  # every rank writes its own shards
-            self.shards.save(staging, snapshot.sharded, self.args.async_save, snapshot.step,
-                             snapshot.later)
+        if request.sharded:  # every rank writes its own shards
+            self.shards.save(staging, request.sharded, self.args.async_save, request.step,
+                             request.later)
         background = self.args.async_save and self.dist.is_main
         own_path = self.storage.join(staging, self.rank_file(self.dist.rank))
         # Rank 0's own file may wait for the background; the others' must be on storage
         # before rank 0 commits the checkpoint.
-        own = None if background else self.write_file(own_path, snapshot.rank_state)
+        own = None if background else self.write_file(own_path, request.rank_state)
         self.barrier()
         if not self.dist.is_main:
             return
         if not background:
-            self._write_and_commit(name, staging, snapshot, own_path, own)
+            self._write_and_commit(name, staging, request, own_path, own)
             return
         # Copy now (the next step changes the state), write in the background: what DCP
         # does not stage is small (counters, schedulers, the scaler).
-        snapshot = Snapshot(snapshot.step, dict(snapshot.facts), cpu_copy(snapshot.shared),
-                            snapshot.rank_state, snapshot.is_best)
+        request = SaveRequest(request.step, dict(request.facts), cpu_copy(request.shared),
+                            request.rank_state, request.is_best)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="sailfin-checkpoint")
-        self._pending = (snapshot.step, self._executor.submit(
-            self._write_and_commit, name, staging, snapshot, own_path))
+        self._pending = (request.step, self._executor.submit(
+            self._write_and_commit, name, staging, request, own_path))
 
-    def _write_and_commit(self, name: str, staging: str, snapshot: Snapshot, own_path: str,
+    def _write_and_commit(self, name: str, staging: str, request: SaveRequest, own_path: str,
                           own: Optional[FileEntry] = None) -> None:
         if own is None:  # rank 0's own file, written in the background
-            own = self.write_file(own_path, snapshot.rank_state)
+            own = self.write_file(own_path, request.rank_state)
         shards = self.shards.finish(staging)  # every rank's shards are on storage
         if shards is not None:
-            snapshot.facts["sharded"] = shards  # the manifest lists them
+            request.facts["sharded"] = shards  # the manifest lists them
         files = {f"{stem}.pt": self.write_file(self.storage.join(staging, f"{stem}.pt"), obj)
-                 for stem, obj in snapshot.shared.items()}
+                 for stem, obj in request.shared.items()}
         files.update(self._rank_entries(staging, own))
-        self.commit(name, staging, files, snapshot)
+        self.commit(name, staging, files, request)
         self.retain()
 
     def write_file(self, path: str, obj: Any) -> FileEntry:
@@ -203,17 +203,17 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
         return entries
 
     def commit(self, name: str, staging: str, files: dict[str, FileEntry],
-               snapshot: Snapshot) -> None:
+               request: SaveRequest) -> None:
         """Make the written files a complete checkpoint, then move ``latest`` (and ``best``)."""
         for leftover in set(self.storage.listdir(staging)) - set(files) - {SHARDS}:
             self.storage.remove(self.storage.join(staging, leftover))  # from a killed save
-        facts = {**snapshot.facts, "is_best": snapshot.is_best}
+        facts = {**request.facts, "is_best": request.is_best}
         self.storage.write_bytes(self.storage.join(staging, manifests.MANIFEST),
                                  manifests.encode(facts, files))
         if self.storage.atomic_rename:
             self.move_into_place(staging, name)
         self.storage.write_bytes(self.path("latest"), f"{name}\n".encode())
-        if snapshot.is_best:
+        if request.is_best:
             self.storage.write_bytes(self.path("best"), f"{name}\n".encode())
 
     def settle(self) -> bool:
@@ -271,8 +271,11 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
         if _STEP.match(name) and self.storage.exists(self.path(name)):
             return self.storage, self.path(name)
         storage, where = open_storage(name, self.args.storage_options)
-        if storage.exists(storage.join(where, manifests.MANIFEST)):
-            return storage, where
+        manifest, base = storage.join(where, manifests.MANIFEST), os.path.basename(where)
+        local = storage.local_path(manifest)
+        if (storage.exists(manifest) or (local is not None and os.path.lexists(local))
+                or (_STEP.match(base) and storage.exists(where))):
+            return storage, where  # a checkpoint, perhaps damaged: loading it says how
         if not storage.exists(where):
             raise CheckpointError(f"trainer.resume: {name!r} does not exist; give a checkpoint "
                                   "directory (one holding manifest.json), a directory of "

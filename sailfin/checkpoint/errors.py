@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+from typing import Iterator, Optional
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or used as it is. ``every_rank`` is True when every
@@ -26,3 +29,35 @@ class CheckpointWriteError(CheckpointError):
         super().__init__(message)
         self.file = file
         self.errno = errno
+
+
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, what caused it, and each rank's failure that DCP's CheckpointException
+    collected, in turn (a bounded walk: 50 at most)."""
+    stack, seen = [exc], 0
+    while stack and seen < 50:
+        item, seen = stack.pop(), seen + 1
+        yield item
+        stack.extend(per_rank(item).values())
+        stack.extend(x for x in (item.__cause__, item.__context__) if x is not None)
+
+
+def per_rank(exc: BaseException) -> dict[int, BaseException]:
+    """DCP's CheckpointException's failure of each rank (it pairs each with a traceback)."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict):
+        return {}
+    return {rank: failure[0] if isinstance(failure, tuple) else failure
+            for rank, failure in failures.items()}
+
+
+def errno_of(exc: BaseException) -> Optional[int]:
+    """The first errno among :func:`causes` of ``exc`` (an OSError's, or the one a
+    :class:`CheckpointWriteError` kept)."""
+    return next((e.errno for e in causes(exc) if isinstance(getattr(e, "errno", None), int)),
+                None)
+
+
+def no_space(exc: BaseException) -> bool:
+    """Whether ``exc`` comes from a full disk (ENOSPC, or a quota: EDQUOT)."""
+    return errno_of(exc) in (errno.ENOSPC, getattr(errno, "EDQUOT", -1))

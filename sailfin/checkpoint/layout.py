@@ -46,9 +46,19 @@ class DirectoryLayout:
 
     def complete(self) -> list[tuple[int, str]]:
         """(step, name) of every checkpoint with a manifest, oldest first."""
+        return [(step, name) for step, name in self._steps() if self._has_manifest(name)]
+
+    def _steps(self) -> list[tuple[int, str]]:
+        """(step, name) of every ``step-*`` directory (links left out), oldest first."""
         return sorted((int(match.group(1)), entry) for entry in self.storage.listdir(self.root)
-                      if (match := _STEP.match(entry)) and not self._a_link(entry)
-                      and self.storage.exists(self.path(entry, manifests.MANIFEST)))
+                      if (match := _STEP.match(entry)) and not self._a_link(entry))
+
+    def _has_manifest(self, name: str) -> bool:
+        """Whether ``name`` holds a manifest in any form (a damaged one, a link loop, is
+        still there: loading it says what is wrong)."""
+        path = self.path(name, manifests.MANIFEST)
+        local = self.storage.local_path(path)
+        return os.path.lexists(local) if local is not None else self.storage.exists(path)
 
     def _a_link(self, entry: str) -> bool:
         """A ``step-*`` entry that is a symbolic link: sailfin never makes one, and what it
@@ -72,16 +82,20 @@ class DirectoryLayout:
                                 within=self.root).decode("utf-8").strip()
         except (FileNotFoundError, UnicodeDecodeError, CheckpointCorrupt):
             return None  # not a pointer sailfin wrote: recover() says so and replaces it
-        if (_STEP.match(name) and not self._a_link(name)
-                and self.storage.exists(self.path(name, manifests.MANIFEST))):
+        if _STEP.match(name) and not self._a_link(name) and self._has_manifest(name):
             return name
         return None
 
     def latest(self) -> Optional[str]:
-        return next(iter(self.candidates()), None)
+        complete = self.complete()
+        return self.pointer("latest") or (complete[-1][1] if complete else None)
 
     def candidates(self) -> list[str]:
-        names = [name for _, name in reversed(self.complete())]
+        """Newest first; where saves are renamed into place, a ``step-*`` directory without
+        a manifest too: there it is damage (a save in progress is ``.tmp-``), and
+        loading it names it."""
+        steps = self._steps() if self.storage.atomic_rename else self.complete()
+        names = [name for _, name in reversed(steps)]
         pointed = self.pointer("latest")
         if pointed is not None:
             names.remove(pointed)

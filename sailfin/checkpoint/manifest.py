@@ -3,9 +3,10 @@
 
 Example manifest::
 
-    {"format": "sailfin-checkpoint/1", "step": 120, "epoch": 2, "step_in_epoch": 20,
+    {"format": "sailfin-checkpoint/2", "step": 120, "epoch": 2, "step_in_epoch": 20,
      "samples_seen": 3840, "world_size": 2, "seed": 42, "sailfin_version": "0.2.0",
-     "files": {"model.pt": {"size": 4211, "crc32": "8a3f01c2"}, ...}, "config": {...}}
+     "files": {"trainer.pt": {"size": 4211, "crc32": "8a3f01c2"}, ...}, "config": {...},
+     "manifest_crc32": "0c5e11aa"}
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import math
 from typing import Any, Mapping
 
 from ..config.limits import MANIFEST_MAX_BYTES, MANIFEST_MAX_DEPTH
+from ..utils.crc import crc32
 from .errors import CheckpointCorrupt
 from .serialize import FileEntry, plain_name
 
-FORMAT = "sailfin-checkpoint/1"
+FORMAT = "sailfin-checkpoint/2"  # /2: the manifest carries its own CRC-32
+OLDER = "sailfin-checkpoint/1"
 MANIFEST = "manifest.json"
 # Bounds on what is parsed: a manifest is a few kB (the config included); a damaged or
 # hostile one must not take the start-up's memory or Python's stack. They follow the
@@ -29,10 +32,26 @@ REQUIRED = ("step", "epoch", "step_in_epoch", "samples_seen", "world_size", "fil
 COUNTERS = ("step", "epoch", "step_in_epoch", "samples_seen", "world_size")
 
 
+#: The manifest's own CRC-32, of its other keys in canonical JSON: a flipped bit is damage
+#: (``resume: auto`` falls back), not a change of config. Older manifests (format /1) lack it.
+SELF_CHECK = "manifest_crc32"
+
+
 def encode(facts: Mapping[str, Any], files: Mapping[str, FileEntry]) -> bytes:
     body = {"format": FORMAT, **facts,
             "files": {name: entry.to_json() for name, entry in sorted(files.items())}}
-    return (json.dumps(_finite(body), indent=2, default=str) + "\n").encode("utf-8")
+    return seal(json.loads(json.dumps(_finite(body), default=str)))
+
+
+def seal(body: dict[str, Any]) -> bytes:
+    """``body`` (plain JSON values) as a manifest file, its own checksum added."""
+    body = {k: v for k, v in body.items() if k != SELF_CHECK}
+    body[SELF_CHECK] = f"{_crc(body):08x}"
+    return (json.dumps(body, indent=2) + "\n").encode("utf-8")
+
+
+def _crc(body: Mapping[str, Any]) -> int:
+    return crc32(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8"))
 
 
 def decode(data: bytes, shown: str) -> dict[str, Any]:
@@ -51,10 +70,16 @@ def decode(data: bytes, shown: str) -> dict[str, Any]:
     if too_deep:
         raise CheckpointCorrupt(f"checkpoint manifest {shown} nests deeper than "
                                 f"{MAX_DEPTH} levels: it is damaged", shown)
-    if not isinstance(body, dict) or body.get("format") != FORMAT:
+    if not isinstance(body, dict) or body.get("format") not in (FORMAT, OLDER):
         found = body.get("format") if isinstance(body, dict) else type(body).__name__
         raise CheckpointCorrupt(f"checkpoint manifest {shown} has format {found!r}; this "
-                                f"sailfin reads {FORMAT!r}", shown)
+                                f"sailfin reads {FORMAT!r} and {OLDER!r}", shown)
+    if body["format"] == FORMAT:
+        claimed = body.pop(SELF_CHECK, None)
+        if claimed != f"{_crc(body):08x}":
+            raise CheckpointCorrupt(f"checkpoint manifest {shown} does not match its own "
+                                    f"CRC-32 ({SELF_CHECK}): it was altered or damaged after "
+                                    "the save", shown)
     missing = [k for k in REQUIRED if k not in body]
     if missing:
         raise CheckpointCorrupt(f"checkpoint manifest {shown} lacks {', '.join(missing)}: it is "

@@ -55,6 +55,16 @@ def _kind(mode: int) -> str:
     return next((what for test, what in _KINDS if test(mode)), "not a regular file")
 
 
+def _why(exc: OSError, local: str) -> str:
+    """What ``local`` is, when opening it failed with ``exc``."""
+    if exc.errno == errno.ELOOP:
+        return "a loop of symbolic links"
+    try:
+        return f"it is {_kind(os.lstat(local).st_mode)}"
+    except OSError:
+        return exc.strerror or str(exc)
+
+
 @contextlib.contextmanager
 def open_checked(storage: Storage, path: str, shown: str, *, what: str = "checkpoint file",
                  expected_size: Optional[int] = None, limit: Optional[int] = None,
@@ -78,6 +88,11 @@ def open_checked(storage: Storage, path: str, shown: str, *, what: str = "checkp
         raise CheckpointCorrupt(f"{what} {shown} cannot be read ({exc.strerror}): give this "
                                 "user read permission, or move the checkpoint away",
                                 shown) from None
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # a socket (ENXIO), a symbolic-link loop (ELOOP), an I/O error
+        raise CheckpointCorrupt(f"{what} {shown} cannot be opened ({_why(exc, local)}): the "
+                                "checkpoint is damaged or was tampered with", shown) from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):

@@ -19,6 +19,7 @@ import contextlib
 import functools
 from typing import Any, Callable, Optional
 
+from ..compat.torch import read_dcp_metadata
 from ..utils.crc import crc32
 from .errors import CheckpointCorrupt, CheckpointError
 from .serialize import checksum_stream, open_checked, plain_shard_name
@@ -85,6 +86,63 @@ class _ChecksumMixin:
         self.sailfin_checksums = sums
 
 
+def restricted_reader(base: type, *args: Any, **kwargs: Any) -> Any:
+    """A DCP reader of class ``base`` (``FileSystemReader``, ``FsspecReader``) built with
+    ``args``, that reads ``.metadata`` with :func:`~sailfin.compat.torch.read_dcp_metadata`
+    (only DCP's metadata classes), never with ``pickle.load``."""
+    return _restricted(base)(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _restricted(base: type) -> type:
+    return type(f"Restricted{base.__name__}", (_RestrictedMetadataMixin, base), {})
+
+
+class _RestrictedMetadataMixin:
+    fs: Any
+    path: Any
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        rank = kwargs.get("rank")
+        name = METADATA if rank is None else f"__{rank}{METADATA}"
+        path = self.fs.concat_path(self.path, name)
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = parse_metadata(stream, str(path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
+
+
+METADATA = ".metadata"
+
+
+def parse_metadata(stream: Any, shown: str) -> Any:
+    """DCP's index from ``stream``, read with the allow-list; anything else is damage."""
+    try:
+        return read_dcp_metadata(stream)
+    except Exception as exc:  # a parse of a file's bytes: any failure means a bad file
+        reason = str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointCorrupt(f"checkpoint shard index {shown} is not DCP's metadata "
+                                f"({reason}): it is damaged or was tampered with, and is not "
+                                "loaded, since unpickling it could run any code", shown) from None
+
+
+def check_index(storage: Storage, path: str, files: dict[str, Any]) -> None:
+    """Read a checked DCP directory's index with the allow-list now, on every rank (it
+    checked the index's checksum itself: :func:`verify`): a forged one is damage that
+    ``resume: auto`` falls back from, found before any rank loads a thing."""
+    index = storage.join(path, METADATA)
+    shown = storage.display(index)
+    if METADATA not in files:
+        raise CheckpointCorrupt(f"checkpoint manifest for {storage.display(path)} lists no "
+                                f"{METADATA}: it is damaged", shown)
+    with open_checked(storage, index, shown, what="checkpoint shard", within=path) as stream:
+        parse_metadata(stream, shown)
+
+
 def describe(sums: dict[str, tuple[int, int]]) -> dict[str, dict[str, Any]]:
     """The manifest's entries for ``sums``."""
     return {name: {"size": size, ALGORITHM: f"{crc:08x}"} for name, (size, crc) in sums.items()}
@@ -92,7 +150,8 @@ def describe(sums: dict[str, tuple[int, int]]) -> dict[str, dict[str, Any]]:
 
 def verify(storage: Storage, path: str, files: dict[str, Any], rank: int = 0,
            world_size: int = 1) -> None:
-    """Check this rank's share of the files (``i % world_size == rank``) against the
+    """Check this rank's share of the files (``i % world_size == rank``) and the index
+    ``.metadata`` (every rank unpickles it: every rank checks it first) against the
     manifest; raise :class:`CheckpointCorrupt` naming the first damaged one.
 
     Entries are ``{"size": n, "crc32c"|"crc32": hex}`` or, from sailfin before
@@ -110,7 +169,7 @@ def verify(storage: Storage, path: str, files: dict[str, Any], rank: int = 0,
             raise ValueError(f"size {expected_size!r}")  # a malformed shard list
         algorithm = next((a for a in ("crc32c", ALGORITHM) if isinstance(entry, dict)
                           and a in entry), None)
-        checksum = algorithm is not None and i % world_size == rank
+        checksum = algorithm is not None and (i % world_size == rank or name == METADATA)
         update = crc32
         if checksum and algorithm != ALGORITHM:
             # Written by a sailfin that picked CRC-32C when a package for it was importable.

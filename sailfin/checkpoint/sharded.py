@@ -16,16 +16,20 @@ import contextlib
 import dataclasses
 import errno
 import os
+import pickle
+import re
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from ..compat.torch import fsspec_reader, fsspec_writer
-from .errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError
+from ..compat.torch import dcp_load, fsspec_reader, fsspec_writer
+from .errors import (CheckpointCorrupt, CheckpointError, CheckpointWriteError, errno_of,
+                     per_rank)
 from .serialize import plain_name
-from .shard_checksums import checksummed_writer, describe, verify
+from .shard_checksums import (check_index, checksummed_writer, describe, restricted_reader,
+                              verify)
 from .staging import SplitStager
 from .storage import LocalStorage, Storage
 
@@ -227,8 +231,9 @@ class ShardedRef:
         import torch.distributed.checkpoint as dcp
 
         if isinstance(self.storage, LocalStorage):
-            return dcp.FileSystemReader(self.path)
-        return fsspec_reader()(self.storage.display(self.path), **self.storage_options)
+            return restricted_reader(dcp.FileSystemReader, self.path)
+        return restricted_reader(fsspec_reader(), self.storage.display(self.path),
+                                 **self.storage_options)
 
 
 def locate_shards(storage: Storage, where: str, manifest: dict[str, Any],
@@ -252,6 +257,7 @@ def locate_shards(storage: Storage, where: str, manifest: dict[str, Any],
         if not isinstance(files, dict):
             raise TypeError(files)
         verify(storage, path, files, rank, world_size)
+        check_index(storage, path, files)
     except (KeyError, TypeError, ValueError):
         raise CheckpointCorrupt(f"checkpoint manifest in {shown} has a malformed shard list",
                                 shown) from None
@@ -267,7 +273,7 @@ def load_sharded(ref: ShardedRef, module: torch.nn.Module,
     ``callbacks`` (name -> object with ``state_dict()``): the state of those saved in DCP
     comes back as ``{"callbacks": {name: state}}`` (a callback this run lacks is not
     read). ``skip``: model entries the checkpoint does not hold (a frozen base)."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
                                                          get_optimizer_state_dict)
 
@@ -286,14 +292,22 @@ def load_sharded(ref: ShardedRef, module: torch.nn.Module,
         raise CheckpointError(f"checkpoint shards {ref.storage.display(ref.path)} hold "
                               f"{unknown}, which this sailfin does not know how to load")
     state = {key: targets[key]() for key in keys}
-    try:
-        import torch.distributed as dist
-
+    try:  # a TypeError or the like of this code (not DCP's per-rank failure) passes as is
         with _one_process_is_meant():
-            dcp.load(state, storage_reader=ref.reader(), no_dist=not dist.is_initialized())
-    except _failures() as exc:  # DCP names the missing or mismatched key
-        raise CheckpointError(f"the shards in {ref.storage.display(ref.path)} do not fit this "
-                              f"model: {_reason(exc)}") from exc
+            dcp_load(state, ref.reader())
+    except CheckpointException as exc:  # DCP names the missing or mismatched key
+        shown = ref.storage.display(ref.path)
+        refused = [e for e in per_rank(exc).values()
+                   if isinstance(e, (CheckpointCorrupt, pickle.UnpicklingError))]
+        if refused:
+            found = re.search(r"GLOBAL ([\w.]+)", str(refused[0]))
+            needs = f" (it needs {found.group(1)})" if found else ""
+            raise CheckpointCorrupt(f"checkpoint shards {shown} hold a value that only "
+                                    f"arbitrary unpickling could rebuild{needs}: they were "
+                                    "rewritten after the save, and are not loaded, since "
+                                    "unpickling can run any code", shown) from None
+        raise CheckpointError(f"the shards in {shown} do not fit this model: "
+                              f"{_reason(exc)}") from None
     if "optimizers" in state:
         state["optimizers"] = [state["optimizers"][str(i)] for i in range(len(optimizers))]
     loaded_callbacks = {k.split("/", 1)[1]: state.pop(k) for k in list(state)
@@ -306,7 +320,7 @@ def load_sharded(ref: ShardedRef, module: torch.nn.Module,
 def _write_failure(storage: Storage, path: str, exc: BaseException) -> CheckpointWriteError:
     """DCP's failure to write shards, as one line; a full disk (torch.save reports it as
     ``unexpected pos``, the OSError lost) is told by the space left there."""
-    code = _errno_in(exc)
+    code = errno_of(exc)
     if code is None and _full(storage, path):
         code = errno.ENOSPC
     reason = "no space left on device" if code == errno.ENOSPC else _reason(exc)
@@ -314,18 +328,6 @@ def _write_failure(storage: Storage, path: str, exc: BaseException) -> Checkpoin
                                    f"failed: {reason}", storage.display(path), code)
     failure.every_rank = True  # DCP's save is collective: every rank gets its failure
     return failure
-
-
-def _errno_in(exc: BaseException) -> Optional[int]:
-    """The errno of an OSError in ``exc``, in DCP's per-rank failures, or in their causes."""
-    stack, seen = [exc], 0
-    while stack and seen < 50:
-        item, seen = stack.pop(), seen + 1
-        if isinstance(item, OSError) and item.errno is not None:
-            return item.errno
-        stack.extend(_per_rank(item).values())
-        stack.extend(x for x in (item.__cause__, item.__context__) if x is not None)
-    return None
 
 
 def _full(storage: Storage, path: str) -> bool:
@@ -344,17 +346,8 @@ def _full(storage: Storage, path: str) -> bool:
 
 def _reason(exc: BaseException) -> str:
     """DCP's per-rank errors without their tracebacks (it puts those in the message)."""
-    failures = _per_rank(exc)
+    failures = per_rank(exc)
     if not failures:
         return str(exc)
     return "; ".join(f"rank {rank}: {type(inner).__name__}: {inner}"
                      for rank, inner in sorted(failures.items()))
-
-
-def _per_rank(exc: BaseException) -> dict[int, BaseException]:
-    """DCP's CheckpointException's failure of each rank (it pairs each with a traceback)."""
-    failures = getattr(exc, "failures", None)
-    if not isinstance(failures, dict):
-        return {}
-    return {rank: failure[0] if isinstance(failure, tuple) else failure
-            for rank, failure in failures.items()}

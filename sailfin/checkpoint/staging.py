@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from ..compat.torch import version
+from ..compat.torch import cpu_stager, version
 from .errors import CheckpointError
 
 
@@ -38,18 +38,11 @@ def optimizer_storages(optimizers: Iterable[torch.optim.Optimizer]) -> frozenset
                      if isinstance(value, torch.Tensor))
 
 
-def _default_stager(pinned: bool) -> Any:
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=False))
-
-
 @functools.lru_cache(maxsize=None)
 def stager_reusable() -> bool:
     """Whether one ``DefaultStager`` stages more than once (torch 2.11's second ``stage``
     fails with ``KeyError: <class 'type'>``). Asked once per process, on a tiny tensor."""
-    stager = _default_stager(False)
+    stager = cpu_stager(False)
     try:
         for _ in range(2):
             stager.stage({"probe": {"tensor": torch.zeros(1)}})
@@ -67,7 +60,7 @@ class SplitStager:
 
     def __init__(self, pinned: bool) -> None:
         self._pinned = pinned
-        self._now, self._later = _default_stager(pinned), _default_stager(pinned)
+        self._now, self._later = cpu_stager(pinned), cpu_stager(pinned)
         self._reuse = stager_reusable()
         self._staged_once = False
         # The last save's copy in the thread: (done, [(tensor, version at the save)], step)
@@ -83,7 +76,7 @@ class SplitStager:
         deferred: list[tuple[tuple, torch.Tensor]] = []
         tree = _split(state, later, deferred, ()) if later else state
         if self._staged_once and not self._reuse:  # the last save's thread is done with them
-            self._now, self._later = _default_stager(self._pinned), _default_stager(self._pinned)
+            self._now, self._later = cpu_stager(self._pinned), cpu_stager(self._pinned)
         self._staged_once = True
         staged = self._now.stage(tree)
         copied: Future = Future()

@@ -11,6 +11,7 @@ import shutil
 from typing import BinaryIO, Iterator, Optional
 
 from ..config.checkpoint import is_url
+from ..utils.files import fsync_dir, replace_file
 
 
 class Storage:
@@ -65,19 +66,8 @@ class LocalStorage(Storage):
             fh.flush()
             os.fsync(fh.fileno())  # on disk before the rename that publishes it
 
-    def write_bytes(self, path: str, data: bytes, durable: bool = True) -> None:
-        """``durable`` False: no fsync (the rename alone survives a killed process, not a
-        power cut)."""
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
-            with self.open_write(tmp) if durable else open(tmp, "wb") as fh:
-                fh.write(data)
-        except OSError:
-            self.remove(tmp)  # a full disk: leave no partial file behind
-            raise
-        os.replace(tmp, path)
-        if durable:
-            _fsync_dir(os.path.dirname(path))
+    def write_bytes(self, path: str, data: bytes) -> None:
+        replace_file(path, data)
 
     def open_read(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
         return open(path, "rb")
@@ -108,7 +98,7 @@ class LocalStorage(Storage):
 
     def rename_dir(self, src: str, dst: str) -> None:
         os.rename(src, dst)
-        _fsync_dir(os.path.dirname(dst))  # the rename itself survives a power cut
+        fsync_dir(os.path.dirname(dst))  # the rename itself survives a power cut
 
     def remove(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -189,12 +179,3 @@ def open_storage(location: str, storage_options: Optional[dict] = None) -> tuple
         location = location[len("file://"):]
     return LocalStorage(), os.path.abspath(location)
 
-
-def _fsync_dir(path: str) -> None:
-    if not hasattr(os, "O_DIRECTORY"):
-        return  # Windows cannot open a directory to fsync it
-    fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

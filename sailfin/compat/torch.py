@@ -11,6 +11,7 @@ Example::
 from __future__ import annotations
 
 import copy as copy_module
+import pickle
 import pkgutil
 from typing import Any
 
@@ -25,6 +26,7 @@ PRIVATE = (
     "torch.distributed.distributed_c10d._get_default_store",
     "torch._dynamo.exc.TorchDynamoException",
     "torch.distributed.tensor._utils.compute_local_shape_and_global_offset",
+    "torch.distributed.checkpoint._traverse.set_element",
 )
 """The dotted names sailfin reads; :func:`missing` checks each."""
 
@@ -132,6 +134,92 @@ def fsspec_reader() -> type:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     return FsspecReader
+
+
+# What DCP's ``.metadata`` pickle names, and nothing else: its metadata classes, the
+# storage record of its file system writer, torch's Size, dtypes and layouts, and a path.
+# Reading it with ``pickle.load`` (as torch does) would run whatever a forged one names.
+_METADATA_NAMES = {
+    "torch.distributed.checkpoint.metadata": frozenset({
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+        "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING"}),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),  # a name -> torch.layout lookup
+    "torch": frozenset({"Size"}),
+    "pathlib": frozenset({"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath",
+                          "PureWindowsPath"}),
+    "collections": frozenset({"OrderedDict"}),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = name in _METADATA_NAMES.get(module, ()) or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype))
+        if not allowed:
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which DCP's metadata "
+                                         "never holds")
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("it holds a persistent reference")
+
+
+def read_dcp_metadata(stream: Any) -> Any:
+    """DCP's ``.metadata`` from ``stream``, unpickled with only DCP's metadata classes and
+    plain types allowed (torch's own reader calls ``pickle.load``: a forged file would
+    run code). Raises :class:`pickle.UnpicklingError` for anything else.
+
+    Private: the names allowed include ``_StorageInfo``, ``_MEM_FORMAT_ENCODING`` and
+    ``torch.serialization._get_layout``, which torch's metadata pickle names. Public
+    alternative: none; upstream DCP reads ``.metadata`` with ``pickle.load``.
+    """
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    metadata = _MetadataUnpickler(stream).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
+    return metadata
+
+
+def dcp_load(state: dict[str, Any], reader: Any) -> None:
+    """``dcp.load`` of ``state`` from ``reader``, with every non-tensor entry read by
+    ``torch.load(weights_only=True)`` (DCP's default planner reads them with
+    ``weights_only=False``). ``no_dist`` is not passed: torch 2.6 lacks it, and every
+    release infers it from whether a process group is initialised.
+
+    Private: ``torch.distributed.checkpoint._traverse.set_element``, which DCP's default
+    planner uses to put a value at its place in a nested state dict. Public alternative:
+    none (a planner that reads bytes itself must place them).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class WeightsOnlyPlanner(dcp.DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            obj = torch.load(value, map_location="cpu", weights_only=True)
+            fqn = read_item.dest_index.fqn
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    dcp.load(state, storage_reader=reader, planner=WeightsOnlyPlanner())
+
+
+def cpu_stager(pinned: bool) -> Any:
+    """DCP's stager that copies a state dict to CPU memory (``pinned``: page-locked, for a
+    GPU's copies), on the calling thread: ``DefaultStager`` (torch 2.9+), else the
+    ``BlockingAsyncStager`` torch 2.6 has (pinned memory only when it caches its copy)."""
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+        return BlockingAsyncStager(cache_staged_state_dict=pinned)
+    return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=False))
 
 
 def missing() -> list[str]:

@@ -45,7 +45,7 @@ def test_the_final_file_on_a_gpu_is_the_gathered_state(tmp_path, offload):
 @pytest.mark.parametrize("failing", ["write", "gather"])
 def test_a_save_that_fails_midway_leaves_no_file(tmp_path, monkeypatch, failing):
     from sailfin.backends import fsdp as streamed_weights
-    from sailfin.checkpoint.weights_file import SafetensorsWriter
+    from sailfin.backends.weights_file import SafetensorsWriter
 
     calls = []
 

@@ -9,7 +9,7 @@ import torch
 
 from sailfin.checkpoint import DirectoryCheckpointer
 from sailfin.checkpoint import serialize
-from sailfin.checkpoint.checkpointer import Snapshot
+from sailfin.checkpoint.checkpointer import SaveRequest
 from sailfin.checkpoint.serialize import FileEntry, cpu_copy, load_object, save_object
 from sailfin.checkpoint.sharded import split_sharded
 from sailfin.checkpoint.storage import LocalStorage
@@ -117,7 +117,7 @@ def test_async_save_leaves_only_the_copy_on_the_steps_path(tmp_path):
     weights = torch.randn(100, 100)
     before = weights.clone()
     facts = {"step": 4, "epoch": 0, "step_in_epoch": 4, "samples_seen": 40, "world_size": 1}
-    snapshot = Snapshot(step=4, facts=facts, shared={"model": {"w": weights}},
+    snapshot = SaveRequest(step=4, facts=facts, shared={"model": {"w": weights}},
                         rank_state={"torch": torch.get_rng_state()})
     ckpt.save(snapshot)  # returns at once although no file may be written yet
     weights.add_(1.0)    # the next step changes the tensors: the save keeps the old values
@@ -140,7 +140,7 @@ def test_async_shards_are_staged_into_copies_kept_from_save_to_save(tmp_path):
     def save(step):
         facts = {"step": step, "epoch": 0, "step_in_epoch": step, "samples_seen": step,
                  "world_size": 1}
-        ckpt.save(Snapshot(step, facts, {"trainer": {"step": step}}, {"rng": torch.arange(2)},
+        ckpt.save(SaveRequest(step, facts, {"trainer": {"step": step}}, {"rng": torch.arange(2)},
                            sharded={"module": {"w": weight}}))
 
     save(1)
@@ -185,7 +185,7 @@ def test_an_async_save_copies_the_optimizer_state_while_the_next_step_runs(tmp_p
     def save(step):
         facts = {"step": step, "epoch": 0, "step_in_epoch": step, "samples_seen": step,
                  "world_size": 1}
-        ckpt.save(Snapshot(step, facts, {"trainer": {"step": step}}, {"rng": torch.arange(2)},
+        ckpt.save(SaveRequest(step, facts, {"trainer": {"step": step}}, {"rng": torch.arange(2)},
                            sharded={"module": {"w": weight}, "optimizers": {"m": momentum}},
                            later=frozenset({storage_key(momentum)})))
 
@@ -327,7 +327,7 @@ def test_a_failed_copy_of_the_optimizer_state_fails_that_save_and_keeps_the_last
     def save(step):
         facts = {"step": step, "epoch": 0, "step_in_epoch": step, "samples_seen": step,
                  "world_size": 1}
-        ckpt.save(Snapshot(step, facts, {"trainer": {"step": step}}, {"rng": torch.arange(2)},
+        ckpt.save(SaveRequest(step, facts, {"trainer": {"step": step}}, {"rng": torch.arange(2)},
                            sharded={"optimizers": {"m": momentum}},
                            later=frozenset({storage_key(momentum)})))
 

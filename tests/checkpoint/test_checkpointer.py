@@ -12,6 +12,7 @@ from sailfin import Trainer
 from sailfin.checkpoint import CheckpointCorrupt, CheckpointError, DirectoryCheckpointer
 from sailfin.config import CheckpointArguments, ConfigError, load_config
 from sailfin.distributed import DistEnv
+from sailfin.checkpoint.manifest import seal
 from tests.checkpoint.helpers import (Crash, CrashAt, FailingCheckpointer, ScriptedMetric,
                                       assert_same_params, metric_lines, params, saved_model)
 from tests.recipes import IdData, LinearRecipe, args
@@ -104,7 +105,7 @@ def test_files_needing_arbitrary_unpickling_are_refused(tmp_path, capfd):
     entry = ckpt.write_file(str(step / "trainer.pt"), {"payload": uuid.UUID(int=7)})
     manifest = json.loads((step / "manifest.json").read_text())
     manifest["files"]["trainer.pt"] = entry.to_json()
-    (step / "manifest.json").write_text(json.dumps(manifest))
+    (step / "manifest.json").write_bytes(seal(manifest))
     said = (r"trainer.pt holds Python objects that only arbitrary unpickling could rebuild "
             r"\(it needs uuid.UUID\): it was rewritten after the save")
     with pytest.raises(CheckpointCorrupt, match=said):

@@ -10,6 +10,7 @@ from sailfin.trainer.checkpointing.config_diff import (MAY_CHANGE, ConfigChanged
                                             recorded_config)
 from sailfin.cli import main
 from sailfin.config import load_config
+from sailfin.checkpoint.manifest import seal
 from tests.checkpoint.helpers import params
 from tests.recipes import IdData, LinearRecipe, args
 
@@ -122,7 +123,7 @@ def test_checkpoints_without_a_recorded_config_still_resume(tmp_path, capfd):
     for manifest in (tmp_path / "checkpoints").glob("step-*/manifest.json"):
         body = json.loads(manifest.read_text())
         del body["config"], body["recipe"]
-        manifest.write_text(json.dumps(body))
+        manifest.write_bytes(seal(body))
     again = LinearRecipe(IdData(40, 10))
     trainer = Trainer(again, args(tmp_path, epochs=2, seed=5))  # a change nobody can see
     trainer.train()

@@ -7,8 +7,10 @@ to step 4 with one line naming the file, and the same checkpoint named as
 
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import zlib
 
 import pytest
@@ -17,6 +19,8 @@ import torch
 from sailfin import Trainer
 from sailfin.checkpoint import CheckpointCorrupt
 from sailfin.checkpoint.manifest import MAX_DEPTH as MANIFEST_MAX_DEPTH
+from sailfin.checkpoint.manifest import seal
+from tests.checkpoint.forge import forge_metadata, forge_shard_entry, forge_trainer_pt
 from tests.checkpoint.helpers import Crash, CrashAt
 from tests.recipes import IdData, LinearRecipe, args
 
@@ -67,7 +71,8 @@ def manifest_of(step_dir):
 
 
 def write_manifest(step_dir, body):
-    (step_dir / "manifest.json").write_text(json.dumps(body))
+    """``body`` as the manifest, its own checksum recomputed (as whoever forges one can)."""
+    (step_dir / "manifest.json").write_bytes(seal(body))
 
 
 def fifo(path):
@@ -150,7 +155,70 @@ def trainer_is_a_directory(step):
     return step / "trainer.pt", "is a directory, not a regular file"
 
 
+def unix_socket(path):
+    """``path`` replaced by a Unix socket (bound from its directory: socket paths are short)."""
+    path.unlink()
+    here = os.getcwd()
+    os.chdir(path.parent)
+    try:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(path.name)
+    finally:
+        os.chdir(here)
+    return path
+
+
+def link_loop(path):
+    """``path`` a symbolic link to a link back to it."""
+    path.unlink()
+    other = path.with_name(path.name + ".loop")
+    path.symlink_to(other.name)
+    other.symlink_to(path.name)
+    return path
+
+
+def no_manifest(step):
+    (step / "manifest.json").unlink()
+    return step, "has no manifest.json"
+
+
+def flipped_manifest_bit(step):
+    """One bit of the manifest's data.global_batch flipped: still valid JSON, a config that
+    looks changed, but the manifest's own checksum says it is damage."""
+    text = (step / "manifest.json").read_text()
+    at = re.search(r'"global_batch": \d+', text).end() - 1  # its last digit: 10 -> 11
+    text = text[:at] + chr(ord(text[at]) ^ 0x01) + text[at + 1:]
+    (step / "manifest.json").write_text(text)
+    return step / "manifest.json", "does not match its own CRC-32"
+
+
+def marker_of(step):
+    return step.parent.parent.parent / "marker"  # created if a forged pickle ran
+
+
+FORGERIES = {
+    "shards/.metadata forged": lambda s: (forge_metadata(s, marker_of(s)),
+                                          "names io.open, which DCP's metadata never holds"),
+    "trainer.pt forged": lambda s: (forge_trainer_pt(s, marker_of(s)),
+                                    "(it needs io.open)"),
+    "a shard's small entry forged": lambda s: (forge_shard_entry(s, marker_of(s)),
+                                               "(it needs io.open)"),
+}
+
 DAMAGES = {
+    **FORGERIES,
+    "trainer.pt a Unix socket": lambda s: (unix_socket(s / "trainer.pt"), "it is a socket"),
+    "manifest.json a Unix socket": lambda s: (unix_socket(s / "manifest.json"),
+                                              "it is a socket"),
+    "rng file a Unix socket": lambda s: (unix_socket(s / "rng-rank00000.pt"), "it is a socket"),
+    "trainer.pt a link loop": lambda s: (link_loop(s / "trainer.pt"),
+                                         "a loop of symbolic links"),
+    "manifest.json a link loop": lambda s: (link_loop(s / "manifest.json"),
+                                            "a loop of symbolic links"),
+    "rng file a link loop": lambda s: (link_loop(s / "rng-rank00000.pt"),
+                                       "a loop of symbolic links"),
+    "manifest.json missing": no_manifest,
+    "manifest a bit flipped": flipped_manifest_bit,
     "model shard a FIFO": lambda s: (fifo(s / SHARD), "is a named pipe (FIFO)"),
     "model shard a link to /dev/zero": lambda s: (dev_zero(s / SHARD),
                                                    "is a character device"),
@@ -180,6 +248,7 @@ def test_auto_falls_back_with_one_line_naming_the_file(run_dir, damage, capfd):
     assert str(file) in line and said in line, line
     assert "skipped damaged checkpoint(s) step-00000006; falling back to" in err
     assert "Traceback" not in err
+    assert not (run_dir.parent / "marker").exists()
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
@@ -190,6 +259,7 @@ def test_an_explicit_path_fails_with_one_line_naming_the_file(run_dir, tmp_path,
         train(tmp_path / "other", epochs=2, resume=str(step))
     message = str(caught.value)
     assert str(file) in message and said in message and "\n" not in message, message
+    assert not marker_of(step).exists()
 
 
 def test_nothing_outside_the_checkpoint_is_read(run_dir, monkeypatch):

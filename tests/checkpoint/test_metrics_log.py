@@ -2,7 +2,7 @@
 
 import json
 
-from sailfin.checkpoint import trim_metrics_log
+from sailfin.logging.metrics_log import trim_metrics_log
 
 
 def write(path, events, tail=""):

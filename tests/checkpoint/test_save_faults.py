@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from sailfin import Trainer
-from sailfin.checkpoint import CheckpointError, DirectoryCheckpointer, Snapshot
+from sailfin.checkpoint import CheckpointError, DirectoryCheckpointer, SaveRequest
 from sailfin.checkpoint.storage import LocalStorage
 from sailfin.config import CheckpointArguments
 from sailfin.distributed import DistEnv
@@ -61,11 +61,11 @@ for _op in OPS:
     setattr(StopAt, _op, _counted)
 
 
-def snapshot(step: int, value: float) -> Snapshot:
+def snapshot(step: int, value: float) -> SaveRequest:
     facts = {"step": step, "epoch": 0, "step_in_epoch": step, "samples_seen": step,
              "world_size": 1}
     # The model goes through DCP (shards/), as every backend saves it.
-    return Snapshot(step, facts, {"trainer": {"value": value}}, {"rng": torch.arange(2)},
+    return SaveRequest(step, facts, {"trainer": {"value": value}}, {"rng": torch.arange(2)},
                     sharded={"module": {"w": torch.full((3,), value)}})
 
 

@@ -117,3 +117,18 @@ def test_each_rank_checks_its_share_of_the_files(tmp_path):
     verify(storage, str(tmp_path), files, rank=0, world_size=2)  # f0 only: intact
     with pytest.raises(CheckpointCorrupt, match="f1 does not match"):
         verify(storage, str(tmp_path), files, rank=1, world_size=2)
+
+
+def test_every_rank_checks_the_index_it_unpickles(tmp_path):
+    """``.metadata`` is read by every rank, so every rank checks it, not only rank i % 2."""
+    storage = LocalStorage()
+    files = {}
+    for name in (".metadata", "f1"):
+        (tmp_path / name).write_bytes(name.encode() * 100)
+        with open(tmp_path / name, "rb") as fh:
+            size, crc = checksum_stream(fh)
+        files[name] = {"size": size, ALGORITHM: f"{crc:08x}"}
+    _flip(tmp_path / ".metadata", 7, 0x01)
+    for rank in (0, 1):
+        with pytest.raises(CheckpointCorrupt, match=r"\.metadata does not match"):
+            verify(storage, str(tmp_path), files, rank=rank, world_size=2)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from sailfin.checkpoint.metrics_log import last_logged_step
+from sailfin.logging.metrics_log import last_logged_step
 from tests.checkpoint.test_kill import kill, latest_step, start, wait_for
 
 CONFIG = """

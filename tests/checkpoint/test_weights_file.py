@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sailfin.checkpoint.errors import CheckpointError
-from sailfin.checkpoint.weights_file import SafetensorsSource
-from sailfin.checkpoint.weights_file import (SafetensorsWriter, TensorSpec, file_order,
+from sailfin.backends.weights_file import SafetensorsSource
+from sailfin.backends.weights_file import (SafetensorsWriter, TensorSpec, file_order,
                                              save_weights)
 
 

@@ -46,3 +46,29 @@ def test_the_newest_checkpoint_converts_with_torch_alone(tmp_path, backend):
     written = sum(entry["size"] for name, entry in manifest["sharded"]["files"].items()
                   if name.endswith(".distcp"))
     assert sum(info.length for info in indexed.values()) == written
+
+
+@pytest.mark.parametrize("backend", ["ddp", "fsdp"])
+def test_a_forged_index_is_refused_by_every_rank_under_init_from(tmp_path, backend):
+    """A forged ``.metadata`` (the manifest matching it) under 2-process init_from: each
+    rank checks the index's checksum, then reads it with the allow-list: both refuse it,
+    and no rank runs the payload."""
+    from tests.checkpoint.forge import forge_metadata
+    from tests.distributed.harness import errors, run_ranks
+    from tests.distributed.workers import train
+
+    ddp(tmp_path, DATA, {**TRAINER, "backend": backend}, RECIPE, kind="wide")
+    run = tmp_path / "ddp" / "run"
+    newest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    marker = tmp_path / "marker"
+    forge_metadata(newest, marker)
+    out = tmp_path / "again"
+    out.mkdir()
+    codes = run_ranks(train, 2, out, data=DATA, recipe=RECIPE, kind="wide",
+                      trainer={**TRAINER, "backend": backend, "init_from": str(newest)})
+    said = errors(out)
+    assert codes != [0, 0] and sorted(said) == [0, 1], said
+    for text in said.values():
+        first = text.splitlines()[0]
+        assert first.startswith("CheckpointCorrupt: ") and ".metadata is not DCP's" in first
+    assert not marker.exists()

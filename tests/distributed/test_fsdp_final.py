@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from sailfin import Trainer, sharded_build
-from sailfin.checkpoint.weights_file import save_weights
+from sailfin.backends.weights_file import save_weights
 from sailfin.utils.memory import peak_rss_bytes
 from tests.distributed.harness import errors, reset_peak_rss, run_ranks
 from tests.recipes import IdData, LinearRecipe, WideRecipe, args

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sailfin import Callback, Trainer
-from sailfin.checkpoint.time_account_file import COMPONENTS
+from sailfin.logging.time_account_file import COMPONENTS
 from sailfin.logging import Writer
 from sailfin.logging.files import JsonlWriter
 from sailfin.trainer.compose import setup
@@ -108,7 +108,7 @@ def test_a_process_start_is_read_from_the_system(tmp_path):
     import sys
     import time
 
-    from sailfin.checkpoint.time_account_file import process_start_time
+    from sailfin.logging.time_account_file import process_start_time
 
     before = time.time()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])

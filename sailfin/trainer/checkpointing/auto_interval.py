@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 import torch
 
 from ...utils.voice import say
-from ...checkpoint.time_account_file import account_path, account_totals, read_account
+from ...logging.time_account_file import account_path, account_totals, read_account
 from .memory_snapshots import MemorySnapshots
 from .saver import CheckpointCallback
 

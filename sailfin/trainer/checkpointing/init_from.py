@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
 
 from ...checkpoint.checkpointer import DirectoryCheckpointer
 from ...utils.voice import say
-from ...checkpoint.errors import CheckpointError
+from ...checkpoint.errors import CheckpointCorrupt, CheckpointError
 from ...checkpoint.sharded import load_sharded
-from ...checkpoint.weights_file import SafetensorsSource, StateDictSource, load_into
+from ...backends.weights_file import SafetensorsSource, StateDictSource, load_into
 from .frozen_base import mismatch
 from .state import frozen_names
 
@@ -37,12 +39,18 @@ def load_initial_weights(trainer: "RunView", path: str) -> None:
         shown, origin = path, "weights file"
     else:
         reader = DirectoryCheckpointer(path, trainer.args.checkpoint, trainer.dist)
+        error: Optional[CheckpointError] = None
         try:
             # Memory-mapped: a rank touches only the pages of the rows it keeps.
             loaded = reader.load(path, mmap=True)
         except CheckpointError as exc:
-            raise CheckpointError(str(exc).replace("trainer.resume:", "trainer.init_from:")
-                                  ) from None
+            said = str(exc).replace("trainer.resume:", "trainer.init_from:")
+            error = (CheckpointCorrupt(said, exc.file) if isinstance(exc, CheckpointCorrupt)
+                     else CheckpointError(said))
+        # Each rank checked its share of the files: none unpickles a thing until all agree.
+        if not all_ranks(trainer, error is None):
+            raise error or CheckpointError(f"trainer.init_from: another rank found {path} "
+                                           "damaged; its message names the file")
         shown = loaded.location
         origin = f"checkpoint at step {loaded.manifest['step']}"
         saved = loaded.shared.get("trainer")
@@ -64,6 +72,8 @@ def load_initial_weights(trainer: "RunView", path: str) -> None:
                     current = trainer.backend.model_state_dict(trainer.module)
                     state = {**{k: current[k] for k in skip if k in current}, **state}
                 trainer.backend.load_model_state_dict(trainer.module, state)
+            except CheckpointCorrupt as exc:
+                raise CheckpointCorrupt(f"trainer.init_from: {exc}", exc.file) from None
             except (CheckpointError, RuntimeError, ValueError, KeyError) as exc:
                 reason = str(exc).splitlines()[0].split("do not fit this model: ")[-1]
                 raise CheckpointError(
@@ -77,3 +87,11 @@ def load_initial_weights(trainer: "RunView", path: str) -> None:
     if trainer.dist.is_main:
         say(f"init_from: weights from {shown} ({origin}); the optimizers, schedule, counters "
             "and data order start afresh")
+
+
+def all_ranks(trainer: Any, ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank (a collective: every rank calls it)."""
+    if trainer.dist.world_size == 1:
+        return ok
+    flag = torch.tensor(1.0 if ok else 0.0, device=trainer.device)
+    return bool(trainer.backend.all_reduce_mean(flag).item() == 1.0)

@@ -15,12 +15,12 @@ import torch
 from ...checkpoint.checkpointer import Checkpointer, Loaded
 from ...checkpoint.errors import CheckpointCorrupt, CheckpointError
 from ...checkpoint.manifest import MANIFEST
-from ...checkpoint.metrics_log import last_logged_step, trim_metrics_log
+from ...logging.metrics_log import last_logged_step, trim_metrics_log
 from ...checkpoint.rng import derive_rng, restore_rng
 from ...checkpoint.sharded import load_sharded
 from ...utils.voice import say
 from .config_diff import check_config
-from .init_from import load_initial_weights
+from .init_from import all_ranks, load_initial_weights
 from .state import frozen_names, state_key
 
 if TYPE_CHECKING:
@@ -46,16 +46,22 @@ def resume(trainer: "RunView", checkpointer: Checkpointer) -> Optional[Loaded]:
             _start_afresh(trainer)
     else:
         loaded, error = _try_load(checkpointer, mode, trainer.dist.rank)
-        if not _all_ranks(trainer, loaded is not None):
+        if not all_ranks(trainer, loaded is not None):
             raise error or CheckpointError(f"trainer.resume: another rank could not read {mode}")
-    if loaded is None:
-        if trainer.args.init_from:
-            load_initial_weights(trainer, trainer.args.init_from)
-        return None
-    # Before anything is restored: a changed config stops here, or is printed.
-    check_config(trainer, loaded.manifest, loaded.location, say)
-    apply(trainer, loaded)
+        _use(trainer, loaded)  # type: ignore[arg-type]
+    if loaded is None and trainer.args.init_from:
+        load_initial_weights(trainer, trainer.args.init_from)
     return loaded
+
+
+def _use(trainer: "RunView", loaded: Loaded) -> None:
+    # Before anything is restored: a changed config stops here; what may change is said
+    # once the checkpoint is in use (damage found while loading it falls back first).
+    notes: list[str] = []
+    check_config(trainer, loaded.manifest, loaded.location, notes.append)
+    apply(trainer, loaded)
+    for note in notes:
+        say(note)
 
 
 def _start_afresh(trainer: "RunView") -> None:
@@ -76,11 +82,16 @@ def _first_loadable(trainer: "RunView", checkpointer: Checkpointer) -> Optional[
         loaded, error = _try_load(checkpointer, name, trainer.dist.rank)
         # Every rank must continue from the same checkpoint, even if only one
         # rank's file is damaged.
-        if _all_ranks(trainer, loaded is not None):
-            if skipped and trainer.dist.is_main:
-                say(f"resume: skipped damaged checkpoint(s) {', '.join(skipped)}; falling back "
-                    f"to {loaded.location}, the newest complete one")  # type: ignore[union-attr]
-            return loaded
+        if all_ranks(trainer, loaded is not None):
+            try:  # the shards' contents are read now: damage there falls back too
+                _use(trainer, loaded)  # type: ignore[arg-type]
+            except CheckpointCorrupt as exc:
+                error = exc
+            if all_ranks(trainer, error is None):
+                if skipped and trainer.dist.is_main:
+                    say(f"resume: skipped damaged checkpoint(s) {', '.join(skipped)}; falling "
+                        f"back to {loaded.location}, the newest complete one")  # type: ignore
+                return loaded
         if isinstance(error, CheckpointCorrupt):
             say(f"resume: {error}")
         elif error is not None:
@@ -105,11 +116,6 @@ def _try_load(checkpointer: Checkpointer, name: str, rank: int
         return None, exc
 
 
-def _all_ranks(trainer: "RunView", ok: bool) -> bool:
-    flag = torch.tensor(1.0 if ok else 0.0, device=trainer.device)
-    return bool(trainer.backend.all_reduce_mean(flag).item() == 1.0)
-
-
 def apply(trainer: "RunView", loaded: Loaded) -> None:
     """Restore every piece, this rank's random streams, and metrics.jsonl."""
     manifest, rank = loaded.manifest, trainer.dist.rank
@@ -127,6 +133,8 @@ def apply(trainer: "RunView", loaded: Loaded) -> None:
         else:
             state["module"] = loaded.shared["model"]
         trainer.load_state_dict(state)
+    except CheckpointCorrupt:
+        raise  # damage found reading the shards: resume: auto falls back from it
     except (RuntimeError, ValueError, KeyError, IndexError) as exc:
         raise CheckpointError(
             f"checkpoint {loaded.location} does not fit this run: {exc}. It was saved by "

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import math
 import re
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 
-from ...checkpoint import CheckpointError, Checkpointer, Snapshot
+from ...checkpoint import CheckpointError, Checkpointer, SaveRequest
+from ...checkpoint.errors import causes, no_space
 from .config_diff import recipe_spec
 from ...checkpoint.rng import rng_state
 from ...checkpoint.serialize import check_plain
-from ...backends.state import dcp_optimizer_state
 from ...checkpoint.sharded import split_sharded
 from ...checkpoint.staging import optimizer_storages
 from ...config.checkpoint import CheckpointArguments
@@ -24,7 +23,7 @@ from ...config.errors import suggest
 from ...distributed.watchdog import CHECKPOINT_SAVE
 from ...version import __version__
 from ..core.callbacks import Callback, notify_save_end
-from .state import state_key
+from .state import state_key, trainer_state
 
 if TYPE_CHECKING:
     from ..core.view import RunView
@@ -97,14 +96,13 @@ class CheckpointCallback(Callback):
         started = time.perf_counter()
         trainer.nonfinite.check()  # never save weights a non-finite loss already spoiled
         trainer.writers.flush()  # metrics.jsonl holds every event up to the saved step
-        state = trainer.state_dict()
+        # Model and optimizers go to DCP under PyTorch's distributed state dicts' names
+        # (the optimizers' state is built once, in that form).
+        state = trainer_state(trainer, named_optimizers=True)
         for key, value in state.items():  # refuse now what a resume could not load
             check_plain(value, "module.get_state()" if key == "module_state"
                         else f"Trainer.state_dict()[{key!r}]")
         facts = manifest_facts(trainer, self, state)
-        # Model and optimizers go to DCP under PyTorch's distributed state dicts' names.
-        state["optimizers"] = [dcp_optimizer_state(trainer.module, opt, saved)
-                               for opt, saved in zip(trainer.optimizers, state["optimizers"])]
         sharded = split_sharded(state, {state_key(c) for c in trainer.callbacks
                                         if getattr(c, "state_in_dcp", False)})
         if not getattr(self.checkpointer, "writes_shards", False):
@@ -114,13 +112,13 @@ class CheckpointCallback(Callback):
                 "trainer.checkpoint.class_path")
         # async: the optimizers' state is copied during the next forward and backward.
         later = optimizer_storages(trainer.optimizers) if self.settler else frozenset()
-        snapshot = Snapshot(step=trainer.global_step, facts=facts, shared={"trainer": state},
-                            rank_state=rng_state(), is_best=self._improved, sharded=sharded,
-                            later=later)
+        request = SaveRequest(step=trainer.global_step, facts=facts, shared={"trainer": state},
+                              rank_state=rng_state(), is_best=self._improved, sharded=sharded,
+                              later=later)
         beat = trainer.heartbeat
         phase, beat.phase = beat.phase, CHECKPOINT_SAVE  # the watchdog's slow-phase limit
         try:
-            self.checkpointer.save(snapshot)
+            self.checkpointer.save(request)
         except (OSError, CheckpointError) as exc:
             failure = self._failed(trainer, exc)
             if sharded and getattr(exc, "every_rank", False):
@@ -142,7 +140,7 @@ class CheckpointCallback(Callback):
         kept = self.checkpointer.latest()
         kept_text = (f"the previous checkpoint {kept} is kept" if kept
                      else "no earlier checkpoint exists")
-        if _no_space(exc):
+        if no_space(exc):
             return CheckpointError(
                 f"saving step {_failed_step(exc, trainer.global_step)} to "
                 f"{self.checkpointer.location} failed: "
@@ -193,25 +191,10 @@ class AsyncCopySettler(Callback):
         return False
 
 
-def _chain(exc: Optional[BaseException]) -> Iterator[BaseException]:
-    """``exc`` and what caused it (at most 10 deep)."""
-    for _ in range(10):
-        if exc is None:
-            return
-        yield exc
-        exc = exc.__cause__ or exc.__context__
-
-
-def _no_space(exc: BaseException) -> bool:
-    """Whether ``exc`` or what caused it is a full disk (ENOSPC, or a quota: EDQUOT)."""
-    full = (errno.ENOSPC, getattr(errno, "EDQUOT", -1))
-    return any(getattr(e, "errno", None) in full for e in _chain(exc))
-
-
 def _failed_step(exc: BaseException, default: int) -> int:
     """The step whose save failed: an asynchronous save's failure is seen a save later;
     the file it names (``.tmp-step-00000003/...``) says which."""
-    for e in _chain(exc):
+    for e in causes(exc):
         match = re.search(r"step-(\d+)", str(getattr(e, "file", "") or ""))
         if match:
             return int(match.group(1))

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 
 from .frozen_base import fingerprint, frozen_names, mismatch
+from ...backends.state import dcp_optimizer_state
 
 if TYPE_CHECKING:
     from ..core.callbacks import Callback
@@ -23,8 +24,10 @@ COUNTERS = ("global_step", "epoch", "step_in_epoch", "samples_seen", "train_seco
             "last_val_step")
 
 
-def trainer_state(trainer: "RunView") -> dict[str, Any]:
-    """Every stateful piece but the random streams (per rank: ``checkpoint.rng``)."""
+def trainer_state(trainer: "RunView", named_optimizers: bool = False) -> dict[str, Any]:
+    """Every stateful piece but the random streams (per rank: ``checkpoint.rng``);
+    ``named_optimizers``: the optimizers' state keyed by parameter name, as a checkpoint
+    holds it on every backend."""
     backend, module = trainer.backend, trainer.module
     model = backend.model_state_dict(module)
     extra = {}
@@ -36,7 +39,8 @@ def trainer_state(trainer: "RunView") -> dict[str, Any]:
         **extra,
         "module": model,
         "module_state": module.get_state(),
-        "optimizers": [backend.optimizer_state_dict(module, opt) for opt in trainer.optimizers],
+        "optimizers": [_optimizer_state(trainer, opt, named_optimizers)
+                       for opt in trainer.optimizers],
         "schedulers": [sched.state_dict() for sched in trainer.schedulers],
         "backend": backend.state_dict(),  # the AMP grad scaler, among others
         "counters": {key: getattr(trainer, key) for key in COUNTERS},
@@ -44,6 +48,18 @@ def trainer_state(trainer: "RunView") -> dict[str, Any]:
         "callbacks": {state_key(c): c.state_dict() for c in trainer.callbacks
                       if callable(getattr(c, "state_dict", None))},
     }
+
+
+def _optimizer_state(trainer: "RunView", optimizer: torch.optim.Optimizer,
+                     named: bool) -> dict[str, Any]:
+    """``optimizer``'s state, built once: by name straight from ``get_optimizer_state_dict``
+    once it has stepped (see :func:`~sailfin.backends.state.dcp_optimizer_state`)."""
+    if named and optimizer.state:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(trainer.module, optimizer)
+    state = trainer.backend.optimizer_state_dict(trainer.module, optimizer)
+    return dcp_optimizer_state(trainer.module, optimizer, state) if named else state
 
 
 def load_trainer_state(trainer: "RunView", state: Mapping[str, Any]) -> None:

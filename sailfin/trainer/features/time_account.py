@@ -10,8 +10,8 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
-from ...checkpoint.metrics_log import last_logged_step
-from ...checkpoint.time_account_file import (COMPONENTS, VERSION, account_path, account_totals,
+from ...logging.metrics_log import last_logged_step
+from ...logging.time_account_file import (COMPONENTS, VERSION, account_path, account_totals,
                                              read_account, run_start_time, set_summary_field,
                                              write_account)
 from ...utils.voice import say

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from .storage import LocalStorage
+from ..utils.files import replace_file
 
 
 def trim_metrics_log(path: str, step: int, validated: bool) -> int:
@@ -25,7 +25,7 @@ def trim_metrics_log(path: str, step: int, validated: bool) -> int:
         kept.append(line)
     dropped = len(complete) - len(kept) + (1 if tail else 0)
     if dropped:
-        LocalStorage().write_bytes(path, b"".join(line + b"\n" for line in kept))
+        replace_file(path, b"".join(line + b"\n" for line in kept))
     return dropped
 
 

@@ -10,7 +10,7 @@ import os
 import time
 from typing import Any, Optional
 
-from .storage import LocalStorage
+from ..utils.files import replace_file
 
 ACCOUNT_FILE = "time_account.json"
 VERSION = 1
@@ -44,7 +44,7 @@ def read_account(path: str) -> tuple[Optional[dict[str, Any]], Optional[str]]:
 def write_account(path: str, account: dict[str, Any], durable: bool = False) -> None:
     """Replace the file atomically (``durable``: also survives a power cut)."""
     data = (json.dumps(account, separators=(",", ":")) + "\n").encode("utf-8")
-    LocalStorage().write_bytes(path, data, durable)
+    replace_file(path, data, durable)
 
 
 def set_summary_field(path: str, key: str, value: Any) -> None:
@@ -53,7 +53,7 @@ def set_summary_field(path: str, key: str, value: Any) -> None:
     with open(path, encoding="utf-8") as fh:
         data = json.load(fh)
     data[key] = value
-    LocalStorage().write_bytes(path, (json.dumps(data, indent=2) + "\n").encode("utf-8"))
+    replace_file(path, (json.dumps(data, indent=2) + "\n").encode("utf-8"))
 
 
 def run_start_time() -> float:

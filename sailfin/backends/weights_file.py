@@ -29,7 +29,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from ..compat.torch import local_shape_and_offset
-from .errors import CheckpointError
+from ..checkpoint.errors import CheckpointError
 
 _DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
