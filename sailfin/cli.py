@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 import yaml
 
-from . import shard_cli
+from . import after_cli, shard_cli
 from .config import ConfigError, load_config
 from .distributed.exit_codes import NOTHING_TO_TRAIN_EXIT_CODE
 from .distributed.launch_notes import FINISHED, USER_ERROR, leave_note, noted_by_others
@@ -66,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
                                            "(its latest)")
     export.add_argument("out", help="the directory to write")
     shard_cli.add_parser(sub)
+    after_cli.add_parsers(sub)  # evaluate, predict
     sub.add_parser("launch", add_help=False,  # its own help: sailfin.launch.HELP
                    help="torchrun with the same arguments, a closing line and exit codes "
                         "a scheduler can read (75: preempted, requeue)")
@@ -366,6 +367,8 @@ def main(argv: Optional[Sequence[str]] = None, own_process: bool = False) -> int
                 if code in (2, NOTHING_TO_TRAIN_EXIT_CODE):
                     leave_note(USER_ERROR)
                 return code
+        if args.command in ("evaluate", "predict"):
+            return _recorded(_user_errors(after_cli.run))(args, rest, _module_builder)
         return _user_errors(shard_cli.run)(args, rest)
     except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops)
         if args.command != "train":

@@ -172,6 +172,11 @@ class SingleDevice:
         with self.precision.forward_context():
             return self._val_step(global_step, batch, self.device)
 
+    def predict_step(self, module: torch.nn.Module, global_step: int, batch: Any) -> Any:
+        """The recipe's ``predict_step`` (``sailfin predict``), run as :meth:`val_step` is."""
+        with self.precision.forward_context():
+            return module.predict_step(global_step, batch, self.device)
+
     def validation_outputs(self, module: torch.nn.Module, global_step: int,
                            batches: Iterable[Any]) -> list[Any]:
         return [self.val_step(module, global_step, batch) for batch in batches]

@@ -36,6 +36,8 @@ class Trainer(Loop, contextlib.AbstractContextManager):
 
     _is_setup = False
     _training = False  # inside train(): set-up's watchdog keeps watching the start-up checks
+    _evaluation_ready = False  # set up by evaluate()/predict() alone (not to train)
+    _evaluation_source: Any = None  # what evaluate()/predict() last loaded
     _run_lock: Optional[RunLock] = None  # rank 0's hold on output_dir, from setup() on
     watchdog: Any = None                 # the hang watchdog, from set-up to train()'s end
     # A hang: True ends the process with 75, False raises HangDetected in the main thread,
@@ -128,6 +130,10 @@ class Trainer(Loop, contextlib.AbstractContextManager):
         writers, and resume from a checkpoint as ``trainer.resume`` says."""
         if self._is_setup:
             return
+        if self._evaluation_ready:
+            raise RuntimeError("this Trainer was set up by evaluate() or predict(), which "
+                               "load weights into the module for evaluation only; build a "
+                               "new Trainer (and module) to train")
         configure(self.dist.rank)
         if self._run_lock is None:  # before anything is written there: one run per directory
             take_run_lock(self.args.output_dir, self.dist.is_main, keep=self._hold_run_lock)
@@ -146,6 +152,23 @@ class Trainer(Loop, contextlib.AbstractContextManager):
         metrics (also logged)."""
         self.setup()
         return super().validate()
+
+    def evaluate(self, checkpoint: Optional[str] = None, split: str = "val",
+                 write: bool = True) -> dict[str, Any]:
+        """``split``'s metrics (``val``, ``test`` or a set's name) for ``checkpoint``'s
+        weights (best, latest, a step directory, a run's output directory, a
+        ``.safetensors`` file or an exported directory; None: the module's weights), as
+        training logs them, every sample once; ``eval-<split>.json`` in the output
+        directory (``write``). See docs/after-training.md."""
+        from .evaluate import evaluate
+        return evaluate(self, checkpoint, split, write)
+
+    def predict(self, out: str, checkpoint: Optional[str] = None, split: str = "val"
+                ) -> dict[str, Any]:
+        """The recipe's ``predict_step`` over ``split``, one row per sample (its ``id``
+        first) in input order, written to ``out`` (JSON lines, or ``.parquet``)."""
+        from .predict import predict
+        return predict(self, checkpoint, split, out)
 
     def state_dict(self) -> dict[str, Any]:
         """Every stateful piece but the random streams (per rank: ``checkpoint.rng``)."""
