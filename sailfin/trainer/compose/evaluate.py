@@ -90,6 +90,7 @@ def evaluate(trainer: "Trainer", checkpoint: Optional[str], split: str,
               "metrics": next(iter(metrics.values())) if one else metrics}
     if write and dist.is_main:
         path = os.path.join(args.output_dir, f"eval-{_file_part(split)}.json")
+        os.makedirs(args.output_dir, exist_ok=True)
         # A temporary file renamed: a reader never sees half of it.
         LocalStorage().write_bytes(path, (json.dumps(result, indent=2) + "\n").encode())
         result["file"] = path
