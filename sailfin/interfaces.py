@@ -222,6 +222,9 @@ class ModuleInterface(nn.Module):
     #: False: checkpoints and memory snapshots hold only the parameters that train (plus
     #: buffers, optimizer state and a fingerprint of the frozen rest); sailfin.hf sets it with peft.
     checkpoint_frozen_params: bool = True
+    #: True: when one attribute (``self.net``) holds every weight, ``final/bare.safetensors``
+    #: holds them under its own names (``net.load_state_dict(load_file(...))``); False: not.
+    save_bare_weights: bool = True
 
     # -- required -------------------------------------------------------
     def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: int, epochs: int

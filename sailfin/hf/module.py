@@ -36,6 +36,7 @@ class HFModule(ModuleInterface):
     auto_class = ""
     shift_labels: Optional[bool] = None  # per-token labels: shifted (causal) or not
     per_sample_losses = False  # train_step returns each sample's loss (set by HFStart)
+    save_bare_weights = False  # final/hf/ is the bare model (from_pretrained)
 
     def __init__(self, data: TextData, model_name_or_path: Optional[str] = None,
                  config: Optional[dict[str, Any]] = None, lr: float = 5e-5,

@@ -22,6 +22,7 @@ from ..safety.preemption import Preemption
 from ..safety.run_lock import RunLock, take_run_lock
 from ..safety.startup_checks import (check_schedulers_fit, nothing_to_train, sanity_validate,
                                      train_output_checker)
+from .bare_weights import save_bare_weights
 from .setup import build_run, start_run, start_watchdog
 
 
@@ -220,6 +221,10 @@ def finish_run(trainer: Trainer, write: bool = True) -> dict[str, Any]:
     # Every rank takes part (fsdp gathers one tensor at a time); rank 0 writes.
     backend.save_final_weights(trainer.module,
                                os.path.join(output_dir, "final", "model.safetensors"), is_main)
+    bare = save_bare_weights(trainer.module, backend, os.path.join(output_dir, "final"),
+                             is_main)  # final/bare.safetensors: the model's own names
+    if bare is not None:
+        summary["bare_weights"] = bare
     if trainer.ema is not None:  # final/ema.safetensors, the same names
         trainer.ema.save_final(trainer.module, output_dir, backend.save_final_weights, is_main)
     if is_main:  # a temporary file renamed: a reader never sees half a file
