@@ -22,6 +22,7 @@ from ...checkpoint.checkpointer import DirectoryCheckpointer
 from ...checkpoint.errors import CheckpointError
 from ...config.trainer import TrainerArguments
 from ...distributed import DistEnv
+from ...utils.voice import log
 from ..checkpointing.init_from import load_initial_weights
 
 POINTERS = ("best", "latest")
@@ -124,7 +125,6 @@ def quiet_init_from() -> Iterator[None]:
     def keep(record: logging.LogRecord) -> bool:
         return not str(record.getMessage()).startswith("init_from:")
 
-    log = logging.getLogger("sailfin")
     log.addFilter(keep)
     try:
         yield

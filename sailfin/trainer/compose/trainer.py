@@ -37,7 +37,7 @@ class Trainer(Loop, contextlib.AbstractContextManager):
 
     _is_setup = False
     _training = False  # inside train(): set-up's watchdog keeps watching the start-up checks
-    _evaluation_ready = False  # set up by evaluate()/predict() alone (not to train)
+    _evaluation_ready: bool = False  # set up by evaluate()/predict() alone (not to train)
     _evaluation_source: Any = None  # what evaluate()/predict() last loaded
     _run_lock: Optional[RunLock] = None  # rank 0's hold on output_dir, from setup() on
     watchdog: Any = None                 # the hang watchdog, from set-up to train()'s end
