@@ -214,6 +214,12 @@ class HFModule(ModuleInterface):
         return (nll / tokens.clamp(min=1)).mean()
 
     # -- sharding, FLOPs, outputs ---------------------------------------------------------
+    def load_exported(self, path: str) -> None:
+        """``sailfin evaluate/predict --checkpoint DIR``: a ``save_pretrained`` or PEFT
+        adapter directory (``final/hf``) into this recipe's model."""
+        from .predict import load_exported
+        load_exported(self, path)
+
     def configure_sharding(self, shard: Callable[[torch.nn.Module], torch.nn.Module]) -> None:
         """FSDP units, innermost first: every submodule of a class in ``fsdp_units``, or
         the model's ``_no_split_modules`` (or, where it has none, its repeated blocks,
