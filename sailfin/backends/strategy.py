@@ -130,6 +130,8 @@ class SingleDevice:
     def place(self, module: torch.nn.Module) -> None:
         module.to(self.device)
 
+    threads_note: Optional[str] = None  # sp's choice of CPU threads, for the trainer to say
+
     def set_threads(self) -> None:
         """On CPU, the process's intra-op threads, said once: oversubscribed threads on a
         busy machine cost more than they give (docs/performance.md)."""
@@ -137,9 +139,12 @@ class SingleDevice:
             return
         threads, source = self.thread_choice()
         torch.set_num_threads(threads)
-        if self.dist.is_main:
-            label = "SP" if self.strategy == "single" else self.strategy.upper()
-            say(f"{label} on CPU: {threads} intra-op thread(s) per process ({source})")
+        if self.strategy == "single":  # said as training starts (Trainer.train), so that
+            # an error before step 1 stays one line
+            self.threads_note = f"SP on CPU: {threads} intra-op thread(s) ({source})"
+        elif self.dist.is_main:
+            say(f"{self.strategy.upper()} on CPU: {threads} intra-op thread(s) per process "
+                f"({source})")
 
     def thread_choice(self) -> tuple[int, str]:
         """``trainer.threads``, else ``OMP_NUM_THREADS`` (as torch read it), else torch's

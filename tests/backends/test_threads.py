@@ -29,10 +29,10 @@ class Tiny(ModuleInterface):
 
 
 def set_up(caplog, **kw) -> list[str]:
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="sailfin"):
-        build_backend(TrainerArguments(device="cpu", **kw), DistEnv()).setup(Tiny())
-    return [r.getMessage() for r in caplog.records if "intra-op" in r.getMessage()]
+    """What the backend chose, in words (Trainer.train says it as training starts)."""
+    backend = build_backend(TrainerArguments(device="cpu", **kw), DistEnv())
+    backend.setup(Tiny())
+    return [backend.threads_note]
 
 
 @pytest.mark.parametrize("backend", ["sp", "sp-amp"])
@@ -41,7 +41,7 @@ def test_trainer_threads_sets_the_count_and_says_it_once(caplog, monkeypatch, ba
     torch.set_num_threads(2)
     said = set_up(caplog, backend=backend, threads=1)
     assert torch.get_num_threads() == 1
-    assert said == ["SP on CPU: 1 intra-op thread(s) per process (trainer.threads)"]
+    assert said == ["SP on CPU: 1 intra-op thread(s) (trainer.threads)"]
 
 
 def test_omp_num_threads_is_kept(caplog, monkeypatch):
@@ -49,7 +49,7 @@ def test_omp_num_threads_is_kept(caplog, monkeypatch):
     torch.set_num_threads(1)
     said = set_up(caplog)
     assert torch.get_num_threads() == 1 and said == [
-        "SP on CPU: 1 intra-op thread(s) per process (OMP_NUM_THREADS=1)"]
+        "SP on CPU: 1 intra-op thread(s) (OMP_NUM_THREADS=1)"]
 
 
 def test_the_default_never_exceeds_the_usable_cpus(caplog, monkeypatch):
@@ -63,3 +63,17 @@ def test_the_default_never_exceeds_the_usable_cpus(caplog, monkeypatch):
 def test_a_thread_count_below_one_is_a_config_error():
     with pytest.raises(ConfigError, match="trainer.threads"):
         TrainerArguments(threads=0)
+
+
+def test_training_says_it_once_as_it_starts(tmp_path, caplog):
+    from sailfin import Trainer
+    from tests.after.recipe import PositionClassifier, PositionData
+
+    args = TrainerArguments(epochs=1, train_batch_size=16, output_dir=str(tmp_path),
+                            writers=[], progress="none", threads=1, device="cpu")
+    with caplog.at_level(logging.INFO, logger="sailfin"):
+        with Trainer(PositionClassifier(PositionData()), args) as trainer:
+            trainer.train()
+    said = [r.getMessage() for r in caplog.records if "intra-op" in r.getMessage()]
+    assert said == ["SP on CPU: 1 intra-op thread(s) (trainer.threads)"]
+    assert torch.get_num_threads() == 1

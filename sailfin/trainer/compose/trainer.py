@@ -15,7 +15,7 @@ import torch
 
 from ...checkpoint.storage import LocalStorage
 from ...utils.memory import gc_spares_existing_objects, peak_rss_bytes
-from ...utils.voice import configure
+from ...utils.voice import configure, say
 from ..checkpointing.state import load_trainer_state, trainer_state
 from ..core.trainer import Loop
 from ..safety.preemption import Preemption
@@ -72,7 +72,9 @@ class Trainer(Loop, contextlib.AbstractContextManager):
             start_watchdog(self)  # one process; several: running since set-up joined the group
             self.train_log.ready_since = self.global_step
             self.preemption.install(self.global_step)
-            self._notify("on_train_start")
+            self._notify("on_train_start")  # (its checks may still stop the run)
+            if self.backend.threads_note and self.dist.is_main:
+                say(self.backend.threads_note)  # sp's CPU threads, once training starts
             self._run_epochs()  # the loop (core/trainer.py)
             self.module.on_end_train(self.global_step)
             summary = self.summary = finish_run(self, write=finished is None)
