@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from sailfin import Trainer, load_config
+from sailfin import ModuleInterface, Trainer, load_config
 from sailfin.cli import main
 from tests.after.recipe import reference
 
@@ -161,3 +161,18 @@ def test_a_trainer_set_up_to_evaluate_refuses_to_train(tmp_path):
         trainer.evaluate(checkpoint="latest", write=False)
         with pytest.raises(RuntimeError, match="build a new Trainer"):
             trainer.train()
+
+
+def test_a_recipe_without_predict_step_predicts_val_steps_per_sample_values(tmp_path):
+    from tests.after.recipe import PositionClassifier
+
+    out = trained(tmp_path / "run")
+    module, args = fresh(out)
+    # The same recipe without a predict_step of its own.
+    module.__class__ = type("NoPredict", (PositionClassifier,),
+                            {"predict_step": ModuleInterface.predict_step})
+    with Trainer(module, args) as trainer:
+        trainer.predict(str(tmp_path / "v.jsonl"), checkpoint=str(out), split="test")
+    rows = [json.loads(line) for line in (tmp_path / "v.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == [int(r["position"]) for r in rows] == list(range(23))
+    assert set(rows[0]) == {"id", "loss", "pred", "label", "position"}  # mean_loss: 0-d

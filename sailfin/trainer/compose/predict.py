@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 import torch
 
 from ...checkpoint.rng import seed_loader
-from ...interfaces import RecipeError
+from ...interfaces import ModuleInterface, RecipeError
+from ...utils.voice import say
 from ..core.pymarlin_forms import batch_size
 from .evaluate import _micro_batch, prepare
 from .splits import split_loaders
@@ -49,6 +50,12 @@ def predict(trainer: "Trainer", checkpoint: Optional[str], split: str, out: str
     if len(samplers[id(loader)]) == 0 and dist.world_size > 1:
         raise RecipeError(f"split '{name}' has fewer samples than the {dist.world_size} "
                           "ranks; predict it with fewer processes")
+    forward = backend.predict_step
+    if type(module).predict_step is ModuleInterface.predict_step:
+        forward = _from_val_step(backend)  # no predict_step: val_step's per-sample values
+        if dist.is_main:
+            say(f"predict: {type(module).__name__} has no predict_step; each row holds "
+                "val_step's per-sample outputs (define predict_step to choose them)")
     writer = RowWriter(out) if dist.is_main else None
     error: Optional[BaseException] = None
     rows_written = 0
@@ -68,9 +75,9 @@ def predict(trainer: "Trainer", checkpoint: Optional[str], split: str, out: str
                 if batch is None:
                     # Out of batches before a partner: under fsdp every forward is a
                     # collective, so this rank repeats its last one and drops it.
-                    backend.predict_step(module, step, last)
+                    forward(module, step, last)
                 else:
-                    out_rows = backend.predict_step(module, step, batch)
+                    out_rows = forward(module, step, batch)
                     ids = list(itertools.islice(positions, batch_size(batch, out_rows)))
                     rows = [[i, r] for i, r in zip(ids, per_sample(out_rows, len(ids)))]
                     last = batch
@@ -94,6 +101,20 @@ def predict(trainer: "Trainer", checkpoint: Optional[str], split: str, out: str
     if writer is not None:
         result["file"] = out
     return result
+
+
+def _from_val_step(backend: Any) -> Any:
+    """A forward through ``val_step`` whose per-sample values are the row: a tuple's
+    columns are "0", "1", ... (PyMarlin's form), a 0-d value (a batch mean) is left out."""
+    def forward(module: Any, step: int, batch: Any) -> Any:
+        out = backend.val_step(module, step, batch)
+        if isinstance(out, (tuple, list)):
+            out = {str(i): v for i, v in enumerate(out)}
+        if isinstance(out, Mapping):
+            out = {k: v for k, v in out.items()
+                   if not (isinstance(v, torch.Tensor) and v.dim() == 0)}
+        return out
+    return forward
 
 
 def per_sample(out: Any, count: int) -> Iterator[dict[str, Any]]:
