@@ -69,3 +69,34 @@ def test_two_processes_give_one_process_metrics_and_rows(tmp_path, backend):
         assert [r["label"] for r in theirs] == [r["label"] for r in ours]
         for a, b in zip(theirs, ours):
             assert a["logits"] == pytest.approx(b["logits"], rel=1e-5, abs=1e-6)
+
+
+def train_sharded(rank: int, world: int, dist_args, out: Path) -> None:
+    cfg = load_config(CONFIG, ["--trainer.output_dir", str(out / "fsdp-run"),
+                               "--trainer.backend", "fsdp"])
+    cfg.trainer.distributed = dist_args
+
+    def sharded(cls, **kwargs):
+        from sailfin.backends.fsdp_build import sharded_build
+
+        with sharded_build(rank, cfg.trainer.fsdp.build):
+            return cls(**kwargs)
+
+    with Trainer(cfg.build(sharded), cfg.trainer) as trainer:
+        trainer.train()
+
+
+def test_fsdp_writes_the_bare_weights_gathered_under_the_models_own_names(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from torch import nn
+
+    codes = run_ranks(train_sharded, 2, tmp_path, timeout=240)
+    assert codes == [0, 0], errors(tmp_path)
+    final = tmp_path / "fsdp-run" / "final"
+    bare = load_file(str(final / "bare.safetensors"))
+    recipe = load_file(str(final / "model.safetensors"))
+    assert set(recipe) == {f"net.{k}" for k in bare}
+    assert all(torch.equal(recipe[f"net.{k}"], v) for k, v in bare.items())
+    net = nn.Sequential(nn.Linear(5, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+    net.load_state_dict(bare)
