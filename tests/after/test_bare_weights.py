@@ -11,7 +11,7 @@ from torch import nn
 
 from sailfin import ModuleInterface, Trainer, TrainerArguments
 from tests.after.recipe import PositionData
-from tests.after.test_evaluate_predict import trained
+from tests.after.runs import trained
 
 
 def test_the_bare_model_loads_the_final_weights_without_renaming(tmp_path):

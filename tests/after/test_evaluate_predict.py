@@ -15,25 +15,17 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from sailfin import ModuleInterface, Trainer, load_config
+from sailfin import ModuleInterface, Trainer
 from sailfin.cli import main
 from tests.after.recipe import reference
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG = str(ROOT / "tests" / "after" / "config.yaml")
+from tests.after.runs import CONFIG, ROOT, fresh, trained
 
 
-def trained(out: Path) -> Path:
-    """A finished run in ``out`` (sp): checkpoints, best, final weights."""
-    cfg = load_config(CONFIG, ["--trainer.output_dir", str(out)])
-    with Trainer(cfg.build(), cfg.trainer) as trainer:
-        trainer.train()
-    return out
-
-
-def fresh(out: Path, *overrides: str):
-    cfg = load_config(CONFIG, ["--trainer.output_dir", str(out), *overrides])
-    return cfg.build(), cfg.trainer
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """One finished run (sp) that the tests read: they write only eval-*.json into it."""
+    return trained(tmp_path_factory.mktemp("after") / "run")
 
 
 def loaded(weights: Path):
@@ -48,8 +40,8 @@ def snapshot(out: Path) -> dict[str, tuple[int, int]]:
             for p in out.rglob("*") if p.is_file() and not p.name.startswith("eval-")}
 
 
-def test_evaluate_best_gives_a_hand_written_passs_metrics_and_touches_no_run_file(tmp_path):
-    out = trained(tmp_path / "run")
+def test_evaluate_best_gives_a_hand_written_passs_metrics_and_touches_no_run_file(tmp_path, run):
+    out = run
     before = snapshot(out)
     best = (out / "checkpoints" / "best").read_text().strip()
     module, args = fresh(out)
@@ -71,8 +63,8 @@ def test_evaluate_best_gives_a_hand_written_passs_metrics_and_touches_no_run_fil
     assert snapshot(out) == before  # no lock, metrics.jsonl or checkpoint touched
 
 
-def test_evaluate_of_the_final_weights_on_the_test_split_counts_each_sample_once(tmp_path):
-    out = trained(tmp_path / "run")
+def test_evaluate_of_the_final_weights_on_the_test_split_counts_each_sample_once(tmp_path, run):
+    out = run
     ref = reference(loaded(out / "final" / "model.safetensors"), fresh(out)[0].data.test)
     with Trainer(*fresh(out)) as trainer:
         result = trainer.evaluate(checkpoint=str(out), split="test")
@@ -82,8 +74,8 @@ def test_evaluate_of_the_final_weights_on_the_test_split_counts_each_sample_once
     assert (out / "eval-test.json").is_file()
 
 
-def test_predict_writes_every_row_in_input_order_with_its_id(tmp_path):
-    out = trained(tmp_path / "run")
+def test_predict_writes_every_row_in_input_order_with_its_id(tmp_path, run):
+    out = run
     ref = reference(loaded(out / "final" / "model.safetensors"), fresh(out)[0].data.val)
     with Trainer(*fresh(out)) as trainer:
         result = trainer.predict(str(tmp_path / "p.jsonl"), checkpoint=str(out / "final"))
@@ -96,26 +88,26 @@ def test_predict_writes_every_row_in_input_order_with_its_id(tmp_path):
         assert row["logits"] == pytest.approx(logits, rel=1e-5, abs=1e-6)
 
 
-def test_predict_to_parquet(tmp_path):
+def test_predict_to_parquet(tmp_path, run):
     pq = pytest.importorskip("pyarrow.parquet")
-    out = trained(tmp_path / "run")
+    out = run
     with Trainer(*fresh(out)) as trainer:
         trainer.predict(str(tmp_path / "p.parquet"), checkpoint="latest", split="test")
     table = pq.read_table(tmp_path / "p.parquet").to_pylist()
     assert [r["id"] for r in table] == [r["position"] for r in table] == list(range(23))
 
 
-def test_a_predict_step_that_fails_leaves_no_output_file(tmp_path):
-    out = trained(tmp_path / "run")
+def test_a_predict_step_that_fails_leaves_no_output_file(tmp_path, run):
+    out = run
     target = tmp_path / "p.jsonl"
     module, args = fresh(out, "--module.init_args.fail_predict_at", "20")
     with Trainer(module, args) as trainer, pytest.raises(RuntimeError, match="sample 20"):
         trainer.predict(str(target), checkpoint="latest")
-    assert os.listdir(tmp_path) == ["run"]  # neither the output nor its partial file
+    assert os.listdir(tmp_path) == []  # neither the output nor its partial file
 
 
-def test_a_kill_during_predict_leaves_no_file_under_the_outputs_name(tmp_path):
-    out = trained(tmp_path / "run")
+def test_a_kill_during_predict_leaves_no_file_under_the_outputs_name(tmp_path, run):
+    out = run
     target = tmp_path / "p.jsonl"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
@@ -141,8 +133,8 @@ def test_a_kill_during_predict_leaves_no_file_under_the_outputs_name(tmp_path):
     assert not target.exists()  # rows were written, but only under the partial name
 
 
-def test_the_commands_print_and_write(tmp_path, capsys):
-    out = trained(tmp_path / "run")
+def test_the_commands_print_and_write(tmp_path, capsys, run):
+    out = run
     common = [CONFIG, "--checkpoint", "best", "--trainer.output_dir", str(out)]
     assert main(["evaluate", *common, "--split", "val", "test"]) == 0
     printed = capsys.readouterr().out
@@ -155,18 +147,18 @@ def test_the_commands_print_and_write(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_a_trainer_set_up_to_evaluate_refuses_to_train(tmp_path):
-    out = trained(tmp_path / "run")
+def test_a_trainer_set_up_to_evaluate_refuses_to_train(tmp_path, run):
+    out = run
     with Trainer(*fresh(out)) as trainer:
         trainer.evaluate(checkpoint="latest", write=False)
         with pytest.raises(RuntimeError, match="build a new Trainer"):
             trainer.train()
 
 
-def test_a_recipe_without_predict_step_predicts_val_steps_per_sample_values(tmp_path):
+def test_a_recipe_without_predict_step_predicts_val_steps_per_sample_values(tmp_path, run):
     from tests.after.recipe import PositionClassifier
 
-    out = trained(tmp_path / "run")
+    out = run
     module, args = fresh(out)
     # The same recipe without a predict_step of its own.
     module.__class__ = type("NoPredict", (PositionClassifier,),

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sailfin import Trainer, load_config
-from tests.after.test_evaluate_predict import CONFIG, trained
+from tests.after.runs import CONFIG, trained
 from tests.distributed.harness import errors, run_ranks
 
 pytestmark = pytest.mark.slow
