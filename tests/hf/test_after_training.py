@@ -70,3 +70,13 @@ def test_each_tasks_default_predict_step_gives_one_row_per_sample(task, data_dir
         assert all(t in m.label_names for tags in out["tags"] for t in tags)
     else:
         assert all(isinstance(text, str) for text in out["generated"])
+
+
+def test_a_save_pretrained_directory_evaluates_as_the_trained_model(data_dir, tmp_path):
+    out = tmp_path / "run"
+    _, _, summary = train("classification", data_dir, out, max_steps=2)
+    seed_everything(1)  # another start: the directory's weights replace every one of them
+    with Trainer(module("classification", data_dir), args(out)) as trainer:
+        result = trainer.evaluate(checkpoint=str(out / "final" / "hf"), write=False)
+    for key in ("loss", "accuracy"):
+        assert result["metrics"][key] == pytest.approx(summary["val"][key], rel=1e-5), key
