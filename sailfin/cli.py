@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 import yaml
 
-from . import shard_cli
+from . import after_cli, shard_cli
 from .config import ConfigError, load_config
 from .distributed.exit_codes import NOTHING_TO_TRAIN_EXIT_CODE
 from .distributed.launch_notes import FINISHED, USER_ERROR, leave_note, noted_by_others
@@ -66,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
                                            "(its latest)")
     export.add_argument("out", help="the directory to write")
     shard_cli.add_parser(sub)
+    after_cli.add_parsers(sub)  # evaluate, predict
     sub.add_parser("launch", add_help=False,  # its own help: sailfin.launch.HELP
                    help="torchrun with the same arguments, a closing line and exit codes "
                         "a scheduler can read (75: preempted, requeue)")
@@ -368,24 +369,24 @@ def _main(argv: Optional[Sequence[str]], own_process: bool) -> int:
             return 2
         print(f"exported {args.checkpoint} to {path}")  # the command's result
         return 0
-    if args.command == "clean":
+    if args.command == "clean":  # the command's result
         from .checkpoint.memory_dirs import clean
-        removed = clean(args.output_dir)  # the command's result:
-        print("".join(f"removed {path}\n" for path in removed)
-              + f"sailfin clean: {len(removed)} memory snapshot director"
-              f"{'y' if len(removed) == 1 else 'ies'} of {args.output_dir} removed")
+        removed = clean(args.output_dir)
+        print("".join(f"removed {p}\n" for p in removed) + f"sailfin clean: {len(removed)} memory "
+              f"snapshot director{'y' if len(removed) == 1 else 'ies'} of {args.output_dir} removed")
         return 0
     try:
         if args.command == "train":
             # User errors end inside the recorded call: torchrun reports no traceback.
-            # Until the trainer takes SIGTERM over.
-            with stop_during_setup(end_stuck=own_process):
+            with stop_during_setup(end_stuck=own_process):  # until the trainer has SIGTERM
                 code = _recorded(_user_errors(train_command))(args.config, rest,
                                                               args.print_config, own_process)
                 # sailfin launch: this rank's own end, not torchrun's stop
                 if code in (2, NOTHING_TO_TRAIN_EXIT_CODE):
                     leave_note(USER_ERROR)
                 return code
+        if args.command in ("evaluate", "predict"):
+            return _recorded(_user_errors(after_cli.run))(args, rest, _module_builder)
         return _user_errors(shard_cli.run)(args, rest)
     except KeyboardInterrupt:  # a second Ctrl-C (the first one saves and stops)
         if args.command != "train":

@@ -164,6 +164,17 @@ class DataInterface:
         ds = self.get_val_dataset(*args, **kwargs)
         return {} if ds is None else {"val": ds}
 
+    def get_test_dataset(self, *args: Any, **kwargs: Any) -> Optional[torch.utils.data.Dataset]:
+        """Optional: the held-out set ``sailfin evaluate --split test`` (and ``predict``)
+        reads; training never does."""
+        return None
+
+    def get_test_datasets(self, *args: Any, **kwargs: Any) -> dict[str, torch.utils.data.Dataset]:
+        """Name -> held-out dataset. The default wraps :meth:`get_test_dataset` as
+        ``{"test": ...}``."""
+        ds = self.get_test_dataset(*args, **kwargs)
+        return {} if ds is None else {"test": ds}
+
 
 class ModuleInterface(nn.Module):
     """A training recipe: the model plus how to optimize, train and validate it.
@@ -211,6 +222,9 @@ class ModuleInterface(nn.Module):
     #: False: checkpoints and memory snapshots hold only the parameters that train (plus
     #: buffers, optimizer state and a fingerprint of the frozen rest); sailfin.hf sets it with peft.
     checkpoint_frozen_params: bool = True
+    #: True: when one attribute (``self.net``) holds every weight, ``final/bare.safetensors``
+    #: holds them under its own names (``net.load_state_dict(load_file(...))``); False: not.
+    save_bare_weights: bool = True
 
     # -- required -------------------------------------------------------
     def get_optimizers_schedulers(self, estimated_global_steps_per_epoch: int, epochs: int
@@ -233,6 +247,15 @@ class ModuleInterface(nn.Module):
         raise NotImplementedError(
             f"{type(self).__name__} has validation data but no val_step(); implement it")
 
+    def predict_step(self, global_step: int, batch: Batch, device: torch.device
+                     ) -> dict[str, Any]:
+        """Optional (``sailfin predict``): this batch's predictions, a dict whose values
+        hold one entry per sample (a tensor with the batch as first dimension, or a list).
+        Each sample becomes one output row, with its ``id`` (its position in the split)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no predict_step(global_step, batch, device); "
+            "implement it to return {name: one value per sample} for sailfin predict")
+
     # -- data -------------------------------------------------------------
     def get_train_dataloader(self, sampler: Callable[[Any], Any], batch_size: int
                              ) -> torch.utils.data.DataLoader:
@@ -252,6 +275,15 @@ class ModuleInterface(nn.Module):
             name: torch.utils.data.DataLoader(ds, batch_size=batch_size, sampler=sampler(ds))
             for name, ds in self._data().get_val_datasets().items()
         }
+
+    def get_test_dataloaders(self, sampler: Callable[[Any], Any], batch_size: int
+                             ) -> dict[str, torch.utils.data.DataLoader]:
+        """Name -> held-out loader (PyMarlin's name), read only by ``sailfin evaluate`` and
+        ``sailfin predict`` (``--split test``). Keep ``batch_size`` and ``sampler(dataset)``."""
+        data = getattr(self, "data", None)
+        sets = data.get_test_datasets() if isinstance(data, DataInterface) else {}
+        return {name: torch.utils.data.DataLoader(ds, batch_size=batch_size, sampler=sampler(ds))
+                for name, ds in sets.items()}
 
     def _data(self) -> DataInterface:
         data = getattr(self, "data", None)

@@ -85,7 +85,8 @@ def test_only_a_shard_error_is_said_by_a_rank_other_than_0(capsys, monkeypatch):
 
 # Modules that write lines of their own, and why; everything else speaks through voice.
 OWN_LINES = {
-    "cli.py", "shard_cli.py", "report.py", "launch.py", "__main__.py",  # commands: their result (stdout)
+    "cli.py", "shard_cli.py", "after_cli.py", "report.py", "launch.py",  # commands: their result (stdout)
+    "__main__.py",
     #                                                      and the error they end on
     "utils/voice.py",
 }

@@ -74,3 +74,9 @@ class DigitsClassifier(ModuleInterface):
     def on_end_val_epoch(self, global_step, outputs, key="val"):
         return {"loss": outputs["loss"].mean().item(),
                 "accuracy": (outputs["pred"] == outputs["label"]).float().mean().item()}
+
+    def predict_step(self, global_step, batch, device):
+        """``sailfin predict``: each image's digit and the model's confidence in it."""
+        probs = self(batch[0].to(device)).softmax(1)
+        score, label = probs.max(1)
+        return {"label": label, "score": score}

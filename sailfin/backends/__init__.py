@@ -60,7 +60,7 @@ def build_backend(args: TrainerArguments, dist: DistEnv) -> SingleDevice:
             "the same as sp-amp")
     device = resolve_device(args.device, dist)
     execution = Execution(args.compile, args.compile_mode, tuple(args.activation_checkpointing),
-                          args.distributed.sync_batchnorm)
+                          args.distributed.sync_batchnorm, args.threads)
     if args.distributed.sync_batchnorm and strategy != "single" and device.type == "cpu":
         raise ConfigError(
             "trainer.distributed.sync_batchnorm: true needs a CUDA device: PyTorch's "

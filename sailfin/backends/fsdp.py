@@ -181,6 +181,13 @@ class FSDPStrategy(ParallelStrategy):
         finally:
             self.root.reshard()  # type: ignore[union-attr]
 
+    def predict_step(self, module: torch.nn.Module, global_step: int, batch: Any) -> Any:
+        self.root.unshard()  # as val_step: the root's own parameters gathered around it
+        try:
+            return super().predict_step(module, global_step, batch)
+        finally:
+            self.root.reshard()  # type: ignore[union-attr]
+
     def validation_outputs(self, module: torch.nn.Module, global_step: int,
                            batches: Iterable[Any]) -> list[Any]:
         """Every forward all-gathers, so every rank runs as many as the rank with the most

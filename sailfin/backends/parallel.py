@@ -18,7 +18,6 @@ from ..config.errors import ConfigError
 from ..distributed import DistEnv
 from ..distributed.process_group import (comm_backend_for, gather_outputs,
                                          init_process_group, launch_hint)
-from ..utils.voice import say
 from .precision import Precision
 from .strategy import Execution, SingleDevice
 
@@ -53,31 +52,28 @@ class ParallelStrategy(SingleDevice):
 
     # -- set-up ----------------------------------------------------------------------
     def setup(self, module: torch.nn.Module) -> None:
-        self._set_threads()
         self._owns_group = self.join_group()
-        super().setup(module)
+        super().setup(module)  # sets the threads first
 
     def join_group(self) -> bool:
         """Join the launcher's process group; True if this call created it."""
         return init_process_group(self.dist, self.device, self.comm_backend,
                                   self.options.timeout_seconds)
 
-    def _set_threads(self) -> None:
-        """One process per core slice: oversubscribed CPU threads cost more than they give."""
-        if self.device.type != "cpu":
-            return
+    def thread_choice(self) -> tuple[int, str]:
+        """One process per core slice: ``trainer.threads``, else
+        ``trainer.distributed.threads_per_process``, else ``OMP_NUM_THREADS``, else the
+        cores shared by the processes on this node."""
+        threads = self.execution.threads
+        if threads is not None:
+            return threads, "trainer.threads"
         threads = self.options.threads_per_process
-        source = "trainer.distributed.threads_per_process"
-        if threads is None and "OMP_NUM_THREADS" in os.environ:  # as torch set them
-            threads, source = (torch.get_num_threads(),
-                               f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
-        elif threads is None:
-            threads = max(1, (os.cpu_count() or 1) // self.dist.local_world_size)
-            source = f"{os.cpu_count()} cores / {self.dist.local_world_size} local processes"
-        torch.set_num_threads(threads)
-        if self.dist.is_main:
-            say(f"{self.strategy.upper()} on CPU: {threads} intra-op thread(s) per process "
-                f"({source})")
+        if threads is not None:
+            return threads, "trainer.distributed.threads_per_process"
+        if "OMP_NUM_THREADS" in os.environ:  # as torch set them
+            return torch.get_num_threads(), f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+        return (max(1, (os.cpu_count() or 1) // self.dist.local_world_size),
+                f"{os.cpu_count()} cores / {self.dist.local_world_size} local processes")
 
     def convert_batchnorm(self, module: torch.nn.Module) -> None:
         # In place (the recipe, a ModuleInterface, is never a BatchNorm itself): the same

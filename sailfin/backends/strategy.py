@@ -8,6 +8,7 @@ anything else ``train_step`` does (docs/backends.md).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterable, Optional
 
@@ -33,6 +34,7 @@ class Execution:
     compile_mode: str = "default"
     activation_checkpointing: tuple[str, ...] = ()
     sync_batchnorm: bool = False
+    threads: Optional[int] = None  # CPU intra-op threads per process (trainer.threads)
 
 
 class StepRunner(torch.nn.Module):
@@ -108,6 +110,7 @@ class SingleDevice:
         called directly. Checkpointing comes first (compilation and wrappers see the
         checkpointed forwards), then compilation, then :meth:`wrap`."""
         ex = self.execution
+        self.set_threads()
         if ex.sync_batchnorm:
             self.convert_batchnorm(module)
         self.place(module)
@@ -126,6 +129,33 @@ class SingleDevice:
 
     def place(self, module: torch.nn.Module) -> None:
         module.to(self.device)
+
+    threads_note: Optional[str] = None  # sp's choice of CPU threads, for the trainer to say
+
+    def set_threads(self) -> None:
+        """On CPU, the process's intra-op threads, said once: oversubscribed threads on a
+        busy machine cost more than they give (docs/performance.md)."""
+        if self.device.type != "cpu":
+            return
+        threads, source = self.thread_choice()
+        torch.set_num_threads(threads)
+        if self.strategy == "single":  # said as training starts (Trainer.train), so that
+            # an error before step 1 stays one line
+            self.threads_note = f"SP on CPU: {threads} intra-op thread(s) ({source})"
+        elif self.dist.is_main:
+            say(f"{self.strategy.upper()} on CPU: {threads} intra-op thread(s) per process "
+                f"({source})")
+
+    def thread_choice(self) -> tuple[int, str]:
+        """``trainer.threads``, else ``OMP_NUM_THREADS`` (as torch read it), else torch's
+        own count, but no more than the CPUs this process may run on."""
+        if self.execution.threads is not None:
+            return self.execution.threads, "trainer.threads"
+        if "OMP_NUM_THREADS" in os.environ:
+            return torch.get_num_threads(), f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}"
+        cpus = usable_cpus()
+        return (max(1, min(torch.get_num_threads(), cpus)),
+                f"{cpus} usable CPU(s); trainer.threads or OMP_NUM_THREADS sets it")
 
     def convert_batchnorm(self, module: torch.nn.Module) -> None:
         if self.dist.is_main:
@@ -171,6 +201,11 @@ class SingleDevice:
     def val_step(self, module: torch.nn.Module, global_step: int, batch: Any) -> Any:
         with self.precision.forward_context():
             return self._val_step(global_step, batch, self.device)
+
+    def predict_step(self, module: torch.nn.Module, global_step: int, batch: Any) -> Any:
+        """The recipe's ``predict_step`` (``sailfin predict``), run as :meth:`val_step` is."""
+        with self.precision.forward_context():
+            return module.predict_step(global_step, batch, self.device)
 
     def validation_outputs(self, module: torch.nn.Module, global_step: int,
                            batches: Iterable[Any]) -> list[Any]:
@@ -275,6 +310,12 @@ def _step_plain(optimizers: list[torch.optim.Optimizer]) -> bool:
     for opt in optimizers:
         opt.step()
     return True
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: taskset, a container's cpuset)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
 
 
 class PlainSingleDevice(SingleDevice):

@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from .coerce import build_dataclass, coerce, field_types, parse_cli_value
 from .errors import ConfigError, short_repr, suggest, unknown_key
+from .pymarlin_args import gather_pymarlin_args, takes_pymarlin_args
 from .strict_yaml import check_limits, load_yaml_file
 from .trainer import TrainerArguments
 
@@ -141,6 +142,8 @@ def _check_init_args(cls: type, init_args: dict, section: str) -> dict:
         hints = typing.get_type_hints(cls.__init__)
     except Exception:  # annotations that do not evaluate: leave the values as given
         hints = {}
+    if takes_pymarlin_args(params, hints):  # PyMarlin's def __init__(self, args, data)
+        init_args = gather_pymarlin_args(init_args, params)
     out = {}
     for key, value in init_args.items():
         if key not in params or key == "self":

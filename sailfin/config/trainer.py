@@ -142,6 +142,9 @@ class TrainerArguments:
     sanity_val_batches: int = 1
     """Validation batches run through ``val_step`` before the first training step, to catch
     a broken ``val_step`` at once (0: off). Draws nothing from the training's random streams."""
+    threads: Optional[int] = None
+    """CPU intra-op threads per process (null: ``OMP_NUM_THREADS``, else torch's count up
+    to the CPUs the process may use under sp, cores / local processes under ddp/fsdp)."""
     init_from: Optional[str] = None
     """Start a new run from these weights only (a checkpoint directory, a directory of them,
     or a ``.safetensors`` file); not used when ``resume`` finds a checkpoint of this run."""
@@ -153,6 +156,7 @@ class TrainerArguments:
         positive = ["epochs", "train_batch_size", "log_every_n_steps",
                     "preemption_check_every_n_steps"]
         optional_positive = ["max_steps", "max_train_steps_per_epoch", "micro_batch_size",
+                             "threads",
                              "val_batch_size", "gpu_batch_size_limit", "max_val_steps_per_epoch",
                              "val_every_n_steps"]
         for name in positive:

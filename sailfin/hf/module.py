@@ -36,6 +36,7 @@ class HFModule(ModuleInterface):
     auto_class = ""
     shift_labels: Optional[bool] = None  # per-token labels: shifted (causal) or not
     per_sample_losses = False  # train_step returns each sample's loss (set by HFStart)
+    save_bare_weights = False  # final/hf/ is the bare model (from_pretrained)
 
     def __init__(self, data: TextData, model_name_or_path: Optional[str] = None,
                  config: Optional[dict[str, Any]] = None, lr: float = 5e-5,
@@ -213,6 +214,12 @@ class HFModule(ModuleInterface):
         return (nll / tokens.clamp(min=1)).mean()
 
     # -- sharding, FLOPs, outputs ---------------------------------------------------------
+    def load_exported(self, path: str) -> None:
+        """``sailfin evaluate/predict --checkpoint DIR``: a ``save_pretrained`` or PEFT
+        adapter directory (``final/hf``) into this recipe's model."""
+        from .predict import load_exported
+        load_exported(self, path)
+
     def configure_sharding(self, shard: Callable[[torch.nn.Module], torch.nn.Module]) -> None:
         """FSDP units, innermost first: every submodule of a class in ``fsdp_units``, or
         the model's ``_no_split_modules`` (or, where it has none, its repeated blocks,

@@ -9,6 +9,7 @@ import torch
 from .errors import HFConfigError
 from .metrics import accuracy, entity_f1, f1_scores, perplexity, rouge
 from .module import HFModule, token_nll
+from .predict import classification_rows, generated_rows, token_rows
 from .text_data import TextData
 
 
@@ -59,6 +60,11 @@ class SequenceClassification(_Labelled):
         return {"loss": outputs["loss"].mean().item(), "accuracy": accuracy(pred, label),
                 **f1_scores(pred, label, len(self.label_names))}
 
+    def predict_step(self, global_step: int, batch: dict[str, torch.Tensor],
+                     device: torch.device) -> dict[str, Any]:
+        """Each row's class name (``label``) and its probability (``score``)."""
+        return classification_rows(self, batch, device)
+
 
 class TokenClassification(_Labelled):
     """``AutoModelForTokenClassification`` on words and their tags (a list each per row;
@@ -93,6 +99,11 @@ class TokenClassification(_Labelled):
         total = sum(len(g) for g in gold)
         return {**entity_f1(pred, gold), "token_accuracy": right / total if total else 0.0}
 
+    def predict_step(self, global_step: int, batch: dict[str, torch.Tensor],
+                     device: torch.device) -> dict[str, Any]:
+        """Each row's tags, one per word (``tags``)."""
+        return token_rows(self, batch, device)
+
 
 class CausalLM(HFModule):
     """``AutoModelForCausalLM`` on text, the labels its inputs (padding skipped). Reports
@@ -117,6 +128,11 @@ class CausalLM(HFModule):
     def on_end_val_epoch(self, global_step: int, outputs: dict[str, Any], key: str = "val"
                          ) -> dict[str, float]:
         return perplexity(outputs["nll"], outputs["tokens"])
+
+    def predict_step(self, global_step: int, batch: dict[str, torch.Tensor],
+                     device: torch.device) -> dict[str, Any]:
+        """Each row continued (``generated``: the new text, greedy, ``max_new_tokens``)."""
+        return generated_rows(self, batch, device, causal=True)
 
 
 class Seq2SeqLM(HFModule):
@@ -162,3 +178,9 @@ class Seq2SeqLM(HFModule):
         if self.generate:
             metrics.update(rouge(outputs["prediction"], outputs["reference"]))
         return metrics
+
+    def predict_step(self, global_step: int, batch: dict[str, torch.Tensor],
+                     device: torch.device) -> dict[str, Any]:
+        """Each row's generated target text (``generated``; ``num_beams``,
+        ``max_new_tokens``)."""
+        return generated_rows(self, batch, device, causal=False)

@@ -34,6 +34,7 @@ MAY_CHANGE: dict[str, str] = {
     "amp_dtype": "precision",
     "activation_checkpointing": "memory, not the result",
     "device": "where the run executes",
+    "threads": "how many CPU threads a step uses",
     **dict.fromkeys(("micro_batch_size", "gpu_batch_size_limit"),
                     "the global batch stays the same"),
     "val_batch_size": "validation batching, not the metric",

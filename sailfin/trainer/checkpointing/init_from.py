@@ -93,5 +93,5 @@ def all_ranks(trainer: Any, ok: bool) -> bool:
     """Whether ``ok`` holds on every rank (a collective: every rank calls it)."""
     if trainer.dist.world_size == 1:
         return ok
-    flag = torch.tensor(1.0 if ok else 0.0, device=trainer.device)
+    flag = torch.tensor(1.0 if ok else 0.0, device=trainer.backend.device)
     return bool(trainer.backend.all_reduce_mean(flag).item() == 1.0)

@@ -15,13 +15,14 @@ import torch
 
 from ...checkpoint.storage import LocalStorage
 from ...utils.memory import gc_spares_existing_objects, peak_rss_bytes
-from ...utils.voice import configure
+from ...utils.voice import configure, say
 from ..checkpointing.state import load_trainer_state, trainer_state
 from ..core.trainer import Loop
 from ..safety.preemption import Preemption
 from ..safety.run_lock import RunLock, take_run_lock
 from ..safety.startup_checks import (check_schedulers_fit, nothing_to_train, sanity_validate,
                                      train_output_checker)
+from .bare_weights import save_bare_weights
 from .setup import build_run, start_run, start_watchdog
 
 
@@ -36,6 +37,8 @@ class Trainer(Loop, contextlib.AbstractContextManager):
 
     _is_setup = False
     _training = False  # inside train(): set-up's watchdog keeps watching the start-up checks
+    _evaluation_ready: bool = False  # set up by evaluate()/predict() alone (not to train)
+    _evaluation_source: Any = None  # what evaluate()/predict() last loaded
     _run_lock: Optional[RunLock] = None  # rank 0's hold on output_dir, from setup() on
     watchdog: Any = None                 # the hang watchdog, from set-up to train()'s end
     # A hang: True ends the process with 75, False raises HangDetected in the main thread,
@@ -69,7 +72,9 @@ class Trainer(Loop, contextlib.AbstractContextManager):
             start_watchdog(self)  # one process; several: running since set-up joined the group
             self.train_log.ready_since = self.global_step
             self.preemption.install(self.global_step)
-            self._notify("on_train_start")
+            self._notify("on_train_start")  # (its checks may still stop the run)
+            if self.backend.threads_note and self.dist.is_main:
+                say(self.backend.threads_note)  # sp's CPU threads, once training starts
             self._run_epochs()  # the loop (core/trainer.py)
             self.module.on_end_train(self.global_step)
             summary = self.summary = finish_run(self, write=finished is None)
@@ -127,6 +132,10 @@ class Trainer(Loop, contextlib.AbstractContextManager):
         writers, and resume from a checkpoint as ``trainer.resume`` says."""
         if self._is_setup:
             return
+        if self._evaluation_ready:
+            raise RuntimeError("this Trainer was set up by evaluate() or predict(), which "
+                               "load weights into the module for evaluation only; build a "
+                               "new Trainer (and module) to train")
         configure(self.dist.rank)
         if self._run_lock is None:  # before anything is written there: one run per directory
             take_run_lock(self.args.output_dir, self.dist.is_main, keep=self._hold_run_lock)
@@ -145,6 +154,23 @@ class Trainer(Loop, contextlib.AbstractContextManager):
         metrics (also logged)."""
         self.setup()
         return super().validate()
+
+    def evaluate(self, checkpoint: Optional[str] = None, split: str = "val",
+                 write: bool = True) -> dict[str, Any]:
+        """``split``'s metrics (``val``, ``test`` or a set's name) for ``checkpoint``'s
+        weights (best, latest, a step directory, a run's output directory, a
+        ``.safetensors`` file or an exported directory; None: the module's weights), as
+        training logs them, every sample once; ``eval-<split>.json`` in the output
+        directory (``write``). See docs/after-training.md."""
+        from .evaluate import evaluate
+        return evaluate(self, checkpoint, split, write)
+
+    def predict(self, out: str, checkpoint: Optional[str] = None, split: str = "val"
+                ) -> dict[str, Any]:
+        """The recipe's ``predict_step`` over ``split``, one row per sample (its ``id``
+        first) in input order, written to ``out`` (JSON lines, or ``.parquet``)."""
+        from .predict import predict
+        return predict(self, checkpoint, split, out)
 
     def state_dict(self) -> dict[str, Any]:
         """Every stateful piece but the random streams (per rank: ``checkpoint.rng``)."""
@@ -196,6 +222,10 @@ def finish_run(trainer: Trainer, write: bool = True) -> dict[str, Any]:
     # Every rank takes part (fsdp gathers one tensor at a time); rank 0 writes.
     backend.save_final_weights(trainer.module,
                                os.path.join(output_dir, "final", "model.safetensors"), is_main)
+    bare = save_bare_weights(trainer.module, backend, os.path.join(output_dir, "final"),
+                             is_main)  # final/bare.safetensors: the model's own names
+    if bare is not None:
+        summary["bare_weights"] = bare
     if trainer.ema is not None:  # final/ema.safetensors, the same names
         trainer.ema.save_final(trainer.module, output_dir, backend.save_final_weights, is_main)
     if is_main:  # a temporary file renamed: a reader never sees half a file
