@@ -201,3 +201,28 @@ def test_train_lines_number_epochs_as_the_bar_and_show_flops_as_it_does(tmp_path
     rate = re.search(r"\| [\d.]+ [kMGT]?FLOP/s( \||$)", train[-1])
     assert rate and "tflops" not in train[-1], train[-1]
     assert re.search(r", [\d.]+ [kMGT]?FLOP/s", progress[-1])
+
+
+class SlowSteps(LinearRecipe):
+    """Each step takes a few milliseconds: the run's time is its steps' time."""
+
+    def train_step(self, global_step, batch, device):
+        time.sleep(0.004)
+        return super().train_step(global_step, batch, device)
+
+
+@pytest.mark.parametrize("stop", [{"max_steps": 6}, {}], ids=["max_steps-in-an-epoch", "epochs"])
+def test_the_last_line_gives_the_summarys_average_rate(tmp_path, stop):
+    """A run stopped by max_steps inside an epoch printed 'avg 6.7' beside the summary's
+    13.7 samples/s: the epoch's time was counted twice (once in train_seconds, once as
+    the epoch still running)."""
+    from sailfin.trainer.features.progress import human
+
+    buf = io.StringIO()
+    progress = Progress("lines", interval=3600, line_stream=buf)
+    trainer = Trainer(SlowSteps(IdData(80, 10)),
+                      args(tmp_path, epochs=2, progress="none", **stop), callbacks=[progress])
+    summary = trainer.train()
+    last = [line for line in buf.getvalue().splitlines() if line.startswith("[progress] step")]
+    assert last and f"(avg {human(summary['samples_per_second'])})" in last[-1], \
+        (last[-1], summary["samples_per_second"])
