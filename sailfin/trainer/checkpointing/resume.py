@@ -111,7 +111,7 @@ def _all_ranks(trainer: "RunView", ok: bool) -> bool:
 
 
 def apply(trainer: "RunView", loaded: Loaded) -> None:
-    """Restore every piece, this rank's random streams, and metrics.jsonl."""
+    """Restore every piece and this rank's random streams (metrics.jsonl: :func:`continue_log`)."""
     manifest, rank = loaded.manifest, trainer.dist.rank
     _check_data_position(trainer, manifest, loaded.location)
     state: dict[str, Any] = dict(loaded.shared["trainer"])
@@ -142,6 +142,12 @@ def apply(trainer: "RunView", loaded: Loaded) -> None:
                  f"from (seed {trainer.args.seed}, rank {rank}, step {step})"]
     for note in notes:
         say(f"resume: {note}", warning=True)  # this rank's own
+
+
+def continue_log(trainer: "RunView", loaded: Loaded) -> None:
+    """Rank 0: metrics.jsonl cut back to the checkpoint's step, and the resume said (only
+    for a run that trains on: a run resumed at its end changes no file)."""
+    manifest, step = loaded.manifest, int(loaded.manifest["step"])
     if trainer.dist.is_main:
         metrics = os.path.join(trainer.args.output_dir, "metrics.jsonl")
         reached = last_logged_step(metrics)

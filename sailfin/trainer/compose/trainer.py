@@ -20,8 +20,7 @@ from ..checkpointing.state import load_trainer_state, trainer_state
 from ..core.trainer import Loop
 from ..safety.preemption import Preemption
 from ..safety.run_lock import RunLock, take_run_lock
-from ..safety.startup_checks import (check_schedulers_fit, nothing_to_train, sanity_validate,
-                                     train_output_checker)
+from ..safety.startup_checks import check_schedulers_fit, sanity_validate, train_output_checker
 from .setup import build_run, start_run, start_watchdog
 
 
@@ -45,21 +44,30 @@ class Trainer(Loop, contextlib.AbstractContextManager):
     # -- the run ---------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         """Train for ``args.epochs`` (or until ``args.max_steps``); return the summary.
-        A run that resumed at its end trains nothing: its summary has ``nothing_trained``
-        (the step it finished at and what to change)."""
+        A run that resumed at its end trains nothing, calls no callback and writes no file:
+        its summary has ``nothing_trained`` (the step it finished at and what to change)."""
         self._training = True  # set-up's watchdog carries on into the start-up checks
         try:
             self.setup()
-            finished = nothing_to_train(self)  # resumed at its end: said, nothing written
-            # Fail now, not after an epoch: schedule length, val_step, the first train_step.
-            check_schedulers_fit(self)
-            if finished is None:
+            if self.finished is None:
+                # Fail now, not after an epoch: schedule length, val_step, the first
+                # train_step.
+                check_schedulers_fit(self)
                 sanity_validate(self)
         except BaseException:
             self._training = False
             self._stop_watchdog()  # its record says this rank failed (the others may wait)
             self._release_run_lock()
             raise
+        if self.finished is not None:
+            # Resumed at its end (set-up said so): no step, no validation, no hook, no
+            # file written; the finished run's directory stays as it was, byte for byte.
+            try:
+                summary = self.summary = finish_run(self, write=False)
+                summary["nothing_trained"] = self.finished
+                return summary
+            finally:
+                self._end_run()
         self._check_first_output = train_output_checker(self.global_step)
         args = self.args
         # SIGTERM / first Ctrl-C: finish the step, save on every rank, stop (preemption.py).
@@ -72,9 +80,7 @@ class Trainer(Loop, contextlib.AbstractContextManager):
             self._notify("on_train_start")
             self._run_epochs()  # the loop (core/trainer.py)
             self.module.on_end_train(self.global_step)
-            summary = self.summary = finish_run(self, write=finished is None)
-            if finished is not None:
-                summary["nothing_trained"] = finished
+            summary = self.summary = finish_run(self)
             self._notify("on_train_end")
             return summary
         finally:
