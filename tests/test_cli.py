@@ -39,8 +39,8 @@ def test_training_a_finished_run_again_exits_3_saying_nothing_was_trained(tmp_pa
     assert main(["train", str(config(tmp_path))]) == 3
     captured = capsys.readouterr()
     out_dir = tmp_path / "out"
-    assert (f"sailfin: nothing trained: the run in {out_dir} finished at step 8 (epoch 2; "
-            "trainer.epochs 2)") in captured.err
+    assert (f"sailfin: nothing trained: the run in {out_dir} finished at step 8 (at the end of "
+            "epoch 2; trainer.epochs 2)") in captured.err
     assert "done:" not in captured.out and "summary:" not in captured.out
     # The first way on the message gives works.
     assert main(["train", str(config(tmp_path)), "--trainer.output_dir", f"{out_dir}-2"]) == 0

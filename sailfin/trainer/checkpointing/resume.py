@@ -19,6 +19,7 @@ from ...checkpoint.metrics_log import last_logged_step, trim_metrics_log
 from ...checkpoint.rng import derive_rng, restore_rng
 from ...checkpoint.sharded import load_sharded
 from ...utils.voice import say
+from ..core.view import epoch_position
 from .config_diff import check_config
 from .init_from import load_initial_weights
 from .state import frozen_names, state_key
@@ -155,8 +156,8 @@ def continue_log(trainer: "RunView", loaded: Loaded) -> None:
         saved_world, world = manifest["world_size"], trainer.dist.world_size
         restart = trainer.dist.restart_count
         say((f"restart {restart} ({trainer.dist.launcher}): " if restart else "")
-            + f"resuming from {loaded.location}: step {step}, epoch {manifest['epoch']}, "
-            f"{manifest['step_in_epoch']} steps into it"
+            + f"resuming from {loaded.location}: step {step}, "
+            + epoch_position(int(manifest["epoch"]), int(manifest["step_in_epoch"]))
             + (f"; world size {saved_world} -> {world}" if saved_world != world
                else f"; world size {world}" if restart else "")
             + (f"; at least {reached - step} step(s) lost (the run had logged step "
@@ -175,8 +176,9 @@ def _check_data_position(trainer: "RunView", manifest: dict, where: str) -> None
                            ("shuffle", trainer.args.shuffle, "trainer.shuffle")):
         if key in data and data[key] != now:
             raise CheckpointError(
-                f"checkpoint {where} stopped {manifest['step_in_epoch']} steps into epoch "
-                f"{manifest['epoch']} with {what} = {data[key]!r}; this run has {now!r}, so "
+                f"checkpoint {where} stopped "
+                f"{epoch_position(int(manifest['epoch']), int(manifest['step_in_epoch']))} "
+                f"with {what} = {data[key]!r}; this run has {now!r}, so "
                 "the rest of the epoch would skip or repeat samples. Resume with the same "
                 f"{what}, or from a checkpoint taken at an epoch end")
 

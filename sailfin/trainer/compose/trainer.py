@@ -17,6 +17,7 @@ from ...checkpoint.storage import LocalStorage
 from ...utils.memory import gc_spares_existing_objects, peak_rss_bytes
 from ...utils.voice import configure
 from ..checkpointing.state import load_trainer_state, trainer_state
+from ..core.view import epoch_number
 from ..core.trainer import Loop
 from ..safety.preemption import Preemption
 from ..safety.run_lock import RunLock, take_run_lock
@@ -169,7 +170,7 @@ def finish_run(trainer: Trainer, write: bool = True) -> dict[str, Any]:
     val, device = trainer.last_val_metrics, trainer.device
     summary = {
         "global_step": trainer.global_step,
-        "epoch": trainer.epoch,
+        "epoch": epoch_number(trainer.epoch, trainer.step_in_epoch),  # from 1, as the console
         "samples_seen": trainer.samples_seen,
         "train_seconds": round(trainer.train_seconds, 4),
         "samples_per_second": (trainer.samples_seen / trainer.train_seconds

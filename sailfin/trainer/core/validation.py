@@ -12,6 +12,7 @@ import torch
 from ...checkpoint.rng import seed_loader
 from ...config.trainer import TrainerArguments
 from ...distributed.watchdog import VALIDATION, VALIDATION_GATHER
+from .view import epoch_number
 from .pymarlin_forms import batch_size
 from .train_log import scalar
 
@@ -47,7 +48,8 @@ def run_validation(trainer: "Loop") -> dict[str, dict[str, float]]:
             if metrics:
                 event = ({"dataset": name, **metrics} if len(trainer.val_loaders) > 1
                          else dict(metrics))
-                trainer.writers.log_metrics(event, trainer.global_step, trainer.epoch, "val")
+                trainer.writers.log_metrics(event, trainer.global_step, epoch_number(
+                    trainer.epoch, trainer.step_in_epoch), "val")
     module.train(was_training)
     return results
 
