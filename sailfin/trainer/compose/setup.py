@@ -28,6 +28,7 @@ from ..core.callbacks import Callback
 from ..core.run import Run
 from ..core.loaders import build_train_loader, build_val_loaders, dataset_set_epoch
 from ..core.pymarlin_forms import train_step_end_caller, val_epoch_end_caller
+from .threads import fix_math_threads
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -72,7 +73,8 @@ def build_run(trainer: "Trainer") -> Run:
                             args.max_train_steps_per_epoch,
                             micro_batch_limit=args.gpu_batch_size_limit,
                             note=say if dist.is_main else None)
-    backend.setup(module)
+    backend.setup(module)  # ddp/fsdp on the CPU: their thread count
+    fix_math_threads(backend.device, dist.is_main)  # one count for the whole run (threads.py)
     start_watchdog(trainer, in_setup=True)  # from the first collective: resume, checks
     plan = backend.batch_plan(plan)  # dp: unweighted, Poisson steps
     train_loader, train_sampler = build_train_loader(module, plan, dist, args)
