@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from ...checkpoint.checkpointer import DirectoryCheckpointer
 from ...utils.voice import say
@@ -23,9 +23,12 @@ if TYPE_CHECKING:
     from ..core.view import RunView
 
 
-def load_initial_weights(trainer: "RunView", path: str) -> None:
-    """Load the weights at ``path`` into ``trainer.module``. Under fsdp each rank reads
-    only its rows: DCP for a sharded checkpoint, tensor by tensor otherwise."""
+def load_initial_weights(trainer: "RunView", path: str, announce: bool = True
+                         ) -> Optional[int]:
+    """Load the weights at ``path`` into ``trainer.module``; return the checkpoint's step
+    (None for a weights file). Under fsdp each rank reads only its rows: DCP for a sharded
+    checkpoint, tensor by tensor otherwise. ``announce``: rank 0 says it (init_from)."""
+    step = None
     if path.endswith(".safetensors"):
         if not os.path.isfile(path):
             raise CheckpointError(f"trainer.init_from: {path} does not exist; give a "
@@ -42,8 +45,8 @@ def load_initial_weights(trainer: "RunView", path: str) -> None:
         except CheckpointError as exc:
             raise CheckpointError(str(exc).replace("trainer.resume:", "trainer.init_from:")
                                   ) from None
-        shown = loaded.location
-        origin = f"checkpoint at step {loaded.manifest['step']}"
+        shown, step = loaded.location, int(loaded.manifest["step"])
+        origin = f"checkpoint at step {step}"
         if loaded.sharded is not None:  # DCP reads each rank's rows
             ref = dataclasses.replace(loaded.sharded, keys=["module"])
             try:
@@ -66,6 +69,7 @@ def load_initial_weights(trainer: "RunView", path: str) -> None:
                                   "weights (no model.pt, no shards)")
         else:
             load_into(trainer.module, StateDictSource(loaded.shared["model"], shown))
-    if trainer.dist.is_main:
+    if announce and trainer.dist.is_main:
         say(f"init_from: weights from {shown} ({origin}); the optimizers, schedule, counters "
             "and data order start afresh")
+    return step

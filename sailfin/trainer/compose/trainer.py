@@ -22,6 +22,7 @@ from ..core.trainer import Loop
 from ..safety.preemption import Preemption
 from ..safety.run_lock import RunLock, take_run_lock
 from ..safety.startup_checks import check_schedulers_fit, sanity_validate, train_output_checker
+from .final_model import end_with_chosen_model
 from .setup import build_run, start_run, start_watchdog
 
 
@@ -83,6 +84,7 @@ class Trainer(Loop, contextlib.AbstractContextManager):
             self.module.on_end_train(self.global_step)
             summary = self.summary = finish_run(self)
             self._notify("on_train_end")
+            end_with_chosen_model(self, summary)  # load_best_model_at_end (final_model.py)
             return summary
         finally:
             try:
