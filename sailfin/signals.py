@@ -47,9 +47,12 @@ class StoppedDuringSetup(BaseException):
 
     def __init__(self, signal_name: str, after_start: bool = False,
                  message: Optional[str] = None) -> None:
-        super().__init__(message or f"stopped by {signal_name} during set-up, before the "
-                         "first step; nothing was lost: run the same command again to start "
-                         "(or resume)")
+        super().__init__(message or (
+            f"stopped by {signal_name} after training had begun, as the run was ending; the "
+            "checkpoints saved are intact: run the same command again to resume from the "
+            "latest" if after_start else
+            f"stopped by {signal_name} during set-up, before the first step; nothing was "
+            "lost: run the same command again to start (or resume)"))
         self.signal_name = signal_name
         # True when training had begun (a SIGTERM while a rank stops on an error, after
         # the loop's own handler left): ``message`` (or the caller) says what was lost.
@@ -74,7 +77,10 @@ class _SetupStop:
     def on_signal(self, signum: int, frame: Any) -> None:
         if self.over:  # training began: put back what was there, and let it act
             previous = self.previous.get(signum, signal.SIG_DFL)
-            if not callable(previous):  # the default action would end us without a word
+            # The default action would end us without a word; in the sailfin command
+            # (end_stuck) the handler before is the command's start one, which knows no
+            # training: either way this stop comes after the first step.
+            if not callable(previous) or self.end_stuck:
                 raise StoppedDuringSetup(signal.Signals(signum).name, after_start=True)
             signal.signal(signum, previous)
             os.kill(os.getpid(), signum)
@@ -139,7 +145,10 @@ class _SetupStop:
         """Training began (or ran): set-up is over, the signals get their previous actions
         back (also later, when the loop's handler returns this one)."""
         self.over = True
-        self._put_back()
+        if not self.end_stuck:  # in-process: the host's handlers back
+            self._put_back()
+        # The sailfin command keeps this handler (when the loop's returns it): the one
+        # before it, the command's start handler, would call a stop "during set-up".
 
     def _put_back(self) -> None:
         for sig, handler in self.previous.items():

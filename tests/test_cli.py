@@ -39,11 +39,36 @@ def test_training_a_finished_run_again_exits_3_saying_nothing_was_trained(tmp_pa
     assert main(["train", str(config(tmp_path))]) == 3
     captured = capsys.readouterr()
     out_dir = tmp_path / "out"
-    assert (f"sailfin: nothing trained: the run in {out_dir} finished at step 8 (epoch 2; "
-            "trainer.epochs 2)") in captured.err
+    assert (f"sailfin: nothing trained: the run in {out_dir} finished at step 8 (at the end of "
+            "epoch 2; trainer.epochs 2)") in captured.err
     assert "done:" not in captured.out and "summary:" not in captured.out
     # The first way on the message gives works.
     assert main(["train", str(config(tmp_path)), "--trainer.output_dir", f"{out_dir}-2"]) == 0
+
+
+@pytest.mark.parametrize("how", [
+    ["--trainer.checkpoint.every_n_steps", "2"],  # its last save came before validation
+    ["--trainer.max_steps", "6"],                 # it stopped inside an epoch
+    []], ids=["saved-before-validation", "max-steps", "epochs"])
+def test_training_a_finished_run_again_changes_no_byte_of_its_directory(tmp_path, how):
+    """The same command again (exit 3, nothing trained) dropped a metrics.jsonl line 'past
+    that step', validated again and appended it anew, and left new TensorBoard files."""
+    import hashlib
+
+    pytest.importorskip("tensorboard")
+    command = ["train", str(config(tmp_path)), *how,
+               "--trainer.writers", "[jsonl, csv, tensorboard, stdout]"]
+    out_dir = tmp_path / "out"
+
+    def files():
+        return {str(p.relative_to(out_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(out_dir.rglob("*")) if p.is_file()}
+
+    assert main(command) == 0
+    before = files()
+    assert "metrics.jsonl" in before and any(name.startswith("tensorboard/") for name in before)
+    assert main(command) == 3
+    assert files() == before
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])

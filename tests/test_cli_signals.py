@@ -89,3 +89,51 @@ def test_a_stop_that_set_up_code_swallowed_still_ends_the_run_with_one_line_and_
                    "75)"], err
     assert not list(out.glob("checkpoints/step-*"))  # not one step trained (it saves each)
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # in-process: put back
+
+
+# The sailfin command (its own process: stop_at_start's handler under set-up's) with
+# torchrun's SIGTERM landing after the loop's handler left, or while the trainer closes.
+COMMAND = """
+import signal, sys
+from sailfin.trainer.compose.trainer import Trainer
+from sailfin.trainer.safety.preemption import Preemption
+cls, name = (Preemption, "uninstall") if sys.argv[1] == "loop-left" else (Trainer, "close")
+original = getattr(cls, name)
+def then_sigterm(self):
+    if name == "uninstall":
+        original(self)
+    signal.raise_signal(signal.SIGTERM)
+    if name == "close":
+        original(self)
+setattr(cls, name, then_sigterm)
+from sailfin.cli import command
+sys.argv = ["sailfin", "train", sys.argv[2]]
+sys.exit(command())
+"""
+
+
+@pytest.mark.parametrize("when,said", [
+    ("loop-left", "sailfin: stopped by SIGTERM at step 5, while stopping after RuntimeError: "
+                  "Connection closed by peer [127.0.0.1]:29500; the 1 step(s) after the last "
+                  "checkpoint (step-00000004) are lost"),
+    ("closing", "sailfin: stopped by SIGTERM after training had begun, as the run was ending; "
+                "the checkpoints saved are intact")])
+def test_the_sailfin_command_never_calls_a_stop_after_steps_set_up(tmp_path, when, said):
+    """Under torchrun, kill -9 of rank 1 after step 80: the surviving rank, which had logged
+    step 80, printed 'stopped by SIGTERM during set-up, before the first step; nothing was
+    lost'. The command's start handler (under set-up's) knew no training had begun."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    path = tmp_path / "run.yaml"
+    path.write_text(CONFIG.replace("OUT", str(tmp_path / "out")).replace("EVERY", "4"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(root), os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-c", COMMAND, when, str(path)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 75, proc.stderr
+    assert "during set-up" not in proc.stderr and "nothing was lost" not in proc.stderr
+    assert said in proc.stderr, proc.stderr

@@ -10,6 +10,7 @@ Example (a recipe of one's own)::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import typing
 from typing import Any, Optional, Union
@@ -69,7 +70,10 @@ def apply_peft(recipe: torch.nn.Module, model: torch.nn.Module,
     config = peft if isinstance(peft, lib.PeftConfig) else peft_config(peft, task_type)
     check_rank(config, model)  # before peft allocates r x (in + out) per adapted layer
     try:
-        wrapped = lib.get_peft_model(model, config)
+        # A copy: peft adds the task's head (classifier, score) to the config it is given,
+        # and the recipe's config is used again (final/hf, sailfin export), which added
+        # them twice to modules_to_save.
+        wrapped = lib.get_peft_model(model, copy.deepcopy(config))
     except ValueError as exc:  # e.g. target_modules naming no module of this model
         raise HFConfigError(f"{KEY}: {str(exc).splitlines()[0]}") from None
     recipe.checkpoint_frozen_params = False

@@ -2,7 +2,8 @@
 
 With ``peft`` it is a PEFT adapter directory (``peft_merge: true``: the merged model as
 a plain ``save_pretrained`` directory); with ``load_best_model_at_end`` it holds the
-best checkpoint's weights; ``sailfin export CHECKPOINT OUT`` writes the same from any
+best checkpoint's weights (as ``final/model.safetensors`` does, and the figures reported are
+theirs); ``sailfin export CHECKPOINT OUT`` writes the same from any
 checkpoint without training.
 """
 
@@ -42,32 +43,29 @@ class SavePretrained(Callback):
         self.module = module
 
     def on_train_end(self, trainer: Any) -> None:
-        final = os.path.join(trainer.args.output_dir, "final")
-        weights = os.path.join(final, "model.safetensors")
-        if self.module.load_best_model_at_end:
-            weights = load_best(trainer, final)  # every rank: fsdp gathers collectively
+        if not self.module.load_best_model_at_end:  # else once the best is in place
+            self.on_final_model(trainer)
+
+    def final_model(self, trainer: Any) -> Optional[str]:
+        """With ``load_best_model_at_end``: the best checkpoint, which the trainer then
+        puts in place (the module, ``final/model.safetensors``, the figures reported)."""
+        if not self.module.load_best_model_at_end:
+            return None
+        ckpt = trainer.checkpointer
+        ckpt.wait()  # the best may be the save still being written
+        best = ckpt.pointer("best")
+        if best is None:
+            raise HFConfigError("module.init_args.load_best_model_at_end: no best checkpoint "
+                                "was saved (no validation ran); validate at least once "
+                                "(trainer.val_every_n_epochs or val_every_n_steps)")
+        return ckpt.path(best)
+
+    def on_final_model(self, trainer: Any) -> None:
+        """``final/hf`` from ``final/model.safetensors`` (rank 0)."""
         if trainer.dist.is_main:
-            save_pretrained_from(self.module, weights, os.path.join(final, "hf"))
-            if self.module.load_best_model_at_end:
-                os.remove(weights)
-
-
-def load_best(trainer: Any, final: str) -> str:
-    """Load the best checkpoint's weights into the module (as ``trainer.init_from``
-    does) and write them to a file in ``final``; returns its path."""
-    from ..trainer.checkpointing.init_from import load_initial_weights
-
-    ckpt = trainer.checkpointer
-    ckpt.wait()  # the best may be the save still being written
-    best = ckpt.pointer("best")
-    if best is None:
-        raise HFConfigError("module.init_args.load_best_model_at_end: no best checkpoint was "
-                            "saved (no validation ran); validate at least once "
-                            "(trainer.val_every_n_epochs or val_every_n_steps)")
-    load_initial_weights(trainer, ckpt.path(best))
-    path = os.path.join(final, "best.tmp.safetensors")
-    trainer.backend.save_final_weights(trainer.module, path, trainer.dist.is_main)
-    return path
+            final = os.path.join(trainer.args.output_dir, "final")
+            save_pretrained_from(self.module, os.path.join(final, "model.safetensors"),
+                                 os.path.join(final, "hf"))
 
 
 def save_pretrained_from(module: "HFModule", weights: Union[str, Mapping[str, torch.Tensor]],

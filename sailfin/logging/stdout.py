@@ -49,8 +49,8 @@ def _shown(key: str, value: Any) -> str:
 class StdoutWriter(Writer):
     """One readable line per event: ``[train] epoch 1 step 20 | loss 0.4321 | ...``.
 
-    Epochs are counted from 1 here, as on the progress bar (metrics.jsonl keeps the
-    0-based index). Validation lines are flushed at once, training lines at most once a
+    Epochs are counted from 1, as on the progress bar and in metrics.jsonl (the trainer
+    passes them so). Validation lines are flushed at once, training lines at most once a
     second (a flush is a system call). ``stream`` is a file, or a function returning one
     (looked up at each write, so a progress bar can print above itself).
 
@@ -73,7 +73,7 @@ class StdoutWriter(Writer):
     def log_metrics(self, metrics, step, epoch, split):
         stream = self._stream()
         body = " | ".join(_shown(k, v) for k, v in metrics.items())
-        stream.write(f"[{split}] epoch {epoch + 1} step {step} | {body}\n")
+        stream.write(f"[{split}] epoch {epoch} step {step} | {body}\n")
         now = time.monotonic()
         if split != "train" or now - self._last_flush >= self.flush_seconds:
             stream.flush()

@@ -33,7 +33,8 @@ class Writer:
     def log_metrics(self, metrics: Mapping[str, Any], step: int, epoch: int,
                     split: str) -> None:
         """``metrics``: name -> value; a validation event with several validation
-        sets also carries ``"dataset": name``."""
+        sets also carries ``"dataset": name``. ``epoch`` is counted from 1, as the
+        console shows it (the epoch the step belongs to)."""
 
     def log_hparams(self, hparams: Mapping[str, Any]) -> None:
         """Called once before training with the run's flattened settings."""

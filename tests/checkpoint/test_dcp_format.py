@@ -66,17 +66,55 @@ def test_an_sp_checkpoint_opens_with_torch_alone(tmp_path):
 
 def test_a_checkpoint_of_the_previous_format_resumes_exactly(tmp_path):
     """The fixture (model.pt, trainer.pt: written by the previous release, see its
-    make_fixture.py) resumes to the weights of the run never interrupted."""
-    ref = recipe()
-    Trainer(ref, args(tmp_path / "ref", epochs=2, checkpoint=CKPT)).train()
+    make_fixture.py) loads exactly the tensors it holds, and training on from it gives
+    what training on from the same tensors, put back through Trainer.load_state_dict,
+    gives. Both runs here: the fixture was made on another CPU, so no run made there
+    (nor one started from scratch here) is a bit-for-bit reference."""
+    import random
+
+    import numpy as np
+
+    saved = FIXTURE / "step-00000006"
+    model = torch.load(saved / "model.pt", weights_only=True)  # read by torch alone
+    state = torch.load(saved / "trainer.pt", weights_only=True)
+    rng = torch.load(saved / "rng-rank00000.pt", weights_only=True)
+
     out = tmp_path / "run"
     shutil.copytree(FIXTURE, out / "checkpoints", ignore=shutil.ignore_patterns("*.py"))
     assert (out / "checkpoints" / "step-00000006" / "model.pt").is_file()
     module = recipe()
     trainer = Trainer(module, args(out, epochs=2, checkpoint=CKPT))
-    trainer.train()
+    trainer.setup()  # the resume
     assert trainer.resumed_from.name == "step-00000006"
-    assert_same_params(params(ref), params(module))
+    loaded = dict(module.named_parameters())
+    assert sorted(loaded) == sorted(model)
+    for name, value in model.items():
+        assert torch.equal(loaded[name].detach(), value), name
+    momentum = trainer.optimizers[0].state_dict()["state"]
+    for key, entry in state["optimizers"][0]["state"].items():
+        assert torch.equal(momentum[key]["momentum_buffer"], entry["momentum_buffer"]), key
+    assert (trainer.global_step, trainer.epoch, trainer.step_in_epoch) == (6, 1, 1)
+    trainer.train()
+    trainer.close()
+
+    # The same tensors another way: a run set up afresh, then given them by hand.
+    other = recipe()
+    again = Trainer(other, args(tmp_path / "by-hand", epochs=2, checkpoint=CKPT))
+    again.setup()
+    assert again.resumed_from is None and again.global_step == 0
+    again.load_state_dict({**state, "module": model})
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+    drawn = rng["numpy"]
+    np.random.set_state({"bit_generator": drawn["bit_generator"],
+                         "state": {"key": drawn["key"].numpy().astype(np.uint32),
+                                   "pos": drawn["pos"]},
+                         "has_gauss": drawn["has_gauss"], "gauss": drawn["gauss"]})
+    torch.set_rng_state(rng["torch"])
+    again.train()
+    again.close()
+    assert again.global_step == trainer.global_step == 10
+    assert_same_params(params(module), params(other))
     # Its next save is in the one format.
     newest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
     assert (newest / "shards" / ".metadata").is_file() and not (newest / "model.pt").exists()

@@ -50,7 +50,7 @@ def test_interrupted_runs_end_bit_identical(tmp_path, capfd):
     for key in ("global_step", "epoch", "samples_seen", "val"):
         assert summary[key] == ref_summary[key]
     err = capfd.readouterr().err
-    assert "resuming from" in err and "step 3, epoch 0, 3 steps into it" in err
+    assert "resuming from" in err and "step 3, 3 step(s) into epoch 1" in err
 
 
 def test_resume_continues_the_data_order_without_replay(tmp_path):
@@ -123,7 +123,7 @@ def test_never_refuses_to_mix_with_existing_checkpoints(tmp_path):
 
 def test_another_global_batch_mid_epoch_is_refused(tmp_path):
     run(tmp_path, crash_at=4, epochs=2, checkpoint=CKPT)
-    with pytest.raises(CheckpointError, match="3 steps into epoch 0 with "
+    with pytest.raises(CheckpointError, match=r"3 step\(s\) into epoch 1 with "
                                               "trainer.train_batch_size = 10; this run has 5"):
         run(tmp_path, epochs=2, train_batch_size=5, micro_batch_size=5, checkpoint=CKPT,
             resume_config="accept")  # past the config check: the data position refuses it

@@ -50,10 +50,10 @@ def test_load_best_model_at_end_and_export_of_the_best_and_the_last(data_dir, tm
     assert main(["export", str(out / "checkpoints" / best), str(tmp_path / "best")]) == 0
     assert main(["export", str(out / "checkpoints"), str(tmp_path / "last")]) == 0  # latest
     assert "exported" in capsys.readouterr().out
-    # final/hf holds the best checkpoint's weights; final/model.safetensors the last ones,
-    # which the export of the latest checkpoint gives too.
+    # final/hf and final/model.safetensors hold the best checkpoint's weights; the latest
+    # checkpoint (the last step's state, saved before the best was put in place) the last.
     assert_same(weights(out / "final" / "hf"), weights(tmp_path / "best"))
-    assert_same(weights(out / "final" / "model.safetensors"), weights(tmp_path / "last"))
+    assert_same(weights(out / "final" / "model.safetensors"), weights(tmp_path / "best"))
     last, hf = weights(tmp_path / "last"), weights(out / "final" / "hf")
     assert any(not torch.equal(last[k], hf[k]) for k in last.keys() & hf.keys())
     for name in ("best", "last"):

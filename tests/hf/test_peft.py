@@ -140,6 +140,8 @@ def test_final_hf_is_an_adapter_peft_model_loads_with_the_trained_logits(data_di
     assert "model.safetensors" not in names  # the adapter only
     config = json.loads((hf_dir / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4
+    # The task's head once (it was ["classifier", "score", "classifier", "score"]).
+    assert sorted(config["modules_to_save"]) == ["classifier", "score"], config
     loaded = peft.PeftModel.from_pretrained(
         transformers.AutoModelForSequenceClassification.from_pretrained(base), hf_dir).eval()
     m.eval()

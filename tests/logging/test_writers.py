@@ -11,14 +11,14 @@ from sailfin.logging import (JsonlWriter, StdoutWriter, Writer, WriterError, Wri
 def test_stdout_line_format():
     buf = io.StringIO()
     StdoutWriter(buf).log_metrics({"loss": 0.12345, "lr": 1e-5, "samples_per_second": 12345.6,
-                                   "n": 3}, step=20, epoch=1, split="train")
-    # Epochs counted from 1 (epoch index 1 is the bar's "epoch 2/..."); FLOP/s and MFU as
+                                   "n": 3}, step=20, epoch=2, split="train")
+    # Epochs as the trainer passes them, counted from 1 (the bar's "epoch 2/..."); FLOP/s and MFU as
     # the progress bar shows them, not "tflops 7.414e-05".
     assert buf.getvalue() == ("[train] epoch 2 step 20 | loss 0.1235 | lr 1.000e-05 | "
                               "samples_per_second 12345.6 | n 3\n")
     buf = io.StringIO()
     StdoutWriter(buf).log_metrics({"loss": 0.5, "tflops": 7.414e-05, "mfu": 0.0123},
-                                  step=345, epoch=14, split="train")
+                                  step=345, epoch=15, split="train")
     assert buf.getvalue() == "[train] epoch 15 step 345 | loss 0.5000 | 74.1 MFLOP/s | MFU 1.2%\n"
 
 

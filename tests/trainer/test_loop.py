@@ -65,9 +65,9 @@ def test_outputs_metrics_summary_and_weights(tmp_path):
     train = [e for e in events if e["split"] == "train"]
     val = [e for e in events if e["split"] == "val"]
     assert [e["step"] for e in train] == [2, 4, 6, 8]
-    assert [e["epoch"] for e in train] == [0, 0, 1, 1]
+    assert [e["epoch"] for e in train] == [1, 1, 2, 2]  # counted from 1, as on the console
     assert all({"loss", "lr", "batch_size", "samples_per_second"} <= set(e) for e in train)
-    assert [(e["step"], e["epoch"], e["count"]) for e in val] == [(4, 0, 12), (8, 1, 12)]
+    assert [(e["step"], e["epoch"], e["count"]) for e in val] == [(4, 1, 12), (8, 2, 12)]
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved == json.loads(json.dumps(summary))
     assert {"global_step", "epoch", "samples_seen", "train_seconds", "samples_per_second",
@@ -113,7 +113,8 @@ def test_several_validation_sets(tmp_path):
 def test_max_steps_stops_and_validates_the_final_model(tmp_path):
     module = LinearRecipe(IdData(100, 5))
     summary = Trainer(module, args(tmp_path, epochs=5, max_steps=13)).train()
-    assert summary["global_step"] == 13 and summary["epoch"] == 1
+    # 10 steps an epoch: step 13 is inside the second epoch, counted from 1.
+    assert summary["global_step"] == 13 and summary["epoch"] == 2
     val_steps = [e[1] for e in module.events if e[0] == "val"]
     assert val_steps == [10, 13]
 

@@ -30,8 +30,8 @@ def test_validation_every_n_steps_and_at_epoch_ends(tmp_path):
                                    checkpoint={"best_metric": "mse", "keep_last": None})).train()
     assert val_steps(module) == [3, 6, 9, 10, 12, 15, 18, 20]
     val = [e for e in read_jsonl(tmp_path / "metrics.jsonl") if e["split"] == "val"]
-    assert [(e["step"], e["epoch"]) for e in val] == [(3, 0), (6, 0), (9, 0), (10, 0),
-                                                      (12, 1), (15, 1), (18, 1), (20, 1)]
+    assert [(e["step"], e["epoch"]) for e in val] == [(3, 1), (6, 1), (9, 1), (10, 1),
+                                                      (12, 2), (15, 2), (18, 2), (20, 2)]
     # A step validation that improves the best metric saves the best checkpoint at once.
     best = summary["best"]
     assert best["metric"] == "mse" and best["step"] in (3, 6, 9, 10, 12, 15, 18, 20)

@@ -33,11 +33,11 @@ def test_stop_names_step_epoch_and_samples_before_the_weights_change(tmp_path):
     with pytest.raises(NonFiniteLossError) as info:
         trainer.train()
     err = info.value
-    # 3 steps per epoch (20, 20, 10): global step 7 is epoch 2, step 1.
+    # 3 steps per epoch (20, 20, 10): global step 7 (the 8th) is epoch 3's 2nd step.
     assert (err.global_step, err.epoch, err.step_in_epoch) == (7, 2, 1)
     assert sorted(err.sample_indices) == sorted(sum(module.seen[-2:], []))
     message = str(err)
-    assert "global_step=7 (epoch 2, step 1 of the epoch" in message and "nan" in message
+    assert "global_step=7 (step 2 of epoch 3)" in message and "nan" in message
     assert f"dataset indices [{', '.join(map(str, err.sample_indices))}]" in message
     assert "weights are as they were before that step" in message
     assert "trainer.on_nonfinite" in message

@@ -67,7 +67,9 @@ def test_hparams_default_to_the_trainer_settings(tmp_path):
     _, rec = run(tmp_path)
     assert rec.hparams["trainer.epochs"] == 4 and rec.hparams["trainer.writers"] == ["jsonl"]
     rec = Recorder()
-    Trainer(LinearRecipe(IdData(20, 0)), args(tmp_path), writers=[rec],
+    # A directory of its own: in the first run's, this run would find it finished and open
+    # no writer.
+    Trainer(LinearRecipe(IdData(20, 0)), args(tmp_path / "second"), writers=[rec],
             hparams={"module": {"init_args": {"lr": 0.05}}}).train()
     assert rec.hparams == {"module.init_args.lr": 0.05}
 

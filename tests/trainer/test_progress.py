@@ -232,3 +232,50 @@ def test_the_bar_fits_its_values_again_only_when_something_changed(tmp_path, mon
     assert any("loss" in f for f in frames)
     assert all(len(f) <= 100 for f in frames)
     assert 1 <= len(fits) <= events // 2, len(fits)  # each fit: up to 7 layouts
+
+
+class SlowSteps(LinearRecipe):
+    """Each step takes a few milliseconds: the run's time is its steps' time."""
+
+    def train_step(self, global_step, batch, device):
+        time.sleep(0.004)
+        return super().train_step(global_step, batch, device)
+
+
+@pytest.mark.parametrize("stop", [{"max_steps": 6}, {}], ids=["max_steps-in-an-epoch", "epochs"])
+def test_the_last_line_gives_the_summarys_average_rate(tmp_path, stop):
+    """A run stopped by max_steps inside an epoch printed 'avg 6.7' beside the summary's
+    13.7 samples/s: the epoch's time was counted twice (once in train_seconds, once as
+    the epoch still running)."""
+    from sailfin.trainer.features.progress import human
+
+    buf = io.StringIO()
+    progress = Progress("lines", interval=3600, line_stream=buf)
+    trainer = Trainer(SlowSteps(IdData(80, 10)),
+                      args(tmp_path, epochs=2, progress="none", **stop), callbacks=[progress])
+    summary = trainer.train()
+    last = [line for line in buf.getvalue().splitlines() if line.startswith("[progress] step")]
+    assert last and f"(avg {human(summary['samples_per_second'])})" in last[-1], \
+        (last[-1], summary["samples_per_second"])
+
+
+def test_every_line_and_log_counts_epochs_from_1_alike(tmp_path, capsys):
+    """metrics.jsonl and the resume lines counted epochs from 0, the console from 1."""
+    import csv
+
+    Trainer(LinearRecipe(IdData(40, 10)),
+            args(tmp_path, epochs=2, log_every_n_steps=2, writers=["stdout", "jsonl", "csv"],
+                 progress="lines", progress_interval=1e-9)).train()
+    out = capsys.readouterr().out.splitlines()
+    console = [(int(line.split()[4]), int(line.split()[2])) for line in out
+               if line.startswith(("[train]", "[val]"))]  # (step, epoch)
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["epoch"]) for e in events] == console
+    assert console == [(2, 1), (4, 1), (4, 1), (6, 2), (8, 2), (8, 2)]  # val after each epoch
+    with open(tmp_path / "metrics.csv", newline="") as fh:
+        rows = {(int(r["step"]), int(r["epoch"])) for r in csv.DictReader(fh)}
+    assert rows == set(console)
+    bar = [int(re.search(r"step (\d+)/8 .*\| epoch (\d)/2", line).group(2)) for line in out
+           if line.startswith("[progress] step")]
+    assert bar[:4] == [1, 1, 1, 1] and bar[-1] == 2
+    assert json.loads((tmp_path / "summary.json").read_text())["epoch"] == 2

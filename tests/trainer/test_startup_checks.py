@@ -235,7 +235,8 @@ def test_a_finished_run_asked_to_train_again_says_nothing_was_trained(tmp_path, 
         said = [line for line in capfd.readouterr().err.splitlines() if "nothing" in line]
         assert said == [f"sailfin: {done['message']}"]
         assert done["message"].startswith(f"nothing trained: the run in {tmp_path} finished "
-                                          f"at step 8 (epoch 2; trainer.epochs {epochs})")
+                                          f"at step 8 (at the end of epoch 2; trainer.epochs "
+                                          f"{epochs})")
         assert f"--trainer.output_dir {tmp_path}-2" in said[0]
         assert "raise trainer.epochs" in said[0]
     assert {p.name: p.read_bytes() for p in (tmp_path / "summary.json",
@@ -252,7 +253,8 @@ def test_a_run_ended_by_max_steps_names_max_steps_as_the_way_on(tmp_path):
     train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=5, max_steps=6)
     done = train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=5, max_steps=6)
     message = done["nothing_trained"]["message"]
-    assert "(epoch 1; trainer.epochs 5, trainer.max_steps 6)" in message
+    # 4 steps an epoch: step 6 is 2 steps into the second epoch (counted from 1).
+    assert "(2 step(s) into epoch 2; trainer.epochs 5, trainer.max_steps 6)" in message
     assert message.endswith("or raise trainer.max_steps to continue this one"), message
     assert train(LinearRecipe(IdData(40, 10)), tmp_path, epochs=5,
                  max_steps=8)["global_step"] == 8

@@ -26,9 +26,12 @@ if TYPE_CHECKING:
     from ..core.view import RunView
 
 
-def load_initial_weights(trainer: "RunView", path: str) -> None:
-    """Load the weights at ``path`` into ``trainer.module``. Under fsdp each rank reads
-    only its rows: DCP for a sharded checkpoint, tensor by tensor otherwise."""
+def load_initial_weights(trainer: "RunView", path: str, announce: bool = True
+                         ) -> Optional[int]:
+    """Load the weights at ``path`` into ``trainer.module``; return the checkpoint's step
+    (None for a weights file). Under fsdp each rank reads only its rows: DCP for a sharded
+    checkpoint, tensor by tensor otherwise. ``announce``: rank 0 says it (init_from)."""
+    step = None
     if path.endswith(".safetensors"):
         if not os.path.isfile(path):
             raise CheckpointError(f"trainer.init_from: {path} does not exist; give a "
@@ -51,8 +54,8 @@ def load_initial_weights(trainer: "RunView", path: str) -> None:
         if not all_ranks(trainer, error is None):
             raise error or CheckpointError(f"trainer.init_from: another rank found {path} "
                                            "damaged; its message names the file")
-        shown = loaded.location
-        origin = f"checkpoint at step {loaded.manifest['step']}"
+        shown, step = loaded.location, int(loaded.manifest["step"])
+        origin = f"checkpoint at step {step}"
         saved = loaded.shared.get("trainer")
         if isinstance(saved, dict) and "frozen" in saved:  # adapters: onto their base only
             why = mismatch(saved["frozen"], trainer.module)
@@ -84,9 +87,10 @@ def load_initial_weights(trainer: "RunView", path: str) -> None:
                                   "weights (no model.pt, no shards)")
         else:
             load_into(trainer.module, StateDictSource(loaded.shared["model"], shown))
-    if trainer.dist.is_main:
+    if announce and trainer.dist.is_main:
         say(f"init_from: weights from {shown} ({origin}); the optimizers, schedule, counters "
             "and data order start afresh")
+    return step
 
 
 def all_ranks(trainer: Any, ok: bool) -> bool:

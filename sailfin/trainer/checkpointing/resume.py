@@ -19,6 +19,7 @@ from ...logging.metrics_log import last_logged_step, trim_metrics_log
 from ...checkpoint.rng import derive_rng, restore_rng
 from ...checkpoint.sharded import load_sharded
 from ...utils.voice import say
+from ..core.view import epoch_position
 from .config_diff import check_config
 from .init_from import all_ranks, load_initial_weights
 from .state import frozen_names, state_key
@@ -117,7 +118,7 @@ def _try_load(checkpointer: Checkpointer, name: str, rank: int
 
 
 def apply(trainer: "RunView", loaded: Loaded) -> None:
-    """Restore every piece, this rank's random streams, and metrics.jsonl."""
+    """Restore every piece and this rank's random streams (metrics.jsonl: :func:`continue_log`)."""
     manifest, rank = loaded.manifest, trainer.dist.rank
     _check_data_position(trainer, manifest, loaded.location)
     state: dict[str, Any] = dict(loaded.shared["trainer"])
@@ -150,6 +151,12 @@ def apply(trainer: "RunView", loaded: Loaded) -> None:
                  f"from (seed {trainer.args.seed}, rank {rank}, step {step})"]
     for note in notes:
         say(f"resume: {note}", warning=True)  # this rank's own
+
+
+def continue_log(trainer: "RunView", loaded: Loaded) -> None:
+    """Rank 0: metrics.jsonl cut back to the checkpoint's step, and the resume said (only
+    for a run that trains on: a run resumed at its end changes no file)."""
+    manifest, step = loaded.manifest, int(loaded.manifest["step"])
     if trainer.dist.is_main:
         metrics = os.path.join(trainer.args.output_dir, "metrics.jsonl")
         reached = last_logged_step(metrics)
@@ -157,8 +164,8 @@ def apply(trainer: "RunView", loaded: Loaded) -> None:
         saved_world, world = manifest["world_size"], trainer.dist.world_size
         restart = trainer.dist.restart_count
         say((f"restart {restart} ({trainer.dist.launcher}): " if restart else "")
-            + f"resuming from {loaded.location}: step {step}, epoch {manifest['epoch']}, "
-            f"{manifest['step_in_epoch']} steps into it"
+            + f"resuming from {loaded.location}: step {step}, "
+            + epoch_position(int(manifest["epoch"]), int(manifest["step_in_epoch"]))
             + (f"; world size {saved_world} -> {world}" if saved_world != world
                else f"; world size {world}" if restart else "")
             + (f"; at least {reached - step} step(s) lost (the run had logged step "
@@ -177,8 +184,9 @@ def _check_data_position(trainer: "RunView", manifest: dict, where: str) -> None
                            ("shuffle", trainer.args.shuffle, "trainer.shuffle")):
         if key in data and data[key] != now:
             raise CheckpointError(
-                f"checkpoint {where} stopped {manifest['step_in_epoch']} steps into epoch "
-                f"{manifest['epoch']} with {what} = {data[key]!r}; this run has {now!r}, so "
+                f"checkpoint {where} stopped "
+                f"{epoch_position(int(manifest['epoch']), int(manifest['step_in_epoch']))} "
+                f"with {what} = {data[key]!r}; this run has {now!r}, so "
                 "the rest of the epoch would skip or repeat samples. Resume with the same "
                 f"{what}, or from a checkpoint taken at an epoch end")
 

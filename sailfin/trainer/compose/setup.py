@@ -16,17 +16,19 @@ from ...utils.seed import seed_everything
 from ...utils.voice import say
 from ..checkpointing.accepted import FreshHyperparameters, apply_accepted
 from ..checkpointing.memory_snapshots import memory_snapshot_callback
-from ..checkpointing.resume import resume
+from ..checkpointing.resume import continue_log, resume
 from ..checkpointing.saver import checkpoint_callback, checkpoint_callbacks
 from ..features.autobatch import AutoMicroBatch
 from ..features.loop_features import build_loop_features, build_observers
 from ..features.run_stats import RunStats
 from ..features.time_account import TimeAccount
 from ..safety.nonfinite import NonFiniteGuard
+from ..safety.startup_checks import nothing_to_train
 from ..core.callbacks import Callback
 from ..core.run import Run
 from ..core.loaders import build_train_loader, build_val_loaders, dataset_set_epoch
 from ..core.pymarlin_forms import train_step_end_caller, val_epoch_end_caller
+from .threads import fix_math_threads
 
 if TYPE_CHECKING:
     from .trainer import Trainer
@@ -71,7 +73,8 @@ def build_run(trainer: "Trainer") -> Run:
                             args.max_train_steps_per_epoch,
                             micro_batch_limit=args.gpu_batch_size_limit,
                             note=say if dist.is_main else None)
-    backend.setup(module)
+    backend.setup(module)  # ddp/fsdp on the CPU: their thread count
+    fix_math_threads(backend.device, dist.is_main)  # one count for the whole run (threads.py)
     start_watchdog(trainer, in_setup=True)  # from the first collective: resume, checks
     plan = backend.batch_plan(plan)  # dp: unweighted, Poisson steps
     train_loader, train_sampler = build_train_loader(module, plan, dist, args)
@@ -131,11 +134,18 @@ def as_list(value: Any) -> list:
 
 def start_run(trainer: "Trainer") -> None:
     """Put ``trainer``'s run (attached) where its checkpoint left it, as
-    ``trainer.resume`` says; then open the writers (called once, by :meth:`Trainer.setup`)."""
+    ``trainer.resume`` says; then open the writers (called once, by :meth:`Trainer.setup`).
+    A run resumed at its end (nothing to train) stops there: it opens no writer and
+    changes no file of the finished run (``trainer.finished`` says so)."""
     args, dist = trainer.args, trainer.dist
-    # Before the writers open metrics.jsonl: resuming trims events past the checkpoint.
     fresh = FreshHyperparameters.capture(trainer.optimizers, trainer.schedulers)
     trainer.resumed_from = resume(trainer, trainer.checkpointer)
+    trainer.finished = nothing_to_train(trainer)  # said here, once (rank 0)
+    if trainer.finished is not None:
+        return
+    if trainer.resumed_from is not None:
+        # Before the writers open metrics.jsonl: events past the checkpoint go.
+        continue_log(trainer, trainer.resumed_from)
     apply_accepted(trainer, fresh, say)  # resume_config: accept: the new lr... take effect
     if trainer.autobatch is not None:
         trainer.autobatch.start(trainer)  # the checkpoint's size, or a search after a resize

@@ -17,12 +17,13 @@ from ...checkpoint.storage import LocalStorage
 from ...utils.memory import gc_spares_existing_objects, peak_rss_bytes
 from ...utils.voice import configure, say
 from ..checkpointing.state import load_trainer_state, trainer_state
+from ..core.view import epoch_number
 from ..core.trainer import Loop
 from ..safety.preemption import Preemption
 from ..safety.run_lock import RunLock, take_run_lock
-from ..safety.startup_checks import (check_schedulers_fit, nothing_to_train, sanity_validate,
-                                     train_output_checker)
+from ..safety.startup_checks import check_schedulers_fit, sanity_validate, train_output_checker
 from .bare_weights import save_bare_weights
+from .final_model import end_with_chosen_model
 from .setup import build_run, start_run, start_watchdog
 
 
@@ -48,21 +49,30 @@ class Trainer(Loop, contextlib.AbstractContextManager):
     # -- the run ---------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         """Train for ``args.epochs`` (or until ``args.max_steps``); return the summary.
-        A run that resumed at its end trains nothing: its summary has ``nothing_trained``
-        (the step it finished at and what to change)."""
+        A run that resumed at its end trains nothing, calls no callback and writes no file:
+        its summary has ``nothing_trained`` (the step it finished at and what to change)."""
         self._training = True  # set-up's watchdog carries on into the start-up checks
         try:
             self.setup()
-            finished = nothing_to_train(self)  # resumed at its end: said, nothing written
-            # Fail now, not after an epoch: schedule length, val_step, the first train_step.
-            check_schedulers_fit(self)
-            if finished is None:
+            if self.finished is None:
+                # Fail now, not after an epoch: schedule length, val_step, the first
+                # train_step.
+                check_schedulers_fit(self)
                 sanity_validate(self)
         except BaseException:
             self._training = False
             self._stop_watchdog()  # its record says this rank failed (the others may wait)
             self._release_run_lock()
             raise
+        if self.finished is not None:
+            # Resumed at its end (set-up said so): no step, no validation, no hook, no
+            # file written; the finished run's directory stays as it was, byte for byte.
+            try:
+                summary = self.summary = finish_run(self, write=False)
+                summary["nothing_trained"] = self.finished
+                return summary
+            finally:
+                self._end_run()
         self._check_first_output = train_output_checker(self.global_step)
         args = self.args
         # SIGTERM / first Ctrl-C: finish the step, save on every rank, stop (preemption.py).
@@ -77,10 +87,9 @@ class Trainer(Loop, contextlib.AbstractContextManager):
                 say(self.backend.threads_note)  # sp's CPU threads, once training starts
             self._run_epochs()  # the loop (core/trainer.py)
             self.module.on_end_train(self.global_step)
-            summary = self.summary = finish_run(self, write=finished is None)
-            if finished is not None:
-                summary["nothing_trained"] = finished
+            summary = self.summary = finish_run(self)
             self._notify("on_train_end")
+            end_with_chosen_model(self, summary)  # load_best_model_at_end (final_model.py)
             return summary
         finally:
             try:
@@ -188,7 +197,7 @@ def finish_run(trainer: Trainer, write: bool = True) -> dict[str, Any]:
     val, device = trainer.last_val_metrics, trainer.device
     summary = {
         "global_step": trainer.global_step,
-        "epoch": trainer.epoch,
+        "epoch": epoch_number(trainer.epoch, trainer.step_in_epoch),  # from 1, as the console
         "samples_seen": trainer.samples_seen,
         "train_seconds": round(trainer.train_seconds, 4),
         "samples_per_second": (trainer.samples_seen / trainer.train_seconds

@@ -49,3 +49,6 @@ class Run:
     # -- what the resume sets (compose/setup.py start_run) ----------------------------------
     writers: Writers = field(default_factory=Writers)  # the metric writers (rank 0)
     resumed_from: Optional[Loaded] = None  # the checkpoint this run resumed from, or None
+    # Resumed at its end (the same command again): what it finished at and the message
+    # said; the run then trains, calls and writes nothing. None for a run that trains.
+    finished: Optional[dict[str, Any]] = None

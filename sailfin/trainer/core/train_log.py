@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 
+from .view import epoch_number
+
 
 if TYPE_CHECKING:
     from .trainer import Loop
@@ -67,7 +69,8 @@ class TrainLog:
         skipped = getattr(dataset, "skipped_samples", 0)
         if skipped:
             metrics["skipped_samples"] = skipped
-        trainer.writers.log_metrics(metrics, trainer.global_step, trainer.epoch, "train")
+        trainer.writers.log_metrics(metrics, trainer.global_step,
+                                epoch_number(trainer.epoch, trainer.step_in_epoch), "train")
 
 
 def loss_and_stragglers(backend: Any, step_loss: torch.Tensor, ready_seconds: float,

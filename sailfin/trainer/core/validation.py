@@ -12,6 +12,7 @@ import torch
 from ...checkpoint.rng import seed_loader
 from ...config.trainer import TrainerArguments
 from ...distributed.watchdog import VALIDATION, VALIDATION_GATHER
+from .view import epoch_number
 from .pymarlin_forms import batch_size
 from .train_log import scalar
 
@@ -19,8 +20,9 @@ if TYPE_CHECKING:
     from .trainer import Loop
 
 
-def run_validation(trainer: "Loop") -> dict[str, dict[str, float]]:
-    """Every validation set through ``val_step`` and ``on_end_val_epoch``: name -> metrics."""
+def run_validation(trainer: "Loop", log: bool = True) -> dict[str, dict[str, float]]:
+    """Every validation set through ``val_step`` and ``on_end_val_epoch``: name -> metrics
+    (logged to the writers unless not ``log``)."""
     results: dict[str, dict[str, float]] = {}
     module, args = trainer.module, trainer.args
     was_training = module.training
@@ -44,10 +46,11 @@ def run_validation(trainer: "Loop") -> dict[str, dict[str, float]]:
             trainer.heartbeat.phase = VALIDATION
             metrics = trainer.end_val_epoch_hook(trainer.global_step, outputs, name) or {}
             results[name] = metrics = {k: scalar(v) for k, v in metrics.items()}
-            if metrics:
+            if metrics and log:
                 event = ({"dataset": name, **metrics} if len(trainer.val_loaders) > 1
                          else dict(metrics))
-                trainer.writers.log_metrics(event, trainer.global_step, trainer.epoch, "val")
+                trainer.writers.log_metrics(event, trainer.global_step, epoch_number(
+                    trainer.epoch, trainer.step_in_epoch), "val")
     module.train(was_training)
     return results
 

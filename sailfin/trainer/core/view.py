@@ -129,3 +129,23 @@ class RunView(Protocol):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Put back what :meth:`state_dict` returned."""
+
+
+# -- epochs as users read them ---------------------------------------------------------
+# Counted from 1 on every line and in every log (the console, the progress bar,
+# metrics.jsonl, metrics.csv, summary.json, the resume and error lines); the loop's own
+# counter (RunView.epoch, a checkpoint's manifest) stays the 0-based index of the epoch
+# under way, which with the seed fixes the data order.
+def epoch_number(epoch: int, step_in_epoch: int) -> int:
+    """The epoch, counted from 1, of the loop's position (``epoch``: the 0-based index,
+    ``step_in_epoch``: steps done in it): the epoch a step inside it belongs to; at an
+    epoch boundary, the epoch just finished (the first, before any step)."""
+    return epoch + 1 if step_in_epoch > 0 else max(epoch, 1)
+
+
+def epoch_position(epoch: int, step_in_epoch: int) -> str:
+    """Where the loop stands, in words: ``'4 step(s) into epoch 2'``, ``'at the end of
+    epoch 2'``, ``'at the start of epoch 1'``."""
+    if step_in_epoch > 0:
+        return f"{step_in_epoch} step(s) into epoch {epoch + 1}"
+    return f"at the end of epoch {epoch}" if epoch > 0 else "at the start of epoch 1"

@@ -50,7 +50,7 @@ class PrivacyCallback(Callback):
             eps = self.backend.epsilon()
             if eps is not None:  # a noise multiplier of 0 bounds nothing
                 trainer.writers.log_metrics({"epsilon": eps}, trainer.global_step,
-                                            trainer.epoch, "train")
+                                            trainer.epoch + 1, "train")  # inside it, from 1
         if self.stop_after is not None:
             self._stop_if_over(trainer)
 

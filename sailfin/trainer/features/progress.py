@@ -117,7 +117,7 @@ class Progress(Writer, Callback):
         self._start = 0.0
         self._start_samples = 0
         self._start_train_seconds = 0.0
-        self._epoch_started = 0.0
+        self._epoch_started: Optional[float] = 0.0  # None: no epoch running (the loop ended)
         self._total = 0
         self._epochs = 1
         self._next_line = 0.0
@@ -186,8 +186,13 @@ class Progress(Writer, Callback):
         if summary and summary.get("nothing_trained"):  # said once, by the trainer
             self.close()
             return
+        # The loop is over: trainer.train_seconds holds all of it, the last epoch's
+        # time too (added when the epoch stopped, at max_steps inside it as at its end).
+        self._epoch_started = None
         if self._bar is None:
             self._print_line(trainer, time.perf_counter())
+        else:  # the bar's last values: the run's average as the summary gives it
+            self._bar.set_postfix_str(self._fitted_values(), refresh=True)
         self.close()
         if summary:
             out = self._lines()
@@ -221,10 +226,12 @@ class Progress(Writer, Callback):
 
     def _average_rate(self, samples_seen: int, now: float) -> Optional[float]:
         """Samples per second of training time since the start (validation excluded,
-        as in summary.json): the trainer's finished epochs plus this one so far."""
+        as in summary.json): the trainer's finished epochs plus this one so far (the
+        trainer adds an epoch's time to ``train_seconds`` only when the epoch stops)."""
         trainer = self._trainer
         done = trainer.train_seconds - self._start_train_seconds if trainer is not None else 0.0
-        elapsed = done + (now - self._epoch_started)
+        running = 0.0 if self._epoch_started is None else now - self._epoch_started
+        elapsed = done + running
         return (samples_seen - self._start_samples) / elapsed if elapsed > 0 else None
 
     def _value_parts(self, samples_seen: int, now: float) -> list[tuple[int, str]]:

@@ -16,6 +16,7 @@ from ...logging.time_account_file import (COMPONENTS, VERSION, account_path, acc
                                              write_account)
 from ...utils.voice import say
 from ..core.callbacks import Callback
+from ..core.view import epoch_number
 
 if TYPE_CHECKING:
     from ..core.view import RunView
@@ -113,7 +114,8 @@ class TimeAccount(Callback):
         metrics = {"goodput": totals["goodput"], "wall_seconds": totals["wall_seconds"],
                    "restarts": totals["failures"]}
         metrics.update({f"{k}_seconds": v for k, v in totals["seconds"].items()})
-        trainer.writers.log_run_totals(metrics, trainer.global_step, trainer.epoch)
+        trainer.writers.log_run_totals(metrics, trainer.global_step,
+                                       epoch_number(trainer.epoch, trainer.step_in_epoch))
         self._segment = None
 
     # -- the numbers --------------------------------------------------------------------

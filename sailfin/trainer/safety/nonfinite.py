@@ -105,8 +105,8 @@ class NonFiniteGuard:
                steps_after: int = 0) -> bool:
         """Raise (stop) or warn; True: the step goes on (warn), False: skip it."""
         self.count += 1
-        where = (f"the loss of train_step at global_step={global_step} (epoch {epoch}, "
-                 f"step {step} of the epoch, counted from 0) is {value}")
+        where = (f"the loss of train_step at global_step={global_step} (step {step + 1} of "
+                 f"epoch {epoch + 1}) is {value}")
         indices = self._samples(epoch, step) if self._samples is not None else None
         if self.policy == "stop":
             if indices is None:

@@ -14,6 +14,7 @@ import torch
 
 from ...distributed.watchdog import STARTUP_CHECKS, STARTUP_CHECKS_GATHER
 from ...interfaces import RecipeError
+from ..core.view import epoch_number, epoch_position
 from ..core.pymarlin_forms import CallbackSignatureError, batch_size, val_epoch_end_caller
 from ...utils.voice import say
 from ..core.validation import merge_outputs
@@ -64,13 +65,14 @@ def nothing_to_train(trainer: "RunView") -> Optional[dict[str, Any]]:
          and trainer.global_step >= args.max_steps)) if at_end] or ["trainer.epochs"]
     message = (
         f"nothing trained: the run in {args.output_dir} finished at step "
-        f"{trainer.global_step} (epoch {trainer.epoch}; {limits}). To train, use a new "
+        f"{trainer.global_step} ({epoch_position(trainer.epoch, trainer.step_in_epoch)}; "
+        f"{limits}). To train, use a new "
         f"trainer.output_dir (e.g. --trainer.output_dir {args.output_dir}-2) for a new run, "
         f"or raise {' and '.join(reached)} to continue this one")
     if trainer.dist.is_main:
         say(message)
     return {"output_dir": str(args.output_dir), "step": trainer.global_step,
-            "epoch": trainer.epoch, "message": message}
+            "epoch": epoch_number(trainer.epoch, trainer.step_in_epoch), "message": message}
 
 
 def check_schedulers_fit(trainer: "RunView") -> None:
