@@ -349,7 +349,7 @@ def main(argv: Optional[Sequence[str]] = None, own_process: bool = False) -> int
         print(f"exported {args.checkpoint} to {path}")  # the command's result
         return 0
     if args.command == "clean":
-        from .checkpoint.memory_dirs import clean
+        from .checkpoint.snapshot_dirs import clean
         removed = clean(args.output_dir)  # the command's result:
         print("".join(f"removed {path}\n" for path in removed)
               + f"sailfin clean: {len(removed)} memory snapshot director"
