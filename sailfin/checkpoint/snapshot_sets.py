@@ -270,33 +270,41 @@ class Copy:
 
 
 class Worker:
-    """One daemon thread for background work, in order. It leaves once idle for a second
-    (a run that failed leaves no thread behind) and comes back with the next job."""
+    """One thread for background work, in order. It leaves when stopped, or once idle for
+    a second (a run that failed leaves no thread behind), and comes back with the next
+    job. Not a daemon: it never dies inside torch at the interpreter's exit."""
 
     def __init__(self, name: str) -> None:
         self.name, self._jobs, self._lock = name, queue.SimpleQueue(), threading.Lock()
         self._thread: Optional[threading.Thread] = None
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+    def submit(self, fn: Optional[Callable[..., Any]], *args: Any) -> Future:
         future: Future = Future()
         with self._lock:
             self._jobs.put((future, fn, args))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread = threading.Thread(target=self._run, name=self.name)
                 self._thread.start()
         return future
+
+    def stop(self) -> None:
+        """End the thread once the jobs before this are done."""
+        thread = self._thread
+        if thread is not None:
+            self.submit(None)
+            thread.join()
 
     def _run(self) -> None:
         while True:
             try:
                 future, fn, args = self._jobs.get(timeout=1.0)
             except queue.Empty:
-                with self._lock:
-                    if self._jobs.empty():
-                        self._thread = None
-                        return
-                continue
-            if future.set_running_or_notify_cancel():
+                fn = None
+            with self._lock:
+                if fn is None and self._jobs.empty():
+                    self._thread = None
+                    return
+            if fn is not None and future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(*args))
                 except BaseException as exc:  # noqa: BLE001 - the waiter raises it

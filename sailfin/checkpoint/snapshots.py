@@ -324,5 +324,6 @@ class SnapshotStore:
         try:
             self.wait()
         finally:
+            self._worker.stop()
             for buffer in self._buffers.values():
                 buffer.release()

@@ -244,3 +244,44 @@ def test_a_run_resumed_after_a_dropped_snapshot_is_bit_identical(tmp_path, capfd
     assert "resuming from memory, step 5" in capfd.readouterr().err
     for name, value in weights(plain).items():
         assert torch.equal(weights(resumed)[name], value), name
+
+
+def test_without_cuda_the_buffer_is_not_registered_and_the_copy_is_a_thread_s(tmp_path):
+    """The CUDA path imports and falls back on a machine without a GPU: registering a
+    buffer says no, and CPU tensors are copied by the snapshot thread."""
+    from sailfin.compat.torch import register_host_memory
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the cuda-marked test covers registration")
+    assert register_host_memory(torch.empty(1024)) is False
+    store = SnapshotStore(str(tmp_path / "shm"), rank=0, world_size=1)
+    weight = torch.arange(100.0)
+    store.take(1, facts(1), {"model": {"w": weight}, "trainer": {}}, {},
+               later=frozenset({key(weight)}))
+    assert not store._streams and not any(b.registered for b in store._buffers.values())
+    assert store.settle() is True
+    store.wait()
+    assert torch.equal(held(store, 1)["model"]["w"], weight)
+    store.close()
+
+
+@pytest.mark.cuda
+def test_a_cuda_snapshot_goes_on_a_side_stream_into_registered_memory(tmp_path):
+    """The copy of CUDA tensors runs on a side stream into the set's buffer, registered
+    with CUDA as pinned; the optimizer step queued after the settle waits for it on the
+    device, so the snapshot holds the values before that step."""
+    store = SnapshotStore(str(tmp_path / "shm"), rank=0, world_size=1)
+    weight = torch.randn(4_000_000, device="cuda")
+    before = weight.cpu()
+    store.take(1, facts(1), {"model": {"w": weight}, "trainer": {}},
+               {"torch": torch.get_rng_state()}, later=frozenset({key(weight)}))
+    [buffer] = store._buffers.values()
+    assert buffer.registered and buffer.data.is_pinned()
+    assert store._streams  # the side stream
+    assert store.settle() is True
+    with torch.no_grad():
+        weight.mul_(2)  # the optimizer step: after the copy, on the device
+    store.wait()
+    assert torch.equal(held(store, 1)["model"]["w"], before)
+    store.close()
+    assert not buffer.registered
