@@ -193,7 +193,7 @@ def launch(spec: dict, sailfin_root: str) -> dict:
         str(spec["threads"])}
     done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
                            json.dumps(spec)], capture_output=True, text=True, env=env,
-                          timeout=1800)
+                          timeout=1800, cwd=sailfin_root)  # (a child's cwd is on its path)
     if done.returncode != 0:
         raise RuntimeError(f"a run failed ({sailfin_root}): {done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

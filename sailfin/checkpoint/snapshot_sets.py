@@ -23,7 +23,6 @@ import io
 import json
 import os
 import pickle
-import queue
 import stat
 import threading
 from concurrent.futures import Future
@@ -234,8 +233,7 @@ class Copy:
     """The copy left to run beside training: a thread's on the CPU, a side stream's on a
     GPU. :meth:`before_step` comes before the next optimizer step."""
 
-    def __init__(self, worker: Worker, pairs: list, tensors: list,
-                 streams: dict) -> None:
+    def __init__(self, pairs: list, tensors: list, streams: dict) -> None:
         # The tensors themselves (a byte view of a storage has a version counter of its own).
         self.versions = [(tensor, version(tensor)) for tensor in tensors]
         gpu = [(d, s) for d, s in pairs if s.device.type == "cuda"]
@@ -252,7 +250,7 @@ class Copy:
             event = torch.cuda.Event()
             event.record(stream)
             self.events.append((device, event))
-        self.future = worker.submit(_copy_all, cpu) if cpu else None
+        self.future = in_thread(_copy_all, cpu) if cpu else None
 
     def before_step(self) -> bool:
         """The optimizer step may change the sources after this; True when none changed
@@ -269,46 +267,19 @@ class Copy:
             event.synchronize()
 
 
-class Worker:
-    """One thread for background work, in order. It leaves when stopped, or once idle for
-    a second (a run that failed leaves no thread behind), and comes back with the next
-    job. Not a daemon: it never dies inside torch at the interpreter's exit."""
+def in_thread(fn: Callable[..., Any], *args: Any) -> Future:
+    """``fn(*args)`` in a thread of its own, which ends with it: nothing is left behind
+    by a run that failed, and (not a daemon) it is never cut off inside torch at exit."""
+    future: Future = Future()
 
-    def __init__(self, name: str) -> None:
-        self.name, self._jobs, self._lock = name, queue.SimpleQueue(), threading.Lock()
-        self._thread: Optional[threading.Thread] = None
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - the waiter raises it
+            future.set_exception(exc)
 
-    def submit(self, fn: Optional[Callable[..., Any]], *args: Any) -> Future:
-        future: Future = Future()
-        with self._lock:
-            self._jobs.put((future, fn, args))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self.name)
-                self._thread.start()
-        return future
-
-    def stop(self) -> None:
-        """End the thread once the jobs before this are done."""
-        thread = self._thread
-        if thread is not None:
-            self.submit(None)
-            thread.join()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                future, fn, args = self._jobs.get(timeout=1.0)
-            except queue.Empty:
-                fn = None
-            with self._lock:
-                if fn is None and self._jobs.empty():
-                    self._thread = None
-                    return
-            if fn is not None and future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as exc:  # noqa: BLE001 - the waiter raises it
-                    future.set_exception(exc)
+    threading.Thread(target=run, name="sailfin-snapshot").start()
+    return future
 
 
 def _copy_all(pairs: list) -> None:

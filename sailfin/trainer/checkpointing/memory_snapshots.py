@@ -232,9 +232,6 @@ class MemorySnapshots(Callback):
             snapshot_dirs.remove_file(os.path.join(trainer.args.output_dir,
                                                    f"{snapshot_dirs.RECORD}{self.store.node}"))
 
-    def close(self) -> None:
-        self.store.close()
-
     def check_space(self, trainer: "RunView") -> None:
         """Two sets per rank that writes (and two replicas), the optimizer's state counted
         as after the first step, must fit each node's free shared memory; else stop before
