@@ -6,7 +6,8 @@ A set is three files in a rank's directory (:mod:`.snapshot_dirs`)::
     a.bin    the tensors one after another (64-byte aligned), written in place through a
              shared mapping whose pages are reserved up front (a write cannot fail)
     a.pt     the rest of the state (counters, data position, schedulers...), each tensor
-             replaced by its place in a.bin; read back with ``weights_only``
+             replaced by its place in a.bin: a pickle of plain values, read back by an
+             unpickler that rebuilds no class but OrderedDict, set, torch.Size and dtypes
     a.json   the header: step, run, the manifest's facts, the sizes and CRC-32s below and
              its own CRC-32; renamed into place once the set holds its step
 
@@ -18,11 +19,13 @@ second pass over the memory the copy wrote.
 
 from __future__ import annotations
 
+import collections
 import errno
 import io
 import json
 import os
 import pickle
+import queue
 import stat
 import threading
 from concurrent.futures import Future
@@ -37,6 +40,7 @@ from .snapshot_dirs import remove_file
 
 SETS = ("a", "b")
 TENSOR = "__sailfin_tensor__"  # a tensor's place in the set's .bin, in its .pt
+OTHER = "__sailfin_torch_save__"  # a sparse or quantized tensor: torch.save'd, weights_only
 MARK = "__sailfin_dtensor__"  # a DTensor's local rows and where they belong
 ALIGN = 64
 _BLOCK, _STRIDE = 4096, 1 << 20  # the sampled check: 4 KiB of every MiB
@@ -138,8 +142,10 @@ def plan_state(state: Any, later: frozenset) -> tuple[Any, list, list]:
 
     def slot(value: torch.Tensor) -> Any:
         value = value.detach()  # shares the version counter: a change is seen
-        if value.layout is not torch.strided or value.is_quantized:
-            return value.to("cpu", copy=True)  # rare: kept whole in the .pt
+        if value.layout is not torch.strided or value.is_quantized:  # rare: kept whole
+            blob = io.BytesIO()
+            torch.save(value.to("cpu", copy=True), blob)
+            return {OTHER: blob.getvalue()}
         storage = value.untyped_storage()
         key = (storage.data_ptr(), str(value.device), storage.nbytes())
         sources.setdefault(key, value)
@@ -151,6 +157,26 @@ def plan_state(state: Any, later: frozenset) -> tuple[Any, list, list]:
     skeleton = map_tree(state, slot, is_tensor)
     order = sorted(sources, key=lambda k: k[:2] in later)  # now first, then later
     return skeleton, [(k, sources[k]) for k in order], slots
+
+
+def dump_state(obj: Any) -> bytes:
+    """``obj`` (plain values: :func:`plan_state` took its tensors out) as a pickle."""
+    return pickle.dumps(obj, protocol=5)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Rebuilds no class but these: no code runs from a snapshot's state."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = {("collections", "OrderedDict"): collections.OrderedDict,
+                 ("builtins", "set"): set, ("builtins", "frozenset"): frozenset,
+                 ("builtins", "complex"): complex, ("torch", "Size"): torch.Size
+                 }.get((module, name), getattr(torch, name, None) if module == "torch" else None)
+        if found is None or (module == "torch" and name != "Size"
+                             and not isinstance(found, torch.dtype)):
+            raise pickle.UnpicklingError(f"a snapshot's state names {module}.{name}, which "
+                                         "only arbitrary unpickling could rebuild")
+        return found
 
 
 class Buffer:
@@ -214,15 +240,18 @@ def read_set(where: Location, header: dict[str, Any]) -> Any:
         if sample_crc(data, full) != sampled:
             raise CheckpointCorrupt(f"memory snapshot {where.path('bin')} does not match its "
                                     "sampled CRC-32 in the header: it is damaged", shown)
-        saved = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        saved = _PlainUnpickler(io.BytesIO(blob)).load()
         storages = [data[o:o + n].clone().untyped_storage() for o, n in saved["layout"]]
 
         def tensor(slot: dict) -> torch.Tensor:
+            if OTHER in slot:
+                return torch.load(io.BytesIO(slot[OTHER]), weights_only=True)
             index, dtype, size_, stride, offset = slot[TENSOR]
             return torch.empty(0, dtype=getattr(torch, dtype)).set_(
                 storages[index], offset, size_, stride)
 
-        return map_tree(saved["state"], tensor, lambda v: isinstance(v, dict) and TENSOR in v)
+        return map_tree(saved["state"], tensor,
+                        lambda v: isinstance(v, dict) and (TENSOR in v or OTHER in v))
     except (OSError, KeyError, TypeError, ValueError, IndexError, RuntimeError, EOFError,
             AttributeError, pickle.UnpicklingError) as exc:
         raise CheckpointCorrupt(f"memory snapshot {shown} cannot be read ({exc}): it is "
@@ -233,7 +262,8 @@ class Copy:
     """The copy left to run beside training: a thread's on the CPU, a side stream's on a
     GPU. :meth:`before_step` comes before the next optimizer step."""
 
-    def __init__(self, pairs: list, tensors: list, streams: dict) -> None:
+    def __init__(self, worker: Worker, pairs: list, tensors: list,
+                 streams: dict) -> None:
         # The tensors themselves (a byte view of a storage has a version counter of its own).
         self.versions = [(tensor, version(tensor)) for tensor in tensors]
         gpu = [(d, s) for d, s in pairs if s.device.type == "cuda"]
@@ -250,7 +280,7 @@ class Copy:
             event = torch.cuda.Event()
             event.record(stream)
             self.events.append((device, event))
-        self.future = in_thread(_copy_all, cpu) if cpu else None
+        self.future = worker.submit(_copy_all, cpu) if cpu else None
 
     def before_step(self) -> bool:
         """The optimizer step may change the sources after this; True when none changed
@@ -267,19 +297,46 @@ class Copy:
             event.synchronize()
 
 
-def in_thread(fn: Callable[..., Any], *args: Any) -> Future:
-    """``fn(*args)`` in a thread of its own, which ends with it: nothing is left behind
-    by a run that failed, and (not a daemon) it is never cut off inside torch at exit."""
-    future: Future = Future()
+class Worker:
+    """One thread for background work, in order. It leaves when stopped, or once idle for
+    a second (a run that failed leaves no thread behind), and comes back with the next
+    job. Not a daemon: it never dies inside torch at the interpreter's exit."""
 
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - the waiter raises it
-            future.set_exception(exc)
+    def __init__(self, name: str) -> None:
+        self.name, self._jobs, self._lock = name, queue.SimpleQueue(), threading.Lock()
+        self._thread: Optional[threading.Thread] = None
 
-    threading.Thread(target=run, name="sailfin-snapshot").start()
-    return future
+    def submit(self, fn: Optional[Callable[..., Any]], *args: Any) -> Future:
+        future: Future = Future()
+        with self._lock:
+            self._jobs.put((future, fn, args))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name)
+                self._thread.start()
+        return future
+
+    def stop(self) -> None:
+        """End the thread once the jobs before this are done."""
+        thread = self._thread
+        if thread is not None:
+            self.submit(None)
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                future, fn, args = self._jobs.get(timeout=1.0)
+            except queue.Empty:
+                fn = None
+            with self._lock:
+                if fn is None and self._jobs.empty():
+                    self._thread = None
+                    return
+            if fn is not None and future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - the waiter raises it
+                    future.set_exception(exc)
 
 
 def _copy_all(pairs: list) -> None:

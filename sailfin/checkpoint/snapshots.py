@@ -19,7 +19,6 @@ Example::
 
 from __future__ import annotations
 
-import io
 import os
 import re
 import shutil
@@ -33,8 +32,9 @@ from ..utils.crc import crc32
 from ..utils.voice import say
 from .errors import CheckpointCorrupt, CheckpointError
 from .snapshot_dirs import Peers, exchange, names, remove_file, write_json
-from .snapshot_sets import (ALIGN, SETS, Buffer, Copy, Location, header_crc, in_thread,
-                            is_full, plan_state, read_header, read_set, sample_crc)
+from .snapshot_sets import (ALIGN, SETS, Buffer, Copy, Location, Worker, dump_state,
+                            header_crc, is_full, plan_state, read_header, read_set,
+                            sample_crc)
 
 _RANK_DIR = re.compile(r"^(?:replica-)?rank(\d+)$")
 # The last snapshot, as the ranks agree on it (MIN): a failure wins over a full file system.
@@ -61,6 +61,7 @@ class SnapshotStore:
         self._steps: dict[Location, int] = {}  # what each set of ours holds
         self._buffers: dict[str, Buffer] = {}
         self._streams: dict = {}
+        self._worker = Worker("sailfin-snapshot")
         self._pending: Optional[tuple] = None  # taken, its copy not settled
         self._finishing: Optional[Future] = None  # commit, replica, agreement
         self._error: Optional[BaseException] = None
@@ -120,15 +121,14 @@ class SnapshotStore:
         pairs = buffer.pairs(sources, offsets)
         for destination, source in pairs[:now]:
             destination.copy_(source)
-        blob = io.BytesIO()
-        torch.save({"layout": [[o, k[2]] for o, (k, _) in zip(offsets, sources)],
-                    "state": skeleton}, blob)
+        blob = dump_state({"layout": [[o, k[2]] for o, (k, _) in zip(offsets, sources)],
+                           "state": skeleton})
         facts = {**facts, "memory_snapshot": {
             "rank": self.rank, "run": self.run, "replicated": replicated,
             "shared_from": None if shared else self.leader}}
-        copy = (Copy(pairs[now:], [t for _, t in sources[now:]], self._streams)
+        copy = (Copy(self._worker, pairs[now:], [t for _, t in sources[now:]], self._streams)
                 if now < len(pairs) else None)
-        self._pending = (step, where, facts, blob.getvalue(), copy, full, total, None)
+        self._pending = (step, where, facts, blob, copy, full, total, None)
         if copy is None:
             self.settle()
         return True
@@ -153,8 +153,8 @@ class SnapshotStore:
             except Exception as exc:  # noqa: BLE001 - every rank raises at the agreement
                 error, unchanged = exc, False
         self.committed.clear()
-        self._finishing = in_thread(self._finish, step, where, facts, blob, copy, full, total,
-                                    error, unchanged)
+        self._finishing = self._worker.submit(self._finish, step, where, facts, blob, copy,
+                                                full, total, error, unchanged)
         return unchanged
 
     def _finish(self, step: int, where: Location, facts: Any, blob: Any, copy: Optional[Copy],
@@ -323,5 +323,6 @@ class SnapshotStore:
         try:
             self.wait()
         finally:
+            self._worker.stop()
             for buffer in self._buffers.values():
                 buffer.release()
