@@ -40,7 +40,7 @@ from _measure import add_load_options, start, summary  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
-from sailfin.checkpoint import memory_dirs  # noqa: E402
+from sailfin.checkpoint import snapshot_dirs  # noqa: E402
 from tests.distributed.elastic_helpers import (STEPS_PER_EPOCH, pid_of, reached,  # noqa: E402
                                                records, single_node, stop, tail, torchrun,
                                                wait, wait_until, write_config)
@@ -81,12 +81,12 @@ def one_run(tmp: Path, name: str, every: int, kill_at: int, step_seconds: float,
         os.kill(pid_of(recs, 1, "0-w2"), signal.SIGKILL)
         killed = time.time()
         if arm.startswith("node"):  # the node's memory goes with it
-            shutil.rmtree(memory_dirs.snapshot_root(None, run, 1), ignore_errors=True)
+            shutil.rmtree(snapshot_dirs.snapshot_root(None, run, 1), ignore_errors=True)
         if wait(procs, 600, logs) != [0] * len(procs):
             raise RuntimeError("the job failed:\n" + tail(logs))
     finally:
         stop(*procs)
-        memory_dirs.clean(run)
+        snapshot_dirs.clean(run)
         del store
     # The killed worker (rank 1): its records before and after its restart.
     before = [r for r in records(recs) if r["attempt"].startswith("0-") and r["rank"] == 1]

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _measure import add_load_options, start, summary  # noqa: E402
 
-from sailfin.checkpoint import memory_dirs  # noqa: E402
+from sailfin.checkpoint import snapshot_dirs  # noqa: E402
 from tests.distributed.elastic_helpers import (STEPS_PER_EPOCH, records, single_node,  # noqa
                                                stop, tail, torchrun, wait, write_config)
 
@@ -92,7 +92,7 @@ def run_arm(tmp: Path, name: str, arm: str, opts: argparse.Namespace) -> dict:
             raise RuntimeError("the job failed:\n" + tail([log]))
     finally:
         stop(proc)
-        memory_dirs.clean(str(run))
+        snapshot_dirs.clean(str(run))
     wall = time.time() - began
     account = json.loads((run / "summary.json").read_text())["time_account"]
     steps = json.loads((run / "summary.json").read_text())["global_step"]

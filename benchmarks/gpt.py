@@ -224,7 +224,7 @@ def saving_run(s: Shape, ds, device: torch.device, out: str, steps: int, warmup:
     arm.run(warmup + steps)  # ends when the last write is done
     memory = bool(keys.get("memory"))
     saver = next((c for c in arm.trainer.callbacks if hasattr(c, "stall_seconds")
-                  and hasattr(c, "write_waits") == memory), None)
+                  and hasattr(c, "copy_waits") == memory), None)
     stalls = list(saver.stall_seconds)[1:] if saver is not None else []  # the first: set-up
     per_step = (clock.ends[-1] - clock.ends[warmup - 1]) / steps
     arm.trainer.close()

@@ -370,7 +370,7 @@ def _main(argv: Optional[Sequence[str]], own_process: bool) -> int:
         print(f"exported {args.checkpoint} to {path}")  # the command's result
         return 0
     if args.command == "clean":  # the command's result
-        from .checkpoint.memory_dirs import clean
+        from .checkpoint.snapshot_dirs import clean
         removed = clean(args.output_dir)
         print("".join(f"removed {p}\n" for p in removed) + f"sailfin clean: {len(removed)} memory "
               f"snapshot director{'y' if len(removed) == 1 else 'ies'} of {args.output_dir} removed")

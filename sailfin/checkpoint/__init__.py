@@ -11,11 +11,11 @@ from typing import Callable
 
 from ..config.checkpoint import CheckpointArguments
 from ..config.errors import ConfigError
+from ..config.memory import persisting_args
 from ..config.trainer import TrainerArguments
 from ..distributed import DistEnv
 from .checkpointer import Checkpointer, DirectoryCheckpointer, Loaded, SaveRequest
 from .errors import CheckpointCorrupt, CheckpointError
-from .memory_checkpointer import persisting_args, with_memory_snapshots
 
 __all__ = ["CheckpointArguments", "CheckpointCorrupt", "CheckpointError", "Checkpointer",
            "DirectoryCheckpointer", "Loaded", "SaveRequest", "build_checkpointer"]
@@ -24,9 +24,9 @@ __all__ = ["CheckpointArguments", "CheckpointCorrupt", "CheckpointError", "Check
 def build_checkpointer(args: TrainerArguments, dist: DistEnv,
                        barrier: Callable[[], None] = lambda: None) -> Checkpointer:
     """The checkpointer ``args.checkpoint`` asks for, at its ``dir`` (default
-    ``<output_dir>/checkpoints``); with ``trainer.checkpoint.memory``, wrapped in a
-    :class:`~.memory_checkpointer.MemoryFirstCheckpointer`."""
-    ckpt = persisting_args(args)  # trainer.checkpoint.memory.persist_every_n_steps: async
+    ``<output_dir>/checkpoints``). Memory snapshots (``trainer.checkpoint.memory``) are a
+    callback of the trainer's, over :mod:`.snapshots`."""
+    ckpt = persisting_args(args.checkpoint)  # memory.persist_every_n_steps: async saves
     location = ckpt.dir or os.path.join(args.output_dir, "checkpoints")
     cls: type = DirectoryCheckpointer
     if ckpt.class_path:
@@ -36,5 +36,4 @@ def build_checkpointer(args: TrainerArguments, dist: DistEnv,
         if not (isinstance(cls, type) and issubclass(cls, Checkpointer)):
             raise ConfigError(f"trainer.checkpoint.class_path {ckpt.class_path} is not a "
                               "subclass of sailfin.checkpoint.Checkpointer")
-    # trainer.checkpoint.memory: snapshots in shared memory, first in line on resume.
-    return with_memory_snapshots(cls(location, ckpt, dist, barrier), args, dist)
+    return cls(location, ckpt, dist, barrier)

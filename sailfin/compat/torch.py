@@ -57,6 +57,33 @@ def version(tensor: torch.Tensor) -> int:
     return tensor._version
 
 
+def register_host_memory(tensor: torch.Tensor) -> bool:
+    """Register ``tensor``'s host memory (a memory snapshot's mapped file) with CUDA as
+    pinned, so that a device-to-host copy into it runs on the copy engine while the GPU
+    computes; False where CUDA or the driver cannot (the copy is then a staged one).
+
+    Public alternative: ``tensor.pin_memory()`` allocates new pinned memory, but a
+    snapshot's buffer must be the file itself. Uses ``torch.cuda.cudart()`` (documented,
+    but a thin binding of the CUDA runtime: ``cudaHostRegister``); no private attribute.
+    """
+    if not torch.cuda.is_available() or tensor.numel() == 0:
+        return False
+    try:
+        error = torch.cuda.cudart().cudaHostRegister(
+            tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+    return int(getattr(error, "value", error)) == 0
+
+
+def unregister_host_memory(tensor: torch.Tensor) -> None:
+    """Undo :func:`register_host_memory` (before the memory is unmapped)."""
+    try:
+        torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+    except (AttributeError, RuntimeError, TypeError):
+        pass
+
+
 def keep_state_dict_versions(copy: dict, state_dict: dict) -> None:
     """Give ``copy`` (a copy of a ``Module.state_dict()``) the module versions that
     ``state_dict`` carries, which ``load_state_dict`` hands to each module's

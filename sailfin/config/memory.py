@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from .errors import ConfigError
 
@@ -53,3 +54,12 @@ class MemorySnapshotArguments:
     @property
     def enabled(self) -> bool:
         return self.every_n_steps is not None
+
+
+def persisting_args(checkpoint: Any) -> Any:
+    """``trainer.checkpoint`` as the disk checkpointer takes it: with
+    ``memory.persist_every_n_steps`` its saves are async."""
+    memory = checkpoint.memory
+    if memory.enabled and memory.persist_every_n_steps and not checkpoint.async_save:
+        return dataclasses.replace(checkpoint, async_save=True)
+    return checkpoint

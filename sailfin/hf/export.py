@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 import torch
 
-from ..checkpoint.memory_dirs import pid_alive
+from ..checkpoint.snapshot_dirs import pid_alive
 from ..trainer import Callback
 from ..utils.voice import line
 from .errors import HFConfigError, require

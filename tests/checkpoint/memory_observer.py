@@ -63,35 +63,32 @@ def train_rank(rank: int, world: int, dist_args: Any, out: Path, backend: str,
 
 def node_bytes_rank(rank: int, world: int, dist_args: Any, out: Path) -> None:
     """One rank of a 2-process ddp run with snapshots every step; rank 0 records, at each
-    step from the third (both ranks' previous writes done), the bytes of the snapshots in
-    the node's directory, the snapshots kept, one rank's state (model, optimizer,
-    trainer, random streams), and the bytes of the staging files."""
+    step from the third (both ranks' previous snapshots committed), the bytes of the
+    node's directory, the steps its committed headers name, and one rank's state (model,
+    optimizer, trainer, random streams)."""
+    import dataclasses
     import os
 
     from sailfin import Callback
-    from sailfin.checkpoint.memory_dirs import used_bytes
     from sailfin.checkpoint.rng import rng_state
-    from sailfin.trainer.checkpointing.memory_snapshots import state_bytes
+    from sailfin.checkpoint.snapshot_dirs import used_bytes
+    from sailfin.trainer.checkpointing.memory_snapshots import snapshots_of, state_bytes
+    from tests.checkpoint.test_memory import steps_held
 
     class NodeBytes(Callback):
         seen: list = []
 
         def on_step_end(self, trainer) -> None:
-            store = trainer.checkpointer.store
+            store = snapshots_of(trainer).store
             store.wait()
             trainer.backend.barrier()
             if trainer.global_step >= 3 and rank == 0:
                 ranks = [d for d in os.listdir(store.root) if d.startswith("rank")]
-                kept = {n for d in ranks for n in os.listdir(os.path.join(store.root, d))
-                        if n.startswith("step-")}
-                staging = [d for d in os.listdir(store.root) if d.startswith("staging")]
-                self.seen.append((
-                    sum(used_bytes(os.path.join(store.root, d)) for d in ranks), len(kept),
-                    state_bytes(trainer.state_dict()) + state_bytes(rng_state()),
-                    sum(used_bytes(os.path.join(store.root, d)) for d in staging)))
+                kept = {s for d in ranks
+                        for s in steps_held(os.path.join(store.root, d)).values()}
+                self.seen.append((used_bytes(store.root), len(kept),
+                                  state_bytes(trainer.state_dict()) + state_bytes(rng_state())))
             trainer.backend.barrier()
-
-    import dataclasses
 
     # Both ranks on one node, as torchrun would say.
     dist_args = dataclasses.replace(dist_args, local_rank=rank, local_world_size=world)

@@ -1,5 +1,6 @@
-"""Memory snapshots in one process: the files, resume from them, damaged ones ignored,
-the space check, leftovers of dead runs, ``sailfin clean``, nothing left at a normal end."""
+"""Memory snapshots in one process: the buffer sets, resume from them, damaged ones
+ignored, the space check, leftovers of dead runs, ``sailfin clean``, nothing left at a
+normal end."""
 
 import json
 import os
@@ -12,19 +13,38 @@ import pytest
 import torch
 
 from sailfin import Callback, Trainer
-from sailfin.checkpoint import CheckpointError, memory_dirs
-from sailfin.checkpoint.memory import MemoryStore
+from sailfin.checkpoint import CheckpointCorrupt, CheckpointError, snapshot_dirs
+from sailfin.checkpoint import snapshot_sets
+from sailfin.checkpoint.snapshot_sets import Location, read_header
+from sailfin.checkpoint.snapshots import SnapshotStore
 from sailfin.cli import main
+from sailfin.trainer.checkpointing.memory_snapshots import snapshots_of
 from tests.checkpoint.helpers import Crash, CrashAt
 from tests.recipes import IdData, LinearRecipe, args as make_args
 
 
 class Settle(Callback):
-    """Waits at each step's end until its snapshot is written (a step waits only for the
-    previous one's): for tests that look at the files, or crash during the next forward."""
+    """Waits at each step's end until the previous snapshot is committed and agreed on:
+    for tests that look at the files."""
 
     def on_step_end(self, trainer):
-        trainer.checkpointer.store.wait()
+        snapshots_of(trainer).store.wait()
+
+
+def steps_held(directory):
+    """Set name -> the step its committed header names."""
+    held = {}
+    for name in ("a", "b"):
+        try:
+            held[name] = read_header(Location(str(directory), name))["step"]
+        except CheckpointCorrupt:
+            pass
+    return held
+
+
+def facts(step, world_size=1):
+    return {"step": step, "epoch": 0, "step_in_epoch": step, "samples_seen": 0,
+            "world_size": world_size}
 
 
 def trainer_args(tmp_path, shm, **kw):
@@ -49,32 +69,35 @@ def crash(tmp_path, shm, step):
         Trainer(recipe(), trainer_args(tmp_path, shm), callbacks=[CrashAt(step)]).train()
 
 
-def test_store_writes_checksummed_files_and_keeps_at_most_two(tmp_path):
-    store = MemoryStore(str(tmp_path / "shm"), rank=0, world_size=1)
-    weights = {"w": torch.arange(6.0)}
+def test_the_store_keeps_two_buffer_sets_and_no_copy_of_its_tensors_elsewhere(tmp_path):
+    store = SnapshotStore(str(tmp_path / "shm"), rank=0, world_size=1)
+    weight = torch.arange(300_000.0)
     for step in (1, 2, 3):
-        store.save(step, {"step": step, "epoch": 0, "step_in_epoch": step, "samples_seen": 0,
-                          "world_size": 1}, {"model": {"w": weights["w"] * step}, "trainer": {}},
-                   {"torch": torch.get_rng_state()})
-    store.wait()  # each save waited for the previous one's write: none was skipped
+        assert store.take(step, facts(step), {"model": {"w": weight * step}, "trainer": {}},
+                          {"torch": torch.get_rng_state()})
+        store.wait()
     held = store.inventory()[0]
-    assert sorted(held) == [2, 3]  # the newest complete one and the one before it
-    manifest, shared, rank_state = store.load(held[3])
-    assert manifest["step"] == 3 and set(manifest["files"]) == {
-        "model.pt", "trainer.pt", "rng-rank00000.pt"}
-    assert torch.equal(shared["model"]["w"], torch.arange(6.0) * 3)
+    assert sorted(held) == [2, 3]  # the newest committed one and the one before it
+    assert sorted(os.listdir(store.own_dir())) == [
+        "a.bin", "a.json", "a.pt", "b.bin", "b.json", "b.pt"]
+    header, shared, rank_state = store.load(held[3])
+    assert header["step"] == 3 and torch.equal(shared["model"]["w"], weight * 3)
+    assert torch.equal(rank_state["torch"], torch.get_rng_state())
+    # The tensors are in the .bin only: the .pt holds their places and the small state.
+    assert os.path.getsize(held[3].path("pt")) < 16_000
+    assert os.path.getsize(held[3].path("bin")) < 1.01 * weight.nbytes + 16_000
     store.remove_mine()
     store.close()
     assert not os.path.exists(store.own_dir())
 
 
 def test_resume_from_memory_is_bit_identical(tmp_path, capfd):
-    """Crashed just after step 7 (before its snapshot): step 6's snapshot is complete, as
-    the steps take no time and step 7 waited for its write."""
+    """Crashed just after step 7 (before its snapshot): step 6's snapshot was committed
+    before step 7's optimizer step."""
     ref = reference(tmp_path)
     shm = tmp_path / "shm"
     crash(tmp_path / "run", shm, 7)
-    assert sorted(os.listdir(shm / "rank00000")) == ["step-00000005", "step-00000006"]
+    assert sorted(steps_held(shm / "rank00000").values()) == [5, 6]
     model = recipe()
     Trainer(model, trainer_args(tmp_path / "run", shm)).train()
     assert "resuming from memory, step 6" in capfd.readouterr().err
@@ -83,18 +106,18 @@ def test_resume_from_memory_is_bit_identical(tmp_path, capfd):
     assert not shm.exists()  # removed at the normal end
 
 
-def test_a_write_slower_than_the_steps_is_waited_for_and_a_crash_loses_one_step(
+def test_a_copy_slower_than_the_steps_is_waited_for_and_a_crash_loses_one_step(
         tmp_path, capfd, monkeypatch):
-    """Every write takes 0.2 s, a step almost nothing: each step waits for the previous
-    snapshot's write before it is logged (skipping snapshots would lose more), so a crash
-    just after step 7 resumes from step 6, and the run's end says what it waited."""
-    write = MemoryStore._write
+    """Every copy beside training takes 0.2 s, a step almost nothing: each optimizer step
+    waits for it (a snapshot is never skipped), so a crash just after step 7 resumes from
+    step 6, and the run's end says what the steps waited."""
+    copy_all = snapshot_sets._copy_all
 
-    def slow(self, *args, **kwargs):
+    def slow(pairs):
         time.sleep(0.2)
-        return write(self, *args, **kwargs)
+        copy_all(pairs)
 
-    monkeypatch.setattr(MemoryStore, "_write", slow)
+    monkeypatch.setattr(snapshot_sets, "_copy_all", slow)
     ref = reference(tmp_path)
     shm = tmp_path / "shm"
     crash(tmp_path / "run", shm, 7)
@@ -108,19 +131,30 @@ def test_a_write_slower_than_the_steps_is_waited_for_and_a_crash_loses_one_step(
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("damage", ["checksum", "half-written"])
-def test_a_damaged_or_half_written_snapshot_is_ignored(tmp_path, capfd, damage):
+def flip(path, at):
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["tensors", "state", "header", "lost", "half-written"])
+def test_a_damaged_lost_or_half_written_snapshot_is_fallen_back_from(tmp_path, capfd, damage):
     ref = reference(tmp_path)
     shm = tmp_path / "shm"
     crash(tmp_path / "run", shm, 7)
-    newest = shm / "rank00000" / "step-00000006"
-    if damage == "checksum":
-        data = bytearray((newest / "model.pt").read_bytes())
-        data[-30] ^= 0xFF
-        (newest / "model.pt").write_bytes(bytes(data))
-    else:  # killed while writing: the manifest is written last, the rename comes after
-        (newest / "manifest.json").unlink()
-        newest.rename(newest.parent / ".tmp-step-00000006")
+    own = shm / "rank00000"
+    newest = next(n for n, step in steps_held(own).items() if step == 6)
+    if damage == "tensors":  # a bit of the weights (copied beside training: sampled)
+        flip(own / f"{newest}.bin", 5)
+    elif damage == "state":
+        flip(own / f"{newest}.pt", -30)
+    elif damage == "header":
+        text = (own / f"{newest}.json").read_text()
+        (own / f"{newest}.json").write_text(text.replace('"epoch": 1', '"epoch": 2'))
+    elif damage == "lost":
+        (own / f"{newest}.bin").unlink()
+    else:  # killed while copying into the set: its header was removed first
+        (own / f"{newest}.json").unlink()
     model = recipe()
     Trainer(model, trainer_args(tmp_path / "run", shm)).train()
     assert "resuming from memory, step 5" in capfd.readouterr().err
@@ -129,7 +163,7 @@ def test_a_damaged_or_half_written_snapshot_is_ignored(tmp_path, capfd, damage):
 
 
 def test_too_little_shared_memory_stops_before_the_first_step(tmp_path, monkeypatch):
-    monkeypatch.setattr(memory_dirs, "free_bytes", lambda path: 1000)
+    monkeypatch.setattr(snapshot_dirs, "free_bytes", lambda path: 1000)
     model = recipe()
     with pytest.raises(CheckpointError) as err:
         Trainer(model, trainer_args(tmp_path, tmp_path / "shm")).train()
@@ -161,14 +195,14 @@ def test_a_dead_runs_leftovers_are_removed_and_clean_removes_a_runs(tmp_path, ca
 
 
 def test_nothing_is_left_in_dev_shm_after_a_normal_end(tmp_path):
-    root = memory_dirs.snapshot_root(None, str(tmp_path), 0)
+    root = snapshot_dirs.snapshot_root(None, str(tmp_path), 0)
     assert root.startswith("/dev/shm/sailfin-")
     seen = []
 
     class Look(Callback):
         def on_step_end(self, trainer):
             mine = os.path.join(root, "rank00000")
-            seen.append(sorted(os.listdir(mine)) if os.path.exists(mine) else [])
+            seen.append(steps_held(mine))
 
     args = make_args(tmp_path, epochs=1, train_batch_size=10, micro_batch_size=5,
                      checkpoint={"memory": {"every_n_steps": 1}})
@@ -176,13 +210,12 @@ def test_nothing_is_left_in_dev_shm_after_a_normal_end(tmp_path):
         Trainer(recipe(), args, callbacks=[Settle(), Look()]).train()
     finally:
         survived = os.path.exists(root)
-        memory_dirs.clean(str(tmp_path))  # a failed run leaves no RAM behind either
+        snapshot_dirs.clean(str(tmp_path))  # a failed run leaves no RAM behind either
     assert not survived
-    # Before step 3's snapshot: step 1's, and step 2's written or being written.
-    assert "step-00000001" in seen[2]
-    assert set(seen[2]) <= {"step-00000001", "step-00000002", ".tmp-step-00000002"}
+    # Before step 3's snapshot: step 1's and step 2's, one in each set.
+    assert sorted(seen[2].values()) == [1, 2]
     assert not os.path.exists(root)
-    prefix = f"sailfin-{memory_dirs.run_id(str(tmp_path))}"
+    prefix = f"sailfin-{snapshot_dirs.run_id(str(tmp_path))}"
     assert not [e for e in os.listdir("/dev/shm") if e.startswith(prefix)]
 
 
@@ -196,7 +229,7 @@ def test_persisted_every_n_steps_through_the_async_path(tmp_path, async_save):
     trainer = Trainer(recipe(), args, callbacks=[Settle(), CrashAt(7)])
     with pytest.raises(Crash):
         trainer.train()
-    assert trainer.checkpointer.inner.args.async_save  # persisting saves are async
+    assert trainer.checkpointer.args.async_save  # persisting saves are async
     assert (run / "checkpoints" / "step-00000004" / "manifest.json").exists()
     assert not (run / "checkpoints" / "step-00000006").exists()
     model = recipe()
@@ -207,9 +240,8 @@ def test_persisted_every_n_steps_through_the_async_path(tmp_path, async_save):
 
 
 def test_a_snapshot_of_another_world_size_is_not_offered(tmp_path):
-    store = MemoryStore(str(tmp_path / "shm"), rank=0, world_size=1)
-    facts = {"step": 4, "epoch": 0, "step_in_epoch": 4, "samples_seen": 0, "world_size": 2}
-    store.save(4, facts, {"model": {"w": torch.ones(2)}, "trainer": {}}, {})
+    store = SnapshotStore(str(tmp_path / "shm"), rank=0, world_size=1)
+    store.take(4, facts(4, world_size=2), {"model": {"w": torch.ones(2)}, "trainer": {}}, {})
     store.wait()
     assert store.inventory() == {}  # a resized job resumes from disk
     store.close()
@@ -239,45 +271,68 @@ def test_a_real_tiny_tmpfs_stops_the_run_before_its_first_step(tmp_path):
     assert not events.exists() or '"train"' not in events.read_text()  # no step trained
 
 
-def test_the_writer_leaves_file_checksums_to_the_manifest_and_damage_is_still_found(tmp_path):
-    """The writer process skips torch.save's CRC-32 of each zip record (half of a
-    snapshot's write time; torch.load never checks it): the manifest's CRC-32 of each
-    whole file is what finds damage."""
-    import zipfile
-
-    from sailfin.checkpoint import CheckpointCorrupt
-
-    store = MemoryStore(str(tmp_path / "shm"), rank=0, world_size=1)
-    facts = {"step": 1, "epoch": 0, "step_in_epoch": 1, "samples_seen": 0, "world_size": 1}
-    weight = torch.randn(300_000)
-    store.save(1, facts, {"model": {"w": weight}, "trainer": {}},
-               {"torch": torch.get_rng_state()})
+def test_what_a_load_checks_and_how_each_damage_is_named(tmp_path):
+    """The header's CRC-32, the small state's CRC-32, the tensors' size and sampled
+    CRC-32: each damage is a CheckpointCorrupt naming the file (resume falls back)."""
+    store = SnapshotStore(str(tmp_path / "shm"), rank=0, world_size=1)
+    weight = torch.randn(3_000_000)  # 12 MB: copied beside training, checked by samples
+    store.take(1, facts(1), {"model": {"w": weight}, "trainer": {}},
+               {"torch": torch.get_rng_state()}, later=frozenset(
+                   {(weight.untyped_storage().data_ptr(), "cpu")}))
+    assert store.settle() is True
     store.wait()
-    path = store.inventory()[0][1]
-    model = os.path.join(path, "model.pt")
-    with zipfile.ZipFile(model) as archive:
-        assert {i.CRC for i in archive.infolist()} == {0}
-    assert torch.equal(store.load(path)[1]["model"]["w"], weight)  # read back whole
-    raw = bytearray(open(model, "rb").read())
-    raw[len(raw) // 2] ^= 0x01  # a bit of the tensor's data
-    open(model, "wb").write(bytes(raw))
-    with pytest.raises(CheckpointCorrupt, match="CRC-32"):
-        store.load(path)
+    where = store.inventory()[0][1]
+    assert torch.equal(store.load(where)[1]["model"]["w"], weight)  # read back whole
+    bin_ = tmp_path / "shm" / "rank00000" / f"{where.name}.bin"
+    total, full, _ = read_header(where)["memory_snapshot"]["tensors"]
+    # Copied at the step's end (the random state) whole; beside training, 4 KiB a MiB.
+    for path, at, said in ((bin_, 7, "sampled CRC-32"), (bin_, full + (3 << 20) + 9,
+                                                         "sampled CRC-32"),
+                           (bin_, total - 1, "sampled CRC-32"),
+                           (bin_.with_suffix(".pt"), 40, "CRC-32"),
+                           (bin_.with_suffix(".json"), 3, "header")):
+        flip(path, at)
+        with pytest.raises(CheckpointCorrupt, match=said) as err:
+            store.load(where)
+        assert "\n" not in str(err.value) and str(path.name) in str(err.value)
+        flip(path, at)  # mended
+    os.truncate(bin_, 1000)
+    with pytest.raises(CheckpointCorrupt, match="shorter"):
+        store.load(where)
+    bin_.unlink()
+    with pytest.raises(CheckpointCorrupt, match="cannot be read"):
+        store.load(where)
+    assert store.inventory() == {}  # a lost buffer is never offered
     store.close()
 
 
-def test_the_writer_of_a_killed_worker_ends_without_a_traceback():
-    """Its training process gone (the reply pipe closed), the snapshot writer ends quietly."""
-    import subprocess
-    import sys
+def test_a_forged_small_state_runs_no_code(tmp_path):
+    """A .pt that names a callable, with a header whose CRC-32s match it, is refused by
+    the unpickler (it rebuilds plain values only): a one-line CheckpointCorrupt, nothing
+    run."""
+    import json
+    import pickle
 
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from sailfin.checkpoint.memory_writer import "
-         "_serve; _serve(int(sys.argv[1]))", "1"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    proc.stdout.close()  # the worker died: nobody reads the replies
-    try:
-        _, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0 and b"Traceback" not in err and b"BrokenPipe" not in err, err
+    from sailfin.checkpoint.snapshot_sets import header_crc
+    from sailfin.utils.crc import crc32
+
+    store = SnapshotStore(str(tmp_path / "shm"), rank=0, world_size=1)
+    store.take(1, facts(1), {"model": {"w": torch.ones(4)}, "trainer": {}}, {})
+    store.wait()
+    where = store.inventory()[0][1]
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    blob = pickle.dumps({"layout": [], "state": Evil()})
+    open(where.path("pt"), "wb").write(blob)
+    header = json.loads(open(where.path("json")).read())
+    header["memory_snapshot"]["state"] = [len(blob), crc32(blob)]
+    header["crc32"] = header_crc(header)
+    open(where.path("json"), "w").write(json.dumps(header))
+    with pytest.raises(CheckpointCorrupt, match=r"names io.open, which only arbitrary") as err:
+        store.load(where)
+    assert not marker.exists() and "\n" not in str(err.value)
+    store.close()

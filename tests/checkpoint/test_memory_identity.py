@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sailfin import Trainer
-from sailfin.checkpoint import CheckpointError, memory_dirs
+from sailfin.checkpoint import CheckpointError, snapshot_dirs
 from sailfin.trainer.checkpointing.config_diff import ConfigChanged
 from tests.checkpoint.test_kill import kill, start, wait_for, write_config
 from tests.checkpoint.test_memory import Crash, CrashAt, Settle, recipe, reference, trainer_args
@@ -37,11 +37,13 @@ def same_as(model, ref):
 def test_the_identity_is_in_the_output_dir_and_in_every_snapshot(tmp_path):
     out, shm = tmp_path / "run", tmp_path / "shm"
     crash(out, shm)
-    run = json.loads((out / memory_dirs.IDENTITY).read_text())["run"]
+    run = json.loads((out / snapshot_dirs.IDENTITY).read_text())["run"]
     assert len(run) == 16
-    for name in os.listdir(shm / "rank00000"):
-        manifest = json.loads((shm / "rank00000" / name / "manifest.json").read_text())
-        assert manifest["memory_snapshot"]["run"] == run
+    headers = [n for n in os.listdir(shm / "rank00000") if n.endswith(".json")]
+    assert sorted(headers) == ["a.json", "b.json"]
+    for name in headers:
+        header = json.loads((shm / "rank00000" / name).read_text())
+        assert header["memory_snapshot"]["run"] == run
 
 
 def test_a_deleted_output_dir_never_comes_back_from_memory(tmp_path, capfd):
@@ -79,7 +81,7 @@ def test_a_live_writer_keeps_its_directory(tmp_path):
     proc = start(config, tmp_path / "first.log")
     try:
         assert wait_for(lambda: (shm / "rank00000").is_dir() and any(
-            n.startswith("step-") for n in os.listdir(shm / "rank00000")), proc)
+            n.endswith(".json") for n in os.listdir(shm / "rank00000")), proc)
         model = recipe()
         with pytest.raises(CheckpointError) as err:
             Trainer(model, trainer_args(tmp_path / "second", shm)).train()

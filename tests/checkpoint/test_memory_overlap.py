@@ -1,9 +1,11 @@
 """A memory snapshot copies the parameters and the optimizer's state while the next
 forward and backward run; the optimizer step waits for that copy, and a snapshot whose
 sources changed meanwhile (a forward that renormalises its weights in place) is dropped,
-never written, and the rest of the run copies at once."""
+never committed, and the rest of the run copies at once."""
 
+import collections
 import os
+import random
 import threading
 
 import pytest
@@ -11,10 +13,11 @@ import torch
 from torch import nn
 
 from sailfin import Callback, Trainer
-from sailfin.checkpoint import memory_staging
-from sailfin.checkpoint.memory_staging import SharedStaging
+from sailfin.checkpoint import snapshot_sets
+from sailfin.checkpoint.snapshots import SnapshotStore
+from sailfin.trainer.checkpointing.memory_snapshots import snapshots_of
 from tests.checkpoint.helpers import Crash, CrashAt
-from tests.checkpoint.test_memory import Settle
+from tests.checkpoint.test_memory import Settle, facts
 from tests.recipes import IdData, LinearRecipe, args as make_args
 
 
@@ -22,134 +25,101 @@ def key(tensor):
     return (tensor.untyped_storage().data_ptr(), str(tensor.device))
 
 
-def test_staging_copies_the_named_storages_in_a_thread_and_sees_a_change(tmp_path):
-    staging = SharedStaging(str(tmp_path / "staging"))
+def held(store, step):
+    return store.load(store.inventory()[0][step])[1]
+
+
+def test_the_named_storages_are_copied_in_a_thread_and_a_change_drops_the_snapshot(tmp_path):
+    store = SnapshotStore(str(tmp_path / "shm"), rank=0, world_size=1)
     weight, buffer = torch.arange(1000.0), torch.zeros(3)
-    staged, copying = staging.stage({"w": weight, "b": buffer}, frozenset({key(weight)}))
-    assert copying is not None
-    assert copying.finish()  # unchanged meanwhile
-    for name, tensor in (("w", weight), ("b", buffer)):
-        slot = staged[name]
-        held = torch.from_file(str(tmp_path / "staging" / slot.name), shared=False,
-                               size=tensor.numel(), dtype=tensor.dtype)
-        assert torch.equal(held, tensor)
-    # A change between the snapshot and the wait is seen, whatever the copy caught.
-    staged, copying = staging.stage({"w": weight, "b": buffer}, frozenset({key(weight)}))
+    state = {"model": {"w": weight, "b": buffer}, "trainer": {}}
+    assert store.take(1, facts(1), state, {}, later=frozenset({key(weight)}))
+    assert store.copying  # the weight's copy runs beside training
+    assert store.settle() is True  # unchanged meanwhile
+    store.wait()
+    got = held(store, 1)["model"]
+    assert torch.equal(got["w"], weight) and torch.equal(got["b"], buffer)
+    # A change between the snapshot and the wait is seen, whatever the copy caught: the
+    # snapshot is dropped (never committed), step 1's stays.
+    store.take(2, facts(2), state, {}, later=frozenset({key(weight)}))
     with torch.no_grad():
         weight.add_(1)
-    assert copying.finish() is False
-    # Nothing named: everything is copied at once, no thread.
-    assert staging.stage({"w": weight}, frozenset())[1] is None
-    staging.release()
-    assert not os.path.exists(tmp_path / "staging")
+    assert store.settle() is False
+    store.wait()
+    assert sorted(store.inventory()[0]) == [1]
+    # Nothing named: everything is copied at once, committed without a settle.
+    store.take(3, facts(3), state, {})
+    assert not store.copying
+    store.wait()
+    assert torch.equal(held(store, 3)["model"]["w"], weight)
+    store.remove_mine()
+    store.close()
+    assert not os.path.exists(store.own_dir())
 
 
-def test_staging_copies_the_current_values_and_a_replaced_storage(tmp_path):
-    """The thread's byte views are made once per storage: later snapshots copy that
-    storage's current values, and a tensor given a new storage is copied from the new one."""
-    staging = SharedStaging(str(tmp_path / "staging"))
-
-    def held(staged, tensor):
-        return torch.from_file(str(tmp_path / "staging" / staged["w"].name), shared=False,
-                               size=tensor.numel(), dtype=tensor.dtype)
-
-    weight = torch.arange(1000.0)
-    for change in range(3):  # the same storage, changed in place between snapshots
+def test_each_set_is_mapped_once_and_holds_the_current_values(tmp_path):
+    """From the third snapshot on nothing is allocated or mapped (each set's pages are
+    reused); each snapshot holds its own step's values, and a tensor given a new storage
+    is copied from the new one."""
+    store = SnapshotStore(str(tmp_path / "shm"), rank=0, world_size=1)
+    weight, mapped = torch.arange(1000.0), []
+    for step in range(1, 6):  # the same storage, changed in place between snapshots
         with torch.no_grad():
             weight.mul_(2)
-        staged, copying = staging.stage({"w": weight}, frozenset({key(weight)}))
-        assert copying.finish() and torch.equal(held(staged, weight), weight)
+        store.take(step, facts(step), {"model": {"w": weight}, "trainer": {}}, {},
+                   later=frozenset({key(weight)}))
+        assert store.settle()
+        store.wait()
+        assert torch.equal(held(store, step)["model"]["w"], weight)
+        mapped.append(sorted(b.data.data_ptr() for b in store._buffers.values()))
+    assert mapped[2] == mapped[3] == mapped[4] and len(mapped[4]) == 2
     replaced = torch.full((1000,), -1.0)  # a new storage of the same size
-    staged, copying = staging.stage({"w": replaced}, frozenset({key(replaced)}))
-    assert copying.finish() and torch.equal(held(staged, replaced), replaced)
-    staging.release()
+    store.take(6, facts(6), {"model": {"w": replaced}, "trainer": {}}, {},
+               later=frozenset({key(replaced)}))
+    assert store.settle()
+    store.wait()
+    assert torch.equal(held(store, 6)["model"]["w"], replaced)
+    store.close()
 
 
-def test_the_writer_keeps_staging_files_mapped_and_checksums_on_its_own_thread(tmp_path,
-                                                                               monkeypatch):
-    """From one snapshot to the next the writer reuses its mappings of the staging files
-    (mapping anew faults every page in again), drops those of files no longer named, and
-    computes the checksums on its own thread (no second core taken from training)."""
-    from sailfin.checkpoint import memory_dirs, memory_writer, serialize
-
-    staging = SharedStaging(str(tmp_path / "staging"))
-    helpers: list = []
-    write = serialize._ChecksumWriter.write
-
-    def recorded(self, data):
-        helpers.append(self.helper)
-        return write(self, data)
-
-    monkeypatch.setattr(serialize._ChecksumWriter, "write", recorded)
-    mapped: dict = {}
-    out = tmp_path / "snapshots"
-    weight, other = torch.arange(4096.0), torch.ones(2048)
-    seen = []
-    for step, state in ((1, {"w": weight, "o": other}), (2, {"w": weight * 3}),
-                        (3, {"w": weight * 3})):
-        staged, _ = staging.stage({"model": state})
-        facts = {"step": step, "epoch": 0, "step_in_epoch": step, "samples_seen": 0,
-                 "world_size": 1}
-        assert memory_writer.write_snapshot(str(out), f"step-{step}", staged, facts,
-                                            staging.directory, mapped=mapped)
-        seen.append(dict(mapped))
-        assert memory_dirs.intact(str(out / f"step-{step}"))  # every file's CRC-32 matches
-        loaded = torch.load(out / f"step-{step}" / "model.pt")
-        assert loaded.keys() == state.keys()
-        assert all(torch.equal(loaded[k], v) for k, v in state.items())
-    assert len(seen[0]) == 2 and len(seen[1]) == 1  # the file step 2 no longer names: unmapped
-    name = staged["model"]["w"].name
-    assert seen[2][name] is seen[1][name]  # the same mapping, not made again
-    assert helpers and all(h is None for h in helpers)  # no checksum thread beside the write
-    staging.release()
-
-
-def test_staging_keeps_the_shape_of_the_state_and_its_plain_values(tmp_path):
-    """What the writer rebuilds is the state as given: containers of their own types,
-    scalars and sequences of scalars as they were, each tensor's values."""
-    import collections
-    import random
-
-    staging = SharedStaging(str(tmp_path / "staging"))
+def test_a_snapshot_keeps_the_shape_of_the_state_and_its_plain_values(tmp_path):
+    """What comes back is the state as given: containers of their own types, scalars and
+    sequences of scalars as they were, each tensor's values, tied tensors still tied."""
+    store = SnapshotStore(str(tmp_path / "shm"), rank=0, world_size=1)
+    tied = torch.arange(6.0)
     state = {"python": random.getstate(), "ints": [1, 2, 3], "none": None,
              "mixed": (1.5, torch.arange(3.0), [torch.ones(2), "x"]),
-             "ordered": collections.OrderedDict(a=torch.zeros(4), b=7)}
-    staged, copying = staging.stage(state)
-    assert copying is None  # nothing named for later: copied at once
-    back = memory_staging.rebuild(staged, staging.directory, {})
+             "ordered": collections.OrderedDict(a=torch.zeros(4), b=7),
+             "tied": [tied, tied[2:]], "set": {1, 2, 3}}
+    store.take(1, facts(1), {"model": {}, "trainer": state}, {})
+    store.wait()
+    back = held(store, 1)["trainer"]
     assert back["python"] == state["python"] and type(back["python"]) is tuple
-    assert back["ints"] == [1, 2, 3] and back["none"] is None
+    assert back["ints"] == [1, 2, 3] and back["none"] is None and back["set"] == {1, 2, 3}
     assert type(back["mixed"]) is tuple and back["mixed"][0] == 1.5
     assert torch.equal(back["mixed"][1], torch.arange(3.0))
     assert torch.equal(back["mixed"][2][0], torch.ones(2)) and back["mixed"][2][1] == "x"
     assert type(back["ordered"]) is collections.OrderedDict and back["ordered"]["b"] == 7
     assert torch.equal(back["ordered"]["a"], torch.zeros(4))
-    staging.release()
+    assert torch.equal(back["tied"][1], tied[2:])
+    assert back["tied"][0].untyped_storage().data_ptr() == \
+        back["tied"][1].untyped_storage().data_ptr()
+    store.close()
 
 
-def test_a_snapshot_holds_its_steps_values_when_they_change_before_the_write(tmp_path,
-                                                                           monkeypatch):
-    """The staged state's containers are its own and its scalars immutable, so it is
-    written as it is (no pickled copy on the step's path); a value of another type (a
-    set a recipe keeps in its state) is frozen when the snapshot is taken. Both are
-    checked against changes made while the write waits for the thread's copy."""
-    from sailfin.checkpoint.memory import MemoryStore
-
-    store = MemoryStore(str(tmp_path / "shm"), rank=0, world_size=1)
-    store.start_writer(wait=True)
-    copy_all, go = memory_staging._copy_all, threading.Event()
-    monkeypatch.setattr(memory_staging, "_copy_all",
-                        lambda pairs: (go.wait(10), copy_all(pairs)))
+def test_a_snapshot_holds_its_steps_values_when_they_change_before_the_commit(tmp_path,
+                                                                            monkeypatch):
+    """The small state is serialised when the snapshot is taken: changes the next step
+    makes to the recipe's state while the copy is held back are not in it."""
+    store = SnapshotStore(str(tmp_path / "shm"), rank=0, world_size=1)
+    copy_all, go = snapshot_sets._copy_all, threading.Event()
+    monkeypatch.setattr(snapshot_sets, "_copy_all", lambda pairs: (go.wait(10), copy_all(pairs)))
     weight = torch.arange(8.0)
     for step, odd in ((1, None), (2, {1, 2, 3})):
         go.clear()
         user = {"counts": [1, 2], "seen": {"a": 1}, **({"odd": odd} if odd is not None else {})}
-        facts = {"step": step, "epoch": 0, "step_in_epoch": step, "samples_seen": 0,
-                 "world_size": 1}
-        assert store.ready(step)
-        store.stage(step, facts, {"model": {"w": weight}, "trainer": {"user": user}},
-                    {"torch": torch.get_rng_state()}, later=frozenset({key(weight)}))
-        assert store._staging.kept is (odd is not None)
+        store.take(step, facts(step), {"model": {"w": weight}, "trainer": {"user": user}},
+                   {"torch": torch.get_rng_state()}, later=frozenset({key(weight)}))
         user["counts"].append(3)  # the next step changes the recipe's state in place
         user["seen"]["a"] = 2
         if odd is not None:
@@ -157,11 +127,10 @@ def test_a_snapshot_holds_its_steps_values_when_they_change_before_the_write(tmp
         go.set()
         assert store.settle() is True
         store.wait()
-        _, shared, _ = store.load(store.inventory()[0][step])
-        held = shared["trainer"]["user"]
-        assert held["counts"] == [1, 2] and held["seen"] == {"a": 1}
+        got = held(store, step)["trainer"]["user"]
+        assert got["counts"] == [1, 2] and got["seen"] == {"a": 1}
         if odd is not None:
-            assert held["odd"] == {1, 2, 3}
+            assert got["odd"] == {1, 2, 3}
     store.remove_mine()
     store.close()
 
@@ -173,17 +142,14 @@ class WaitForForward(Callback):
     def __init__(self, monkeypatch):
         self.forward_ran = threading.Event()
         self.overlapped: list[bool] = []
-        copy_all = memory_staging._copy_all
+        copy_all = snapshot_sets._copy_all
 
         def held(pairs):
             self.overlapped.append(self.forward_ran.wait(10))
             self.forward_ran.clear()
             copy_all(pairs)
 
-        monkeypatch.setattr(memory_staging, "_copy_all", held)
-
-    def on_step_end(self, trainer):
-        trainer.checkpointer.store.wait()  # each step's snapshot is taken, none skipped
+        monkeypatch.setattr(snapshot_sets, "_copy_all", held)
 
 
 class MarksForward(LinearRecipe):
@@ -278,3 +244,44 @@ def test_a_run_resumed_after_a_dropped_snapshot_is_bit_identical(tmp_path, capfd
     assert "resuming from memory, step 5" in capfd.readouterr().err
     for name, value in weights(plain).items():
         assert torch.equal(weights(resumed)[name], value), name
+
+
+def test_without_cuda_the_buffer_is_not_registered_and_the_copy_is_a_thread_s(tmp_path):
+    """The CUDA path imports and falls back on a machine without a GPU: registering a
+    buffer says no, and CPU tensors are copied by the snapshot thread."""
+    from sailfin.compat.torch import register_host_memory
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the cuda-marked test covers registration")
+    assert register_host_memory(torch.empty(1024)) is False
+    store = SnapshotStore(str(tmp_path / "shm"), rank=0, world_size=1)
+    weight = torch.arange(100.0)
+    store.take(1, facts(1), {"model": {"w": weight}, "trainer": {}}, {},
+               later=frozenset({key(weight)}))
+    assert not store._streams and not any(b.registered for b in store._buffers.values())
+    assert store.settle() is True
+    store.wait()
+    assert torch.equal(held(store, 1)["model"]["w"], weight)
+    store.close()
+
+
+@pytest.mark.cuda
+def test_a_cuda_snapshot_goes_on_a_side_stream_into_registered_memory(tmp_path):
+    """The copy of CUDA tensors runs on a side stream into the set's buffer, registered
+    with CUDA as pinned; the optimizer step queued after the settle waits for it on the
+    device, so the snapshot holds the values before that step."""
+    store = SnapshotStore(str(tmp_path / "shm"), rank=0, world_size=1)
+    weight = torch.randn(4_000_000, device="cuda")
+    before = weight.cpu()
+    store.take(1, facts(1), {"model": {"w": weight}, "trainer": {}},
+               {"torch": torch.get_rng_state()}, later=frozenset({key(weight)}))
+    [buffer] = store._buffers.values()
+    assert buffer.registered and buffer.data.is_pinned()
+    assert store._streams  # the side stream
+    assert store.settle() is True
+    with torch.no_grad():
+        weight.mul_(2)  # the optimizer step: after the copy, on the device
+    store.wait()
+    assert torch.equal(held(store, 1)["model"]["w"], before)
+    store.close()
+    assert not buffer.registered

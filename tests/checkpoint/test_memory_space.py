@@ -10,9 +10,9 @@ import torch
 
 from sailfin import Callback, Trainer
 from sailfin.checkpoint import CheckpointError
-from sailfin.checkpoint.memory_dirs import used_bytes
-from sailfin.trainer.checkpointing.memory_snapshots import (MemorySnapshots, state_bytes,
-                                                         stepped_state_bytes)
+from sailfin.trainer.checkpointing.memory_snapshots import (MemorySnapshots, snapshots_of,
+                                                         state_bytes, stepped_state_bytes)
+from tests.checkpoint.test_memory import steps_held
 from tests.checkpoint.memory_observer import AdamWRecipe
 from tests.recipes import IdData, args
 
@@ -69,16 +69,16 @@ def test_an_optimizer_is_sized_from_its_parameters_without_stepping_it():
 
 
 def test_a_tmpfs_the_first_step_would_overflow_is_refused_before_step_1(tmp_path, tmpfs):
-    # Two snapshots and the staging copy of the weights alone (3 x 1.7 MiB with the files'
-    # overhead) fit in 8 MiB; with AdamW's state (3 x 4.7 MiB) they do not.
-    shm = tmpfs("8m")
+    # Two buffer sets of the weights alone (2 x 1.6 MiB with the files' overhead) fit in
+    # 6 MiB; with AdamW's state (2 x 4.6 MiB) they do not.
+    shm = tmpfs("6m")
     model = recipe()
     with pytest.raises(CheckpointError) as err:
         Trainer(model, run_args(tmp_path / "run", shm / "snapshots")).train()
     text = str(err.value)
     assert "\n" not in text
-    assert "trainer.checkpoint.memory: snapshots need 14.1 MiB on node 0" in text
-    assert f"{shm}/snapshots has 8.0 MiB free" in text
+    assert "trainer.checkpoint.memory: snapshots need 9.1 MiB on node 0" in text
+    assert f"{shm}/snapshots has 6.0 MiB free" in text
     assert "trainer.checkpoint.memory.dir" in text
     assert model.step_ids == []  # not one step trained
 
@@ -91,14 +91,19 @@ class FillAt(Callback):
         self.mount, self.step, self.held = mount, step, []
 
     def on_step_end(self, trainer):
-        trainer.checkpointer.store.wait()  # this test's steps take no time: no skips
+        store = snapshots_of(trainer).store
+        store.wait()
         if trainer.global_step == self.step:
             free = os.statvfs(self.mount)
             with open(self.mount / "other-job.bin", "wb") as fh:
                 fh.write(b"\0" * (free.f_bavail * free.f_frsize - (1 << 20)))
-        own = trainer.checkpointer.store.own_dir()  # (this step's snapshot comes after)
+        own = store.own_dir()  # (this step's snapshot comes after)
+        held = steps_held(own)
+        first = [n for n, step in held.items() if step == 1]
         self.held.append((trainer.global_step, sorted(os.listdir(own)) if os.path.isdir(own)
-                          else [], used_bytes(os.path.join(own, "step-00000001"))))
+                          else [], held, sum(
+            os.path.getsize(os.path.join(own, f"{first[0]}.{e}")) for e in ("bin", "pt", "json"))
+            if first else 0))
 
 
 def test_a_tmpfs_filling_mid_run_stops_snapshots_and_training_goes_on(tmp_path, tmpfs,
@@ -114,7 +119,7 @@ def test_a_tmpfs_filling_mid_run_stops_snapshots_and_training_goes_on(tmp_path, 
     trainer.train()
     # What was counted before step 1 is what the snapshot of step 1 held.
     [snapshots] = [c for c in trainer.callbacks if isinstance(c, MemorySnapshots)]
-    size = fill.held[1][2]
+    size = fill.held[1][3]
     assert 0.9 * snapshots.snapshot_bytes <= size <= snapshots.snapshot_bytes
     err = capfd.readouterr().err
     stopped = [line for line in err.splitlines() if "memory snapshots stopped" in line]
@@ -127,6 +132,7 @@ def test_a_tmpfs_filling_mid_run_stops_snapshots_and_training_goes_on(tmp_path, 
         assert torch.equal(a, b)
     # Disk checkpoints went on after the snapshots stopped.
     assert (tmp_path / "run" / "checkpoints" / "step-00000009" / "manifest.json").exists()
-    # Step 2's snapshot did not fit: after the stop only step 1's is left (complete,
+    # Step 2's snapshot did not fit: after the stop only step 1's set is left (committed,
     # resumable), nothing half-written, nothing new.
-    assert [names for step, names, _ in fill.held if step > 3] == [["step-00000001"]] * 7
+    assert [(names, held) for step, names, held, _ in fill.held if step > 3] == [
+        (["a.bin", "a.json", "a.pt"], {"a": 1})] * 7

@@ -1,10 +1,9 @@
-"""Replicas between two gloo ranks: a snapshot directory arrives byte for byte, under a
-temporary name until complete, by exchange (both ways at once) and by send/recv."""
+"""Replicas between two gloo ranks: a buffer set arrives byte for byte, its header
+committed last, by exchange (both ways at once) and by a one-way send."""
 
 from __future__ import annotations
 
 import os
-import random
 from pathlib import Path
 
 import pytest
@@ -14,40 +13,43 @@ from tests.distributed.harness import errors, run_ranks
 pytestmark = pytest.mark.slow
 
 
-def _files(rank: int) -> dict[str, bytes]:
-    return {"model.pt": random.Random(rank).randbytes(300_000 + rank), "empty.pt": b"",
-            "manifest.json": f'{{"rank": {rank}}}'.encode()}
-
-
 def swap(rank: int, world: int, dist_args, out: Path) -> None:
+    import torch
     import torch.distributed as dist
 
-    from sailfin.checkpoint import memory_transfer
+    from sailfin.checkpoint.snapshot_dirs import exchange
+    from sailfin.checkpoint.snapshot_sets import Location, read_header, read_set
+    from sailfin.checkpoint.snapshots import SnapshotStore
+    from tests.checkpoint.test_memory import facts
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist_args.master_port}",
                             rank=rank, world_size=world)
     try:
-        mine = out / f"rank{rank}" / "step-00000007"
-        mine.mkdir(parents=True)
-        for name, data in _files(rank).items():
-            (mine / name).write_bytes(data)
+        store = SnapshotStore(str(out / f"node{rank}"), rank=rank, world_size=2)
+        weight = torch.randn(300_000 + rank, generator=torch.Generator().manual_seed(rank))
+        store.take(7, facts(7, world_size=2), {"model": {"w": weight}, "trainer": {"n": rank}}, {"r": rank})
+        store.wait()
+        mine = store.inventory()[rank][7]
         other = 1 - rank
-        got = memory_transfer.exchange(None, str(mine), other, other,
-                                       str(out / f"replica-of-{other}-at-{rank}"), 7)
-        assert sorted(os.listdir(got)) == sorted(_files(other))
-        for name, data in _files(other).items():
-            assert Path(got, name).read_bytes() == data, name
-        if rank == 0:
-            memory_transfer.send(None, str(mine), 1)
+        into = Location(str(out / f"replica-of-{other}-at-{rank}"), "b")
+        assert exchange(None, mine, other, other, into) == 7
+        for ext in ("json", "pt", "bin"):
+            want = Path(str(out / f"node{other}" / f"rank{other:05d}" / f"a.{ext}")).read_bytes()
+            got = Path(into.path(ext)).read_bytes()
+            assert got == want[:len(got)] and len(got) >= len(want) - 64, ext
+        state = read_set(into, read_header(into))
+        assert state["shared"]["trainer"]["n"] == other and state["rank"]["r"] == other
+        if rank == 0:  # one way: the receiver only receives
+            exchange(None, mine, 1, None, None)
         else:
-            back = memory_transfer.recv(None, 0, str(out / "fetched"), 7)
-            assert os.path.basename(back) == "step-00000007"
-            assert not [n for n in os.listdir(out / "fetched") if n.startswith(".tmp")]
-            for name, data in _files(0).items():
-                assert Path(back, name).read_bytes() == data, name
+            fetched = Location(str(out / "fetched"), "a")
+            assert exchange(None, None, None, 0, fetched) == 7
+            assert not [n for n in os.listdir(out / "fetched") if ".tmp" in n]
+            assert read_set(fetched, read_header(fetched))["rank"]["r"] == 0
+        store.close()
     finally:
         dist.destroy_process_group()
 
 
-def test_a_snapshot_directory_travels_byte_for_byte(tmp_path):
+def test_a_buffer_set_travels_byte_for_byte(tmp_path):
     assert run_ranks(swap, 2, tmp_path, timeout=120) == [0, 0], errors(tmp_path)

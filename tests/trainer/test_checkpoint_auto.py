@@ -87,7 +87,7 @@ def test_auto_and_mtbf_are_checked():
 
 def test_memory_snapshots_auto_snapshot_at_the_chosen_interval(tmp_path):
     from sailfin import Callback
-    from sailfin.checkpoint import memory_dirs
+    from sailfin.checkpoint import snapshot_dirs
 
     class Steps(Callback):
         def __init__(self):
@@ -109,7 +109,7 @@ def test_memory_snapshots_auto_snapshot_at_the_chosen_interval(tmp_path):
         summary = Trainer(module, args(tmp_path, checkpoint=checkpoint),
                           callbacks=[seen]).train()
     finally:
-        memory_dirs.clean(str(tmp_path))
+        snapshot_dirs.clean(str(tmp_path))
     choice = summary["memory_snapshot_interval"]
     assert choice["every_n_steps"] >= 2 and seen.snapshots[0] == WARMUP_STEPS + MEASURED_STEPS
     # Each snapshot came as many steps after the previous one as was chosen then.

@@ -170,8 +170,8 @@ class AutoMemorySnapshots(MemorySnapshots):
 
     state_key = "memory_snapshot_interval"
 
-    def __init__(self, checkpointer: Any, args: Any, saver: Any) -> None:
-        super().__init__(checkpointer, args, saver)
+    def __init__(self, store: Any, args: Any, saver: Any) -> None:
+        super().__init__(store, args, saver)
         self.interval = IntervalChooser("memory snapshot", args.checkpoint.mtbf_hours)
 
     def on_train_start(self, trainer: "RunView") -> None:
@@ -186,11 +186,6 @@ class AutoMemorySnapshots(MemorySnapshots):
             self.interval.saved(trainer, started, self.stall_seconds, True)
         if self.persist and step % self.persist == 0:
             self.saver.save(trainer)
-
-    def before_log(self, trainer: "RunView", then: Any) -> Any:
-        """Which step is due is decided at its end: the snapshot waits for the previous
-        one's write there (:meth:`MemoryStore.ready`)."""
-        return then
 
     def summary_fields(self) -> dict[str, Any]:
         return {"memory_snapshot_interval": self.interval.choice}

@@ -160,6 +160,8 @@ def check_config(trainer: "RunView", manifest: Mapping[str, Any], where: str,
 
 
 def _refusal(trainer: "RunView", where: str, blocking: list[Change]) -> str:
+    from .memory_snapshots import start_afresh  # (it imports the saver, which imports us)
+
     lines = "\n".join(f"    {c}" for c in blocking)
     return (
         f"this run's config differs from that of checkpoint {where} in "
@@ -168,7 +170,7 @@ def _refusal(trainer: "RunView", where: str, blocking: list[Change]) -> str:
         "Resuming would continue the checkpoint's run with other settings. Either:\n"
         "  - start a new run: --trainer.output_dir NEW_DIR (add --trainer.init_from "
         f"{where} to start it from these weights only), or "
-        f"{trainer.checkpointer.start_afresh()} to start afresh here;\n"
+        f"{start_afresh(trainer)} to start afresh here;\n"
         "  - or continue this run with the new values: --trainer.resume_config accept")
 
 

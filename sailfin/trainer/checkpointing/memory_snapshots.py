@@ -1,27 +1,32 @@
-"""``trainer.checkpoint.memory``: snapshot the trainer's state to shared memory every N steps.
+"""``trainer.checkpoint.memory``: a snapshot of the trainer's state in shared memory every
+N steps, and resuming from the newest step every rank holds.
 
-The storage is :mod:`sailfin.checkpoint.memory`; this callback decides when, hands it
-the state, checks before the first step that snapshots fit, persists every
-``persist_every_n_steps`` as an ordinary checkpoint, and removes the snapshots when the
-run ends normally.
+The storage is :mod:`sailfin.checkpoint.snapshots`; this callback decides when, hands it
+the state, waits for the copy before each optimizer step, checks before the first step
+that two snapshots fit, persists every ``persist_every_n_steps`` as an ordinary
+checkpoint, and removes the snapshots when the run ends normally. On resume the ranks
+agree on the step to continue from (:meth:`MemorySnapshots.recover`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
-from ...checkpoint import CheckpointError, Checkpointer, memory_dirs
-from ...checkpoint.memory_checkpointer import MemoryFirstCheckpointer, local_shards
-from ...checkpoint.memory_staging import remove_file
+from ...checkpoint import CheckpointError, Checkpointer, Loaded, snapshot_dirs
 from ...checkpoint.rng import rng_state
-from ...checkpoint.staging import optimizer_storages, storage_key
+from ...checkpoint.snapshot_dirs import exchange
+from ...checkpoint.snapshot_sets import (Location, global_shards, is_tensor, local_shards,
+                                        map_tree)
+from ...checkpoint.snapshots import SnapshotStore
 from ...config.trainer import TrainerArguments
+from ...logging.destination import check_directory
 from ...utils.voice import say
 from ..core.callbacks import Callback, notify_save_end
 from .saver import CheckpointCallback, manifest_facts
@@ -30,14 +35,15 @@ if TYPE_CHECKING:
     from ..core.view import RunView
 
 StepHook = Callable[[int, Any, Any], None]  # (global_step, loss, stats): on_end_train_step
-_FILE_OVERHEAD = 1 << 16  # torch.save's archive around the tensors, per file (generous)
+PREFIX = "memory:"  # a snapshot's name among the checkpoints to resume
+_DISK_STEP = re.compile(r"step-(\d+)$")
+_FILE_OVERHEAD = 1 << 16  # a set's .pt and header, generously
 
 
 class MemorySnapshots(Callback):
-    """Snapshots every ``every_n_steps`` optimizer steps; training waits for the copy, and
-    for a write only when it is slower than the steps between snapshots.
-    ``stall_seconds`` records how long each snapshot held training; ``write_waits`` the
-    waits for a write.
+    """Snapshots every ``every_n_steps`` optimizer steps. ``stall_seconds`` records how
+    long each held training (its copy now, and the wait for the rest of it before the
+    next optimizer step).
 
     Example::
 
@@ -45,25 +51,113 @@ class MemorySnapshots(Callback):
         Trainer(module, args).train()   # the trainer adds this callback itself
     """
 
-    def __init__(self, checkpointer: MemoryFirstCheckpointer, args: TrainerArguments,
-                 saver: Optional[CheckpointCallback]) -> None:
-        self.checkpointer, self.store = checkpointer, checkpointer.store
+    def __init__(self, store: SnapshotStore, args: TrainerArguments,
+                 saver: CheckpointCallback) -> None:
+        self.store, self.args = store, args
         memory = args.checkpoint.memory
         self.every = memory.every_n_steps if isinstance(memory.every_n_steps, int) else 1
         self.persist = memory.persist_every_n_steps
-        # Persisting is an ordinary (async) save; the saver also supplies the best metric.
-        self.saver = saver or CheckpointCallback(checkpointer, args.checkpoint)
+        self.saver = saver  # persisting is an ordinary (async) save; it has the best metric
         self.stall_seconds: list[float] = []
-        self.write_waits: list[float] = []  # a step waited for the previous write (seconds)
+        self.copy_waits: list[float] = []  # a step waited for the copy (seconds)
         self.snapshot_bytes = 0  # one rank's whole snapshot state, as counted before step 1
         self.overlap = True  # copy the stepped state during the next forward and backward
+        self.mesh: Any = None  # fsdp: the model's device mesh, to rebuild shards on
         self._config: Optional[dict] = None  # trainer.args, shared by every snapshot
+        self._agreed: dict[int, tuple[Any, str]] = {}  # step -> (set, what resuming says)
 
+    # -- resume ------------------------------------------------------------------
+    def recover(self, trainer: "RunView", disk: list[str]) -> list[str]:
+        """Every rank, before resuming: learn the run's identity, make sure the node's
+        directory is this run's, claim it, and with ``resume: auto`` agree on the steps to
+        resume from (names newest first; ``disk``: the disk checkpoints, newest first)."""
+        store, output_dir = self.store, self.args.output_dir
+        store.peers.start()
+        store.run = store.peers.all_gather(
+            snapshot_dirs.run_identity(output_dir) if store.rank == 0 else None)[0]
+        verdict = (snapshot_dirs.check_root(store.root, store.run, output_dir)
+                   if store.local_rank == 0 else (None, []))
+        verdicts = store.peers.all_gather(verdict)  # before any rank claims the directory
+        for line in verdict[1]:  # each node's own: said there
+            say(line, warning=True)
+        refused = next((error for error, _ in verdicts if error), None)
+        if refused:
+            raise CheckpointError(refused)
+        snapshot_dirs.claim(store.root, store.rank, output_dir, store.run)
+        if store.local_rank == 0:
+            snapshot_dirs.record_root(output_dir, store.node, store.root)
+            for path in snapshot_dirs.remove_leftovers(os.path.dirname(store.root), store.root):
+                say(f"removed the memory snapshots of a run that is gone: {path}", warning=True)
+        match = _DISK_STEP.search(disk[0]) if disk else None
+        disk_step = int(match.group(1)) if match else (-1 if disk else None)
+        # resume: never (or a path) starts elsewhere; this run's snapshots go at its start.
+        self._agreed = self._agree(disk_step) if self.args.resume == "auto" else {}
+        return [f"{PREFIX}step-{s:08d}" for s in sorted(self._agreed, reverse=True)]
+
+    def _agree(self, disk: Optional[int]) -> dict[int, tuple[Any, str]]:
+        """The two newest steps every rank holds, not older than the newest disk checkpoint;
+        ranks whose node lost one get the replica. The second is for when the first fails
+        its checks."""
+        store, rank, world = self.store, self.store.rank, self.store.world_size
+        mine = store.inventory()
+        reports = store.peers.all_gather({r: sorted(s) for r, s in mine.items()})
+        held = {r: set().union(*(report.get(r, []) for report in reports)) for r in range(world)}
+        newest = max((s for steps in held.values() for s in steps), default=None)
+        if newest is None:
+            return {}
+        common = set.intersection(*held.values())
+        if not common:
+            if rank == 0:
+                lost = [str(r) for r, steps in held.items() if not steps]
+                shown = ", ".join(lost[:8]) + (" ..." if len(lost) > 8 else "")
+                say(f"memory snapshots: no step is held for every rank (rank(s) "
+                    f"{shown or 'all'} lack one: their node's memory was lost and no "
+                    f"replica holds it, or the world size changed); resuming from "
+                    f"{'disk step ' + str(disk) if disk is not None else 'the start'}, "
+                    f"{newest - (disk or 0)} step(s) behind the newest snapshot (step {newest})")
+            return {}
+        steps = sorted((s for s in common if disk is None or s >= disk), reverse=True)[:2]
+        if not steps and rank == 0:
+            say(f"memory snapshots: the newest common step {max(common)} is older than the "
+                f"disk checkpoint of step {disk}; resuming from disk")
+        agreed = {}
+        for step in steps:
+            fetched = []
+            for r in range(world):  # the same order on every rank: pairs never deadlock
+                if step in reports[r].get(r, []):
+                    continue
+                holder = min(q for q in range(world) if step in reports[q].get(r, []))
+                fetched.append((r, holder))
+                if rank == holder:
+                    exchange(store.peers.group, mine[r][step], r, None, None)
+                elif rank == r:
+                    where = next(w for w in (Location(store.own_dir(), n) for n in "ab")
+                                 if w not in mine.get(r, {}).values())
+                    exchange(store.peers.group, None, None, holder, where)
+                    mine.setdefault(r, {})[step] = where
+            if fetched:
+                store.peers.min_pair(0, 0)  # every copy is back before a rank reads its own
+            via = "; ".join(f"rank {r} from the replica held by rank {h}" for r, h in fetched)
+            agreed[step] = (mine[rank][step], (
+                f"memory snapshots: resuming from memory, step {step} (held by every rank"
+                + (f"; {via}, its node's memory being lost" if via else "")
+                + f"); newest snapshot step {newest}, newest disk checkpoint "
+                + (f"step {disk}" if disk is not None else "none")))
+        return agreed
+
+    def load(self, name: str) -> Loaded:
+        """The snapshot ``name`` (one :meth:`recover` returned), every check done."""
+        where, note = self._agreed.pop(int(name.rsplit("-", 1)[1]))  # no longer a candidate
+        header, shared, rank_state = self.store.load(where)
+        if self.store.rank == 0:
+            say(note)
+        return Loaded(name, str(where), header, global_shards(shared, self.mesh), rank_state)
+
+    # -- training ----------------------------------------------------------------
     def on_train_start(self, trainer: "RunView") -> None:
         # What a run before this one left (newer steps above all) must never be resumed.
-        self.store.prune(only=trainer.global_step)
+        self.store.keep_only(trainer.global_step)
         self.check_space(trainer)
-        self.store.start_writer(wait=True)
 
     def on_step_end(self, trainer: "RunView") -> None:
         step = trainer.global_step
@@ -75,56 +169,46 @@ class MemorySnapshots(Callback):
     def snapshot(self, trainer: "RunView") -> None:
         started = time.perf_counter()
         trainer.nonfinite.check()  # never snapshot weights a non-finite loss spoiled
-        if self.store.ready(trainer.global_step):
-            trainer.writers.flush()  # metrics.jsonl holds every event up to the snapshot
-            state = trainer.state_dict()
-            if self._config is None:  # as the manifests hold it; the run's does not change
-                self._config = dataclasses.asdict(trainer.args)
-            facts = manifest_facts(trainer, self.saver, state, self._config)
-            # fsdp: this rank's rows, as plain tensors (no model mesh: nothing is sharded)
-            local = local_shards(state) if self.checkpointer.mesh is not None else state
-            replicated = local is state  # no shards: every rank holds the same (ddp)
-            shared = {"model": local.pop("module"), "trainer": local}
-            later = stepped_state(trainer) if self.overlap else frozenset()
-            self.store.stage(trainer.global_step, facts, shared, rng_state(), replicated,
-                             later)
+        trainer.writers.flush()  # metrics.jsonl holds every event up to the snapshot
+        state = trainer.state_dict()
+        if self._config is None:  # as the manifests hold it; the run's does not change
+            self._config = dataclasses.asdict(trainer.args)
+        facts = manifest_facts(trainer, self.saver, state, self._config)
+        # fsdp: this rank's rows, as plain tensors (no model mesh: nothing is sharded)
+        local = local_shards(state) if self.mesh is not None else state
+        shared = {"model": local.pop("module"), "trainer": local}
+        later = stepped_state(trainer) if self.overlap else frozenset()
+        self.store.take(trainer.global_step, facts, shared, rng_state(), local is state, later)
         self.stall_seconds.append(time.perf_counter() - started)
-        if not self.store.copying:  # else said when the copy is settled, with its wait
+        if not self.store.copying:  # else said once the copy is settled, with its wait
             notify_save_end(trainer, "snapshot", self.stall_seconds[-1])  # the time account
 
     def on_backward_end(self, trainer: "RunView", samples: int) -> bool:
-        # Before the optimizer step changes them: the last snapshot's copy is done.
-        self.settle(trainer)
+        self.settle(trainer)  # before the optimizer step changes what is being copied
         return False
 
     def before_log(self, trainer: "RunView", then: Optional[StepHook]) -> Optional[StepHook]:
-        """The trainer's ``on_end_train_step`` (``then`` the recipe's): a step that takes a
-        snapshot first waits until the previous one is written. Once a step is logged, the
-        snapshot before it is complete: a kill loses at most ``every_n_steps`` steps."""
-        every = self.every
-
+        """The trainer's ``on_end_train_step`` (``then`` the recipe's): a step is logged
+        once the snapshot before it is committed, so a kill loses at most
+        ``every_n_steps`` steps (the commit follows the copy within microseconds)."""
         def step_done(global_step: int, loss: Any, stats: Any) -> None:
-            if global_step % every == 0:
-                self.settle(trainer, written=True)
+            self.store.committed.wait()
             if then is not None:
                 then(global_step, loss, stats)
 
         return step_done
 
-    def settle(self, trainer: "RunView", written: bool = False) -> None:
+    def settle(self, trainer: "RunView") -> None:
         started = time.perf_counter()
-        settled = self.store.settle()
-        waited = written and self.store.written()
-        if settled is None and not waited:
+        unchanged = self.store.settle()
+        if unchanged is None:
             return
         seconds = time.perf_counter() - started
         self.stall_seconds[-1] += seconds
-        if waited:
-            self.write_waits.append(seconds)
-        # The time account: the whole stall once its copy is settled, else this wait.
-        notify_save_end(trainer, "snapshot", self.stall_seconds[-1] if settled is not None
-                        else seconds)
-        if settled is False and self.overlap:
+        if self.store.busy:
+            self.copy_waits.append(seconds)
+        notify_save_end(trainer, "snapshot", self.stall_seconds[-1])
+        if not unchanged and self.overlap:
             self.overlap = False
             say(f"memory snapshots: rank {trainer.dist.rank}'s parameters or optimizer "
                 f"state changed between step {trainer.global_step}'s end and the next "
@@ -134,102 +218,130 @@ class MemorySnapshots(Callback):
 
     def on_train_end(self, trainer: "RunView") -> None:
         self.settle(trainer)
-        if self.write_waits and trainer.dist.is_main:
-            say(f"memory snapshots: {len(self.write_waits)} of {len(self.stall_seconds)} "
-                f"waited {sum(self.write_waits):.1f} s in all for the previous one's write "
-                "(slower than the steps between snapshots); a larger "
-                "trainer.checkpoint.memory.every_n_steps leaves the writer more time")
+        if self.copy_waits and trainer.dist.is_main:
+            say(f"memory snapshots: {len(self.copy_waits)} of {len(self.stall_seconds)} "
+                f"waited {sum(self.copy_waits):.1f} s in all for the copy of the parameters "
+                "and optimizer state (slower than a forward and backward); a larger "
+                "trainer.checkpoint.memory.every_n_steps leaves it more time")
         # The final state is on disk (the saver's on_train_end ran first): the RAM goes back.
         self.store.remove_mine()
+        self.store.close()
         trainer.backend.barrier()
         if self.store.local_rank == 0:
             shutil.rmtree(self.store.root, ignore_errors=True)
-            remove_file(os.path.join(trainer.args.output_dir,
-                                     f"{memory_dirs.RECORD}{self.store.node}"))
+            snapshot_dirs.remove_file(os.path.join(trainer.args.output_dir,
+                                                   f"{snapshot_dirs.RECORD}{self.store.node}"))
 
     def check_space(self, trainer: "RunView") -> None:
-        """Two snapshots per writing rank (plus two replicas) and its staging copy, the
-        optimizer's state counted as after the first step, must fit each node's free
-        shared memory; else stop before the first step, on every rank."""
+        """Two sets per rank that writes (and two replicas), the optimizer's state counted
+        as after the first step, must fit each node's free shared memory; else stop before
+        the first step, on every rank."""
         state = trainer.state_dict()
         local = local_shards(state)
-        # The whole snapshot state: the optimizers' state as after their first step.
         grown = sum(max(0, stepped_state_bytes(opt) - state_bytes(dict(_inner(opt).state)))
                     for opt in trainer.optimizers)
-        shared = state_bytes(local) + grown + 2 * _FILE_OVERHEAD
+        shared = state_bytes(local) + grown
         own = state_bytes(rng_state()) + _FILE_OVERHEAD
         self.snapshot_bytes = shared + own
-        replicas = self.store.replica_dst is not None
-        writes_shared = local is not state or self.store.rank == self.store.leader
-        writes = (shared if writes_shared else 0) + own  # ddp: the node's leader only
-        root = self.store.root
-        free = memory_dirs.free_bytes(root) + memory_dirs.used_bytes(root)
-        reports = self.store.peers.all_gather((self.store.node, writes, free, root))
+        store = self.store
+        replicas = store.replica_dst is not None
+        writes = (shared if local is not state or store.rank == store.leader else 0) + own
+        root = store.root
+        free = snapshot_dirs.free_bytes(root) + snapshot_dirs.used_bytes(root)
+        reports = store.peers.all_gather((store.node, writes, free, root))
         for where in sorted({r[0] for r in reports}):
             on_node = [r for r in reports if r[0] == where]
-            need = sum(r[1] * (2 * (1 + replicas) + 1) for r in on_node)
+            need = sum(r[1] * 2 * (1 + replicas) for r in on_node)
             free, root = on_node[0][2], on_node[0][3]
             if need <= free:
                 continue
             raise CheckpointError(
                 f"trainer.checkpoint.memory: snapshots need {_mb(need)} on node {where} "
-                f"(2 snapshots"
-                + (" and 2 replicas" if replicas else "")
-                + f" and a staging copy of {_mb(max(r[1] for r in on_node))} at most per "
-                f"rank, model and optimizer state once per node, {len(on_node)} rank(s)"
-                + f") but {root} has {_mb(free)} free; enlarge /dev/shm (docker run "
-                "--shm-size), point trainer.checkpoint.memory.dir at a larger tmpfs"
+                f"(2 buffer sets" + (" and 2 replicas" if replicas else "")
+                + f" of {_mb(max(r[1] for r in on_node))} at most per rank, model and "
+                f"optimizer state once per node, {len(on_node)} rank(s)) but {root} has "
+                f"{_mb(free)} free; enlarge /dev/shm (docker run --shm-size), point "
+                "trainer.checkpoint.memory.dir at a larger tmpfs"
                 + (", set trainer.checkpoint.memory.replicas: 0" if replicas else "")
                 + ", or turn snapshots off (trainer.checkpoint.memory.every_n_steps: null)")
-
-
-def stepped_state(trainer: "RunView") -> frozenset:
-    """The storages only an optimizer step changes: the parameters and optimizers' state."""
-    return (frozenset(storage_key(p) for p in trainer.module.parameters())
-            | optimizer_storages(trainer.optimizers))
 
 
 def memory_snapshot_callback(checkpointer: Checkpointer, args: TrainerArguments,
                              saver: Optional[CheckpointCallback],
                              module: torch.nn.Module) -> list[MemorySnapshots]:
-    """The callback ``trainer.checkpoint.memory`` asks for (none when it is off); built
-    before resume, which rebuilds fsdp shards on the model's device mesh."""
-    if not isinstance(checkpointer, MemoryFirstCheckpointer):
+    """The callback ``trainer.checkpoint.memory`` asks for (none when it is off)."""
+    memory, dist = args.checkpoint.memory, checkpointer.dist
+    if not memory.enabled:
         return []
-    checkpointer.mesh = next((p.device_mesh for p in module.parameters()  # fsdp's DTensors
-                              if hasattr(p, "device_mesh")), None)
-    if args.checkpoint.memory.every_n_steps == "auto":  # chosen from measurements
+    # Persisting is an ordinary (async) save; the saver also supplies the best metric.
+    saver = saver or CheckpointCallback(checkpointer, args.checkpoint)
+    # A file in the way, a read-only or full file system: one line before the first step.
+    check_directory(memory.dir or snapshot_dirs.DEFAULT_PARENT, "memory snapshot",
+                    key="trainer.checkpoint.memory.dir",
+                    who="memory snapshots (trainer.checkpoint.memory)")
+    root = snapshot_dirs.snapshot_root(memory.dir, args.output_dir,
+                                       dist.rank // dist.local_world_size)
+    store = SnapshotStore(root, dist.rank, dist.world_size, dist.local_world_size,
+                          memory.replicas, dist.local_rank)
+    if memory.replicas and store.replica_dst is None and dist.is_main:
+        say("trainer.checkpoint.memory.replicas is 1 but the job runs on one node: there "
+            "is no other node to keep replicas; a lost node resumes from disk")
+    if memory.every_n_steps == "auto":  # chosen from measurements
         from .auto_interval import AutoMemorySnapshots
-        return [AutoMemorySnapshots(checkpointer, args, saver)]
-    return [MemorySnapshots(checkpointer, args, saver)]
+        callback: MemorySnapshots = AutoMemorySnapshots(store, args, saver)
+    else:
+        callback = MemorySnapshots(store, args, saver)
+    callback.mesh = next((p.device_mesh for p in module.parameters()  # fsdp's DTensors
+                          if hasattr(p, "device_mesh")), None)
+    return [callback]
+
+
+def snapshots_of(trainer: "RunView") -> Optional[MemorySnapshots]:
+    """The run's memory snapshots, if it takes them."""
+    return next((c for c in trainer.callbacks if isinstance(c, MemorySnapshots)), None)
+
+
+def start_afresh(trainer: "RunView") -> str:
+    """What to remove to start afresh here (the advice of a refused resume)."""
+    snapshots = snapshots_of(trainer)
+    disk = trainer.checkpointer.start_afresh() if trainer.checkpointer.latest() else ""
+    if snapshots is None:
+        return disk or trainer.checkpointer.start_afresh()
+    return (f"{disk} and " if disk else "") + (
+        f"run `sailfin clean {trainer.args.output_dir}` (its memory snapshots in "
+        f"{snapshots.store.root})")
+
+
+def stepped_state(trainer: "RunView") -> frozenset:
+    """The storages only an optimizer step changes: the parameters and optimizers' state."""
+    tensors = [*trainer.module.parameters(),
+               *(v for opt in trainer.optimizers for s in opt.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor))]
+    locals_ = (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
+    return frozenset((t.untyped_storage().data_ptr(), str(t.device)) for t in locals_)
 
 
 def state_bytes(obj: Any) -> int:
     """Bytes of the tensors in ``obj`` (shared storages counted once; ``meta`` tensors by
     their size; a DTensor by its local shard)."""
     seen: dict[Any, int] = {}
-    stack = [obj]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, torch.Tensor):
-            if hasattr(value, "to_local"):  # a DTensor (fsdp): this rank's rows
-                value = value.to_local()
-            if value.device.type == "meta":
-                seen[id(value)] = value.numel() * value.element_size()
-            else:
-                storage = value.untyped_storage()
-                seen[(storage.data_ptr(), str(value.device))] = storage.nbytes()
-        elif isinstance(value, dict):
-            stack.extend(value.values())
-        elif isinstance(value, (list, tuple)):
-            stack.extend(value)
+
+    def count(value: torch.Tensor) -> None:
+        value = value.to_local() if hasattr(value, "to_local") else value
+        if value.device.type == "meta":
+            seen[id(value)] = value.numel() * value.element_size()
+        else:
+            storage = value.untyped_storage()
+            seen[(storage.data_ptr(), str(value.device))] = storage.nbytes()
+
+    map_tree(obj, count, is_tensor)
     return sum(seen.values())
 
 
 def stepped_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes ``optimizer``'s state holds once it has stepped: a twin of it steps once on
-    ``meta`` copies of this rank's parameters; 0 when it cannot (the writer checks the
-    room again after each snapshot)."""
+    ``meta`` copies of this rank's parameters; 0 when it cannot (a full file system then
+    stops the snapshots with one warning)."""
     inner = _inner(optimizer)
     if inner.state:
         return state_bytes(dict(inner.state))
@@ -251,7 +363,7 @@ def stepped_state_bytes(optimizer: torch.optim.Optimizer) -> int:
         torch.optim.Optimizer.__init__(twin, groups, dict(inner.defaults))
         with torch.no_grad():
             twin.step()
-    except Exception:  # an optimizer that needs more than torch's contract: measured later
+    except Exception:  # an optimizer that needs more than torch's contract
         return 0
     return state_bytes(dict(twin.state))
 

@@ -22,6 +22,7 @@ from ...utils.voice import say
 from ..core.view import epoch_position
 from .config_diff import check_config
 from .init_from import all_ranks, load_initial_weights
+from .memory_snapshots import snapshots_of
 from .state import frozen_names, state_key
 
 if TYPE_CHECKING:
@@ -33,6 +34,9 @@ def resume(trainer: "RunView", checkpointer: Checkpointer) -> Optional[Loaded]:
     With nothing to resume, a new run starts from ``trainer.init_from``'s weights, if set."""
     mode = trainer.args.resume
     checkpointer.recover()  # a save killed between its renames left its checkpoint aside
+    # trainer.checkpoint.memory: the run's identity, and the snapshots every rank holds.
+    snapshots = snapshots_of(trainer)
+    memory = snapshots.recover(trainer, checkpointer.candidates()) if snapshots else []
     loaded = None
     if mode == "never":
         existing = checkpointer.latest()
@@ -42,7 +46,7 @@ def resume(trainer: "RunView", checkpointer: Checkpointer) -> Optional[Loaded]:
                 f"{existing}) that this run's saves would mix with; use another "
                 "trainer.output_dir or trainer.checkpoint.dir, delete them, or resume (auto)")
     elif mode == "auto":
-        loaded = _first_loadable(trainer, checkpointer)
+        loaded = _first_loadable(trainer, checkpointer, memory)
         if loaded is None:
             _start_afresh(trainer)
     else:
@@ -76,11 +80,14 @@ def _start_afresh(trainer: "RunView") -> None:
             "metrics.jsonl line(s) that an earlier run logged before it saved any")
 
 
-def _first_loadable(trainer: "RunView", checkpointer: Checkpointer) -> Optional[Loaded]:
-    """The newest checkpoint every rank can read; say which damaged ones were skipped."""
+def _first_loadable(trainer: "RunView", checkpointer: Checkpointer, memory: list[str]
+                    ) -> Optional[Loaded]:
+    """The newest checkpoint every rank can read (the memory snapshots first); say which
+    damaged ones were skipped."""
     skipped = []
-    for name in checkpointer.candidates():
-        loaded, error = _try_load(checkpointer, name, trainer.dist.rank)
+    for name in memory + checkpointer.candidates():
+        source = snapshots_of(trainer) if name in memory else checkpointer
+        loaded, error = _try_load(source, name, trainer.dist.rank)
         # Every rank must continue from the same checkpoint, even if only one
         # rank's file is damaged.
         if all_ranks(trainer, loaded is not None):
@@ -106,7 +113,7 @@ def _first_loadable(trainer: "RunView", checkpointer: Checkpointer) -> Optional[
     return None
 
 
-def _try_load(checkpointer: Checkpointer, name: str, rank: int
+def _try_load(checkpointer: Any, name: str, rank: int
               ) -> tuple[Optional[Loaded], Optional[CheckpointError]]:
     """Read ``name`` and check it has the shape a save gives it."""
     try:

@@ -1,0 +1,381 @@
+"""A memory snapshot's buffer set: its files, its header, its layout, its checks, and
+moving it to another rank.
+
+A set is three files in a rank's directory (:mod:`.snapshot_dirs`)::
+
+    a.bin    the tensors one after another (64-byte aligned), written in place through a
+             shared mapping whose pages are reserved up front (a write cannot fail)
+    a.pt     the rest of the state (counters, data position, schedulers...), each tensor
+             replaced by its place in a.bin: a pickle of plain values, read back by an
+             unpickler that rebuilds no class but OrderedDict, set, torch.Size and dtypes
+    a.json   the header: step, run, the manifest's facts, the sizes and CRC-32s below and
+             its own CRC-32; renamed into place once the set holds its step
+
+What is checked on resume: the header's CRC-32; the ``.pt`` whole (size, CRC-32); the
+``.bin``'s size, and a CRC-32 of the tensors copied at the step's end whole and of 4 KiB
+of every MiB of those copied beside training (:func:`sample_crc`): found without a
+second pass over the memory the copy wrote.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import io
+import json
+import os
+import pickle
+import queue
+import stat
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+from ..compat.torch import register_host_memory, unregister_host_memory, version
+from ..utils.crc import crc32
+from .errors import CheckpointCorrupt
+from .snapshot_dirs import remove_file
+
+SETS = ("a", "b")
+TENSOR = "__sailfin_tensor__"  # a tensor's place in the set's .bin, in its .pt
+OTHER = "__sailfin_torch_save__"  # a sparse or quantized tensor: torch.save'd, weights_only
+MARK = "__sailfin_dtensor__"  # a DTensor's local rows and where they belong
+ALIGN = 64
+_BLOCK, _STRIDE = 4096, 1 << 20  # the sampled check: 4 KiB of every MiB
+_SCALARS = frozenset({int, float, bool, str, bytes, type(None)})
+
+
+class Location(NamedTuple):
+    """One buffer set: its directory and name (``a`` or ``b``)."""
+
+    directory: str
+    name: str
+
+    def path(self, ext: str) -> str:
+        return os.path.join(self.directory, f"{self.name}.{ext}")
+
+    def __str__(self) -> str:
+        return self.path("json")
+
+
+def map_tree(obj: Any, fn: Callable[[Any], Any], leaf: Callable[[Any], bool]) -> Any:
+    """``obj`` with ``fn(x)`` for each ``x`` that is a ``leaf``, through dicts, lists and
+    tuples (new containers, of the same types); other values are kept as they are. A
+    sequence of scalars (Python's random state: 625 ints) is recognised in C."""
+    if leaf(obj):
+        return fn(obj)
+    if isinstance(obj, dict):
+        out = {k: v if type(v) in _SCALARS else map_tree(v, fn, leaf) for k, v in obj.items()}
+        return type(obj)(out) if type(obj) is not dict else out
+    if type(obj) in (list, tuple):
+        if _SCALARS.issuperset(map(type, obj)):
+            return obj if type(obj) is tuple else list(obj)
+        return type(obj)(v if type(v) in _SCALARS else map_tree(v, fn, leaf) for v in obj)
+    return obj
+
+
+def is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def is_full(error: Optional[BaseException]) -> bool:
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """A storage's bytes as a flat uint8 tensor (its ``copy_`` releases the GIL)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+def sample_crc(data: torch.Tensor, full: int) -> int:
+    """CRC-32 of the first ``full`` bytes of ``data`` (uint8, CPU) and of 4 KiB of every
+    MiB after them and the last 4 KiB: found without reading the copy again."""
+    view = memoryview(data.numpy()) if data.numel() else memoryview(b"")
+    crc = crc32(view[:full])
+    for start in range(full, len(view), _STRIDE):
+        crc = crc32(view[start:start + _BLOCK], crc)
+    return crc32(view[max(full, len(view) - _BLOCK):], crc)
+
+
+def header_crc(header: dict[str, Any]) -> int:
+    return crc32(json.dumps({k: v for k, v in header.items() if k != "crc32"},
+                            sort_keys=True).encode("utf-8"))
+
+
+def _read_regular(path: str, limit: Optional[int] = None) -> bytes:
+    """A regular file's bytes (never a FIFO or device: no hang, no endless read)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or (limit is not None and info.st_size > limit):
+            raise CheckpointCorrupt(f"memory snapshot file {path} is not a snapshot's file",
+                                    path)
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            return fh.read()
+    finally:
+        os.close(fd)
+
+
+def read_header(where: Location) -> dict[str, Any]:
+    """The set's header, its CRC-32 checked; CheckpointCorrupt if damaged or missing."""
+    path = where.path("json")
+    try:
+        header = json.loads(_read_regular(path, limit=64 << 20))
+    except FileNotFoundError:
+        raise CheckpointCorrupt(f"memory snapshot {path} is missing", path) from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointCorrupt(f"memory snapshot header {path} cannot be read ({exc})",
+                                path) from None
+    if not isinstance(header, dict) or header.get("crc32") != header_crc(header):
+        raise CheckpointCorrupt(f"memory snapshot header {path} does not match its CRC-32: "
+                                "it is damaged", path)
+    return header
+
+
+def plan_state(state: Any, later: frozenset) -> tuple[Any, list, list]:
+    """(``state`` with each tensor replaced by its slot, the distinct storages to copy as
+    ``(key, tensor)`` — those not in ``later`` first —, the slots to number)."""
+    sources: dict[tuple, torch.Tensor] = {}
+    slots: list[list] = []
+
+    def slot(value: torch.Tensor) -> Any:
+        value = value.detach()  # shares the version counter: a change is seen
+        if value.layout is not torch.strided or value.is_quantized:  # rare: kept whole
+            blob = io.BytesIO()
+            torch.save(value.to("cpu", copy=True), blob)
+            return {OTHER: blob.getvalue()}
+        storage = value.untyped_storage()
+        key = (storage.data_ptr(), str(value.device), storage.nbytes())
+        sources.setdefault(key, value)
+        entry = [key, str(value.dtype).replace("torch.", ""), list(value.size()),
+                 list(value.stride()), value.storage_offset()]
+        slots.append(entry)
+        return {TENSOR: entry}
+
+    skeleton = map_tree(state, slot, is_tensor)
+    order = sorted(sources, key=lambda k: k[:2] in later)  # now first, then later
+    return skeleton, [(k, sources[k]) for k in order], slots
+
+
+def dump_state(obj: Any) -> bytes:
+    """``obj`` (plain values: :func:`plan_state` took its tensors out) as a pickle."""
+    return pickle.dumps(obj, protocol=5)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Rebuilds no class but these: no code runs from a snapshot's state."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = {("collections", "OrderedDict"): collections.OrderedDict,
+                 ("builtins", "set"): set, ("builtins", "frozenset"): frozenset,
+                 ("builtins", "complex"): complex, ("torch", "Size"): torch.Size
+                 }.get((module, name), getattr(torch, name, None) if module == "torch" else None)
+        if found is None or (module == "torch" and name != "Size"
+                             and not isinstance(found, torch.dtype)):
+            raise pickle.UnpicklingError(f"a snapshot's state names {module}.{name}, which "
+                                         "only arbitrary unpickling could rebuild")
+        return found
+
+
+class Buffer:
+    """One set's ``.bin``, mapped shared; registered with CUDA when a GPU copies into it."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.data, self.registered = path, torch.empty(0, dtype=torch.uint8), False
+        self.views: dict[tuple, tuple[int, torch.Tensor, torch.Tensor]] = {}
+
+    def hold(self, nbytes: int, cuda: bool) -> None:
+        if nbytes > self.data.numel():
+            self.release()
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:  # reserved now: a write into a mapped page of a full tmpfs is a SIGBUS
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError:
+                os.close(fd)
+                remove_file(self.path)
+                raise
+            os.close(fd)
+            self.data = bytes_of(torch.UntypedStorage.from_file(
+                self.path, shared=True, nbytes=nbytes), torch.device("cpu"))
+        if cuda and not self.registered:
+            self.registered = register_host_memory(self.data)
+
+    def pairs(self, sources: list, offsets: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(place in the buffer, source bytes) per storage; made once per storage (the
+        source's view holds its storage: no other takes its address while it lives)."""
+        views = {}
+        for (key, tensor), offset in zip(sources, offsets):
+            view = self.views.get(key)
+            if view is None or view[0] != offset:
+                view = (offset, self.data[offset:offset + key[2]],
+                        bytes_of(tensor.untyped_storage(), tensor.device))
+            views[key] = view
+        self.views = views
+        return [views[key][1:] for key, _ in sources]
+
+    def release(self) -> None:
+        if self.registered:
+            unregister_host_memory(self.data)
+        self.data, self.registered, self.views = torch.empty(0, dtype=torch.uint8), False, {}
+
+
+def read_set(where: Location, header: dict[str, Any]) -> Any:
+    """The state a set holds, checked against ``header``: its ``.pt`` whole (size and
+    CRC-32), its ``.bin``'s size and sampled CRC-32 (:func:`sample_crc`)."""
+    shown = str(where)
+    try:
+        about = header["memory_snapshot"]
+        (size, crc), (total, full, sampled) = about["state"], about["tensors"]
+        blob = _read_regular(where.path("pt"), limit=size)
+        if len(blob) != size or crc32(blob) != crc:
+            raise CheckpointCorrupt(f"memory snapshot {where.path('pt')} does not match its "
+                                    "CRC-32 in the header: it is damaged", shown)
+        if os.path.getsize(where.path("bin")) < total:
+            raise CheckpointCorrupt(f"memory snapshot {where.path('bin')} is shorter than its "
+                                    "header says: it is damaged", shown)
+        data = (torch.from_file(where.path("bin"), shared=False, size=total, dtype=torch.uint8)
+                if total else torch.empty(0, dtype=torch.uint8))
+        if sample_crc(data, full) != sampled:
+            raise CheckpointCorrupt(f"memory snapshot {where.path('bin')} does not match its "
+                                    "sampled CRC-32 in the header: it is damaged", shown)
+        saved = _PlainUnpickler(io.BytesIO(blob)).load()
+        storages = [data[o:o + n].clone().untyped_storage() for o, n in saved["layout"]]
+
+        def tensor(slot: dict) -> torch.Tensor:
+            if OTHER in slot:
+                return torch.load(io.BytesIO(slot[OTHER]), weights_only=True)
+            index, dtype, size_, stride, offset = slot[TENSOR]
+            return torch.empty(0, dtype=getattr(torch, dtype)).set_(
+                storages[index], offset, size_, stride)
+
+        return map_tree(saved["state"], tensor,
+                        lambda v: isinstance(v, dict) and (TENSOR in v or OTHER in v))
+    except (OSError, KeyError, TypeError, ValueError, IndexError, RuntimeError, EOFError,
+            AttributeError, pickle.UnpicklingError) as exc:
+        raise CheckpointCorrupt(f"memory snapshot {shown} cannot be read ({exc}): it is "
+                                "damaged", shown) from None
+
+
+class Copy:
+    """The copy left to run beside training: a thread's on the CPU, a side stream's on a
+    GPU. :meth:`before_step` comes before the next optimizer step."""
+
+    def __init__(self, worker: Worker, pairs: list, tensors: list,
+                 streams: dict) -> None:
+        # The tensors themselves (a byte view of a storage has a version counter of its own).
+        self.versions = [(tensor, version(tensor)) for tensor in tensors]
+        gpu = [(d, s) for d, s in pairs if s.device.type == "cuda"]
+        cpu = [(d, s) for d, s in pairs if s.device.type != "cuda"]
+        self.events = []
+        for device in {s.device for _, s in gpu}:
+            stream = streams.get(device) or streams.setdefault(device, torch.cuda.Stream(device))
+            stream.wait_stream(torch.cuda.current_stream(device))  # after the optimizer step
+            with torch.cuda.stream(stream):
+                for d, s in gpu:
+                    if s.device == device:
+                        d.copy_(s, non_blocking=True)
+                        s.record_stream(stream)  # not reused while the copy reads it
+            event = torch.cuda.Event()
+            event.record(stream)
+            self.events.append((device, event))
+        self.future = worker.submit(_copy_all, cpu) if cpu else None
+
+    def before_step(self) -> bool:
+        """The optimizer step may change the sources after this; True when none changed
+        since the snapshot was taken (a forward that renormalises weights in place did)."""
+        self.busy = self.future is not None and not self.future.done()  # training waits
+        if self.future is not None:
+            self.future.result()
+        for device, event in self.events:  # the step's kernels wait, not this thread
+            torch.cuda.current_stream(device).wait_event(event)
+        return all(version(source) == seen for source, seen in self.versions)
+
+    def done(self) -> None:
+        for _, event in self.events:
+            event.synchronize()
+
+
+class Worker:
+    """One thread for background work, in order. It leaves when stopped, or once idle for
+    a second (a run that failed leaves no thread behind), and comes back with the next
+    job. Not a daemon: it never dies inside torch at the interpreter's exit."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self._jobs, self._lock = name, queue.SimpleQueue(), threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, fn: Optional[Callable[..., Any]], *args: Any) -> Future:
+        future: Future = Future()
+        with self._lock:
+            self._jobs.put((future, fn, args))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name)
+                self._thread.start()
+        return future
+
+    def stop(self) -> None:
+        """End the thread once the jobs before this are done."""
+        thread = self._thread
+        if thread is not None:
+            self.submit(None)
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                future, fn, args = self._jobs.get(timeout=1.0)
+            except queue.Empty:
+                fn = None
+            with self._lock:
+                if fn is None and self._jobs.empty():
+                    self._thread = None
+                    return
+            if fn is not None and future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - the waiter raises it
+                    future.set_exception(exc)
+
+
+def _copy_all(pairs: list) -> None:
+    for destination, source in pairs:
+        destination.copy_(source)
+
+
+def local_shards(state: Any) -> Any:
+    """``state`` with every DTensor replaced by a plain dict of its local rows and its
+    global shape, stride and placements (a snapshot is resumed on the ranks that took it)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def local(value: Any) -> Any:
+        placements = []
+        for p in value.placements:
+            if not isinstance(p, (Shard, Replicate)):
+                raise ValueError(f"memory snapshots cannot keep a DTensor placed as {p}")
+            placements.append(["shard", p.dim] if isinstance(p, Shard) else ["replicate"])
+        return {MARK: value.to_local(), "shape": list(value.shape),
+                "stride": list(value.stride()), "placements": placements}
+
+    found: list = []
+    out = map_tree(state, lambda v: found.append(v) or local(v),
+                   lambda v: isinstance(v, DTensor))
+    return out if found else state
+
+
+def global_shards(state: Any, mesh: Optional[Any]) -> Any:
+    """Undo :func:`local_shards` on ``mesh`` (the model's device mesh)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def rebuilt(value: dict) -> Any:
+        if mesh is None:
+            raise CheckpointCorrupt("the memory snapshot holds fsdp shards but this run's "
+                                    "model is not sharded", "")
+        placements = [Shard(int(p[1])) if p[0] == "shard" else Replicate()
+                      for p in value["placements"]]
+        return DTensor.from_local(value[MARK].to(mesh.device_type), mesh, placements,
+                                  run_check=False, shape=torch.Size(value["shape"]),
+                                  stride=tuple(value["stride"]))
+
+    return map_tree(state, rebuilt, lambda v: isinstance(v, dict) and MARK in v)

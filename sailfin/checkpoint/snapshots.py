@@ -1,0 +1,328 @@
+"""Memory snapshots: two buffer sets per rank in the node's shared memory *are* the snapshot.
+
+Each rank keeps two sets, ``a`` and ``b`` (:mod:`.snapshot_sets`), in its directory
+(:mod:`.snapshot_dirs`). A snapshot is copied once, into the set that does not hold the
+newest step every rank holds, and a header naming its step is committed by rename. The
+parameters and optimizer state are copied while the next forward and backward run (a
+thread's ``copy_`` on the CPU; on a GPU a copy on a side stream into host memory
+registered as pinned), and the next optimizer step waits for that copy. The other set's
+header always names an intact step: a kill loses at most one.
+
+Example::
+
+    store = SnapshotStore("/dev/shm/sailfin-run-node0", rank=0, world_size=1)
+    store.take(12, facts, {"model": model.state_dict(), "trainer": rest}, rng)
+    store.settle()                       # before the next optimizer step
+    store.wait()
+    header, shared, rng = store.load(store.inventory()[0][12])
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import threading
+from concurrent.futures import Future
+from typing import Any, Optional
+
+import torch
+
+from ..utils.crc import crc32
+from ..utils.voice import say
+from .errors import CheckpointCorrupt, CheckpointError
+from .snapshot_dirs import Peers, exchange, names, remove_file, write_json
+from .snapshot_sets import (ALIGN, SETS, Buffer, Copy, Location, Worker, dump_state,
+                            header_crc, is_full, plan_state, read_header, read_set,
+                            sample_crc)
+
+_RANK_DIR = re.compile(r"^(?:replica-)?rank(\d+)$")
+# The last snapshot, as the ranks agree on it (MIN): a failure wins over a full file system.
+_FAILED, _FULL, _READY = 0, 1, 2
+
+
+class SnapshotStore:
+    """This rank's snapshots (and the replica it keeps) in ``root``, one node's directory."""
+
+    def __init__(self, root: str, rank: int, world_size: int, local_world_size: int = 1,
+                 replicas: int = 0, local_rank: Optional[int] = None) -> None:
+        self.root, self.rank, self.world_size = root, rank, world_size
+        self.local_rank = rank % local_world_size if local_rank is None else local_rank
+        self.leader = rank - self.local_rank  # writes the node's copy of replicated state
+        self.node = rank // local_world_size
+        self.peers = Peers(world_size)
+        self.run = ""  # snapshot_dirs.run_identity, in every header
+        self.stopped = False  # the file system filled
+        self.agreed: Optional[int] = None  # the newest step every rank holds
+        self.newest: Optional[int] = None  # this rank's newest committed step
+        self.committed = threading.Event()  # the last snapshot is committed (or dropped)
+        self.committed.set()
+        self.busy = False  # the last settle waited for the copy (slower than the steps)
+        self._steps: dict[Location, int] = {}  # what each set of ours holds
+        self._buffers: dict[str, Buffer] = {}
+        self._streams: dict = {}
+        self._worker = Worker("sailfin-snapshot")
+        self._pending: Optional[tuple] = None  # taken, its copy not settled
+        self._finishing: Optional[Future] = None  # commit, replica, agreement
+        self._error: Optional[BaseException] = None
+        self.replica_dst = self.replica_src = None  # the same local rank on the next node
+        if replicas and world_size > local_world_size:
+            self.replica_dst = (rank + local_world_size) % world_size
+            self.replica_src = (rank - local_world_size) % world_size
+
+    def own_dir(self, rank: Optional[int] = None) -> str:
+        return os.path.join(self.root, f"rank{self.rank if rank is None else rank:05d}")
+
+    def replica_dir(self, rank: int) -> str:
+        return os.path.join(self.root, f"replica-rank{rank:05d}")
+
+    def _dirs(self) -> list[str]:
+        src = self.replica_src
+        return [self.own_dir()] + ([self.replica_dir(src)] if src is not None else [])
+
+    def _free(self, directory: str) -> Location:
+        """The set of ``directory`` that may be written: not the one every rank needs."""
+        return next(loc for loc in (Location(directory, n) for n in SETS)
+                    if self._steps.get(loc) is None or self._steps[loc] != self.agreed)
+
+    def take(self, step: int, facts: dict[str, Any], shared: dict[str, Any], rank_state: Any,
+             replicated: bool = False, later: frozenset = frozenset()) -> bool:
+        """Copy the state of ``step`` into the free set: what is not in ``later`` (storage
+        keys ``(data_ptr, device)``) now, the rest beside training until :meth:`settle`.
+        ``replicated``: ``shared`` is the same on every rank; the node's leader keeps it.
+        False when snapshots have stopped (a full file system)."""
+        if self.stopped or not self._agree(step):
+            return False
+        if replicated and self.rank != self.leader:
+            shared = {}
+        where = self._free(self.own_dir())
+        remove_file(where.path("json"))  # being rewritten: never resumed meanwhile
+        self._steps.pop(where, None)
+        skeleton, sources, slots = plan_state({"shared": shared, "rank": rank_state}, later)
+        offsets, total = [], 0
+        for key, _ in sources:
+            offsets.append(total)
+            total += -(-key[2] // ALIGN) * ALIGN
+        index = {key: i for i, (key, _) in enumerate(sources)}
+        for entry in slots:
+            entry[0] = index[entry[0]]
+        now = sum(key[:2] not in later for key, _ in sources)
+        full = offsets[now] if now < len(sources) else total  # checked whole: copied now
+        buffer = self._buffers.setdefault(where.path("bin"), Buffer(where.path("bin")))
+        try:
+            os.makedirs(where.directory, exist_ok=True)
+            buffer.hold(total, any(t.device.type == "cuda" for _, t in sources))
+        except OSError as exc:
+            if not is_full(exc):
+                raise
+            self._pending = (step, where, None, None, None, 0, 0, exc)
+            self.settle()  # the agreement stops snapshots on every rank
+            return False
+        pairs = buffer.pairs(sources, offsets)
+        for destination, source in pairs[:now]:
+            destination.copy_(source)
+        blob = dump_state({"layout": [[o, k[2]] for o, (k, _) in zip(offsets, sources)],
+                           "state": skeleton})
+        facts = {**facts, "memory_snapshot": {
+            "rank": self.rank, "run": self.run, "replicated": replicated,
+            "shared_from": None if shared else self.leader}}
+        copy = (Copy(self._worker, pairs[now:], [t for _, t in sources[now:]], self._streams)
+                if now < len(pairs) else None)
+        self._pending = (step, where, facts, blob, copy, full, total, None)
+        if copy is None:
+            self.settle()
+        return True
+
+    @property
+    def copying(self) -> bool:
+        return self._pending is not None
+
+    def settle(self) -> Optional[bool]:
+        """Before the optimizer step: wait for the copy :meth:`take` left running, then
+        have the set committed in the background. None when there was none; False when a
+        source changed meanwhile (the snapshot is dropped: not the state of one step)."""
+        if self._pending is None:
+            return None
+        step, where, facts, blob, copy, full, total, error = self._pending
+        self._pending = None
+        unchanged, self.busy = error is None, False
+        if copy is not None:
+            try:
+                unchanged = copy.before_step()
+                self.busy = copy.busy
+            except Exception as exc:  # noqa: BLE001 - every rank raises at the agreement
+                error, unchanged = exc, False
+        self.committed.clear()
+        self._finishing = self._worker.submit(self._finish, step, where, facts, blob, copy,
+                                                full, total, error, unchanged)
+        return unchanged
+
+    def _finish(self, step: int, where: Location, facts: Any, blob: Any, copy: Optional[Copy],
+                full: int, total: int, error: Optional[BaseException], commit: bool
+                ) -> tuple[int, int]:
+        """The snapshot thread: commit the set (unless dropped), send the replica, then
+        agree with every rank on the newest step all of them hold."""
+        status = _READY
+        try:
+            if error is not None:
+                raise error
+            if commit:
+                if copy is not None:
+                    copy.done()  # a GPU's copy: its events
+                with open(where.path("pt"), "wb") as fh:
+                    fh.write(blob)
+                data = self._buffers[where.path("bin")].data[:total]
+                facts["memory_snapshot"].update(state=[len(blob), crc32(blob)],
+                                                tensors=[total, full, sample_crc(data, full)])
+                facts["crc32"] = header_crc(facts)
+                write_json(where.path("json"), facts)  # the commit
+                self._steps[where] = self.newest = step
+        except BaseException as exc:  # noqa: BLE001 - said at the agreement, on every rank
+            status, self._error = (_FULL if is_full(exc) else _FAILED), exc
+        finally:
+            self.committed.set()
+        if self.replica_dst is not None:
+            try:
+                mine = where if self._steps.get(where) == step else None
+                into = self._free(self.replica_dir(self.replica_src))  # type: ignore[arg-type]
+                got = exchange(self.peers.background, mine, self.replica_dst, self.replica_src,
+                               into)
+                if got is not None:
+                    self._steps[into] = got
+            except BaseException as exc:  # noqa: BLE001
+                status, self._error = _FAILED, exc
+        return self.peers.min_pair(status, -1 if self.newest is None else self.newest)
+
+    def _agree(self, step: int) -> bool:
+        """Wait for the last snapshot's agreement: raise if it failed on a rank, stop the
+        snapshots if one found the file system full."""
+        self.settle()
+        future, self._finishing = self._finishing, None
+        if future is None:
+            return True
+        status, agreed = future.result()
+        self.agreed = agreed if agreed >= 0 else None
+        if status == _FULL:
+            self._stop(step)
+            return False
+        if status == _FAILED:
+            error, self._error = self._error, None
+            raise CheckpointError(
+                f"the memory snapshot before step {step} failed"
+                + (f" on rank {self.rank}: {error}" if error else " on another rank")
+                + f" ({self.root}); free shared memory, set trainer.checkpoint.memory.dir, "
+                "or turn snapshots off (trainer.checkpoint.memory.every_n_steps: null)")
+        return True
+
+    def _stop(self, step: int) -> None:
+        # The file system is full: no more snapshots; the step every rank holds stays.
+        self.keep_only(self.agreed)
+        for buffer in self._buffers.values():
+            buffer.release()
+        self.stopped = True
+        if self.rank == 0:
+            error = self._error
+            say(f"memory snapshots stopped at step {step}: {self.root} is full"
+                + (f" ({error})" if error else " on another rank")
+                + "; training and disk checkpoints go on. Give snapshots more room "
+                "(a larger /dev/shm or trainer.checkpoint.memory.dir)")
+
+    def wait(self) -> None:
+        """Until the last snapshot is committed, replicated and agreed on; raise if it
+        failed on a rank."""
+        self.settle()
+        if self._finishing is not None:
+            self._finishing.result()  # (the next take reads its agreement)
+
+    def keep_only(self, step: Optional[int]) -> None:
+        """Remove every set (own and replica) but those holding ``step`` (None: all), and
+        anything else in those directories; the next snapshot goes to the other set."""
+        for directory in self._dirs():
+            keep = set()
+            for name in SETS:
+                where = Location(directory, name)
+                try:
+                    held = read_header(where)["step"]
+                except CheckpointCorrupt:
+                    held = None
+                if held is not None and held == step:
+                    keep |= {f"{name}.json", f"{name}.pt", f"{name}.bin"}
+                    self._steps[where] = step
+                else:
+                    self._steps.pop(where, None)
+                    self._buffers.pop(where.path("bin"), Buffer("")).release()
+            for entry in names(directory):
+                if entry not in keep:
+                    path = os.path.join(directory, entry)
+                    shutil.rmtree(path) if os.path.isdir(path) else remove_file(path)
+        self.agreed = step
+
+    def inventory(self) -> dict[int, dict[int, Location]]:
+        """Rank -> step -> set of the snapshots a rank of this run can resume from: headers
+        intact, files of their size, the node's copy of replicated state present."""
+        found: dict[int, dict[int, tuple[Location, Optional[int]]]] = {}
+        for entry in sorted(names(self.root)):  # own copies ("rank...") before replicas
+            match = _RANK_DIR.match(entry)
+            if not match or int(match.group(1)) >= self.world_size:
+                continue
+            rank = int(match.group(1))
+            for name in SETS:
+                where = Location(os.path.join(self.root, entry), name)
+                header = self._usable(where)
+                if header is not None and header["step"] not in found.get(rank, {}):
+                    source = header["memory_snapshot"]["shared_from"]
+                    found.setdefault(rank, {})[header["step"]] = (where, source)
+        return {rank: {step: where for step, (where, source) in steps.items()
+                       if source is None or found.get(source, {}).get(step, (0, 0))[1] is None}
+                for rank, steps in found.items()}
+
+    def _usable(self, where: Location) -> Optional[dict[str, Any]]:
+        try:
+            header = read_header(where)
+            about = header["memory_snapshot"]
+            if about["run"] != self.run or (header["world_size"] != self.world_size
+                                            and not about["replicated"]):
+                return None
+            sizes = (os.path.getsize(where.path("pt")), os.path.getsize(where.path("bin")))
+            if sizes[0] != about["state"][0] or sizes[1] < about["tensors"][0]:
+                return None
+            return header
+        except (OSError, KeyError, TypeError, CheckpointCorrupt):
+            return None
+
+    def load(self, where: Location) -> tuple[dict[str, Any], dict[str, Any], Any]:
+        """(header, shared state, this rank's random state) of the set ``where``, every
+        check of the header done (see docs/memory-snapshots.md)."""
+        header = read_header(where)
+        state = read_set(where, header)
+        source = header["memory_snapshot"]["shared_from"]
+        shared = state["shared"]
+        if source is not None:
+            copy = self._node_copy(source, header["step"])
+            shared = read_set(copy, read_header(copy))["shared"]
+        return header, shared, state["rank"]
+
+    def _node_copy(self, rank: int, step: int) -> Location:
+        for directory in (self.own_dir(rank), self.replica_dir(rank)):
+            for name in SETS:
+                where = Location(directory, name)
+                header = self._usable(where)
+                if header is not None and header["step"] == step:
+                    return where
+        raise CheckpointCorrupt(f"memory snapshot of step {step} of rank {rank} (the node's "
+                                f"copy of the model and optimizer) is missing in {self.root}",
+                                self.root)
+
+    def remove_mine(self) -> None:
+        self.wait()
+        for directory in self._dirs():
+            shutil.rmtree(directory, ignore_errors=True)
+        remove_file(os.path.join(self.root, f"owner-rank{self.rank:05d}.json"))
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._worker.stop()
+            for buffer in self._buffers.values():
+                buffer.release()
