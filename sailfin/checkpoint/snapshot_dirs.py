@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from .storage import LocalStorage
+from ..utils.files import replace_file
 
 if TYPE_CHECKING:
     from .snapshot_sets import Location
@@ -43,7 +43,7 @@ IDENTITY = ".memory-snapshots-run"
 def write_json(path: str, obj: Any) -> None:
     """``obj`` as JSON in ``path``, whole or not at all (a rename; no fsync: RAM)."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    LocalStorage().write_bytes(path, json.dumps(obj).encode("utf-8"), durable=False)
+    replace_file(path, json.dumps(obj).encode("utf-8"), durable=False)
 
 
 def names(directory: str) -> list[str]:
