@@ -58,7 +58,7 @@ def test_export_of_a_forged_index_ends_in_one_line_and_runs_nothing(run, tmp_pat
     import shutil
 
     base, _ = run
-    step = tmp_path / "step-00000002"
+    step = tmp_path / "copied" / "step-00000002"  # OUT below lies outside it
     shutil.copytree(base / "out" / "checkpoints" / "step-00000002", step)
     forge_metadata(step, tmp_path / "marker")
     capfd.readouterr()
