@@ -67,7 +67,8 @@ class Counts:
             sys.settrace(old_trace)
             sys.setprofile(old_profile)
         for code, n in by_code.items():
-            counts.by_function[(code.co_filename, code.co_qualname)] += n
+            name = getattr(code, "co_qualname", code.co_name)  # co_qualname: Python 3.11+
+            counts.by_function[(code.co_filename, name)] += n
         counts.opcodes = sum(by_code.values())
         counts.c_calls = sum(counts.c_by_name.values())
         return counts
