@@ -43,3 +43,9 @@ def program_froze_objects() -> bool:
     no process is started to ask."""
     count = gc.get_freeze_count()
     return count > 0 and count != frozen_at_start()
+
+
+def missing() -> list[str]:
+    """The names above that the running Python lacks (``gc.get_freeze_count``: 3.7+)."""
+    return [f"gc.{name}" for name in ("get_freeze_count", "freeze", "unfreeze")
+            if not hasattr(gc, name)]
