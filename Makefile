@@ -1,6 +1,6 @@
 # Two commands on a fresh machine: `make demo` and `make test`.
 # Each creates .venv if absent and installs what it needs, with a pinned, known-good torch.
-# Another torch (any pip requirement, 2.7 or newer; in an environment of its own):
+# Another torch (any pip requirement, 2.9 or newer; in an environment of its own):
 #   make test VENV=.venv-2.15 TORCH="torch==2.15.0"
 # (where the machine's pip configuration caps torch, PIP_CONSTRAINT=/dev/null lifts the cap).
 # Both ends of the supported range: make test-compat (below).

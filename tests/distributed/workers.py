@@ -48,10 +48,10 @@ class CountAllReduce(Callback):
 
 
 class CountReduceScatter(Callback):
-    """Counts FSDP's gradient reduce-scatters (the collective it calls per unit): torch
-    2.7 to 2.12 call ``reduce_scatter_tensor``, later releases ``reduce_scatter_single``
-    (which the older name then forwards to inside ``distributed_c10d``, not through the
-    names patched here, so no call counts twice)."""
+    """Counts FSDP's gradient reduce-scatters (the collective it calls per unit): older
+    torch releases (2.9 among them) call ``reduce_scatter_tensor``, newer ones
+    ``reduce_scatter_single`` (which the older name then forwards to inside
+    ``distributed_c10d``, not through the names patched here, so no call counts twice)."""
 
     def __init__(self) -> None:
         self.calls = 0
