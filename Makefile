@@ -1,6 +1,9 @@
 # Two commands on a fresh machine: `make demo` and `make test`.
-# Each creates .venv if absent and installs what it needs.
-# A GPU user keeps a CUDA build with e.g. `make demo TORCH="torch==2.5.1"`.
+# Each creates .venv if absent and installs what it needs, with a pinned, known-good torch.
+# Another torch (any pip requirement, 2.9 or newer; in an environment of its own):
+#   make test VENV=.venv-2.15 TORCH="torch==2.15.0"
+# (where the machine's pip configuration caps torch, PIP_CONSTRAINT=/dev/null lifts the cap).
+# Both ends of the supported range: make test-compat (below).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
@@ -11,7 +14,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sailfin-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo report test test-slow test-all test-gpu gpu-checks bench docs clean
+.PHONY: demo report test test-slow test-all test-compat test-compat-min test-compat-new test-gpu gpu-checks bench docs clean
 
 # The first run installs torch and the extras (pip shows each download and step);
 # later runs find the stamp and start at once.
@@ -40,6 +43,61 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-all: test test-slow
+
+# Both ends of the supported range (README, "Supported versions"): .venv-min holds the
+# oldest Python with the oldest releases sailfin declares (requirements/compat-min.txt),
+# .venv-new the newest Python with every library's newest release
+# (requirements/compat-new.txt pins nothing). Each is built once, like .venv; the default
+# suite runs on each and one line per environment says what it resolved and how it went.
+# COMPAT_ARGS narrows the suite (pytest arguments), e.g. COMPAT_ARGS="tests/backends".
+find_python = $(or $(lastword $(sort $(wildcard $(HOME)/.pyenv/versions/$(1).*/bin/python))),$(shell command -v python$(1) 2>/dev/null))
+PYTHON_MIN ?= $(call find_python,3.10)
+PYTHON_NEW ?= $(call find_python,3.13)
+COMPAT_ARGS ?=
+COMPAT_PACKAGES := torch numpy transformers tokenizers peft opacus datasets
+
+.venv-min/.sailfin-installed: pyproject.toml requirements/compat-min.txt
+	$(call compat_env,.venv-min,$(PYTHON_MIN),requirements/compat-min.txt)
+
+.venv-new/.sailfin-installed: pyproject.toml requirements/compat-new.txt
+	$(call compat_env,.venv-new,$(PYTHON_NEW),requirements/compat-new.txt)
+
+# $(1) the environment, $(2) its Python, $(3) its pip constraints (which replace any
+# machine-wide ones: the newest end must not be capped).
+define compat_env
+	@test -n "$(2)" || { echo "make test-compat: no Python for $(1) (set PYTHON_MIN / PYTHON_NEW)"; exit 1; }
+	@echo "sailfin: building $(1) with $(2) and $(3) (once)"
+	test -x $(1)/bin/python || $(2) -m venv $(1)
+	PIP_CONSTRAINT=$(CURDIR)/$(3) $(1)/bin/python -m pip install -q --upgrade pip
+	PIP_CONSTRAINT=$(CURDIR)/$(3) $(1)/bin/python -m pip install --progress-bar off -e ".[dev,examples]"
+	touch $(1)/.sailfin-installed
+endef
+
+# Both ends, one after the other; each end's line again at the close. One end alone:
+# make test-compat-min, make test-compat-new.
+test-compat:
+	@failed=""; \
+	$(MAKE) --no-print-directory test-compat-min || failed="$$failed min"; \
+	$(MAKE) --no-print-directory test-compat-new || failed="$$failed new"; \
+	cat .venv-min/last-summary .venv-new/last-summary 2>/dev/null; \
+	if [ -n "$$failed" ]; then echo "make test-compat: failed:$$failed"; exit 1; fi
+
+test-compat-min: .venv-min/.sailfin-installed
+	$(call compat_run,.venv-min)
+
+test-compat-new: .venv-new/.sailfin-installed
+	$(call compat_run,.venv-new)
+
+# $(1) the environment: the default suite, then one line: the versions, pytest's result.
+define compat_run
+	@rm -f $(1)/last-summary
+	@{ $(1)/bin/python -m pytest -q -m "not slow" -p no:cacheprovider --tb=short $(COMPAT_ARGS); \
+	  echo $$? > $(1)/last-test.rc; } 2>&1 | tee $(1)/last-test.log
+	@versions=$$($(1)/bin/python -c "import importlib.metadata as m, platform; print('Python', platform.python_version() + ',', ', '.join(n + ' ' + m.version(n) for n in '$(COMPAT_PACKAGES)'.split()))"); \
+	result=$$(tail -n 1 $(1)/last-test.log | tr -d '=' | sed 's/^ *//; s/ *$$//'); \
+	echo "sailfin test-compat $(patsubst .venv-%,%,$(1)): $$versions: $$result" | tee $(1)/last-summary; \
+	exit $$(cat $(1)/last-test.rc)
+endef
 
 # On a machine with a CUDA device: the cuda-marked tests, then the GPU benchmarks. Where
 # $(PYTHON) already has a CUDA build of torch (a GPU image, perhaps with no package index),
@@ -83,3 +141,4 @@ docs: $(DOCS_STAMP)
 
 clean:
 	rm -rf $(VENV) outputs site .pytest_cache
+# .venv-min and .venv-new (make test-compat) stay: rm -rf them to rebuild

@@ -15,7 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def direct_dependencies() -> list[str]:
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: tomli, which pytest itself requires there
+        import tomli as tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     return [re.match(r"[A-Za-z0-9_.-]+", req).group() for req in project["dependencies"]]

@@ -9,6 +9,8 @@ import gc
 import sys
 from typing import Callable, Iterator, Optional
 
+from ..compat.python import program_froze_objects
+
 
 def peak_rss_bytes() -> Optional[int]:
     """The most resident memory this process has held; ``None`` where the platform cannot
@@ -85,14 +87,16 @@ def gc_spares_existing_objects() -> Iterator[None]:
     transformers', the recipe's. On a short run measured here, those walks took a third
     of the run's time. Objects are freed by reference counting as ever; only garbage in
     reference cycles made before entering waits for the first collection after leaving.
-    A program that froze objects itself (``gc.get_freeze_count()``) is left as it is.
+    A program that froze objects itself (``gc.get_freeze_count()``, less those the
+    interpreter froze at start: :func:`sailfin.compat.python.frozen_at_start`) is left
+    as it is.
 
     Example::
 
         with gc_spares_existing_objects():
             build_run(trainer)
     """
-    if gc.get_freeze_count():
+    if program_froze_objects():
         yield
         return
     gc.freeze()

@@ -119,6 +119,15 @@ def _rss_bytes() -> int:
 
 
 def build_big(rank, world, dist_args, out):
+    # The baseline is taken here, after a small run of the same kind: what that loads
+    # (torch's libraries, resident memory too: a CUDA wheel's are larger than the CPU
+    # wheel's, and load on first use) is no part of what building the model costs.
+    # It stays open (its process group too, which the measured run joins) until the end.
+    warm_up = Trainer(LinearRecipe(IdData(20, 0)),
+                      args(out / "warm-up", backend="fsdp", distributed=dist_args,
+                           micro_batch_size=5, fsdp={"units": ["Linear"]}))
+    warm_up.setup()
+    warm_up.validate()
     reset_peak_rss()  # the peak from here: not the imports' passing highs
     before = _rss_bytes()
     data = IdData(20, 0)  # outside: the data interface is built for real on every rank
@@ -130,6 +139,7 @@ def build_big(rank, world, dist_args, out):
         t.validate()  # every unit gathered once, one at a time
         peak = peak_rss_bytes() - before
         held = sum(p.to_local().numel() * 4 for p in module.parameters())
+    warm_up.close()
     torch.save({"peak": peak, "held": held}, out / f"rss-{rank}.pt")
 
 

@@ -48,19 +48,25 @@ class CountAllReduce(Callback):
 
 
 class CountReduceScatter(Callback):
-    """Counts FSDP's gradient reduce-scatters (the collective it calls per unit)."""
+    """Counts FSDP's gradient reduce-scatters (the collective it calls per unit): older
+    torch releases (2.9 among them) call ``reduce_scatter_tensor``, newer ones
+    ``reduce_scatter_single`` (which the older name then forwards to inside
+    ``distributed_c10d``, not through the names patched here, so no call counts twice)."""
 
     def __init__(self) -> None:
         self.calls = 0
 
     def on_train_start(self, trainer) -> None:
-        original = torch.distributed.reduce_scatter_single
+        for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+            original = getattr(torch.distributed, name, None)
+            if original is None:
+                continue
 
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return original(*args, **kwargs)
+            def counted(*args, _original=original, **kwargs):
+                self.calls += 1
+                return _original(*args, **kwargs)
 
-        torch.distributed.reduce_scatter_single = counted
+            setattr(torch.distributed, name, counted)
 
 
 class FailingRecipe(LinearRecipe):

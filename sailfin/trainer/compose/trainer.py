@@ -146,11 +146,19 @@ class Trainer(Loop, contextlib.AbstractContextManager):
                                "load weights into the module for evaluation only; build a "
                                "new Trainer (and module) to train")
         configure(self.dist.rank)
-        if self._run_lock is None:  # before anything is written there: one run per directory
-            take_run_lock(self.args.output_dir, self.dist.is_main, keep=self._hold_run_lock)
-        with gc_spares_existing_objects():
-            self.attach(build_run(self))  # every piece, from the config
-            start_run(self)  # the resume into them, then the writers
+        try:
+            if self._run_lock is None:  # before anything is written: one run per directory
+                take_run_lock(self.args.output_dir, self.dist.is_main, keep=self._hold_run_lock)
+            with gc_spares_existing_objects():
+                self.attach(build_run(self))  # every piece, from the config
+                start_run(self)  # the resume into them, then the writers
+        except BaseException:
+            if not self._training:  # train() stops them itself when any of its checks fail
+                # A set-up that failed leaves nothing running: the watchdog that watched
+                # its collectives (its record says this rank failed), the run lock.
+                self._stop_watchdog()
+                self._release_run_lock()
+            raise
         self._is_setup = True
         if not self._training:
             # Called by itself (not by train()): the watchdog that watched set-up's
