@@ -26,15 +26,13 @@ import torch
 
 from ..compat.torch import keep_state_dict_versions
 from ..utils.crc import crc32
+from ..utils.files import file_kind
 from ..utils.voice import say
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError
 from .storage import Storage
 
 # What a manifest may name: one plain file name, never a path.
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-          (stat.S_ISSOCK, "a socket"))
 
 #: A file at least this large is announced before it is read to check it (a resume
 #: that reads many gigabytes says why it takes a while).
@@ -51,16 +49,12 @@ def plain_shard_name(name: object) -> bool:
     return name == ".metadata" or plain_name(name)
 
 
-def _kind(mode: int) -> str:
-    return next((what for test, what in _KINDS if test(mode)), "not a regular file")
-
-
 def _why(exc: OSError, local: str) -> str:
     """What ``local`` is, when opening it failed with ``exc``."""
     if exc.errno == errno.ELOOP:
         return "a loop of symbolic links"
     try:
-        return f"it is {_kind(os.lstat(local).st_mode)}"
+        return f"it is {file_kind(os.lstat(local).st_mode)}"
     except OSError:
         return exc.strerror or str(exc)
 
@@ -96,7 +90,7 @@ def open_checked(storage: Storage, path: str, shown: str, *, what: str = "checkp
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise CheckpointCorrupt(f"{what} {shown} is {_kind(info.st_mode)}, not a regular "
+            raise CheckpointCorrupt(f"{what} {shown} is {file_kind(info.st_mode)}, not a regular "
                                     "file: the checkpoint is damaged or was tampered with",
                                     shown)
         if within is not None:

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import yaml
 
+from ..utils.files import file_kind
 from .errors import ConfigError
 from .limits import CONFIG_MAX_BYTES, CONFIG_MAX_DEPTH, TooBig, json_size
 
@@ -109,7 +110,7 @@ def _read_config_bytes(path: str | os.PathLike, named_in: Optional[str]) -> byte
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):  # before fdopen, which refuses a directory with a traceback
         os.close(fd)
-        raise ConfigError(f"{label} is {_file_kind(mode)}, not a regular file; give a "
+        raise ConfigError(f"{label} is {file_kind(mode)}, not a regular file; give a "
                           "YAML file")
     with os.fdopen(fd, "rb") as fh:
         data = fh.read(MAX_FILE_BYTES + 1)
@@ -119,13 +120,6 @@ def _read_config_bytes(path: str | os.PathLike, named_in: Optional[str]) -> byte
     return data
 
 
-def _file_kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a regular file"
 
 
 def _one_line(exc: yaml.YAMLError) -> str:

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Optional, Union
 
 from ..config.errors import short_repr
+from ..utils.files import file_kind
 from .errors import HFConfigError, require
 
 Rows = list[dict[str, Any]]
@@ -257,14 +258,7 @@ def _kind(path: str) -> Optional[str]:
         return None
     except OSError as exc:  # a symlink loop, a name too long: say so
         return f"unreadable ({exc.strerror})"
-    if stat.S_ISREG(mode):
-        return ""
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a regular file"
+    return "" if stat.S_ISREG(mode) else file_kind(mode)
 
 
 def _first_line(exc: BaseException) -> str:

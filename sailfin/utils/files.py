@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 
 
 def replace_file(path: str, data: bytes, durable: bool = True) -> None:
@@ -41,3 +42,14 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``mode`` (``os.stat``'s ``st_mode``) is that is not a regular file,
+    for a message: "a directory", "a FIFO (named pipe)", a device, "a socket"."""
+    return next((what for test, what in _KINDS if test(mode)), "not a regular file")

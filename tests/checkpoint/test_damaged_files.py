@@ -219,11 +219,11 @@ DAMAGES = {
                                        "a loop of symbolic links"),
     "manifest.json missing": no_manifest,
     "manifest a bit flipped": flipped_manifest_bit,
-    "model shard a FIFO": lambda s: (fifo(s / SHARD), "is a named pipe (FIFO)"),
+    "model shard a FIFO": lambda s: (fifo(s / SHARD), "is a FIFO (named pipe)"),
     "model shard a link to /dev/zero": lambda s: (dev_zero(s / SHARD),
                                                    "is a character device"),
     "model shard a bit flipped": flipped_shard_bit,
-    "manifest.json a FIFO": lambda s: (fifo(s / "manifest.json"), "is a named pipe (FIFO)"),
+    "manifest.json a FIFO": lambda s: (fifo(s / "manifest.json"), "is a FIFO (named pipe)"),
     "rng file a link to /dev/zero": lambda s: (dev_zero(s / "rng-rank00000.pt"),
                                                "is a character device"),
     "manifest entry ../../../outside.pt": escaping_entry,
@@ -321,8 +321,8 @@ trainer: {{train_batch_size: 10, writers: [jsonl], output_dir: {out},
     assert main(["train", str(config), "--trainer.resume", str(step),
                  "--trainer.output_dir", str(tmp_path / "again")]) == 2
     err = capfd.readouterr().err
-    assert err == (f"sailfin: checkpoint error: checkpoint shard {step / SHARD} is a named "
-                   "pipe (FIFO), not a regular file: the checkpoint is damaged or was tampered "
+    assert err == (f"sailfin: checkpoint error: checkpoint shard {step / SHARD} is a FIFO "
+                   "(named pipe), not a regular file: the checkpoint is damaged or was tampered "
                    "with\n")
 
 
