@@ -138,9 +138,9 @@ def test_a_stop_while_a_module_with_a_bare_except_imports_ends_at_once(tmp_path,
 
 def console_script() -> str:
     """The ``sailfin`` script pip writes for pyproject.toml's entry point."""
-    import tomllib
+    from tests.pyproject_toml import project
 
-    entry = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    entry = project()["scripts"]
     module, function = entry["sailfin"].split(":")
     return (f"import re\nimport sys\nfrom {module} import {function}\n"
             "if __name__ == '__main__':\n"

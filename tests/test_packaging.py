@@ -11,17 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.pyproject_toml import project
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def direct_dependencies() -> list[str]:
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10: tomli, which pytest itself requires there
-        import tomli as tomllib
-
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    return [re.match(r"[A-Za-z0-9_.-]+", req).group() for req in project["dependencies"]]
+    return [re.match(r"[A-Za-z0-9_.-]+", req).group() for req in project()["dependencies"]]
 
 
 def test_the_readme_names_the_dependencies_pip_install_brings():

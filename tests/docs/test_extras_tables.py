@@ -5,14 +5,14 @@ names the extra's packages, and a row reads the same wherever it appears."""
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
 
+from tests.pyproject_toml import project
+
 ROOT = Path(__file__).resolve().parents[2]
-EXTRAS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
-    "optional-dependencies"]
+EXTRAS = project()["optional-dependencies"]
 HEADER = "| extra | brings | for |"
 COMPLETE = ("README.md", "docs/getting-started.md")
 PAGES = (*COMPLETE, "docs/hf.md")
