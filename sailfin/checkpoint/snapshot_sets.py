@@ -41,6 +41,7 @@ from .snapshot_dirs import remove_file
 SETS = ("a", "b")
 TENSOR = "__sailfin_tensor__"  # a tensor's place in the set's .bin, in its .pt
 OTHER = "__sailfin_torch_save__"  # a sparse or quantized tensor: torch.save'd, weights_only
+INLINE = "__sailfin_bytes__"  # a tensor's bytes in the .pt itself (the random streams)
 MARK = "__sailfin_dtensor__"  # a DTensor's local rows and where they belong
 ALIGN = 64
 _BLOCK, _STRIDE = 4096, 1 << 20  # the sampled check: 4 KiB of every MiB
@@ -134,29 +135,95 @@ def read_header(where: Location) -> dict[str, Any]:
     return header
 
 
-def plan_state(state: Any, later: frozenset) -> tuple[Any, list, list]:
-    """(``state`` with each tensor replaced by its slot, the distinct storages to copy as
-    ``(key, tensor)`` — those not in ``later`` first —, the slots to number)."""
+class Layout(NamedTuple):
+    """Where a snapshot's storages go in a set's ``.bin``: ``sources`` (key, tensor) in
+    copy order (those copied at the step's end first: ``now`` of them, ``full`` bytes)."""
+
+    keys: frozenset
+    sources: list
+    offsets: list
+    table: list  # [[offset, nbytes]] per storage: what the set's .pt records
+    total: int
+    now: int
+    full: int
+    cuda: bool
+
+
+class Planner:
+    """A snapshot's state as a skeleton (each tensor replaced by its slot) and its layout,
+    kept from snapshot to snapshot: a tensor seen in the last one (same address, dtype,
+    shape, strides, device) keeps its slot, and the same storages keep their layout, so
+    the snapshot of an unchanged model and optimizer only walks its state. The rank's own
+    state (its random streams: small, and new tensors at every call, which would change
+    the layout) is copied into the skeleton itself."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple, tuple[tuple, list, torch.Tensor]] = {}
+        self.layout: Optional[Layout] = None
+        self._deferred: Optional[bool] = None
+
+    def plan(self, shared: Any, rank: Any, later: Callable[[], frozenset], defer: bool
+             ) -> tuple[Any, Layout]:
+        """The skeleton of ``{"shared": shared, "rank": rank}`` and its layout. ``later()``:
+        the storage keys ``(data_ptr, device)`` that may be copied beside training (asked
+        only when the layout changes; ``defer`` False: none)."""
+        seen, previous = {}, self._seen
+
+        def inline(value: torch.Tensor) -> Any:
+            if value.layout is not torch.strided or value.is_quantized:
+                return whole(value)
+            flat = value.detach().reshape(-1).to("cpu").contiguous()
+            return {INLINE: [str(value.dtype)[6:], list(value.shape),
+                             flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""]}
+
+        def slot(value: torch.Tensor) -> Any:
+            if value.layout is not torch.strided or value.is_quantized:  # rare: kept whole
+                return whole(value)
+            fingerprint = (value.data_ptr(), value.dtype, value.shape, value.stride(),
+                           value.device)
+            known = previous.get(fingerprint) or seen.get(fingerprint)
+            if known is None:
+                value = value.detach()  # shares the version counter: a change is seen
+                storage = value.untyped_storage()
+                key = (storage.data_ptr(), str(value.device), storage.nbytes())
+                known = (key, [key, str(value.dtype)[6:], list(value.size()),
+                               list(value.stride()), value.storage_offset()], value)
+            seen[fingerprint] = known
+            return {TENSOR: known[1]}
+
+        skeleton = {"shared": map_tree(shared, slot, is_tensor),
+                    "rank": map_tree(rank, inline, is_tensor)}
+        self._seen = seen
+        keys = frozenset(key for key, _, _ in seen.values())
+        if self.layout is None or self.layout.keys != keys or self._deferred != defer:
+            self.layout = _layout(seen.values(), keys, later() if defer else frozenset())
+            self._deferred = defer
+        return skeleton, self.layout
+
+
+def whole(value: torch.Tensor) -> dict[str, bytes]:
+    blob = io.BytesIO()
+    torch.save(value.to("cpu", copy=True), blob)
+    return {OTHER: blob.getvalue()}
+
+
+def _layout(found: Any, keys: frozenset, later: frozenset) -> Layout:
     sources: dict[tuple, torch.Tensor] = {}
-    slots: list[list] = []
-
-    def slot(value: torch.Tensor) -> Any:
-        value = value.detach()  # shares the version counter: a change is seen
-        if value.layout is not torch.strided or value.is_quantized:  # rare: kept whole
-            blob = io.BytesIO()
-            torch.save(value.to("cpu", copy=True), blob)
-            return {OTHER: blob.getvalue()}
-        storage = value.untyped_storage()
-        key = (storage.data_ptr(), str(value.device), storage.nbytes())
-        sources.setdefault(key, value)
-        entry = [key, str(value.dtype).replace("torch.", ""), list(value.size()),
-                 list(value.stride()), value.storage_offset()]
-        slots.append(entry)
-        return {TENSOR: entry}
-
-    skeleton = map_tree(state, slot, is_tensor)
+    for key, _, tensor in found:
+        sources.setdefault(key, tensor)
     order = sorted(sources, key=lambda k: k[:2] in later)  # now first, then later
-    return skeleton, [(k, sources[k]) for k in order], slots
+    index = {key: i for i, key in enumerate(order)}
+    for key, entry, _ in found:
+        entry[0] = index[key]  # the slot names its storage's place in the layout
+    offsets, total = [], 0
+    for key in order:
+        offsets.append(total)
+        total += -(-key[2] // ALIGN) * ALIGN
+    now = sum(key[:2] not in later for key in order)
+    full = offsets[now] if now < len(order) else total  # checked whole: copied now
+    return Layout(keys, [(k, sources[k]) for k in order], offsets,
+                  [[o, k[2]] for o, k in zip(offsets, order)], total, now, full,
+                  any(t.device.type == "cuda" for t in sources.values()))
 
 
 def dump_state(obj: Any) -> bytes:
@@ -184,41 +251,43 @@ class Buffer:
 
     def __init__(self, path: str) -> None:
         self.path, self.data, self.registered = path, torch.empty(0, dtype=torch.uint8), False
-        self.views: dict[tuple, tuple[int, torch.Tensor, torch.Tensor]] = {}
+        self.made = False  # the file exists (an empty one too: the set holds no tensor)
+        self.views: dict[str, Any] = {}  # the last layout's pairs
 
     def hold(self, nbytes: int, cuda: bool) -> None:
-        if nbytes > self.data.numel():
-            self.release()
+        if nbytes > self.data.numel() or not self.made:
+            self.release()  # (and the old mapping's pairs)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             try:  # reserved now: a write into a mapped page of a full tmpfs is a SIGBUS
-                os.posix_fallocate(fd, 0, nbytes)
+                if nbytes:
+                    os.posix_fallocate(fd, 0, nbytes)
             except OSError:
                 os.close(fd)
                 remove_file(self.path)
                 raise
             os.close(fd)
-            self.data = bytes_of(torch.UntypedStorage.from_file(
-                self.path, shared=True, nbytes=nbytes), torch.device("cpu"))
+            self.data = (bytes_of(torch.UntypedStorage.from_file(
+                self.path, shared=True, nbytes=nbytes), torch.device("cpu")) if nbytes
+                else torch.empty(0, dtype=torch.uint8))
+            self.made = True
         if cuda and not self.registered:
             self.registered = register_host_memory(self.data)
 
-    def pairs(self, sources: list, offsets: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(place in the buffer, source bytes) per storage; made once per storage (the
-        source's view holds its storage: no other takes its address while it lives)."""
-        views = {}
-        for (key, tensor), offset in zip(sources, offsets):
-            view = self.views.get(key)
-            if view is None or view[0] != offset:
-                view = (offset, self.data[offset:offset + key[2]],
-                        bytes_of(tensor.untyped_storage(), tensor.device))
-            views[key] = view
-        self.views = views
-        return [views[key][1:] for key, _ in sources]
+    def pairs(self, layout: Layout) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(place in the buffer, source bytes) per storage of ``layout``; made once per
+        layout (a source's view holds its storage: no other takes its address meanwhile)."""
+        if self.views.get("layout") is not layout:
+            self.views = {"layout": layout, "pairs": [
+                (self.data[offset:offset + key[2]],
+                 bytes_of(tensor.untyped_storage(), tensor.device))
+                for (key, tensor), offset in zip(layout.sources, layout.offsets)]}
+        return self.views["pairs"]
 
     def release(self) -> None:
         if self.registered:
             unregister_host_memory(self.data)
         self.data, self.registered, self.views = torch.empty(0, dtype=torch.uint8), False, {}
+        self.made = False
 
 
 def read_set(where: Location, header: dict[str, Any]) -> Any:
@@ -246,12 +315,17 @@ def read_set(where: Location, header: dict[str, Any]) -> Any:
         def tensor(slot: dict) -> torch.Tensor:
             if OTHER in slot:
                 return torch.load(io.BytesIO(slot[OTHER]), weights_only=True)
+            if INLINE in slot:
+                dtype, shape, data = slot[INLINE]
+                flat = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
+                        else torch.empty(0, dtype=torch.uint8))
+                return flat.view(getattr(torch, dtype)).reshape(shape)
             index, dtype, size_, stride, offset = slot[TENSOR]
             return torch.empty(0, dtype=getattr(torch, dtype)).set_(
                 storages[index], offset, size_, stride)
 
-        return map_tree(saved["state"], tensor,
-                        lambda v: isinstance(v, dict) and (TENSOR in v or OTHER in v))
+        return map_tree(saved["state"], tensor, lambda v: isinstance(v, dict) and (
+            TENSOR in v or OTHER in v or INLINE in v))
     except (OSError, KeyError, TypeError, ValueError, IndexError, RuntimeError, EOFError,
             AttributeError, pickle.UnpicklingError) as exc:
         raise CheckpointCorrupt(f"memory snapshot {shown} cannot be read ({exc}): it is "

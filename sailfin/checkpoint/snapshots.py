@@ -24,7 +24,7 @@ import re
 import shutil
 import threading
 from concurrent.futures import Future
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -32,9 +32,8 @@ from ..utils.crc import crc32
 from ..utils.voice import say
 from .errors import CheckpointCorrupt, CheckpointError
 from .snapshot_dirs import Peers, exchange, names, remove_file, write_json
-from .snapshot_sets import (ALIGN, SETS, Buffer, Copy, Location, Worker, dump_state,
-                            header_crc, is_full, plan_state, read_header, read_set,
-                            sample_crc)
+from .snapshot_sets import (SETS, Buffer, Copy, Layout, Location, Planner, Worker,
+                            dump_state, header_crc, is_full, read_header, read_set, sample_crc)
 
 _RANK_DIR = re.compile(r"^(?:replica-)?rank(\d+)$")
 # The last snapshot, as the ranks agree on it (MIN): a failure wins over a full file system.
@@ -62,6 +61,7 @@ class SnapshotStore:
         self._buffers: dict[str, Buffer] = {}
         self._streams: dict = {}
         self._worker = Worker("sailfin-snapshot")
+        self._planner = Planner()  # the state's layout, kept while it does not change
         self._pending: Optional[tuple] = None  # taken, its copy not settled
         self._finishing: Optional[Future] = None  # commit, replica, agreement
         self._error: Optional[BaseException] = None
@@ -86,11 +86,11 @@ class SnapshotStore:
                     if self._steps.get(loc) is None or self._steps[loc] != self.agreed)
 
     def take(self, step: int, facts: dict[str, Any], shared: dict[str, Any], rank_state: Any,
-             replicated: bool = False, later: frozenset = frozenset()) -> bool:
-        """Copy the state of ``step`` into the free set: what is not in ``later`` (storage
-        keys ``(data_ptr, device)``) now, the rest beside training until :meth:`settle`.
-        ``replicated``: ``shared`` is the same on every rank; the node's leader keeps it.
-        False when snapshots have stopped (a full file system)."""
+             replicated: bool = False, later: Optional[Callable[[], frozenset]] = None) -> bool:
+        """Copy the state of ``step`` into the free set: what is not in ``later()`` (storage
+        keys ``(data_ptr, device)``; None: nothing) now, the rest beside training until
+        :meth:`settle`. ``replicated``: ``shared`` is the same on every rank; the node's
+        leader keeps it. False when snapshots have stopped (a full file system)."""
         if self.stopped or not self._agree(step):
             return False
         if replicated and self.rank != self.leader:
@@ -98,37 +98,30 @@ class SnapshotStore:
         where = self._free(self.own_dir())
         remove_file(where.path("json"))  # being rewritten: never resumed meanwhile
         self._steps.pop(where, None)
-        skeleton, sources, slots = plan_state({"shared": shared, "rank": rank_state}, later)
-        offsets, total = [], 0
-        for key, _ in sources:
-            offsets.append(total)
-            total += -(-key[2] // ALIGN) * ALIGN
-        index = {key: i for i, (key, _) in enumerate(sources)}
-        for entry in slots:
-            entry[0] = index[entry[0]]
-        now = sum(key[:2] not in later for key, _ in sources)
-        full = offsets[now] if now < len(sources) else total  # checked whole: copied now
+        skeleton, layout = self._planner.plan(shared, rank_state, later or frozenset,
+                                              later is not None)
         buffer = self._buffers.setdefault(where.path("bin"), Buffer(where.path("bin")))
         try:
-            os.makedirs(where.directory, exist_ok=True)
-            buffer.hold(total, any(t.device.type == "cuda" for _, t in sources))
+            if not os.path.isdir(where.directory):
+                os.makedirs(where.directory, exist_ok=True)
+            buffer.hold(layout.total, layout.cuda)
         except OSError as exc:
             if not is_full(exc):
                 raise
-            self._pending = (step, where, None, None, None, 0, 0, exc)
+            self._pending = (step, where, None, None, None, layout, exc)
             self.settle()  # the agreement stops snapshots on every rank
             return False
-        pairs = buffer.pairs(sources, offsets)
-        for destination, source in pairs[:now]:
+        pairs = buffer.pairs(layout)
+        for destination, source in pairs[:layout.now]:
             destination.copy_(source)
-        blob = dump_state({"layout": [[o, k[2]] for o, (k, _) in zip(offsets, sources)],
-                           "state": skeleton})
+        blob = dump_state({"layout": layout.table, "state": skeleton})
         facts = {**facts, "memory_snapshot": {
             "rank": self.rank, "run": self.run, "replicated": replicated,
             "shared_from": None if shared else self.leader}}
-        copy = (Copy(self._worker, pairs[now:], [t for _, t in sources[now:]], self._streams)
-                if now < len(pairs) else None)
-        self._pending = (step, where, facts, blob, copy, full, total, None)
+        copy = (Copy(self._worker, pairs[layout.now:],
+                     [t for _, t in layout.sources[layout.now:]], self._streams)
+                if layout.now < len(pairs) else None)
+        self._pending = (step, where, facts, blob, copy, layout, None)
         if copy is None:
             self.settle()
         return True
@@ -143,7 +136,7 @@ class SnapshotStore:
         source changed meanwhile (the snapshot is dropped: not the state of one step)."""
         if self._pending is None:
             return None
-        step, where, facts, blob, copy, full, total, error = self._pending
+        step, where, facts, blob, copy, layout, error = self._pending
         self._pending = None
         unchanged, self.busy = error is None, False
         if copy is not None:
@@ -154,11 +147,11 @@ class SnapshotStore:
                 error, unchanged = exc, False
         self.committed.clear()
         self._finishing = self._worker.submit(self._finish, step, where, facts, blob, copy,
-                                                full, total, error, unchanged)
+                                              layout, error, unchanged)
         return unchanged
 
     def _finish(self, step: int, where: Location, facts: Any, blob: Any, copy: Optional[Copy],
-                full: int, total: int, error: Optional[BaseException], commit: bool
+                layout: Layout, error: Optional[BaseException], commit: bool
                 ) -> tuple[int, int]:
         """The snapshot thread: commit the set (unless dropped), send the replica, then
         agree with every rank on the newest step all of them hold."""
@@ -171,6 +164,7 @@ class SnapshotStore:
                     copy.done()  # a GPU's copy: its events
                 with open(where.path("pt"), "wb") as fh:
                     fh.write(blob)
+                total, full = layout.total, layout.full
                 data = self._buffers[where.path("bin")].data[:total]
                 facts["memory_snapshot"].update(state=[len(blob), crc32(blob)],
                                                 tensors=[total, full, sample_crc(data, full)])

@@ -277,7 +277,7 @@ def test_what_a_load_checks_and_how_each_damage_is_named(tmp_path):
     store = SnapshotStore(str(tmp_path / "shm"), rank=0, world_size=1)
     weight = torch.randn(3_000_000)  # 12 MB: copied beside training, checked by samples
     store.take(1, facts(1), {"model": {"w": weight}, "trainer": {}},
-               {"torch": torch.get_rng_state()}, later=frozenset(
+               {"torch": torch.get_rng_state()}, later=lambda: frozenset(
                    {(weight.untyped_storage().data_ptr(), "cpu")}))
     assert store.settle() is True
     store.wait()

@@ -33,7 +33,7 @@ def test_the_named_storages_are_copied_in_a_thread_and_a_change_drops_the_snapsh
     store = SnapshotStore(str(tmp_path / "shm"), rank=0, world_size=1)
     weight, buffer = torch.arange(1000.0), torch.zeros(3)
     state = {"model": {"w": weight, "b": buffer}, "trainer": {}}
-    assert store.take(1, facts(1), state, {}, later=frozenset({key(weight)}))
+    assert store.take(1, facts(1), state, {}, later=lambda: frozenset({key(weight)}))
     assert store.copying  # the weight's copy runs beside training
     assert store.settle() is True  # unchanged meanwhile
     store.wait()
@@ -41,7 +41,7 @@ def test_the_named_storages_are_copied_in_a_thread_and_a_change_drops_the_snapsh
     assert torch.equal(got["w"], weight) and torch.equal(got["b"], buffer)
     # A change between the snapshot and the wait is seen, whatever the copy caught: the
     # snapshot is dropped (never committed), step 1's stays.
-    store.take(2, facts(2), state, {}, later=frozenset({key(weight)}))
+    store.take(2, facts(2), state, {}, later=lambda: frozenset({key(weight)}))
     with torch.no_grad():
         weight.add_(1)
     assert store.settle() is False
@@ -67,7 +67,7 @@ def test_each_set_is_mapped_once_and_holds_the_current_values(tmp_path):
         with torch.no_grad():
             weight.mul_(2)
         store.take(step, facts(step), {"model": {"w": weight}, "trainer": {}}, {},
-                   later=frozenset({key(weight)}))
+                   later=lambda: frozenset({key(weight)}))
         assert store.settle()
         store.wait()
         assert torch.equal(held(store, step)["model"]["w"], weight)
@@ -75,7 +75,7 @@ def test_each_set_is_mapped_once_and_holds_the_current_values(tmp_path):
     assert mapped[2] == mapped[3] == mapped[4] and len(mapped[4]) == 2
     replaced = torch.full((1000,), -1.0)  # a new storage of the same size
     store.take(6, facts(6), {"model": {"w": replaced}, "trainer": {}}, {},
-               later=frozenset({key(replaced)}))
+               later=lambda: frozenset({key(replaced)}))
     assert store.settle()
     store.wait()
     assert torch.equal(held(store, 6)["model"]["w"], replaced)
@@ -119,7 +119,7 @@ def test_a_snapshot_holds_its_steps_values_when_they_change_before_the_commit(tm
         go.clear()
         user = {"counts": [1, 2], "seen": {"a": 1}, **({"odd": odd} if odd is not None else {})}
         store.take(step, facts(step), {"model": {"w": weight}, "trainer": {"user": user}},
-                   {"torch": torch.get_rng_state()}, later=frozenset({key(weight)}))
+                   {"torch": torch.get_rng_state()}, later=lambda: frozenset({key(weight)}))
         user["counts"].append(3)  # the next step changes the recipe's state in place
         user["seen"]["a"] = 2
         if odd is not None:
@@ -257,7 +257,7 @@ def test_without_cuda_the_buffer_is_not_registered_and_the_copy_is_a_thread_s(tm
     store = SnapshotStore(str(tmp_path / "shm"), rank=0, world_size=1)
     weight = torch.arange(100.0)
     store.take(1, facts(1), {"model": {"w": weight}, "trainer": {}}, {},
-               later=frozenset({key(weight)}))
+               later=lambda: frozenset({key(weight)}))
     assert not store._streams and not any(b.registered for b in store._buffers.values())
     assert store.settle() is True
     store.wait()
@@ -274,7 +274,7 @@ def test_a_cuda_snapshot_goes_on_a_side_stream_into_registered_memory(tmp_path):
     weight = torch.randn(4_000_000, device="cuda")
     before = weight.cpu()
     store.take(1, facts(1), {"model": {"w": weight}, "trainer": {}},
-               {"torch": torch.get_rng_state()}, later=frozenset({key(weight)}))
+               {"torch": torch.get_rng_state()}, later=lambda: frozenset({key(weight)}))
     [buffer] = store._buffers.values()
     assert buffer.registered and buffer.data.is_pinned()
     assert store._streams  # the side stream

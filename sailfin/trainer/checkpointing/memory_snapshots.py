@@ -177,7 +177,7 @@ class MemorySnapshots(Callback):
         # fsdp: this rank's rows, as plain tensors (no model mesh: nothing is sharded)
         local = local_shards(state) if self.mesh is not None else state
         shared = {"model": local.pop("module"), "trainer": local}
-        later = stepped_state(trainer) if self.overlap else frozenset()
+        later = (lambda: stepped_state(trainer)) if self.overlap else None
         self.store.take(trainer.global_step, facts, shared, rng_state(), local is state, later)
         self.stall_seconds.append(time.perf_counter() - started)
         if not self.store.copying:  # else said once the copy is settled, with its wait
