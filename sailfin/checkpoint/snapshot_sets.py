@@ -136,17 +136,22 @@ def read_header(where: Location) -> dict[str, Any]:
 
 
 class Layout(NamedTuple):
-    """Where a snapshot's storages go in a set's ``.bin``: ``sources`` (key, tensor) in
-    copy order (those copied at the step's end first: ``now`` of them, ``full`` bytes)."""
+    """Where a snapshot's storages go: each to one part (a rank of the node, when the
+    state is the same on every rank there: each copies a share), packed in that part's
+    ``.bin``. ``sources`` (key, tensor): this rank's, in copy order (those copied at the
+    step's end first: ``now`` of them, ``full`` bytes)."""
 
     keys: frozenset
     sources: list
     offsets: list
-    table: list  # [[offset, nbytes]] per storage: what the set's .pt records
+    table: list  # [[part, offset, nbytes]] per storage: what every part's .pt records
     total: int
     now: int
     full: int
     cuda: bool
+    part: int  # this rank's part (of ``parts``)
+    parts: int
+    ident: str  # what every part of one snapshot agrees on: a CRC-32 of ``table``
 
 
 class Planner:
@@ -160,13 +165,14 @@ class Planner:
     def __init__(self) -> None:
         self._seen: dict[tuple, tuple[tuple, list, torch.Tensor]] = {}
         self.layout: Optional[Layout] = None
-        self._deferred: Optional[bool] = None
+        self._shape: Optional[tuple] = None  # (defer, part, parts) of the layout
 
-    def plan(self, shared: Any, rank: Any, later: Callable[[], frozenset], defer: bool
-             ) -> tuple[Any, Layout]:
+    def plan(self, shared: Any, rank: Any, later: Callable[[], frozenset], defer: bool,
+             part: int = 0, parts: int = 1) -> tuple[Any, Layout]:
         """The skeleton of ``{"shared": shared, "rank": rank}`` and its layout. ``later()``:
         the storage keys ``(data_ptr, device)`` that may be copied beside training (asked
-        only when the layout changes; ``defer`` False: none)."""
+        only when the layout changes; ``defer`` False: none). ``parts``: how many ranks
+        share the copy of ``shared`` (the same on each of them); this rank is ``part``."""
         seen, previous = {}, self._seen
 
         def inline(value: torch.Tensor) -> Any:
@@ -195,9 +201,11 @@ class Planner:
                     "rank": map_tree(rank, inline, is_tensor)}
         self._seen = seen
         keys = frozenset(key for key, _, _ in seen.values())
-        if self.layout is None or self.layout.keys != keys or self._deferred != defer:
-            self.layout = _layout(seen.values(), keys, later() if defer else frozenset())
-            self._deferred = defer
+        shape = (defer, part, parts)
+        if self.layout is None or self.layout.keys != keys or self._shape != shape:
+            self.layout = _layout(seen.values(), keys, later() if defer else frozenset(),
+                                  part, parts)
+            self._shape = shape
         return skeleton, self.layout
 
 
@@ -207,27 +215,36 @@ def whole(value: torch.Tensor) -> dict[str, bytes]:
     return {OTHER: blob.getvalue()}
 
 
-def _layout(found: Any, keys: frozenset, later: frozenset) -> Layout:
+def _layout(found: Any, keys: frozenset, later: frozenset, part: int, parts: int) -> Layout:
     sources: dict[tuple, torch.Tensor] = {}
     for key, _, tensor in found:
         sources.setdefault(key, tensor)
+    # The order and the shares depend only on the state's structure and sizes, the same
+    # on every rank of the node: each rank computes every part's places.
     order = sorted(sources, key=lambda k: k[:2] in later)  # now first, then later
+    load = [0] * parts
+    owner = []
+    for key in order:  # each storage to the part with the fewest bytes so far
+        owner.append(min(range(parts), key=lambda p: (load[p], p)))
+        load[owner[-1]] += -(-key[2] // ALIGN) * ALIGN
+    fill, table = [0] * parts, []
+    for key, p in zip(order, owner):
+        table.append([p, fill[p], key[2]])
+        fill[p] += -(-key[2] // ALIGN) * ALIGN
     index = {key: i for i, key in enumerate(order)}
     for key, entry, _ in found:
-        entry[0] = index[key]  # the slot names its storage's place in the layout
-    offsets, total = [], 0
-    for key in order:
-        offsets.append(total)
-        total += -(-key[2] // ALIGN) * ALIGN
-    now = sum(key[:2] not in later for key in order)
-    full = offsets[now] if now < len(order) else total  # checked whole: copied now
-    return Layout(keys, [(k, sources[k]) for k in order], offsets,
-                  [[o, k[2]] for o, k in zip(offsets, order)], total, now, full,
-                  any(t.device.type == "cuda" for t in sources.values()))
+        entry[0] = index[key]  # the slot names its storage's row of the table
+    mine = [i for i, p in enumerate(owner) if p == part]
+    now = sum(order[i][:2] not in later for i in mine)
+    offsets = [table[i][1] for i in mine]
+    full = offsets[now] if now < len(mine) else fill[part]  # checked whole: copied now
+    return Layout(keys, [(order[i], sources[order[i]]) for i in mine], offsets, table,
+                  fill[part], now, full, any(t.device.type == "cuda" for t in sources.values()),
+                  part, parts, f"{crc32(json.dumps(table).encode()):08x}")
 
 
 def dump_state(obj: Any) -> bytes:
-    """``obj`` (plain values: :func:`plan_state` took its tensors out) as a pickle."""
+    """``obj`` (plain values: :class:`Planner` took its tensors out) as a pickle."""
     return pickle.dumps(obj, protocol=5)
 
 
@@ -290,27 +307,43 @@ class Buffer:
         self.made = False
 
 
-def read_set(where: Location, header: dict[str, Any]) -> Any:
+def read_bin(where: Location, header: dict[str, Any]) -> torch.Tensor:
+    """The set's ``.bin`` (its tensors' bytes), checked against ``header``: its size and
+    sampled CRC-32 (:func:`sample_crc`)."""
+    total, full, sampled = header["memory_snapshot"]["tensors"]
+    if os.path.getsize(where.path("bin")) < total:
+        raise CheckpointCorrupt(f"memory snapshot {where.path('bin')} is shorter than its "
+                                "header says: it is damaged", str(where))
+    data = (torch.from_file(where.path("bin"), shared=False, size=total, dtype=torch.uint8)
+            if total else torch.empty(0, dtype=torch.uint8))
+    if sample_crc(data, full) != sampled:
+        raise CheckpointCorrupt(f"memory snapshot {where.path('bin')} does not match its "
+                                "sampled CRC-32 in the header: it is damaged", str(where))
+    return data
+
+
+def read_set(where: Location, header: dict[str, Any],
+             other_part: Optional[Callable[[int], torch.Tensor]] = None) -> Any:
     """The state a set holds, checked against ``header``: its ``.pt`` whole (size and
-    CRC-32), its ``.bin``'s size and sampled CRC-32 (:func:`sample_crc`)."""
+    CRC-32) and its ``.bin`` (:func:`read_bin`); ``other_part(p)``: the checked bytes of
+    part ``p`` (another rank's set of the same step) for the storages that rank copied."""
     shown = str(where)
     try:
         about = header["memory_snapshot"]
-        (size, crc), (total, full, sampled) = about["state"], about["tensors"]
+        size, crc = about["state"]
         blob = _read_regular(where.path("pt"), limit=size)
         if len(blob) != size or crc32(blob) != crc:
             raise CheckpointCorrupt(f"memory snapshot {where.path('pt')} does not match its "
                                     "CRC-32 in the header: it is damaged", shown)
-        if os.path.getsize(where.path("bin")) < total:
-            raise CheckpointCorrupt(f"memory snapshot {where.path('bin')} is shorter than its "
-                                    "header says: it is damaged", shown)
-        data = (torch.from_file(where.path("bin"), shared=False, size=total, dtype=torch.uint8)
-                if total else torch.empty(0, dtype=torch.uint8))
-        if sample_crc(data, full) != sampled:
-            raise CheckpointCorrupt(f"memory snapshot {where.path('bin')} does not match its "
-                                    "sampled CRC-32 in the header: it is damaged", shown)
+        parts = {about["part"]: read_bin(where, header)}
         saved = _PlainUnpickler(io.BytesIO(blob)).load()
-        storages = [data[o:o + n].clone().untyped_storage() for o, n in saved["layout"]]
+        storages = []
+        for part, offset, nbytes in saved["layout"]:
+            if part not in parts:
+                if other_part is None:
+                    raise KeyError(f"part {part} (another rank's set)")
+                parts[part] = other_part(part)
+            storages.append(parts[part][offset:offset + nbytes].clone().untyped_storage())
 
         def tensor(slot: dict) -> torch.Tensor:
             if OTHER in slot:

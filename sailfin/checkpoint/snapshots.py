@@ -33,7 +33,8 @@ from ..utils.voice import say
 from .errors import CheckpointCorrupt, CheckpointError
 from .snapshot_dirs import Peers, exchange, names, remove_file, write_json
 from .snapshot_sets import (SETS, Buffer, Copy, Layout, Location, Planner, Worker,
-                            dump_state, header_crc, is_full, read_header, read_set, sample_crc)
+                            dump_state, header_crc, is_full, read_bin, read_header,
+                            read_set, sample_crc)
 
 _RANK_DIR = re.compile(r"^(?:replica-)?rank(\d+)$")
 # The last snapshot, as the ranks agree on it (MIN): a failure wins over a full file system.
@@ -47,7 +48,8 @@ class SnapshotStore:
                  replicas: int = 0, local_rank: Optional[int] = None) -> None:
         self.root, self.rank, self.world_size = root, rank, world_size
         self.local_rank = rank % local_world_size if local_rank is None else local_rank
-        self.leader = rank - self.local_rank  # writes the node's copy of replicated state
+        self.leader = rank - self.local_rank  # the node's first rank
+        self.local_world_size = local_world_size  # replicated state: each copies a share
         self.node = rank // local_world_size
         self.peers = Peers(world_size)
         self.run = ""  # snapshot_dirs.run_identity, in every header
@@ -89,17 +91,19 @@ class SnapshotStore:
              replicated: bool = False, later: Optional[Callable[[], frozenset]] = None) -> bool:
         """Copy the state of ``step`` into the free set: what is not in ``later()`` (storage
         keys ``(data_ptr, device)``; None: nothing) now, the rest beside training until
-        :meth:`settle`. ``replicated``: ``shared`` is the same on every rank; the node's
-        leader keeps it. False when snapshots have stopped (a full file system)."""
+        :meth:`settle`. ``replicated``: ``shared`` is the same on every rank: the node keeps
+        one copy, each of its ranks copying a share of the storages (the node's ranks
+        take the same steps). False when snapshots have stopped (a full file system)."""
         if self.stopped or not self._agree(step):
             return False
-        if replicated and self.rank != self.leader:
-            shared = {}
+        parts = ([self.leader + i for i in range(self.local_world_size)] if replicated
+                 else [self.rank])
         where = self._free(self.own_dir())
         remove_file(where.path("json"))  # being rewritten: never resumed meanwhile
         self._steps.pop(where, None)
         skeleton, layout = self._planner.plan(shared, rank_state, later or frozenset,
-                                              later is not None)
+                                              later is not None, parts.index(self.rank),
+                                              len(parts))
         buffer = self._buffers.setdefault(where.path("bin"), Buffer(where.path("bin")))
         try:
             if not os.path.isdir(where.directory):
@@ -116,8 +120,8 @@ class SnapshotStore:
             destination.copy_(source)
         blob = dump_state({"layout": layout.table, "state": skeleton})
         facts = {**facts, "memory_snapshot": {
-            "rank": self.rank, "run": self.run, "replicated": replicated,
-            "shared_from": None if shared else self.leader}}
+            "rank": self.rank, "run": self.run, "replicated": replicated, "parts": parts,
+            "part": layout.part, "layout": layout.ident}}
         copy = (Copy(self._worker, pairs[layout.now:],
                      [t for _, t in layout.sources[layout.now:]], self._streams)
                 if layout.now < len(pairs) else None)
@@ -253,8 +257,8 @@ class SnapshotStore:
 
     def inventory(self) -> dict[int, dict[int, Location]]:
         """Rank -> step -> set of the snapshots a rank of this run can resume from: headers
-        intact, files of their size, the node's copy of replicated state present."""
-        found: dict[int, dict[int, tuple[Location, Optional[int]]]] = {}
+        intact, files of their size, every part of replicated state present."""
+        found: dict[int, dict[int, tuple[Location, list]]] = {}
         for entry in sorted(names(self.root)):  # own copies ("rank...") before replicas
             match = _RANK_DIR.match(entry)
             if not match or int(match.group(1)) >= self.world_size:
@@ -264,11 +268,20 @@ class SnapshotStore:
                 where = Location(os.path.join(self.root, entry), name)
                 header = self._usable(where)
                 if header is not None and header["step"] not in found.get(rank, {}):
-                    source = header["memory_snapshot"]["shared_from"]
-                    found.setdefault(rank, {})[header["step"]] = (where, source)
-        return {rank: {step: where for step, (where, source) in steps.items()
-                       if source is None or found.get(source, {}).get(step, (0, 0))[1] is None}
+                    found.setdefault(rank, {})[header["step"]] = (where, header)
+        return {rank: {step: where for step, (where, header) in steps.items()
+                       if self._parts_present(header)}
                 for rank, steps in found.items()}
+
+    def _parts_present(self, header: dict[str, Any]) -> bool:
+        about = header["memory_snapshot"]
+        try:
+            for part, rank in enumerate(about["parts"]):
+                if part != about["part"]:
+                    self._part(rank, header)
+            return True
+        except CheckpointCorrupt:
+            return False
 
     def _usable(self, where: Location) -> Optional[dict[str, Any]]:
         try:
@@ -278,34 +291,40 @@ class SnapshotStore:
                                             and not about["replicated"]):
                 return None
             sizes = (os.path.getsize(where.path("pt")), os.path.getsize(where.path("bin")))
-            if sizes[0] != about["state"][0] or sizes[1] < about["tensors"][0]:
+            if (sizes[0] != about["state"][0] or sizes[1] < about["tensors"][0]
+                    or about["parts"][about["part"]] != about["rank"]):
                 return None
             return header
-        except (OSError, KeyError, TypeError, CheckpointCorrupt):
+        except (OSError, KeyError, TypeError, IndexError, CheckpointCorrupt):
             return None
 
     def load(self, where: Location) -> tuple[dict[str, Any], dict[str, Any], Any]:
         """(header, shared state, this rank's random state) of the set ``where``, every
         check of the header done (see docs/memory-snapshots.md)."""
         header = read_header(where)
-        state = read_set(where, header)
-        source = header["memory_snapshot"]["shared_from"]
-        shared = state["shared"]
-        if source is not None:
-            copy = self._node_copy(source, header["step"])
-            shared = read_set(copy, read_header(copy))["shared"]
-        return header, shared, state["rank"]
+        about = header["memory_snapshot"]
 
-    def _node_copy(self, rank: int, step: int) -> Location:
+        def other_part(part: int) -> torch.Tensor:
+            found = self._part(about["parts"][part], header)
+            return read_bin(found, read_header(found))
+
+        state = read_set(where, header, other_part)
+        return header, state["shared"], state["rank"]
+
+    def _part(self, rank: int, header: dict[str, Any]) -> Location:
+        """The set of ``rank`` (on this node: its own or a replica) that holds the part of
+        ``header``'s snapshot that rank copied: the same step and layout."""
+        step, layout = header["step"], header["memory_snapshot"]["layout"]
         for directory in (self.own_dir(rank), self.replica_dir(rank)):
             for name in SETS:
                 where = Location(directory, name)
-                header = self._usable(where)
-                if header is not None and header["step"] == step:
+                other = self._usable(where)
+                if (other is not None and other["step"] == step
+                        and other["memory_snapshot"]["layout"] == layout):
                     return where
-        raise CheckpointCorrupt(f"memory snapshot of step {step} of rank {rank} (the node's "
-                                f"copy of the model and optimizer) is missing in {self.root}",
-                                self.root)
+        raise CheckpointCorrupt(f"memory snapshot of step {step}: the part rank {rank} "
+                                f"copied (of the state every rank of the node holds) is "
+                                f"missing in {self.root}", self.root)
 
     def remove_mine(self) -> None:
         self.wait()

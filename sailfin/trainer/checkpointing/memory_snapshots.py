@@ -233,9 +233,10 @@ class MemorySnapshots(Callback):
                                                    f"{snapshot_dirs.RECORD}{self.store.node}"))
 
     def check_space(self, trainer: "RunView") -> None:
-        """Two sets per rank that writes (and two replicas), the optimizer's state counted
-        as after the first step, must fit each node's free shared memory; else stop before
-        the first step, on every rank."""
+        """Two sets per rank (and two replicas), the optimizer's state counted as after the
+        first step, must fit each node's free shared memory; else stop before the first
+        step, on every rank. Replicated state is copied once per node, each rank of it
+        copying a share (at most an even share and the largest storage)."""
         state = trainer.state_dict()
         local = local_shards(state)
         grown = sum(max(0, stepped_state_bytes(opt) - state_bytes(dict(_inner(opt).state)))
@@ -245,7 +246,11 @@ class MemorySnapshots(Callback):
         self.snapshot_bytes = shared + own
         store = self.store
         replicas = store.replica_dst is not None
-        writes = (shared if local is not state or store.rank == store.leader else 0) + own
+        ranks = store.local_world_size
+        if local is state and ranks > 1:  # the same on every rank: shared by the node's
+            largest = max(storage_sizes(local).values(), default=0)
+            shared = min(shared, -(-shared // ranks) + largest)
+        writes = shared + own
         root = store.root
         free = snapshot_dirs.free_bytes(root) + snapshot_dirs.used_bytes(root)
         reports = store.peers.all_gather((store.node, writes, free, root))
@@ -324,6 +329,11 @@ def stepped_state(trainer: "RunView") -> frozenset:
 def state_bytes(obj: Any) -> int:
     """Bytes of the tensors in ``obj`` (shared storages counted once; ``meta`` tensors by
     their size; a DTensor by its local shard)."""
+    return sum(storage_sizes(obj).values())
+
+
+def storage_sizes(obj: Any) -> dict[Any, int]:
+    """Each distinct storage of the tensors in ``obj``, and its bytes."""
     seen: dict[Any, int] = {}
 
     def count(value: torch.Tensor) -> None:
@@ -335,7 +345,7 @@ def state_bytes(obj: Any) -> int:
             seen[(storage.data_ptr(), str(value.device))] = storage.nbytes()
 
     map_tree(obj, count, is_tensor)
-    return sum(seen.values())
+    return seen
 
 
 def stepped_state_bytes(optimizer: torch.optim.Optimizer) -> int:
