@@ -179,6 +179,7 @@ _METADATA_NAMES = {
                           "PureWindowsPath"}),
     "collections": frozenset({"OrderedDict"}),
 }
+_METADATA_NAMES["pathlib._local"] = _METADATA_NAMES["pathlib"]  # where Python 3.13 keeps them
 
 
 class _MetadataUnpickler(pickle.Unpickler):
