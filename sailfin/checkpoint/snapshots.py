@@ -32,9 +32,9 @@ from ..utils.crc import crc32
 from ..utils.voice import say
 from .errors import CheckpointCorrupt, CheckpointError
 from .snapshot_dirs import Peers, exchange, names, remove_file, write_json
-from .snapshot_sets import (SETS, Buffer, Copy, Layout, Location, Planner, Worker,
-                            dump_state, header_crc, is_full, read_bin, read_header,
-                            read_set, sample_crc)
+from .snapshot_layout import Layout, Planner, dump_state
+from .snapshot_sets import (SETS, Buffer, Copy, Location, Worker, header_crc, is_full,
+                            read_bin, read_header, read_set, sample_crc)
 
 _RANK_DIR = re.compile(r"^(?:replica-)?rank(\d+)$")
 # The last snapshot, as the ranks agree on it (MIN): a failure wins over a full file system.

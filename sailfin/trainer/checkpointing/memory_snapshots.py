@@ -22,8 +22,8 @@ import torch
 from ...checkpoint import CheckpointError, Checkpointer, Loaded, snapshot_dirs
 from ...checkpoint.rng import rng_state
 from ...checkpoint.snapshot_dirs import exchange
-from ...checkpoint.snapshot_sets import (Location, global_shards, is_tensor, local_shards,
-                                        map_tree)
+from ...checkpoint.snapshot_layout import global_shards, is_tensor, local_shards, map_tree
+from ...checkpoint.snapshot_sets import Location
 from ...checkpoint.snapshots import SnapshotStore
 from ...config.trainer import TrainerArguments
 from ...logging.destination import check_directory
