@@ -14,7 +14,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.sailfin-installed
 PYTEST_ARGS ?=
 
-.PHONY: demo report test test-slow test-all test-compat test-compat-min test-compat-new test-gpu gpu-checks bench docs clean
+.PHONY: demo report test test-slow test-all test-compat test-compat-ci test-compat-min test-compat-new test-gpu gpu-checks bench docs clean
 
 # The first run installs torch and the extras (pip shows each download and step);
 # later runs find the stamp and start at once.
@@ -54,6 +54,7 @@ find_python = $(or $(lastword $(sort $(wildcard $(HOME)/.pyenv/versions/$(1).*/b
 PYTHON_MIN ?= $(call find_python,3.10)
 PYTHON_NEW ?= $(call find_python,3.13)
 COMPAT_ARGS ?=
+COMPAT_MARK ?= not slow
 COMPAT_PACKAGES := torch numpy transformers tokenizers peft opacus datasets
 
 .venv-min/.sailfin-installed: pyproject.toml requirements/compat-min.txt
@@ -82,6 +83,13 @@ test-compat:
 	cat .venv-min/last-summary .venv-new/last-summary 2>/dev/null; \
 	if [ -n "$$failed" ]; then echo "make test-compat: failed:$$failed"; exit 1; fi
 
+# CI's share of it (.ci/run): at both ends, the default suites of tests/backends,
+# tests/checkpoint and tests/distributed whole, one test of every other file,
+# and one each of the slow kill-and-resume, ddp, fsdp, memory-snapshot and dp runs
+# (tests/conftest.py, --compat-subset).
+test-compat-ci:
+	$(MAKE) --no-print-directory test-compat COMPAT_MARK= COMPAT_ARGS=--compat-subset
+
 test-compat-min: .venv-min/.sailfin-installed
 	$(call compat_run,.venv-min)
 
@@ -91,7 +99,7 @@ test-compat-new: .venv-new/.sailfin-installed
 # $(1) the environment: the default suite, then one line: the versions, pytest's result.
 define compat_run
 	@rm -f $(1)/last-summary
-	@{ $(1)/bin/python -m pytest -q -m "not slow" -p no:cacheprovider --tb=short $(COMPAT_ARGS); \
+	@{ $(1)/bin/python -m pytest -q -m "$(COMPAT_MARK)" -p no:cacheprovider --tb=short $(COMPAT_ARGS); \
 	  echo $$? > $(1)/last-test.rc; } 2>&1 | tee $(1)/last-test.log
 	@versions=$$($(1)/bin/python -c "import importlib.metadata as m, platform; print('Python', platform.python_version() + ',', ', '.join(n + ' ' + m.version(n) for n in '$(COMPAT_PACKAGES)'.split()))"); \
 	result=$$(tail -n 1 $(1)/last-test.log | tr -d '=' | sed 's/^ *//; s/ *$$//'); \

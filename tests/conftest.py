@@ -29,8 +29,42 @@ def _no_leaked_process_group():
         pytest.fail("test left a torch.distributed process group initialised")
 
 
+# --compat-subset (make test-compat-ci): these directories' default suites whole, one test
+# of every other file of the default suite, and the first test of each of these slow files
+# (a kill and resume, 2-process ddp and fsdp, memory snapshots, 2-process dp).
+WHOLE = ("backends", "checkpoint", "distributed")
+SLOW_SCENARIOS = ("tests/checkpoint/test_kill.py", "tests/checkpoint/test_memory_kill.py",
+                  "tests/distributed/test_ddp.py", "tests/distributed/test_fsdp.py",
+                  "tests/distributed/test_memory_snapshots.py", "tests/dp/test_dp_processes.py")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--compat-subset", action="store_true",
+                     help="the subset CI runs at both ends of the supported versions")
+
+
+def compat_subset(items: list) -> tuple[list, list]:
+    """(kept, deselected): see WHOLE and SLOW_SCENARIOS."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    kept, deselected, files = [], [], set()
+    for item in items:
+        path = os.path.relpath(str(item.path), root).replace(os.sep, "/")
+        slow = "slow" in item.keywords
+        whole = path.split("/")[1] in WHOLE and not slow
+        first = path not in files and (not slow or path in SLOW_SCENARIOS)
+        (kept if whole or first else deselected).append(item)
+        if first:
+            files.add(path)
+    return kept, deselected
+
+
 def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.cuda`` tests skip, saying why, where there is no CUDA device."""
+    """``@pytest.mark.cuda`` tests skip, saying why, where there is no CUDA device;
+    ``--compat-subset`` keeps what :func:`compat_subset` keeps."""
+    if config.getoption("--compat-subset"):
+        kept, deselected = compat_subset(items)
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (none here); run `make test-gpu` on "

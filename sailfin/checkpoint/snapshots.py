@@ -88,12 +88,15 @@ class SnapshotStore:
                     if self._steps.get(loc) is None or self._steps[loc] != self.agreed)
 
     def take(self, step: int, facts: dict[str, Any], shared: dict[str, Any], rank_state: Any,
-             replicated: bool = False, later: Optional[Callable[[], frozenset]] = None) -> bool:
+             replicated: bool = False, later: Optional[Callable[[], frozenset]] = None,
+             finite: Optional[torch.Tensor] = None) -> bool:
         """Copy the state of ``step`` into the free set: what is not in ``later()`` (storage
         keys ``(data_ptr, device)``; None: nothing) now, the rest beside training until
         :meth:`settle`. ``replicated``: ``shared`` is the same on every rank: the node keeps
         one copy, each of its ranks copying a share of the storages (the node's ranks
-        take the same steps). False when snapshots have stopped (a full file system)."""
+        take the same steps). ``finite``: a flag read by the snapshot thread; false: the
+        set is not committed (the step's weights are spoiled). False when snapshots have
+        stopped (a full file system)."""
         if self.stopped or not self._agree(step):
             return False
         parts = ([self.leader + i for i in range(self.local_world_size)] if replicated
@@ -112,7 +115,7 @@ class SnapshotStore:
         except OSError as exc:
             if not is_full(exc):
                 raise
-            self._pending = (step, where, None, None, None, layout, exc)
+            self._pending = (step, where, None, None, None, layout, None, exc)
             self.settle()  # the agreement stops snapshots on every rank
             return False
         pairs = buffer.pairs(layout)
@@ -125,7 +128,7 @@ class SnapshotStore:
         copy = (Copy(self._worker, pairs[layout.now:],
                      [t for _, t in layout.sources[layout.now:]], self._streams)
                 if layout.now < len(pairs) else None)
-        self._pending = (step, where, facts, blob, copy, layout, None)
+        self._pending = (step, where, facts, blob, copy, layout, finite, None)
         if copy is None:
             self.settle()
         return True
@@ -140,7 +143,7 @@ class SnapshotStore:
         source changed meanwhile (the snapshot is dropped: not the state of one step)."""
         if self._pending is None:
             return None
-        step, where, facts, blob, copy, layout, error = self._pending
+        step, where, facts, blob, copy, layout, finite, error = self._pending
         self._pending = None
         unchanged, self.busy = error is None, False
         if copy is not None:
@@ -151,19 +154,19 @@ class SnapshotStore:
                 error, unchanged = exc, False
         self.committed.clear()
         self._finishing = self._worker.submit(self._finish, step, where, facts, blob, copy,
-                                              layout, error, unchanged)
+                                              layout, error, unchanged, finite)
         return unchanged
 
     def _finish(self, step: int, where: Location, facts: Any, blob: Any, copy: Optional[Copy],
-                layout: Layout, error: Optional[BaseException], commit: bool
-                ) -> tuple[int, int]:
+                layout: Layout, error: Optional[BaseException], commit: bool,
+                finite: Optional[torch.Tensor] = None) -> tuple[int, int]:
         """The snapshot thread: commit the set (unless dropped), send the replica, then
         agree with every rank on the newest step all of them hold."""
         status = _READY
         try:
             if error is not None:
                 raise error
-            if commit:
+            if commit and (finite is None or bool(finite)):
                 if copy is not None:
                     copy.done()  # a GPU's copy: its events
                 with open(where.path("pt"), "wb") as fh:

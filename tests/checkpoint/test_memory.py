@@ -336,3 +336,27 @@ def test_a_forged_small_state_runs_no_code(tmp_path):
         store.load(where)
     assert not marker.exists() and "\n" not in str(err.value)
     store.close()
+
+
+def test_weights_a_non_finite_loss_spoiled_are_never_committed(tmp_path):
+    """The losses are read late (as on a GPU or across processes: no sync per step), so
+    steps go on after the NaN of global step 5; every snapshot taken with that loss
+    unread is dropped, not committed, and the guard still names step 5."""
+    from tests.trainer.test_nonfinite import NanAt
+    from sailfin.trainer.safety.nonfinite import NonFiniteGuard, NonFiniteLossError
+
+    shm = tmp_path / "shm"
+    module = NanAt(IdData(100, 0), bad_steps={5})
+    trainer = Trainer(module, make_args(
+        tmp_path / "run", train_batch_size=10, log_every_n_steps=100,
+        checkpoint={"at_epoch_end": False, "memory": {"every_n_steps": 1, "dir": str(shm)}}),
+        callbacks=[Settle()])
+    trainer.setup()
+    trainer.nonfinite = NonFiniteGuard("stop", torch.device("cpu"), defer=True)
+    with pytest.raises(NonFiniteLossError, match="global_step=5 "):
+        trainer.train()
+    assert trainer.global_step == 10  # read at the epoch's end: 5 steps after the NaN
+    held = steps_held(shm / "rank00000")
+    assert held and max(held.values()) == 5, held  # step 6 on: the spoiled weights
+    snapshots_of(trainer).store.close()
+    snapshot_dirs.clean(str(tmp_path / "run"))

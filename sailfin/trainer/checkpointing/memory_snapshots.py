@@ -168,7 +168,11 @@ class MemorySnapshots(Callback):
 
     def snapshot(self, trainer: "RunView") -> None:
         started = time.perf_counter()
-        trainer.nonfinite.check()  # never snapshot weights a non-finite loss spoiled
+        # Never commit weights a non-finite loss spoiled: the snapshot thread reads this
+        # rank's unread losses (no sync, no collective here); a rank that found one never
+        # commits the step, so it is never one every rank holds. The guard names the step
+        # at its next sync point.
+        finite = trainer.nonfinite.all_finite()
         trainer.writers.flush()  # metrics.jsonl holds every event up to the snapshot
         state = trainer.state_dict()
         if self._config is None:  # as the manifests hold it; the run's does not change
@@ -178,7 +182,8 @@ class MemorySnapshots(Callback):
         local = local_shards(state) if self.mesh is not None else state
         shared = {"model": local.pop("module"), "trainer": local}
         later = (lambda: stepped_state(trainer)) if self.overlap else None
-        self.store.take(trainer.global_step, facts, shared, rng_state(), local is state, later)
+        self.store.take(trainer.global_step, facts, shared, rng_state(), local is state, later,
+                        finite)
         self.stall_seconds.append(time.perf_counter() - started)
         if not self.store.copying:  # else said once the copy is settled, with its wait
             notify_save_end(trainer, "snapshot", self.stall_seconds[-1])  # the time account

@@ -85,6 +85,15 @@ class NonFiniteGuard:
         self._pending.append(loss.detach())  # no kernel, no sync: read in check()
         return True
 
+    def all_finite(self) -> Optional[torch.Tensor]:
+        """Whether this rank's losses not read yet are all finite, as a 0-dim tensor on
+        their device, for ``stop`` (None: none pending, or another policy): no sync and no
+        collective. A memory snapshot holds it and commits only if it reads true; the
+        losses stay for :meth:`check`, which names the step."""
+        if self.policy != "stop" or not self._pending:
+            return None
+        return torch.stack([t.float().reshape(()) for t in self._pending]).isfinite().all()
+
     # -- at sync points ----------------------------------------------------------------
     def check(self) -> None:
         """Read the losses observed since the last check (a deferred guard only)."""
