@@ -11,12 +11,14 @@ Example::
     writer = checksummed_writer(dcp.FileSystemWriter, path, single_file_per_rank=True)
     dcp.save(state, storage_writer=writer)
     writer.sailfin_checksums     # rank 0: {"__0_0.distcp": (size, crc), ".metadata": ...}
+    writer.sailfin_entries       # rank 0: {"trainer": (size, crc), ...}: the BytesIO entries
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import io
 from typing import Any, Callable, Optional
 
 from ..compat.torch import read_dcp_metadata
@@ -47,11 +49,13 @@ def _checksummed(base: type) -> type:
 
 
 class _ChecksumMixin:
-    """Adds to DCP's writer: each rank checksums what it wrote; rank 0 collects them."""
+    """Adds to DCP's writer: each rank checksums what it wrote (its files, and each entry
+    given as a ``BytesIO``: sailfin's small state); rank 0 collects them."""
 
     fs: Any
     path: Any
     sailfin_checksums: dict[str, tuple[int, int]] = {}
+    sailfin_entries: dict[str, tuple[int, int]] = {}
     refusal: str = ""  # set: this rank refuses to write (the save fails on every rank)
 
     def _checksum(self, relative: str) -> tuple[int, int]:
@@ -60,30 +64,42 @@ class _ChecksumMixin:
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.planner import WriteItemType
         from torch.distributed.checkpoint.storage import WriteResult
         from torch.futures import Future
 
         if self.refusal:
             raise CheckpointError(self.refusal)
+        entries = {}
+        for item in plan.items:
+            value = (planner.lookup_object(item.index) if item.type == WriteItemType.BYTE_IO
+                     else None)
+            if isinstance(value, io.BytesIO):
+                view = value.getbuffer()
+                entries[item.index.fqn] = (len(view), crc32(view))
+                del view  # a live view would pin the buffer's size
         results = super().write_data(plan, planner).wait()  # type: ignore[misc]
         files = sorted({r.storage_data.relative_path for r in results})
         sums = {name: self._checksum(name) for name in files}  # this rank wrote them
-        carrier = WriteResult(index=MetadataIndex(_CARRIER), size_in_bytes=0, storage_data=sums)
+        carrier = WriteResult(index=MetadataIndex(_CARRIER), size_in_bytes=0,
+                              storage_data=(sums, entries))
         done: Future = Future()
         done.set_result([*results, carrier])
         return done
 
     def finish(self, metadata: Any, results: list[list[Any]]) -> None:
         sums: dict[str, tuple[int, int]] = {}
+        entries: dict[str, tuple[int, int]] = {}
         kept = []
         for rank_results in results:
             for result in rank_results:
                 if result.index.fqn == _CARRIER:
-                    sums.update(result.storage_data)
+                    sums.update(result.storage_data[0])
+                    entries.update(result.storage_data[1])
             kept.append([r for r in rank_results if r.index.fqn != _CARRIER])
         super().finish(metadata, kept)  # type: ignore[misc]
         sums[".metadata"] = self._checksum(".metadata")  # rank 0 wrote the index
-        self.sailfin_checksums = sums
+        self.sailfin_checksums, self.sailfin_entries = sums, entries
 
 
 def restricted_reader(base: type, *args: Any, **kwargs: Any) -> Any:
@@ -130,17 +146,17 @@ def parse_metadata(stream: Any, shown: str) -> Any:
                                 "loaded, since unpickling it could run any code", shown) from None
 
 
-def check_index(storage: Storage, path: str, files: dict[str, Any]) -> None:
+def check_index(storage: Storage, path: str, files: dict[str, Any]) -> Any:
     """Read a checked DCP directory's index with the allow-list now, on every rank (it
-    checked the index's checksum itself: :func:`verify`): a forged one is damage that
-    ``resume: auto`` falls back from, found before any rank loads a thing."""
+    checked the index's checksum itself: :func:`verify`), and return it: a forged one is
+    damage that ``resume: auto`` falls back from, found before any rank loads a thing."""
     index = storage.join(path, METADATA)
     shown = storage.display(index)
     if METADATA not in files:
         raise CheckpointCorrupt(f"checkpoint manifest for {storage.display(path)} lists no "
                                 f"{METADATA}: it is damaged", shown)
     with open_checked(storage, index, shown, what="checkpoint shard", within=path) as stream:
-        parse_metadata(stream, shown)
+        return parse_metadata(stream, shown)
 
 
 def describe(sums: dict[str, tuple[int, int]]) -> dict[str, dict[str, Any]]:

@@ -21,7 +21,6 @@ class Storage:
     atomic_rename: bool = False
 
     def join(self, *parts: str) -> str: ...
-    def open_write(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]: ...
     def write_bytes(self, path: str, data: bytes) -> None: ...
     def open_read(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]: ...
     def exists(self, path: str) -> bool: ...
@@ -58,13 +57,6 @@ class LocalStorage(Storage):
 
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)
-
-    @contextlib.contextmanager
-    def open_write(self, path: str) -> Iterator[BinaryIO]:
-        with open(path, "wb") as fh:
-            yield fh
-            fh.flush()
-            os.fsync(fh.fileno())  # on disk before the rename that publishes it
 
     def write_bytes(self, path: str, data: bytes) -> None:
         replace_file(path, data)
@@ -129,9 +121,6 @@ class FsspecStorage(Storage):
 
     def display(self, path: str) -> str:
         return self.fs.unstrip_protocol(path)
-
-    def open_write(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
-        return self.fs.open(path, "wb")
 
     def write_bytes(self, path: str, data: bytes) -> None:
         self.fs.pipe_file(path, data)  # one PUT: the object is replaced whole

@@ -17,7 +17,7 @@ import torch
 from ...checkpoint.checkpointer import DirectoryCheckpointer
 from ...utils.voice import say
 from ...checkpoint.errors import CheckpointCorrupt, CheckpointError
-from ...checkpoint.sharded import load_sharded
+from ...checkpoint.dcp_io import load_sharded
 from ...backends.weights_file import SafetensorsSource, StateDictSource, load_into
 from .frozen_base import mismatch
 from .state import frozen_names
