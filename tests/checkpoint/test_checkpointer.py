@@ -351,3 +351,25 @@ def test_async_saves_stage_on_fresh_stagers_where_torchs_cannot_stage_twice(tmp_
     for step in ("step-00000006", "step-00000008"):
         same(saved_model(tmp_path / "sync" / "checkpoints" / step, like),
              saved_model(tmp_path / "async" / "checkpoints" / step, like), f"{step}/shards")
+
+
+def test_each_rank_reads_the_trainers_entry_and_only_its_own_streams(tmp_path):
+    """A checkpoint of one rank read by rank 1 of 2 (a grown world): rank 1 gets the
+    trainer's state and no random streams (it derives its own); rank 0 gets its own."""
+    from sailfin.checkpoint import SaveRequest
+
+    ckpt = DirectoryCheckpointer(str(tmp_path), CheckpointArguments(), DistEnv())
+    facts = {"step": 1, "epoch": 0, "step_in_epoch": 1, "samples_seen": 1, "world_size": 1}
+    streams = {"torch": torch.get_rng_state()}
+    ckpt.save(SaveRequest(1, facts, {"trainer": {"counters": {"global_step": 1}}}, streams,
+                          sharded={"module": {"w": torch.ones(2)}}))
+    ckpt.close()
+    for rank, own in ((0, streams), (1, None)):
+        reader = DirectoryCheckpointer(str(tmp_path), CheckpointArguments(),
+                                       DistEnv(rank=rank, world_size=2))
+        loaded = reader.load(reader.latest())
+        assert loaded.shared == {"trainer": {"counters": {"global_step": 1}}}
+        if own is None:
+            assert loaded.rank_state is None
+        else:
+            assert torch.equal(loaded.rank_state["torch"], own["torch"])
