@@ -13,7 +13,7 @@ from ..distributed import DistEnv
 from . import manifest as manifests
 from .dcp_io import (RNG, SHARDS, DcpWriter, ShardedRef, locate_shards, read_small, rng_key,
                      small_entries)
-from .errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError
+from .errors import CheckpointCorrupt, CheckpointError
 from .layout import _STEP, DirectoryLayout
 from .serialize import FileEntry, load_object, read_checked
 from .storage import Storage, open_storage
@@ -187,7 +187,7 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
     def wait(self) -> None:
         try:
             self.shards.wait()
-        except (CheckpointWriteError, CheckpointError):
+        except CheckpointError:  # the shards' write failure, said already
             raise
         except Exception as exc:  # rank 0's commit, in the writer thread
             raise CheckpointError(f"the background save of step {self._saving} to "
