@@ -212,7 +212,7 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
         sharded = locate_shards(storage, where, manifest, self.args.storage_options,
                                 self.dist.rank, self.dist.world_size)
         own = rng_key(self.dist.rank)
-        if "files" not in manifest:  # the small state is in the shards (checked above)
+        if manifest["format"] == manifests.FORMAT:  # the small state is in the shards
             if sharded is None:
                 raise CheckpointCorrupt(f"checkpoint manifest in {shown} lists no shards and "
                                         "no files: it is damaged", shown)
