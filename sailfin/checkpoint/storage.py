@@ -34,10 +34,6 @@ class Storage:
         """The path as the user would write it (for messages)."""
         return path
 
-    def read_bytes(self, path: str) -> bytes:
-        with self.open_read(path) as fh:
-            return fh.read()
-
     def local_path(self, path: str) -> Optional[str]:
         """The OS path of ``path`` if it is a local file, else None."""
         return None
