@@ -26,8 +26,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from ..compat.torch import (dcp_entry_file, dcp_load, fsspec_reader, fsspec_writer,
-                            streams_flushable_after_close)
+from ..compat.torch import dcp_load, fsspec_reader, fsspec_writer, streams_flushable_after_close
 from .errors import CheckpointCorrupt, CheckpointError, per_rank, reason, write_failure
 from .serialize import FileEntry, plain_name
 from .shard_checksums import (check_index, checksummed_writer, describe, restricted_reader,
@@ -225,7 +224,8 @@ class DcpWriter:
                                   "trainer.checkpoint.dir (or trainer.output_dir) on storage "
                                   "every rank shares")
         return {"format": FORMAT, "dir": SHARDS, "keys": self._keys, "files": describe(sums),
-                "entries": {k: FileEntry(*v).to_json() for k, v in sorted(entries.items())}}
+                "entries": {key: {**FileEntry(size, crc).to_json(), "file": file}
+                            for key, (size, crc, file) in sorted(entries.items())}}
 
     def writer(self, path: str) -> Any:
         """The DCP storage writer for ``path`` (checksummed; local or fsspec)."""
@@ -291,15 +291,15 @@ def locate_shards(storage: Storage, where: str, manifest: dict[str, Any],
         if not isinstance(files, dict):
             raise TypeError(files)
         verify(storage, path, files, rank, world_size)
-        metadata = check_index(storage, path, files)
-        entries = {key: FileEntry(entry["size"], int(entry["crc32"], 16))
-                   for key, entry in (info.get("entries") or {}).items()}
+        check_index(storage, path, files)
+        listed = info.get("entries") or {}
+        entries = {key: FileEntry(e["size"], int(e["crc32"], 16)) for key, e in listed.items()}
+        held = {key: e.get("file") for key, e in listed.items() if plain_name(e.get("file"))}
     except (KeyError, TypeError, ValueError, AttributeError):
         raise CheckpointCorrupt(f"checkpoint manifest in {shown} has a malformed shard list",
                                 shown) from None
-    held = {key: dcp_entry_file(metadata, key) for key in entries}
     return ShardedRef(storage, path, list(info.get("keys", [])), dict(storage_options or {}),
-                      entries, {k: v for k, v in held.items() if v is not None})
+                      entries, held)
 
 
 def read_small(ref: ShardedRef, keys: Iterable[str]) -> dict[str, Any]:

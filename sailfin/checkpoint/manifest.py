@@ -7,7 +7,8 @@ Example manifest::
      "samples_seen": 3840, "world_size": 2, "seed": 42, "sailfin_version": "0.2.0",
      "sharded": {"format": "torch-dcp/1", "dir": "shards", "keys": ["module", ...],
                  "files": {"__0_0.distcp": {"size": 70211, "crc32": "8a3f01c2"}, ...},
-                 "entries": {"trainer": {"size": 4211, "crc32": "1b0e77d3"}, ...}},
+                 "entries": {"trainer": {"size": 4211, "crc32": "1b0e77d3",
+                                         "file": "__0_0.distcp"}, ...}},
      "config": {...}, "manifest_crc32": "0c5e11aa"}
 
 Formats /1 and /2 (earlier releases) list files beside the shards under ``files``

@@ -11,7 +11,7 @@ Example::
     writer = checksummed_writer(dcp.FileSystemWriter, path, single_file_per_rank=True)
     dcp.save(state, storage_writer=writer)
     writer.sailfin_checksums     # rank 0: {"__0_0.distcp": (size, crc), ".metadata": ...}
-    writer.sailfin_entries       # rank 0: {"trainer": (size, crc), ...}: the BytesIO entries
+    writer.sailfin_entries       # rank 0: {"trainer": (size, crc, file), ...}: BytesIO entries
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class _ChecksumMixin:
     fs: Any
     path: Any
     sailfin_checksums: dict[str, tuple[int, int]] = {}
-    sailfin_entries: dict[str, tuple[int, int]] = {}
+    sailfin_entries: dict[str, tuple[int, int, str]] = {}
     refusal: str = ""  # set: this rank refuses to write (the save fails on every rank)
 
     def _checksum(self, relative: str) -> tuple[int, int]:
@@ -79,6 +79,9 @@ class _ChecksumMixin:
                 entries[item.index.fqn] = (len(view), crc32(view))
                 del view  # a live view would pin the buffer's size
         results = super().write_data(plan, planner).wait()  # type: ignore[misc]
+        for r in results:  # which file holds each entry: its errors name it
+            if r.index.fqn in entries:
+                entries[r.index.fqn] += (r.storage_data.relative_path,)
         files = sorted({r.storage_data.relative_path for r in results})
         sums = {name: self._checksum(name) for name in files}  # this rank wrote them
         carrier = WriteResult(index=MetadataIndex(_CARRIER), size_in_bytes=0,
@@ -89,7 +92,7 @@ class _ChecksumMixin:
 
     def finish(self, metadata: Any, results: list[list[Any]]) -> None:
         sums: dict[str, tuple[int, int]] = {}
-        entries: dict[str, tuple[int, int]] = {}
+        entries: dict[str, tuple[int, int, str]] = {}
         kept = []
         for rank_results in results:
             for result in rank_results:
@@ -146,17 +149,17 @@ def parse_metadata(stream: Any, shown: str) -> Any:
                                 "loaded, since unpickling it could run any code", shown) from None
 
 
-def check_index(storage: Storage, path: str, files: dict[str, Any]) -> Any:
+def check_index(storage: Storage, path: str, files: dict[str, Any]) -> None:
     """Read a checked DCP directory's index with the allow-list now, on every rank (it
-    checked the index's checksum itself: :func:`verify`), and return it: a forged one is
-    damage that ``resume: auto`` falls back from, found before any rank loads a thing."""
+    checked the index's checksum itself: :func:`verify`): a forged one is damage that
+    ``resume: auto`` falls back from, found before any rank loads a thing."""
     index = storage.join(path, METADATA)
     shown = storage.display(index)
     if METADATA not in files:
         raise CheckpointCorrupt(f"checkpoint manifest for {storage.display(path)} lists no "
                                 f"{METADATA}: it is damaged", shown)
     with open_checked(storage, index, shown, what="checkpoint shard", within=path) as stream:
-        return parse_metadata(stream, shown)
+        parse_metadata(stream, shown)
 
 
 def describe(sums: dict[str, tuple[int, int]]) -> dict[str, dict[str, Any]]:

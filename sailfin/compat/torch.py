@@ -27,7 +27,6 @@ PRIVATE = (
     "torch._dynamo.exc.TorchDynamoException",
     "torch.distributed.tensor._utils.compute_local_shape_and_global_offset",
     "torch.distributed.checkpoint._traverse.set_element",
-    "torch.distributed.checkpoint.filesystem._StorageInfo",
 )
 """The dotted names sailfin reads; :func:`missing` checks each."""
 
@@ -227,19 +226,6 @@ def dcp_load(state: dict[str, Any], reader: Any, local: bool = False,
     # Without a process group every release loads alone (torch 2.6 has no ``no_dist``).
     alone = {"no_dist": True} if local and dist.is_initialized() else {}
     dcp.load(state, storage_reader=reader, planner=WeightsOnlyPlanner(), **alone)
-
-
-def dcp_entry_file(metadata: Any, key: str) -> Optional[str]:
-    """The file (relative to the DCP directory) that holds the bytes entry ``key``, or None.
-
-    Private: the ``relative_path`` of ``_StorageInfo``, the storage record of DCP's file
-    system writer in ``Metadata.storage_data``. Public alternative: none.
-    """
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    info = (getattr(metadata, "storage_data", None) or {}).get(MetadataIndex(key))
-    path = getattr(info, "relative_path", None)
-    return path if isinstance(path, str) else None
 
 
 def cpu_stager(pinned: bool) -> Any:

@@ -82,7 +82,8 @@ def rewrite_shards(step: Path, change) -> Path:
             torch.save(data, buffer)
             data = buffer.getvalue()
         state[key] = io.BytesIO(data)
-        entries[key] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+        entries[key] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}",
+                        "file": "__0_0.distcp"}  # one process writes one file
     for file in shards.iterdir():
         file.unlink()
     with warnings.catch_warnings():  # DCP warns that one process saves: it is meant

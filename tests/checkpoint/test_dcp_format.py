@@ -57,6 +57,7 @@ def test_an_sp_checkpoint_opens_with_torch_alone(tmp_path):
         "manifest.json", "shards"]  # everything is in the one DCP save
     assert manifest["sharded"]["keys"] == ["module", "optimizers"]
     assert sorted(manifest["sharded"]["entries"]) == ["rng/rank00000", "trainer"]
+    assert {e["file"] for e in manifest["sharded"]["entries"].values()} == {"__0_0.distcp"}
     assert all(set(e) == {"size", "crc32"} for e in manifest["sharded"]["files"].values())
     state = convert_with_torch_alone(ckpt / "shards", tmp_path / "converted.pt")
     # What a user sees of sailfin's small state there: plain dicts (weights_only loads them).

@@ -29,6 +29,10 @@ def test_the_newest_checkpoint_converts_with_torch_alone(tmp_path, backend):
     newest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     manifest = json.loads((newest / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and "files" not in manifest  # all in the shards
+    # The trainer's state once, from rank 0; each rank's random streams in its own file.
+    assert {k: e["file"] for k, e in manifest["sharded"]["entries"].items()} == {
+        "trainer": "__0_0.distcp", "rng/rank00000": "__0_0.distcp",
+        "rng/rank00001": "__1_0.distcp"}
     state = convert_with_torch_alone(newest / "shards", tmp_path / "converted.pt")
     assert sorted(state) == ["module", "optimizers", "rng/rank00000", "rng/rank00001",
                              "trainer"]
