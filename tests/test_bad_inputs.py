@@ -59,9 +59,10 @@ def _two_saves_then(damage):
     return setup
 
 
-def _trainer_pt_is_a_directory(step):
-    (step / "trainer.pt").unlink()
-    (step / "trainer.pt").mkdir()
+def _shard_is_a_directory(step):
+    """The shard file (model, optimizers and small state) replaced by a directory."""
+    (step / "shards" / "__0_0.distcp").unlink()
+    (step / "shards" / "__0_0.distcp").mkdir()
 
 
 def _manifest_step_is_x(step):
@@ -107,14 +108,14 @@ TABLE = [
     ("manifest step 'x', resume: that checkpoint",
      _two_saves_then(_manifest_step_is_x), ["--trainer.resume", "STEP2"], "", 2,
      "has step 'x', not a count (an integer >= 0): it is damaged"),
-    ("trainer.pt a directory, resume: that checkpoint",
-     _two_saves_then(_trainer_pt_is_a_directory), ["--trainer.resume", "STEP2"], "", 2,
-     "trainer.pt is a directory, not a regular file"),
+    ("the shard file a directory, resume: that checkpoint",
+     _two_saves_then(_shard_is_a_directory), ["--trainer.resume", "STEP2"], "", 2,
+     "shards/__0_0.distcp is a directory, not a regular file"),
     ("manifest step 'x', resume: auto falls back",
      _two_saves_then(_manifest_step_is_x), [], "", 0,
      "skipped damaged checkpoint(s) step-00000002; falling back to"),
-    ("trainer.pt a directory, resume: auto falls back",
-     _two_saves_then(_trainer_pt_is_a_directory), [], "", 0,
+    ("the shard file a directory, resume: auto falls back",
+     _two_saves_then(_shard_is_a_directory), [], "", 0,
      "skipped damaged checkpoint(s) step-00000002; falling back to"),
     ("output_dir with a NUL byte", None, ["--trainer.output_dir", "TMP/o\0ut"], "", 2,
      "config key 'trainer.output_dir' got"),
@@ -147,7 +148,7 @@ def test_bad_input(tmp_path, capsys, name, setup, overrides, extra, code, text):
     else:  # fell back to step 1, trained step 2 again and saved it whole
         assert "step-00000001, the newest complete one" in err
         manifest = json.loads((step2 / "manifest.json").read_text())
-        assert manifest["step"] == 2 and (step2 / "trainer.pt").is_file()
+        assert manifest["step"] == 2 and (step2 / "shards" / "__0_0.distcp").is_file()
 
 
 @pytest.fixture

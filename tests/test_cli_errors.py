@@ -182,10 +182,10 @@ def test_a_partial_save_removed_under_a_rank_is_told_apart(tmp_path):
     from sailfin.checkpoint.errors import CheckpointWriteError
     from sailfin.cli import _staging_removed_under_us
 
-    gone = str(tmp_path / ".tmp-step-00000002" / "rng-rank00000.pt")
+    gone = str(tmp_path / ".tmp-step-00000002" / "shards" / "__1_0.distcp")
     assert _staging_removed_under_us(CheckpointWriteError("x", gone, errno.ENOENT))
     (tmp_path / "kept").mkdir()
-    here = str(tmp_path / "kept" / "rng-rank00000.pt")
+    here = str(tmp_path / "kept" / "__1_0.distcp")
     assert not _staging_removed_under_us(CheckpointWriteError("x", here, errno.ENOENT))
     assert not _staging_removed_under_us(CheckpointWriteError("x", gone, errno.ENOSPC))
     assert not _staging_removed_under_us(OSError(errno.ENOENT, "gone"))

@@ -2,7 +2,7 @@
 with PyTorch's FSDP2 (``fully_shard``; docs/sharding.md). It is the DDP strategy's
 sibling under the process-group base (:mod:`.parallel`): units instead of
 ``DistributedDataParallel``, a group of one when started alone, and state dicts that
-stay sharded (:mod:`sailfin.checkpoint.sharded`). The starting weights come from
+stay sharded (:mod:`sailfin.checkpoint.dcp_io`). The starting weights come from
 :mod:`.fsdp_build`, the choice of units from :mod:`.fsdp_units`.
 """
 

@@ -5,26 +5,26 @@ from __future__ import annotations
 
 import abc
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..config.checkpoint import CheckpointArguments
 from ..distributed import DistEnv
-from ..utils.voice import say
 from . import manifest as manifests
+from .dcp_io import (RNG, SHARDS, DcpWriter, ShardedRef, locate_shards, read_small, rng_key,
+                     small_entries)
 from .errors import CheckpointCorrupt, CheckpointError
 from .layout import _STEP, DirectoryLayout
-from .serialize import FileEntry, cpu_copy, load_object, read_checked, save_object
-from .sharded import SHARDS, ShardedRef, ShardedWriter, locate_shards
+from .serialize import FileEntry, load_object, read_checked
 from .storage import Storage, open_storage
 
 
 @dataclass
 class SaveRequest:
     """One save as the trainer hands it to a checkpointer, on every rank. Rank 0 writes
-    ``shared`` (file stem -> object, the same on every rank); ``rank_state`` is this rank's
-    own (its random streams); ``facts`` are plain JSON values for the manifest."""
+    ``shared`` (entry name -> object, the same on every rank); ``rank_state`` is this rank's
+    own (its random streams); ``facts`` are plain JSON values for the manifest. All of it
+    goes into one DCP save (:mod:`.dcp_io`)."""
 
     step: int
     facts: dict[str, Any]
@@ -135,10 +135,9 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
             raise CheckpointError(
                 f"checkpoint directory {local} is a file, not a directory; move it away, or "
                 "set trainer.checkpoint.dir (or trainer.output_dir) to another place")
-        self._executor: Optional[ThreadPoolExecutor] = None
-        self._pending: Optional[tuple[int, Future]] = None
-        self.shards = ShardedWriter(self.storage, args.storage_options)
+        self.shards = DcpWriter(self.storage, args.storage_options, self.shard_writer)
         self.writes_shards = True  # SaveRequest.sharded is written, with DCP
+        self._saving = -1  # the step of the save in flight (async)
 
     def save(self, request: SaveRequest) -> None:
         self.wait()  # one save in flight at a time; raises if the previous one failed
@@ -148,63 +147,29 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
         if self.dist.is_main and not self.storage.atomic_rename:
             # Re-saving a step in place (a run resumed before it): it is incomplete from now on.
             self.storage.remove(self.storage.join(staging, manifests.MANIFEST))
-        if request.sharded:  # every rank writes its own shards
-            self.shards.save(staging, request.sharded, self.args.async_save, request.step,
-                             request.later)
-        background = self.args.async_save and self.dist.is_main
-        own_path = self.storage.join(staging, self.rank_file(self.dist.rank))
-        # Rank 0's own file may wait for the background; the others' must be on storage
-        # before rank 0 commits the checkpoint.
-        own = None if background else self.write_file(own_path, request.rank_state)
-        self.barrier()
-        if not self.dist.is_main:
-            return
-        if not background:
-            self._write_and_commit(name, staging, request, own_path, own)
-            return
-        # Copy now (the next step changes the state), write in the background: what DCP
-        # does not stage is small (counters, schedulers, the scaler).
-        request = SaveRequest(request.step, dict(request.facts), cpu_copy(request.shared),
-                            request.rank_state, request.is_best)
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="sailfin-checkpoint")
-        self._pending = (request.step, self._executor.submit(
-            self._write_and_commit, name, staging, request, own_path))
+        # The small state as bytes made now: under async_save they are the save's copy.
+        state = {**request.sharded,
+                 **small_entries(request.shared, request.rank_state, self.dist.rank)}
+        self._saving = request.step
+        # Rank 0 commits once every rank's part is on storage (async: in the writer thread).
+        then = (lambda: self._commit(name, staging, request)) if self.dist.is_main else None
+        self.shards.save(staging, state, self.args.async_save, request.step, request.later,
+                         then)
 
-    def _write_and_commit(self, name: str, staging: str, request: SaveRequest, own_path: str,
-                          own: Optional[FileEntry] = None) -> None:
-        if own is None:  # rank 0's own file, written in the background
-            own = self.write_file(own_path, request.rank_state)
-        shards = self.shards.finish(staging)  # every rank's shards are on storage
-        if shards is not None:
-            request.facts["sharded"] = shards  # the manifest lists them
-        files = {f"{stem}.pt": self.write_file(self.storage.join(staging, f"{stem}.pt"), obj)
-                 for stem, obj in request.shared.items()}
-        files.update(self._rank_entries(staging, own))
-        self.commit(name, staging, files, request)
+    def _commit(self, name: str, staging: str, request: SaveRequest) -> None:
+        request.facts["sharded"] = self.shards.described()  # the manifest lists them
+        self.commit(name, staging, {}, request)
         self.retain()
 
-    def write_file(self, path: str, obj: Any) -> FileEntry:
-        """Write one file of a checkpoint. Override to throttle, compress or observe writes."""
-        return save_object(self.storage, path, obj)
-
-    def _rank_entries(self, staging: str, own: FileEntry) -> dict[str, FileEntry]:
-        entries = {self.rank_file(0): own}
-        for rank in range(1, self.dist.world_size):
-            path = self.storage.join(staging, self.rank_file(rank))
-            try:
-                data = self.storage.read_bytes(path)
-            except FileNotFoundError:
-                say(f"rank {rank}'s random state {self.storage.display(path)} is not visible "
-                    "from rank 0; put trainer.checkpoint.dir on storage every node shares. "
-                    f"On resume, rank {rank} derives new random streams", warning=True)
-                continue
-            entries[self.rank_file(rank)] = FileEntry.of(data)
-        return entries
+    def shard_writer(self, path: str) -> Any:
+        """The DCP storage writer of the shards at ``path`` (every rank). Override to
+        throttle, compress or observe writes."""
+        return self.shards.writer(path)
 
     def commit(self, name: str, staging: str, files: dict[str, FileEntry],
                request: SaveRequest) -> None:
-        """Make the written files a complete checkpoint, then move ``latest`` (and ``best``)."""
+        """Make the written files a complete checkpoint, then move ``latest`` (and ``best``).
+        ``files``: files beside the shards to list in the manifest (sailfin writes none)."""
         for leftover in set(self.storage.listdir(staging)) - set(files) - {SHARDS}:
             self.storage.remove(self.storage.join(staging, leftover))  # from a killed save
         facts = {**request.facts, "is_best": request.is_best}
@@ -222,24 +187,14 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
     def wait(self) -> None:
         try:
             self.shards.wait()
-        finally:  # the background commit too, so that nothing is left running (abort)
-            pending, self._pending = self._pending, None
-            if pending is not None:
-                try:
-                    pending[1].result()
-                except Exception as exc:
-                    raise CheckpointError(f"the background save of step {pending[0]} to "
-                                          f"{self.storage.display(self.root)} failed: {exc}"
-                                          ) from exc
+        except CheckpointError:  # the shards' write failure, said already
+            raise
+        except Exception as exc:  # rank 0's commit, in the writer thread
+            raise CheckpointError(f"the background save of step {self._saving} to "
+                                  f"{self.storage.display(self.root)} failed: {exc}") from exc
 
     def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
-            self.shards.close()
+        self.shards.close()
 
     def load(self, name: str, mmap: bool = False) -> Loaded:
         """``mmap``: memory-map local files (tensors are read when touched)."""
@@ -254,15 +209,25 @@ class DirectoryCheckpointer(DirectoryLayout, Checkpointer):
             raise CheckpointCorrupt(f"checkpoint {shown} has no {manifests.MANIFEST}: the save "
                                     "did not finish", storage.display(manifest_path)) from None
         manifest = manifests.decode(raw, storage.display(manifest_path))
+        sharded = locate_shards(storage, where, manifest, self.args.storage_options,
+                                self.dist.rank, self.dist.world_size)
+        own = rng_key(self.dist.rank)
+        if manifest["format"] == manifests.FORMAT:  # the small state is in the shards
+            if sharded is None:
+                raise CheckpointCorrupt(f"checkpoint manifest in {shown} lists no shards and "
+                                        "no files: it is damaged", shown)
+            read = read_small(sharded, [key for key in sharded.entries
+                                        if not key.startswith(RNG) or key == own])
+            rank_state = read.pop(own, None)
+            return Loaded(name, shown, manifest, read, rank_state, sharded)
+        # Saved by an earlier release: trainer.pt, rng-rank0000N.pt (and model.pt) beside it.
         files = manifests.files_of(manifest, storage.display(manifest_path))
         shared = {file[:-len(".pt")]: load_object(storage, storage.join(where, file), entry,
                                                   mmap, within=where)
                   for file, entry in files.items() if not file.startswith("rng-rank")}
-        own = self.rank_file(self.dist.rank)
+        own = f"rng-rank{self.dist.rank:05d}.pt"
         rank_state = (load_object(storage, storage.join(where, own), files[own], within=where)
                       if own in files else None)
-        sharded = locate_shards(storage, where, manifest, self.args.storage_options,
-                                self.dist.rank, self.dist.world_size)
         return Loaded(name, shown, manifest, shared, rank_state, sharded)
 
     def _locate(self, name: str) -> tuple[Storage, str]:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import errno
-from typing import Iterator, Optional
+import os
+from typing import Any, Iterator, Optional
 
 
 class CheckpointError(RuntimeError):
@@ -61,3 +62,39 @@ def errno_of(exc: BaseException) -> Optional[int]:
 def no_space(exc: BaseException) -> bool:
     """Whether ``exc`` comes from a full disk (ENOSPC, or a quota: EDQUOT)."""
     return errno_of(exc) in (errno.ENOSPC, getattr(errno, "EDQUOT", -1))
+
+
+def write_failure(storage: Any, path: str, exc: BaseException) -> CheckpointWriteError:
+    """DCP's failure to write shards, as one line; a full disk (torch.save reports it as
+    ``unexpected pos``, the OSError lost) is told by the space left there."""
+    code = errno_of(exc)
+    if code is None and _full(storage, path):
+        code = errno.ENOSPC
+    why = "no space left on device" if code == errno.ENOSPC else reason(exc)
+    failure = CheckpointWriteError(f"writing the checkpoint shards in {storage.display(path)} "
+                                   f"failed: {why}", storage.display(path), code)
+    failure.every_rank = True  # DCP's save is collective: every rank gets its failure
+    return failure
+
+
+def _full(storage: Any, path: str) -> bool:
+    """Whether the local file system holding ``path`` has (almost) no space left."""
+    local = storage.local_path(path)
+    if local is None:
+        return False
+    while local and not os.path.exists(local):
+        local = os.path.dirname(local)
+    try:
+        stat = os.statvfs(local or "/")
+    except OSError:
+        return False
+    return stat.f_bavail * stat.f_frsize < 1 << 20  # less than 1 MiB: what failed was full
+
+
+def reason(exc: BaseException) -> str:
+    """DCP's per-rank errors without their tracebacks (it puts those in the message)."""
+    failures = per_rank(exc)
+    if not failures:
+        return str(exc)
+    return "; ".join(f"rank {rank}: {type(inner).__name__}: {inner}"
+                     for rank, inner in sorted(failures.items()))

@@ -40,10 +40,6 @@ class DirectoryLayout:
     def path(self, *parts: str) -> str:
         return self.storage.join(self.root, *parts)
 
-    @staticmethod
-    def rank_file(rank: int) -> str:
-        return f"rng-rank{rank:05d}.pt"
-
     def complete(self) -> list[tuple[int, str]]:
         """(step, name) of every checkpoint with a manifest, oldest first."""
         return [(step, name) for step, name in self._steps() if self._has_manifest(name)]

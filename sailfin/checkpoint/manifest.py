@@ -3,10 +3,16 @@
 
 Example manifest::
 
-    {"format": "sailfin-checkpoint/2", "step": 120, "epoch": 2, "step_in_epoch": 20,
+    {"format": "sailfin-checkpoint/3", "step": 120, "epoch": 2, "step_in_epoch": 20,
      "samples_seen": 3840, "world_size": 2, "seed": 42, "sailfin_version": "0.2.0",
-     "files": {"trainer.pt": {"size": 4211, "crc32": "8a3f01c2"}, ...}, "config": {...},
-     "manifest_crc32": "0c5e11aa"}
+     "sharded": {"format": "torch-dcp/1", "dir": "shards", "keys": ["module", ...],
+                 "files": {"__0_0.distcp": {"size": 70211, "crc32": "8a3f01c2"}, ...},
+                 "entries": {"trainer": {"size": 4211, "crc32": "1b0e77d3",
+                                         "file": "__0_0.distcp"}, ...}},
+     "config": {...}, "manifest_crc32": "0c5e11aa"}
+
+Formats /1 and /2 (earlier releases) list files beside the shards under ``files``
+(``trainer.pt``, ``rng-rank0000N.pt``, and ``model.pt`` before the shards).
 """
 
 from __future__ import annotations
@@ -20,15 +26,15 @@ from ..utils.crc import crc32
 from .errors import CheckpointCorrupt
 from .serialize import FileEntry, plain_name
 
-FORMAT = "sailfin-checkpoint/2"  # /2: the manifest carries its own CRC-32
-OLDER = "sailfin-checkpoint/1"
+FORMAT = "sailfin-checkpoint/3"  # /3: the small state is in the shards, no ``files``
+OLDER = ("sailfin-checkpoint/2", "sailfin-checkpoint/1")  # /2: the manifest's own CRC-32
 MANIFEST = "manifest.json"
 # Bounds on what is parsed: a manifest is a few kB (the config included); a damaged or
 # hostile one must not take the start-up's memory or Python's stack. They follow the
 # config's own bounds: whatever config loads, its checkpoints' manifests read back.
 MAX_BYTES = MANIFEST_MAX_BYTES
 MAX_DEPTH = MANIFEST_MAX_DEPTH
-REQUIRED = ("step", "epoch", "step_in_epoch", "samples_seen", "world_size", "files")
+REQUIRED = ("step", "epoch", "step_in_epoch", "samples_seen", "world_size")
 COUNTERS = ("step", "epoch", "step_in_epoch", "samples_seen", "world_size")
 
 
@@ -38,8 +44,10 @@ SELF_CHECK = "manifest_crc32"
 
 
 def encode(facts: Mapping[str, Any], files: Mapping[str, FileEntry]) -> bytes:
-    body = {"format": FORMAT, **facts,
-            "files": {name: entry.to_json() for name, entry in sorted(files.items())}}
+    """``files``: files beside the shards (none from sailfin's own saves)."""
+    body = {"format": FORMAT, **facts}
+    if files:
+        body["files"] = {name: entry.to_json() for name, entry in sorted(files.items())}
     return seal(json.loads(json.dumps(_finite(body), default=str)))
 
 
@@ -70,17 +78,20 @@ def decode(data: bytes, shown: str) -> dict[str, Any]:
     if too_deep:
         raise CheckpointCorrupt(f"checkpoint manifest {shown} nests deeper than "
                                 f"{MAX_DEPTH} levels: it is damaged", shown)
-    if not isinstance(body, dict) or body.get("format") not in (FORMAT, OLDER):
+    if not isinstance(body, dict) or body.get("format") not in (FORMAT, *OLDER):
         found = body.get("format") if isinstance(body, dict) else type(body).__name__
         raise CheckpointCorrupt(f"checkpoint manifest {shown} has format {found!r}; this "
-                                f"sailfin reads {FORMAT!r} and {OLDER!r}", shown)
-    if body["format"] == FORMAT:
+                                f"sailfin reads {', '.join(repr(f) for f in (FORMAT, *OLDER))}",
+                                shown)
+    if body["format"] != OLDER[-1]:
         claimed = body.pop(SELF_CHECK, None)
         if claimed != f"{_crc(body):08x}":
             raise CheckpointCorrupt(f"checkpoint manifest {shown} does not match its own "
                                     f"CRC-32 ({SELF_CHECK}): it was altered or damaged after "
                                     "the save", shown)
-    missing = [k for k in REQUIRED if k not in body]
+    # /3 keeps everything in the shards; the formats before list files beside them.
+    missing = [k for k in REQUIRED + (("sharded",) if body["format"] == FORMAT else ("files",))
+               if k not in body]
     if missing:
         raise CheckpointCorrupt(f"checkpoint manifest {shown} lacks {', '.join(missing)}: it is "
                                 "damaged", shown)

@@ -1,7 +1,9 @@
-"""Writing and reading one checkpoint file: torch.save out, ``weights_only`` torch.load in.
+"""Reading checkpoint files safely: each opened only once it is known to be a regular file
+inside the checkpoint, and (an earlier release's ``trainer.pt`` and ``rng-rank*.pt``)
+loaded with ``weights_only`` torch.load.
 
-Each file's size and CRC-32 (computed while it is written) go into the manifest and are
-checked before anything is unpickled: CRC-32 finds truncation and damage at several GB/s,
+Each file's size and CRC-32 are in the manifest and are checked before anything is
+unpickled: CRC-32 finds truncation and damage at several GB/s,
 and a cryptographic hash would protect nothing more (whoever can rewrite a file can
 rewrite the manifest too). A checkpoint file may have been replaced by a named pipe, a
 link to ``/dev/zero`` or a directory, and a manifest may name ``../../etc/hostname``:
@@ -18,17 +20,15 @@ import os
 import pickle
 import re
 import stat
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Iterator, Optional
 
 import torch
 
-from ..compat.torch import keep_state_dict_versions
 from ..utils.crc import crc32
 from ..utils.files import file_kind
 from ..utils.voice import say
-from .errors import CheckpointCorrupt, CheckpointError, CheckpointWriteError
+from .errors import CheckpointCorrupt, CheckpointError
 from .storage import Storage
 
 # What a manifest may name: one plain file name, never a path.
@@ -165,66 +165,6 @@ class FileEntry:
         return cls(len(data), crc32(data))
 
 
-# Buffers at least this large are checksummed on the helper thread while they are written.
-THREADED_CHECKSUM_BYTES = 1 << 20
-
-
-class _ChecksumWriter:
-    """A file-like that checksums and counts what passes through it. With ``helper`` (a
-    one-thread executor), a large buffer's CRC-32 runs there while this thread writes it;
-    ``write`` returns when both are done (the caller may then reuse the buffer)."""
-
-    def __init__(self, fh: Any, helper: Optional[ThreadPoolExecutor] = None) -> None:
-        self.fh, self.helper = fh, helper
-        self.crc32 = self.size = 0
-        self.error: OSError | None = None  # torch.save hides it inside a RuntimeError
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        try:
-            if self.helper is not None and len(view) >= THREADED_CHECKSUM_BYTES:
-                crc = self.helper.submit(crc32, view, self.crc32)
-                self.fh.write(view)
-                self.crc32 = crc.result()
-            else:
-                self.crc32 = crc32(view, self.crc32)  # releases the GIL on large buffers
-                self.fh.write(view)
-        except OSError as exc:
-            self.error = exc
-            raise
-        self.size += len(view)
-        return len(view)
-
-    def flush(self) -> None:
-        self.fh.flush()
-
-
-def save_object(storage: Storage, path: str, obj: Any, overlap: bool = True) -> FileEntry:
-    """``torch.save`` ``obj`` to ``path``; return its size and checksum. ``overlap``
-    False: no helper thread (a background writer must not take a second core from
-    training). A failed write raises :class:`CheckpointWriteError` with the OS's reason,
-    not torch's ``unexpected pos`` RuntimeError."""
-    writer: _ChecksumWriter | None = None
-    try:
-        with ThreadPoolExecutor(1, thread_name_prefix="sailfin-checksum") if overlap \
-                else contextlib.nullcontext() as helper, storage.open_write(path) as fh:
-            writer = _ChecksumWriter(fh, helper)
-            torch.save(obj, writer)
-    except OSError as exc:  # opening, fsync or close (NFS reports a full disk at close)
-        raise write_error(storage, path, exc) from exc
-    except RuntimeError:
-        if writer is None or writer.error is None:
-            raise
-        raise write_error(storage, path, writer.error) from writer.error
-    return FileEntry(writer.size, writer.crc32)
-
-
-def write_error(storage: Storage, path: str, exc: OSError) -> CheckpointWriteError:
-    reason = "no space left on device" if exc.errno == errno.ENOSPC else (exc.strerror or exc)
-    return CheckpointWriteError(f"cannot write checkpoint file {storage.display(path)}: "
-                                f"{reason}", storage.display(path), exc.errno)
-
-
 def load_object(storage: Storage, path: str, entry: FileEntry, mmap: bool = False,
                 within: Optional[str] = None) -> Any:
     """Read ``path`` (see :func:`open_checked`), check it against the manifest, and load it
@@ -271,11 +211,6 @@ def checksum_stream(stream: Any, update: Callable[..., int] = crc32) -> tuple[in
     return size, crc
 
 
-def checksum_file(path: str) -> tuple[int, int]:
-    with open(path, "rb") as fh:
-        return checksum_stream(fh)
-
-
 def check_plain(obj: Any, where: str) -> None:
     """Refuse, at save time, anything ``weights_only`` loading could not read back."""
     stack = [(obj, where)]
@@ -297,36 +232,3 @@ def check_plain(obj: Any, where: str) -> None:
                 "checkpoint cannot hold: checkpoints are loaded with torch.load(weights_only="
                 "True), which rebuilds only tensors and plain Python types (dict, list, tuple, "
                 "set, str, int, float, bool, None). Convert it, e.g. to a dict of those")
-
-
-def cpu_copy(obj: Any) -> Any:
-    """A deep copy with every tensor on the CPU, sharing preserved (tied weights stay tied)."""
-    storages: dict[tuple[int, str], torch.UntypedStorage] = {}
-
-    def copy_tensor(value: torch.Tensor) -> torch.Tensor:
-        if value.layout is not torch.strided or value.is_quantized:
-            return value.to("cpu", copy=True)
-        storage = value.untyped_storage()
-        key = (storage.data_ptr(), str(value.device))
-        if key not in storages or storage.nbytes() == 0:
-            storages[key] = storage.cpu() if value.device.type != "cpu" else storage.clone()
-        out = torch.empty(0, dtype=value.dtype)
-        out.set_(storages[key], value.storage_offset(), value.size(), value.stride())
-        return out
-
-    return _copy_structure(obj, copy_tensor)
-
-
-def _copy_structure(value: Any, copy_tensor: Any) -> Any:
-    """``value`` rebuilt with every tensor replaced by ``copy_tensor(tensor.detach())``."""
-    if isinstance(value, torch.Tensor):
-        return copy_tensor(value.detach())
-    if isinstance(value, dict):
-        out = {k: _copy_structure(v, copy_tensor) for k, v in value.items()}
-        if isinstance(value, collections.OrderedDict):
-            out = collections.OrderedDict(out)
-            keep_state_dict_versions(out, value)
-        return out
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_copy_structure(v, copy_tensor) for v in value)
-    return value

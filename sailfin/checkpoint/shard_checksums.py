@@ -11,12 +11,14 @@ Example::
     writer = checksummed_writer(dcp.FileSystemWriter, path, single_file_per_rank=True)
     dcp.save(state, storage_writer=writer)
     writer.sailfin_checksums     # rank 0: {"__0_0.distcp": (size, crc), ".metadata": ...}
+    writer.sailfin_entries       # rank 0: {"trainer": (size, crc, file), ...}: BytesIO entries
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import io
 from typing import Any, Callable, Optional
 
 from ..compat.torch import read_dcp_metadata
@@ -47,11 +49,13 @@ def _checksummed(base: type) -> type:
 
 
 class _ChecksumMixin:
-    """Adds to DCP's writer: each rank checksums what it wrote; rank 0 collects them."""
+    """Adds to DCP's writer: each rank checksums what it wrote (its files, and each entry
+    given as a ``BytesIO``: sailfin's small state); rank 0 collects them."""
 
     fs: Any
     path: Any
     sailfin_checksums: dict[str, tuple[int, int]] = {}
+    sailfin_entries: dict[str, tuple[int, int, str]] = {}
     refusal: str = ""  # set: this rank refuses to write (the save fails on every rank)
 
     def _checksum(self, relative: str) -> tuple[int, int]:
@@ -60,30 +64,45 @@ class _ChecksumMixin:
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.planner import WriteItemType
         from torch.distributed.checkpoint.storage import WriteResult
         from torch.futures import Future
 
         if self.refusal:
             raise CheckpointError(self.refusal)
+        entries = {}
+        for item in plan.items:
+            value = (planner.lookup_object(item.index) if item.type == WriteItemType.BYTE_IO
+                     else None)
+            if isinstance(value, io.BytesIO):
+                view = value.getbuffer()
+                entries[item.index.fqn] = (len(view), crc32(view))
+                del view  # a live view would pin the buffer's size
         results = super().write_data(plan, planner).wait()  # type: ignore[misc]
+        for r in results:  # which file holds each entry: its errors name it
+            if r.index.fqn in entries:
+                entries[r.index.fqn] += (r.storage_data.relative_path,)
         files = sorted({r.storage_data.relative_path for r in results})
         sums = {name: self._checksum(name) for name in files}  # this rank wrote them
-        carrier = WriteResult(index=MetadataIndex(_CARRIER), size_in_bytes=0, storage_data=sums)
+        carrier = WriteResult(index=MetadataIndex(_CARRIER), size_in_bytes=0,
+                              storage_data=(sums, entries))
         done: Future = Future()
         done.set_result([*results, carrier])
         return done
 
     def finish(self, metadata: Any, results: list[list[Any]]) -> None:
         sums: dict[str, tuple[int, int]] = {}
+        entries: dict[str, tuple[int, int, str]] = {}
         kept = []
         for rank_results in results:
             for result in rank_results:
                 if result.index.fqn == _CARRIER:
-                    sums.update(result.storage_data)
+                    sums.update(result.storage_data[0])
+                    entries.update(result.storage_data[1])
             kept.append([r for r in rank_results if r.index.fqn != _CARRIER])
         super().finish(metadata, kept)  # type: ignore[misc]
         sums[".metadata"] = self._checksum(".metadata")  # rank 0 wrote the index
-        self.sailfin_checksums = sums
+        self.sailfin_checksums, self.sailfin_entries = sums, entries
 
 
 def restricted_reader(base: type, *args: Any, **kwargs: Any) -> Any:

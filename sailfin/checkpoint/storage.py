@@ -21,7 +21,6 @@ class Storage:
     atomic_rename: bool = False
 
     def join(self, *parts: str) -> str: ...
-    def open_write(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]: ...
     def write_bytes(self, path: str, data: bytes) -> None: ...
     def open_read(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]: ...
     def exists(self, path: str) -> bool: ...
@@ -34,10 +33,6 @@ class Storage:
     def display(self, path: str) -> str:
         """The path as the user would write it (for messages)."""
         return path
-
-    def read_bytes(self, path: str) -> bytes:
-        with self.open_read(path) as fh:
-            return fh.read()
 
     def local_path(self, path: str) -> Optional[str]:
         """The OS path of ``path`` if it is a local file, else None."""
@@ -58,13 +53,6 @@ class LocalStorage(Storage):
 
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)
-
-    @contextlib.contextmanager
-    def open_write(self, path: str) -> Iterator[BinaryIO]:
-        with open(path, "wb") as fh:
-            yield fh
-            fh.flush()
-            os.fsync(fh.fileno())  # on disk before the rename that publishes it
 
     def write_bytes(self, path: str, data: bytes) -> None:
         replace_file(path, data)
@@ -129,9 +117,6 @@ class FsspecStorage(Storage):
 
     def display(self, path: str) -> str:
         return self.fs.unstrip_protocol(path)
-
-    def open_write(self, path: str) -> contextlib.AbstractContextManager[BinaryIO]:
-        return self.fs.open(path, "wb")
 
     def write_bytes(self, path: str, data: bytes) -> None:
         self.fs.pipe_file(path, data)  # one PUT: the object is replaced whole

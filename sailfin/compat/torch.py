@@ -11,10 +11,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import copy as copy_module
 import pickle
 import pkgutil
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -83,20 +82,6 @@ def unregister_host_memory(tensor: torch.Tensor) -> None:
         torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
     except (AttributeError, RuntimeError, TypeError):
         pass
-
-
-def keep_state_dict_versions(copy: dict, state_dict: dict) -> None:
-    """Give ``copy`` (a copy of a ``Module.state_dict()``) the module versions that
-    ``state_dict`` carries, which ``load_state_dict`` hands to each module's
-    ``_load_from_state_dict`` (a module that changed its layout converts old entries).
-
-    Private: the ``_metadata`` attribute ``Module.state_dict`` sets on the dict it
-    returns (an instance attribute, so :func:`missing` cannot look it up). Public
-    alternative: none; ``copy.deepcopy`` of the whole dict keeps it, at the price of
-    copying every tensor the caller copies its own way.
-    """
-    if hasattr(state_dict, "_metadata"):
-        copy._metadata = copy_module.deepcopy(state_dict._metadata)  # type: ignore[attr-defined]
 
 
 def lerp_all_(ends: list[torch.Tensor], targets: list[torch.Tensor], weight: float) -> None:
@@ -212,29 +197,36 @@ def read_dcp_metadata(stream: Any) -> Any:
     return metadata
 
 
-def dcp_load(state: dict[str, Any], reader: Any) -> None:
+def dcp_load(state: dict[str, Any], reader: Any, local: bool = False,
+             check: Optional[Callable[[str, Any], None]] = None) -> None:
     """``dcp.load`` of ``state`` from ``reader``, with every non-tensor entry read by
     ``torch.load(weights_only=True)`` (DCP's default planner reads them with
-    ``weights_only=False``). ``no_dist`` is not passed: torch 2.6 lacks it, and every
-    release infers it from whether a process group is initialised.
+    ``weights_only=False``), after ``check(key, bytes)`` where given. ``local``: this
+    process alone, no collective. ``no_dist`` is passed only then: without a process
+    group every release infers it.
 
     Private: ``torch.distributed.checkpoint._traverse.set_element``, which DCP's default
     planner uses to put a value at its place in a nested state dict. Public alternative:
     none (a planner that reads bytes itself must place them).
     """
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._traverse import set_element
 
     class WeightsOnlyPlanner(dcp.DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: Any) -> None:
-            obj = torch.load(value, map_location="cpu", weights_only=True)
             fqn = read_item.dest_index.fqn
+            if check is not None:
+                check(fqn, value)
+            obj = torch.load(value, map_location="cpu", weights_only=True)
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[fqn], obj)
             else:
                 self.state_dict[fqn] = obj
 
-    dcp.load(state, storage_reader=reader, planner=WeightsOnlyPlanner())
+    # Without a process group every release loads alone (torch 2.6 has no ``no_dist``).
+    alone = {"no_dist": True} if local and dist.is_initialized() else {}
+    dcp.load(state, storage_reader=reader, planner=WeightsOnlyPlanner(), **alone)
 
 
 def cpu_stager(pinned: bool) -> Any:

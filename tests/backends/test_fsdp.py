@@ -15,7 +15,7 @@ from sailfin.backends.fsdp import select_units
 from sailfin.config import ConfigError
 from sailfin.checkpoint import Checkpointer
 from sailfin.config.fsdp import FSDPArguments
-from tests.checkpoint.helpers import Crash, CrashAt
+from tests.checkpoint.helpers import Crash, CrashAt, small_state
 from tests.recipes import IdData, LinearRecipe, args
 
 # 47 samples, global 10 in micro-batches of 5: accumulation 2, the last step 7 samples.
@@ -88,8 +88,9 @@ def test_fsdp_checkpoint_is_sharded_and_listed_in_the_manifest(tmp_path):
     assert manifest["sharded"]["format"] == "torch-dcp/1"
     assert manifest["sharded"]["keys"] == ["module", "optimizers"]
     assert set(manifest["sharded"]["files"]) == {".metadata", "__0_0.distcp"}
-    assert "model.pt" not in manifest["files"]  # the model is in the shards only
-    trainer_state = torch.load(step / "trainer.pt", weights_only=True)
+    assert "files" not in manifest  # the model and the small state are in the shards only
+    assert sorted(manifest["sharded"]["entries"]) == ["rng/rank00000", "trainer"]
+    trainer_state = small_state(step)[0]
     assert "optimizers" not in trainer_state and "counters" in trainer_state
 
 

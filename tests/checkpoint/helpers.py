@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -68,8 +69,25 @@ class ScriptedMetric(LinearRecipe):
         self.validations = state["validations"]
 
 
+def before_writing(writer, hook):
+    """``writer`` (a DCP storage writer) calling ``hook()`` before it writes its files."""
+    write_data = writer.write_data
+
+    def hooked(plan, planner):
+        hook()
+        return write_data(plan, planner)
+    writer.write_data = hooked
+    return writer
+
+
+def step_of(path) -> int:
+    """The step of the save whose staging directory holds ``path``."""
+    return int(re.search(r"step-(\d+)", str(path)).group(1))
+
+
 class SlowCheckpointer(DirectoryCheckpointer):
-    """Pauses after writing trainer.pt (the shards are written by then) when SAILFIN_TEST_SAVE_PAUSE is set (only for step
+    """Pauses before the manifest (every rank's shards, small state included, are written
+    by then) when SAILFIN_TEST_SAVE_PAUSE is set (only for step
     SAILFIN_TEST_SAVE_PAUSE_STEP if set), and first leaves a marker ``saving-<step>`` in
     SAILFIN_TEST_SAVE_MARKER: a test can kill the process in the middle of a save. It also
     records its last save in ``<marker dir>/custom-checkpointer.json``, so a test can see
@@ -82,31 +100,33 @@ class SlowCheckpointer(DirectoryCheckpointer):
                 json.dumps({"class": type(self).__name__, "last_step": snapshot.step}))
         super().save(snapshot)
 
-    def write_file(self, path, obj):
-        entry = super().write_file(path, obj)
+    def commit(self, name, staging, files, request):
         pause = float(os.environ.get("SAILFIN_TEST_SAVE_PAUSE", "0"))
         marker_dir = os.environ.get("SAILFIN_TEST_SAVE_MARKER")
         only = os.environ.get("SAILFIN_TEST_SAVE_PAUSE_STEP")
-        step = int(os.path.basename(os.path.dirname(path)).rsplit("-", 1)[1])
-        if (pause and marker_dir and os.path.basename(path) == "trainer.pt"
-                and (only is None or int(only) == step)):
-            Path(marker_dir, f"saving-{step}").write_text(path)
+        if pause and marker_dir and (only is None or int(only) == request.step):
+            Path(marker_dir, f"saving-{request.step}").write_text(staging)
             time.sleep(pause)
-        return entry
+        super().commit(name, staging, files, request)
 
 
 class FailingCheckpointer(DirectoryCheckpointer):
-    """Raises while writing ``fail_file`` of the save at ``fail_step`` (a crash mid-save)."""
+    """The save at ``fail_step`` meets a full disk (a crash mid-save): rank ``fail_rank``'s
+    shards, or with ``fail_rank`` None rank 0's commit (the manifest)."""
 
     fail_step = -1
-    fail_file = "trainer.pt"
+    fail_rank: "int | None" = 0
 
-    def write_file(self, path, obj):
-        # The step from the path: with async saves, this runs in the writer thread.
-        if (f"step-{self.fail_step:08d}" in path
-                and os.path.basename(path) == self.fail_file):
+    def shard_writer(self, path):
+        def fail():
+            if step_of(path) == self.fail_step and self.dist.rank == self.fail_rank:
+                raise OSError(28, "No space left on device (simulated)")
+        return before_writing(super().shard_writer(path), fail)
+
+    def commit(self, name, staging, files, request):
+        if request.step == self.fail_step and self.fail_rank is None:
             raise OSError(28, "No space left on device (simulated)")
-        return super().write_file(path, obj)
+        super().commit(name, staging, files, request)
 
 
 class CrashAt(Callback):
@@ -149,6 +169,18 @@ def saved_model(step_dir, like: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return state["module"]
 
 
+def small_state(step_dir):
+    """(trainer state, rank 0's random streams) of a checkpoint: its small entries, read
+    as a resume reads them."""
+    from sailfin.config import CheckpointArguments
+    from sailfin.distributed import DistEnv
+
+    step_dir = Path(step_dir)
+    loaded = DirectoryCheckpointer(str(step_dir.parent), CheckpointArguments(),
+                                   DistEnv()).load(step_dir.name)
+    return loaded.shared["trainer"], loaded.rank_state
+
+
 def metric_lines(output_dir) -> list[dict]:
     """metrics.jsonl without the timing field (the only one that differs between runs)."""
     lines = Path(output_dir, "metrics.jsonl").read_text().splitlines()
@@ -160,14 +192,14 @@ def metric_lines(output_dir) -> list[dict]:
 
 
 class Rank1DiskFull(FailingCheckpointer):
-    """Rank 1's own file of step 2's save meets a full disk (rank 0's does not)."""
+    """Rank 1's shards of step 2's save meet a full disk (rank 0's do not)."""
 
     fail_step = 2
-    fail_file = "rng-rank00001.pt"
+    fail_rank = 1
 
 
 class Rank0DiskFull(FailingCheckpointer):
-    """Rank 0's trainer.pt of step 2's save meets a full disk, in its commit alone."""
+    """Rank 0's manifest of step 2's save meets a full disk, in its commit alone."""
 
     fail_step = 2
-    fail_file = "trainer.pt"
+    fail_rank = None

@@ -1,5 +1,5 @@
-"""Async saves: only the copy to CPU memory is on the step's path; the checksum
-(threaded next to the write) is the same CRC-32 as before, so old checkpoints still verify."""
+"""Async saves: only the copy to CPU memory is on the step's path (the small state's copy
+is its bytes, made at the save); checkpoints of earlier releases still verify."""
 
 import threading
 import zlib
@@ -8,37 +8,19 @@ import pytest
 import torch
 
 from sailfin.checkpoint import DirectoryCheckpointer
-from sailfin.checkpoint import serialize
 from sailfin.checkpoint.checkpointer import SaveRequest
-from sailfin.checkpoint.serialize import FileEntry, cpu_copy, load_object, save_object
-from sailfin.checkpoint.sharded import split_sharded
+from sailfin.checkpoint.dcp_io import split_sharded
+from sailfin.checkpoint.serialize import FileEntry, load_object
 from sailfin.checkpoint.storage import LocalStorage
 from sailfin.config import CheckpointArguments
 from sailfin.distributed import DistEnv
-
-
-def test_the_copy_an_async_save_writes_keeps_sharing_and_the_values_at_the_save():
-    emb = torch.nn.Embedding(300, 8)
-    head = torch.nn.Linear(8, 300, bias=False)
-    head.weight = emb.weight  # tied
-    state = {"model": torch.nn.ModuleDict({"emb": emb, "head": head}).state_dict(),
-             "opt": [{"momentum": torch.ones(4, 4)}], "step": 3}
-    copied = cpu_copy(state)
-    ptr = copied["model"]["emb.weight"].untyped_storage().data_ptr()
-    assert ptr == copied["model"]["head.weight"].untyped_storage().data_ptr()
-    assert ptr != emb.weight.untyped_storage().data_ptr()
-    assert copied["step"] == 3 and copied["model"]._metadata == state["model"]._metadata
-    with torch.no_grad():
-        emb.weight.add_(1.0)  # the next optimizer step, in place
-        state["opt"][0]["momentum"].mul_(2)
-    assert not torch.equal(copied["model"]["emb.weight"], emb.weight)
-    assert torch.equal(copied["opt"][0]["momentum"], torch.ones(4, 4))
+from tests.checkpoint.helpers import before_writing, saved_model
 
 
 def test_a_callback_that_asks_goes_to_dcp_and_the_others_stay_in_trainer_pt():
     """EMA's averages (state_in_dcp) are staged and written by DCP with the model (reused
-    buffers for an async save); another callback's state, tensors or not, stays in
-    trainer.pt as it is."""
+    buffers for an async save); another callback's state, tensors or not, stays in the
+    trainer's small state as it is."""
     state = {"module": {"w": torch.ones(2)}, "optimizers": [{"state": {}}], "step": 7,
              "callbacks": {"ema": {"decay": 0.9, "shadow": {"w": torch.zeros(2)}},
                            "History": {"losses": torch.zeros(3)},
@@ -51,7 +33,7 @@ def test_a_callback_that_asks_goes_to_dcp_and_the_others_stay_in_trainer_pt():
 
 def test_a_callback_whose_tensors_grow_resumes(tmp_path):
     """A callback's own tensors may change shape from step to step (a history): they stay
-    in trainer.pt, so a resume gives them back whatever shape the fresh callback starts
+    in the trainer's small state (its bytes entry), so a resume gives them back whatever shape the fresh callback starts
     with."""
     from sailfin import Callback, Trainer
     from tests.recipes import IdData, LinearRecipe, args
@@ -78,18 +60,6 @@ def test_a_callback_whose_tensors_grow_resumes(tmp_path):
     assert history.steps.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
 
 
-@pytest.mark.parametrize("threshold", [1 << 20, 64])  # big buffers only / nearly every write
-def test_threaded_checksum_is_the_files_crc32(tmp_path, monkeypatch, threshold):
-    monkeypatch.setattr(serialize, "THREADED_CHECKSUM_BYTES", threshold)
-    obj = {"big": torch.randn(600, 1000), "small": torch.arange(5), "name": "x"}
-    path = str(tmp_path / "obj.pt")
-    entry = save_object(LocalStorage(), path, obj)
-    data = open(path, "rb").read()
-    assert entry == FileEntry(len(data), zlib.crc32(data))  # what older checkpoints record
-    loaded = load_object(LocalStorage(), path, entry)
-    assert torch.equal(loaded["big"], obj["big"]) and loaded["name"] == "x"
-
-
 def test_a_checkpoint_checksummed_the_old_way_still_verifies(tmp_path):
     path = str(tmp_path / "old.pt")
     torch.save({"w": torch.randn(700, 700)}, path)  # written without the helper thread
@@ -99,34 +69,40 @@ def test_a_checkpoint_checksummed_the_old_way_still_verifies(tmp_path):
 
 
 class GatedCheckpointer(DirectoryCheckpointer):
-    """Every file write waits for ``gate``: whatever runs on the caller's thread would hang."""
+    """Every shard write waits for ``gate``: whatever runs on the caller's thread would hang."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.gate = threading.Event()
         self.writers: list[str] = []
 
-    def write_file(self, path, obj):
-        self.writers.append(threading.current_thread().name)
-        assert self.gate.wait(10), "a write ran on the step's path"
-        return super().write_file(path, obj)
+    def shard_writer(self, path):
+        def gated():
+            self.writers.append(threading.current_thread().name)
+            assert self.gate.wait(10), "a write ran on the step's path"
+        return before_writing(super().shard_writer(path), gated)
 
 
 def test_async_save_leaves_only_the_copy_on_the_steps_path(tmp_path):
     ckpt = GatedCheckpointer(str(tmp_path), CheckpointArguments(async_save=True), DistEnv())
     weights = torch.randn(100, 100)
     before = weights.clone()
+    counters = {"step": 4, "history": torch.arange(3.0)}
     facts = {"step": 4, "epoch": 0, "step_in_epoch": 4, "samples_seen": 40, "world_size": 1}
-    snapshot = SaveRequest(step=4, facts=facts, shared={"model": {"w": weights}},
-                        rank_state={"torch": torch.get_rng_state()})
+    snapshot = SaveRequest(step=4, facts=facts, shared={"trainer": counters},
+                           rank_state={"torch": torch.get_rng_state()},
+                           sharded={"module": {"w": weights}})
     ckpt.save(snapshot)  # returns at once although no file may be written yet
     weights.add_(1.0)    # the next step changes the tensors: the save keeps the old values
+    counters["history"].add_(1.0)  # the small state too: its bytes were made at the save
     assert ckpt.latest() is None
     ckpt.gate.set()
     ckpt.close()
-    assert ckpt.writers and all(n.startswith("sailfin-checkpoint") for n in ckpt.writers)
+    assert ckpt.writers and all(n.startswith("sailfin-dcp-save") for n in ckpt.writers)
     loaded = ckpt.load(ckpt.latest())
-    assert torch.equal(loaded.shared["model"]["w"], before)
+    assert torch.equal(saved_model(tmp_path / ckpt.latest(), {"w": weights})["w"],
+                       before)
+    assert torch.equal(loaded.shared["trainer"]["history"], torch.arange(3.0))
     assert torch.equal(loaded.rank_state["torch"], snapshot.rank_state["torch"])
 
 

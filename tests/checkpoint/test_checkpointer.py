@@ -13,6 +13,7 @@ from sailfin.checkpoint import CheckpointCorrupt, CheckpointError, DirectoryChec
 from sailfin.config import CheckpointArguments, ConfigError, load_config
 from sailfin.distributed import DistEnv
 from sailfin.checkpoint.manifest import seal
+from tests.checkpoint.forge import rewrite_shards
 from tests.checkpoint.helpers import (Crash, CrashAt, FailingCheckpointer, ScriptedMetric,
                                       assert_same_params, metric_lines, params, saved_model)
 from tests.recipes import IdData, LinearRecipe, args
@@ -36,8 +37,11 @@ def names(ckpt_dir):
 
 # -- never damaged ---------------------------------------------------------------------
 @pytest.mark.parametrize("async_save", [False, True])
-def test_a_save_that_fails_midway_leaves_the_previous_one(tmp_path, async_save, monkeypatch):
+@pytest.mark.parametrize("fail_rank", [0, None], ids=["in the shards", "in the commit"])
+def test_a_save_that_fails_midway_leaves_the_previous_one(tmp_path, async_save, monkeypatch,
+                                                          fail_rank):
     monkeypatch.setattr(FailingCheckpointer, "fail_step", 4)
+    monkeypatch.setattr(FailingCheckpointer, "fail_rank", fail_rank)
     path = "tests.checkpoint.helpers.FailingCheckpointer"
     ckpt = {**STEP, "class_path": path, "async_save": async_save}
     with pytest.raises(CheckpointError, match="no space left on device"):
@@ -75,13 +79,13 @@ def test_corrupt_latest_falls_back_and_says_so(tmp_path, capfd):
 def test_truncated_file_and_broken_manifest(tmp_path, capfd):
     train(tmp_path, epochs=2, callbacks=[CrashAt(7)], checkpoint={**STEP, "keep_last": None})
     root = tmp_path / "checkpoints"
-    trainer_pt = root / "step-00000006" / "trainer.pt"
-    trainer_pt.write_bytes(trainer_pt.read_bytes()[:100])
+    shard = root / "step-00000006" / "shards" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
     (root / "step-00000004" / "manifest.json").write_text('{"format": "sailfin-checkp')
     ref, _ = train(tmp_path / "ref", epochs=2, checkpoint=STEP)
     module, trainer = train(tmp_path, epochs=2, checkpoint=STEP)
     err = capfd.readouterr().err
-    assert f"{trainer_pt} has 100 bytes; the manifest says" in err
+    assert f"{shard} has 100 bytes; the manifest says" in err
     assert "manifest.json is not valid JSON" in err
     assert trainer.resumed_from.name == "step-00000002"
     assert_same_params(params(ref), params(module))
@@ -89,24 +93,20 @@ def test_truncated_file_and_broken_manifest(tmp_path, capfd):
 
 def test_every_checkpoint_damaged_is_an_error(tmp_path):
     train(tmp_path, epochs=1, callbacks=[CrashAt(3)], checkpoint=STEP)
-    os.remove(tmp_path / "checkpoints" / "step-00000002" / "rng-rank00000.pt")
+    os.remove(tmp_path / "checkpoints" / "step-00000002" / "shards" / "__0_0.distcp")
     with pytest.raises(CheckpointError, match="every checkpoint in .* is damaged"):
         train(tmp_path, epochs=1, checkpoint=STEP)
 
 
 def test_files_needing_arbitrary_unpickling_are_refused(tmp_path, capfd):
-    """A checkpoint whose file holds a pickled class is refused even with a valid hash: it
+    """A checkpoint whose small entry holds a pickled class is refused even with valid
+    checksums: it
     was rewritten after the save (saves refuse such objects), so resume: auto falls back
     to the checkpoint before it, as from any other damage."""
     train(tmp_path, epochs=2, callbacks=[CrashAt(5)], checkpoint=STEP)
-    ckpt = DirectoryCheckpointer(str(tmp_path / "checkpoints"), CheckpointArguments(),
-                                 DistEnv())
     step = tmp_path / "checkpoints" / "step-00000004"
-    entry = ckpt.write_file(str(step / "trainer.pt"), {"payload": uuid.UUID(int=7)})
-    manifest = json.loads((step / "manifest.json").read_text())
-    manifest["files"]["trainer.pt"] = entry.to_json()
-    (step / "manifest.json").write_bytes(seal(manifest))
-    said = (r"trainer.pt holds Python objects that only arbitrary unpickling could rebuild "
+    rewrite_shards(step, lambda state: state.update(trainer={"payload": uuid.UUID(int=7)}))
+    said = (r"\(entry 'trainer'\) holds a value that only arbitrary unpickling could rebuild "
             r"\(it needs uuid.UUID\): it was rewritten after the save")
     with pytest.raises(CheckpointCorrupt, match=said):
         train(tmp_path / "other", epochs=2, resume=str(step))
@@ -191,10 +191,11 @@ def test_async_save_gives_the_same_checkpoints(tmp_path):
     saver = [c for c in trainer.callbacks if hasattr(c, "stall_seconds")][0]
     assert len(saver.stall_seconds) == 4
     for step in ("step-00000006", "step-00000008"):
-        for file in ("trainer.pt", "rng-rank00000.pt"):
-            a = torch.load(tmp_path / "sync" / "checkpoints" / step / file, weights_only=True)
-            b = torch.load(tmp_path / "async" / "checkpoints" / step / file, weights_only=True)
-            same(a, b, f"{step}/{file}")
+        a, b = (DirectoryCheckpointer(str(tmp_path / run / "checkpoints"),
+                                      CheckpointArguments(), DistEnv()).load(step)
+                for run in ("sync", "async"))
+        same(a.shared, b.shared, f"{step} trainer")
+        same(a.rank_state, b.rank_state, f"{step} rng/rank00000")
         like = dict(module.state_dict())
         same(saved_model(tmp_path / "sync" / "checkpoints" / step, like),
              saved_model(tmp_path / "async" / "checkpoints" / step, like), f"{step}/shards")
@@ -205,19 +206,21 @@ def test_async_save_gives_the_same_checkpoints(tmp_path):
     assert_same_params(params(ref), params(resumed))
 
 
-def test_async_copy_keeps_tied_weights_tied(tmp_path):
-    from sailfin.checkpoint.serialize import cpu_copy
+def test_an_async_save_copies_the_small_state_at_the_save_ties_kept(tmp_path):
+    """The small state's bytes are made when the save starts (they are its copy): a change
+    after it is not in the checkpoint, and tensors that shared storage share it again."""
+    from sailfin.checkpoint import SaveRequest
 
-    emb = torch.nn.Embedding(5, 3)
-    head = torch.nn.Linear(3, 5, bias=False)
-    head.weight = emb.weight
-    state = torch.nn.ModuleDict({"emb": emb, "head": head}).state_dict()
-    copy = cpu_copy(state)
-    assert copy["emb.weight"].untyped_storage().data_ptr() == \
-        copy["head.weight"].untyped_storage().data_ptr()
-    assert copy["emb.weight"].untyped_storage().data_ptr() != \
-        state["emb.weight"].untyped_storage().data_ptr()
-    assert copy._metadata == state._metadata
+    ckpt = DirectoryCheckpointer(str(tmp_path), CheckpointArguments(async_save=True), DistEnv())
+    tied = torch.arange(6.0)
+    facts = {"step": 1, "epoch": 0, "step_in_epoch": 1, "samples_seen": 1, "world_size": 1}
+    ckpt.save(SaveRequest(1, facts, {"trainer": {"a": tied, "b": tied[2:]}},
+                          {"torch": torch.get_rng_state()}, sharded={"module": {}}))
+    tied.add_(1.0)  # the next step, while the save is written
+    ckpt.close()
+    saved = ckpt.load(ckpt.latest()).shared["trainer"]
+    assert torch.equal(saved["a"], torch.arange(6.0))
+    assert saved["a"].untyped_storage().data_ptr() == saved["b"].untyped_storage().data_ptr()
 
 
 # -- fsspec ------------------------------------------------------------------------------------
@@ -348,3 +351,25 @@ def test_async_saves_stage_on_fresh_stagers_where_torchs_cannot_stage_twice(tmp_
     for step in ("step-00000006", "step-00000008"):
         same(saved_model(tmp_path / "sync" / "checkpoints" / step, like),
              saved_model(tmp_path / "async" / "checkpoints" / step, like), f"{step}/shards")
+
+
+def test_each_rank_reads_the_trainers_entry_and_only_its_own_streams(tmp_path):
+    """A checkpoint of one rank read by rank 1 of 2 (a grown world): rank 1 gets the
+    trainer's state and no random streams (it derives its own); rank 0 gets its own."""
+    from sailfin.checkpoint import SaveRequest
+
+    ckpt = DirectoryCheckpointer(str(tmp_path), CheckpointArguments(), DistEnv())
+    facts = {"step": 1, "epoch": 0, "step_in_epoch": 1, "samples_seen": 1, "world_size": 1}
+    streams = {"torch": torch.get_rng_state()}
+    ckpt.save(SaveRequest(1, facts, {"trainer": {"counters": {"global_step": 1}}}, streams,
+                          sharded={"module": {"w": torch.ones(2)}}))
+    ckpt.close()
+    for rank, own in ((0, streams), (1, None)):
+        reader = DirectoryCheckpointer(str(tmp_path), CheckpointArguments(),
+                                       DistEnv(rank=rank, world_size=2))
+        loaded = reader.load(reader.latest())
+        assert loaded.shared == {"trainer": {"counters": {"global_step": 1}}}
+        if own is None:
+            assert loaded.rank_state is None
+        else:
+            assert torch.equal(loaded.rank_state["torch"], own["torch"])

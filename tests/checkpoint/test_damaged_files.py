@@ -1,4 +1,5 @@
-"""Checkpoint files that are not what they claim: none hangs, escapes or crashes a resume.
+"""Checkpoint files and entries that are not what they claim: none hangs, escapes or
+crashes a resume.
 
 Each damage is done to the newest checkpoint (step 6); ``resume: auto`` must fall back
 to step 4 with one line naming the file, and the same checkpoint named as
@@ -20,12 +21,14 @@ from sailfin import Trainer
 from sailfin.checkpoint import CheckpointCorrupt
 from sailfin.checkpoint.manifest import MAX_DEPTH as MANIFEST_MAX_DEPTH
 from sailfin.checkpoint.manifest import seal
-from tests.checkpoint.forge import forge_metadata, forge_shard_entry, forge_trainer_pt
+from tests.checkpoint.forge import (forge_metadata, forge_shard_entry, forge_trainer_entry,
+                                   refile, rewrite_shards)
 from tests.checkpoint.helpers import Crash, CrashAt
 from tests.recipes import IdData, LinearRecipe, args
 
 STEP = {"every_n_steps": 2, "at_epoch_end": False, "keep_last": None}
-SHARD = "shards/__0_0.distcp"  # the model and optimizers, written with DCP
+SHARD = "shards/__0_0.distcp"  # the model, optimizers and small state, written with DCP
+INDEX = "shards/.metadata"  # DCP's index of them
 
 
 def train(tmp, callbacks=(), **kw):
@@ -88,13 +91,14 @@ def dev_zero(path):
 
 
 def escaping_entry(step):
-    """The manifest lists ../../outside.pt: a perfect copy of trainer.pt, outside the run."""
-    outside = step.parent.parent.parent / "outside.pt"
-    shutil.copy(step / "trainer.pt", outside)
+    """The manifest lists ../../outside.distcp: a perfect copy of the shard, outside the run."""
+    outside = step.parent.parent.parent / "outside.distcp"
+    shutil.copy(step / SHARD, outside)
     body = manifest_of(step)
-    body["files"]["../../../outside.pt"] = body["files"].pop("trainer.pt")
+    files = body["sharded"]["files"]
+    files["../../../../outside.distcp"] = files.pop("__0_0.distcp")
     write_manifest(step, body)
-    return step / "manifest.json", "'../../../outside.pt', not a file name"
+    return step / "shards", "'../../../../outside.distcp', not a file name"
 
 
 def escaping_link(step):
@@ -108,9 +112,16 @@ def escaping_link(step):
 
 def no_files(step):
     body = manifest_of(step)
-    body["files"] = {}
+    body["sharded"]["files"] = {}
     write_manifest(step, body)
-    return step / "manifest.json", "lists no files"
+    return step / "shards", "lists no .metadata"
+
+
+def no_shards(step):
+    body = manifest_of(step)
+    del body["sharded"]
+    write_manifest(step, body)
+    return step / "manifest.json", "lacks sharded"
 
 
 def deep_json(step):
@@ -125,13 +136,23 @@ def huge_manifest(step):
 
 
 def list_in_trainer(step):
-    """trainer.pt rewritten as a list, its checksum fixed in the manifest."""
-    torch.save([1, 2, 3], step / "trainer.pt")
-    data = (step / "trainer.pt").read_bytes()
+    """The trainer's entry rewritten as a list, its checksums fixed in the manifest."""
+    return rewrite_shards(step, lambda state: state.update(trainer=[1, 2, 3])), \
+        "(entry 'trainer') holds a list, not the trainer's state"
+
+
+def flipped_entry_bit(step):
+    """One bit of the trainer's entry flipped, the shard file's CRC-32 fixed to match: the
+    entry's own CRC-32 (checked by the rank that reads it) finds it."""
     body = manifest_of(step)
-    body["files"]["trainer.pt"] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
-    write_manifest(step, body)
-    return step / "trainer.pt", "holds a list, not the trainer's state"
+    entry = body["sharded"]["entries"]["trainer"]["size"]
+    data = bytearray((step / SHARD).read_bytes())
+    at = data.find(b"counters")  # inside the trainer's pickle
+    assert at > 0 and entry > 0
+    data[at] ^= 0x01
+    (step / SHARD).write_bytes(bytes(data))
+    refile(step, SHARD)
+    return step / SHARD, "(entry 'trainer') does not match its CRC-32 in the manifest"
 
 
 def flipped_shard_bit(step):
@@ -146,13 +167,13 @@ def absurd_step(step):
     body = manifest_of(step)
     body["step"] = 10 ** 12
     write_manifest(step, body)
-    return step / "manifest.json", "says step 1000000000000, but trainer.pt holds 6"
+    return step / "manifest.json", "says step 1000000000000, but checkpoint entry"
 
 
-def trainer_is_a_directory(step):
-    (step / "trainer.pt").unlink()
-    (step / "trainer.pt").mkdir()
-    return step / "trainer.pt", "is a directory, not a regular file"
+def index_is_a_directory(step):
+    (step / INDEX).unlink()
+    (step / INDEX).mkdir()
+    return step / INDEX, "is a directory, not a regular file"
 
 
 def unix_socket(path):
@@ -199,41 +220,41 @@ def marker_of(step):
 FORGERIES = {
     "shards/.metadata forged": lambda s: (forge_metadata(s, marker_of(s)),
                                           "names io.open, which DCP's metadata never holds"),
-    "trainer.pt forged": lambda s: (forge_trainer_pt(s, marker_of(s)),
-                                    "(it needs io.open)"),
+    "the trainer's entry forged": lambda s: (forge_trainer_entry(s, marker_of(s)),
+                                             "(it needs io.open)"),
     "a shard's small entry forged": lambda s: (forge_shard_entry(s, marker_of(s)),
                                                "(it needs io.open)"),
 }
 
 DAMAGES = {
     **FORGERIES,
-    "trainer.pt a Unix socket": lambda s: (unix_socket(s / "trainer.pt"), "it is a socket"),
+    "model shard a Unix socket": lambda s: (unix_socket(s / SHARD), "it is a socket"),
     "manifest.json a Unix socket": lambda s: (unix_socket(s / "manifest.json"),
                                               "it is a socket"),
-    "rng file a Unix socket": lambda s: (unix_socket(s / "rng-rank00000.pt"), "it is a socket"),
-    "trainer.pt a link loop": lambda s: (link_loop(s / "trainer.pt"),
-                                         "a loop of symbolic links"),
+    "shard index a Unix socket": lambda s: (unix_socket(s / INDEX), "it is a socket"),
+    "model shard a link loop": lambda s: (link_loop(s / SHARD), "a loop of symbolic links"),
     "manifest.json a link loop": lambda s: (link_loop(s / "manifest.json"),
                                             "a loop of symbolic links"),
-    "rng file a link loop": lambda s: (link_loop(s / "rng-rank00000.pt"),
-                                       "a loop of symbolic links"),
+    "shard index a link loop": lambda s: (link_loop(s / INDEX), "a loop of symbolic links"),
     "manifest.json missing": no_manifest,
     "manifest a bit flipped": flipped_manifest_bit,
     "model shard a FIFO": lambda s: (fifo(s / SHARD), "is a FIFO (named pipe)"),
     "model shard a link to /dev/zero": lambda s: (dev_zero(s / SHARD),
                                                    "is a character device"),
     "model shard a bit flipped": flipped_shard_bit,
+    "trainer's entry a bit flipped, the file's CRC-32 fixed": flipped_entry_bit,
     "manifest.json a FIFO": lambda s: (fifo(s / "manifest.json"), "is a FIFO (named pipe)"),
-    "rng file a link to /dev/zero": lambda s: (dev_zero(s / "rng-rank00000.pt"),
-                                               "is a character device"),
-    "manifest entry ../../../outside.pt": escaping_entry,
+    "shard index a link to /dev/zero": lambda s: (dev_zero(s / INDEX),
+                                                  "is a character device"),
+    "manifest entry ../../../../outside.distcp": escaping_entry,
     "model shard a link out of the checkpoint": escaping_link,
-    "manifest files {}": no_files,
+    "manifest shard files {}": no_files,
+    "manifest without shards": no_shards,
     "manifest 200,000 levels deep": deep_json,
     "manifest of 17 MB": huge_manifest,
-    "trainer.pt holds a list": list_in_trainer,
+    "the trainer's entry holds a list": list_in_trainer,
     "manifest step 10**12": absurd_step,
-    "trainer.pt a directory": trainer_is_a_directory,
+    "shard index a directory": index_is_a_directory,
 }
 
 
@@ -274,8 +295,8 @@ def test_nothing_outside_the_checkpoint_is_read(run_dir, monkeypatch):
 
     monkeypatch.setattr(os, "open", spy)
     train(run_dir, epochs=2, checkpoint=STEP)
-    outside = str(run_dir.parent.parent / "outside.pt")
-    assert outside not in opened and any(p.endswith("trainer.pt") for p in opened)
+    outside = str(run_dir.parent.parent / "outside.distcp")
+    assert outside not in opened and any(p.endswith(".metadata") for p in opened)
 
 
 @pytest.mark.parametrize("mode", ["auto", "explicit"])
@@ -349,16 +370,13 @@ def test_a_large_file_is_announced_before_it_is_read(run_dir, monkeypatch, capfd
     from sailfin.checkpoint import serialize
 
     step = run_dir / "checkpoints" / "step-00000006"
-    with open(step / "trainer.pt", "r+b") as fh:
+    with open(step / SHARD, "r+b") as fh:
+        fh.truncate(0)
         fh.truncate(8 << 20)  # sparse: costs no disk
-    data = (step / "trainer.pt").read_bytes()
-    body = manifest_of(step)
-    body["files"]["trainer.pt"] = {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
-    write_manifest(step, body)
+    refile(step, SHARD)
     monkeypatch.setattr(serialize, "SAY_ABOVE_BYTES", 4 << 20)
     capfd.readouterr()
     _, trainer = train(run_dir, epochs=2, checkpoint=STEP)
     err = capfd.readouterr().err
-    assert f"checking checkpoint file {step / 'trainer.pt'} (8 MiB) against its checksum" \
-        in err
+    assert f"checking checkpoint shard {step / SHARD} (8 MiB) against its checksum" in err
     assert trainer.resumed_from.name == "step-00000004"  # then refused as damaged

@@ -1,6 +1,7 @@
-"""One checkpoint format on every backend: DCP for the model and optimizers, which torch
-opens alone; one checksum whatever the machine has installed; the previous release's
-pickled sp checkpoints still resume exactly."""
+"""One checkpoint format on every backend: one DCP save of the model, optimizers and
+sailfin's small state, which torch opens alone; one checksum whatever the machine has
+installed; the earlier formats (pickled sp checkpoints; the small state in files beside
+the shards) still resume exactly."""
 
 import importlib
 import json
@@ -21,6 +22,7 @@ from tests.checkpoint.helpers import Crash, CrashAt, assert_same_params, params
 from tests.recipes import IdData, LinearRecipe, args
 
 FIXTURE = Path(__file__).parent / "fixtures" / "previous-format"
+BESIDE = Path(__file__).parent / "fixtures" / "files-beside-shards"
 CKPT = {"every_n_steps": 3, "keep_last": 1}
 
 # Run in a process that never imports sailfin: torch's own converter, then the weights out.
@@ -51,10 +53,18 @@ def test_an_sp_checkpoint_opens_with_torch_alone(tmp_path):
     Trainer(module, args(tmp_path, epochs=2, checkpoint={**CKPT, "at_epoch_end": True})).train()
     ckpt = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text().strip()
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    assert set(manifest["files"]) == {"trainer.pt", "rng-rank00000.pt"}  # no model.pt
+    assert "files" not in manifest and sorted(p.name for p in ckpt.iterdir()) == [
+        "manifest.json", "shards"]  # everything is in the one DCP save
     assert manifest["sharded"]["keys"] == ["module", "optimizers"]
+    assert sorted(manifest["sharded"]["entries"]) == ["rng/rank00000", "trainer"]
+    assert {e["file"] for e in manifest["sharded"]["entries"].values()} == {"__0_0.distcp"}
     assert all(set(e) == {"size", "crc32"} for e in manifest["sharded"]["files"].values())
     state = convert_with_torch_alone(ckpt / "shards", tmp_path / "converted.pt")
+    # What a user sees of sailfin's small state there: plain dicts (weights_only loads them).
+    assert sorted(state) == ["module", "optimizers", "rng/rank00000", "trainer"]
+    assert state["trainer"]["counters"]["global_step"] == manifest["step"]
+    assert torch.equal(state["rng/rank00000"]["torch"], torch.load(
+        tmp_path / "converted.pt", weights_only=True)["rng/rank00000"]["torch"])
     final = load_file(str(tmp_path / "final" / "model.safetensors"))
     assert sorted(state["module"]) == sorted(final)
     for name, value in final.items():
@@ -118,6 +128,38 @@ def test_a_checkpoint_of_the_previous_format_resumes_exactly(tmp_path):
     # Its next save is in the one format.
     newest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
     assert (newest / "shards" / ".metadata").is_file() and not (newest / "model.pt").exists()
+
+
+def test_a_checkpoint_with_its_small_state_beside_the_shards_resumes(tmp_path):
+    """The fixture (written by the release before this one, see its make_fixture.py):
+    trainer.pt and rng-rank00000.pt beside the shards, listed in the manifest. The resume
+    puts back exactly the tensors, counters and random streams they hold; the next save is
+    in this release's format (everything in the one DCP save)."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = BESIDE / "step-00000006"
+    state = torch.load(saved / "trainer.pt", weights_only=True)  # read by torch alone
+    rng = torch.load(saved / "rng-rank00000.pt", weights_only=True)
+    out = tmp_path / "run"
+    shutil.copytree(BESIDE, out / "checkpoints", ignore=shutil.ignore_patterns("*.py"))
+    module = recipe()
+    shards = {"module": {k: torch.empty_like(v) for k, v in module.state_dict().items()}}
+    dcp.load(shards, checkpoint_id=str(saved / "shards"), no_dist=True)
+    trainer = Trainer(module, args(out, epochs=2, checkpoint=CKPT))
+    trainer.setup()  # the resume
+    assert trainer.resumed_from.name == "step-00000006"
+    assert (trainer.global_step, trainer.epoch, trainer.step_in_epoch) == (6, 1, 1)
+    assert state["counters"]["global_step"] == 6
+    for name, value in module.state_dict().items():
+        assert torch.equal(value, shards["module"][name]), name
+    assert torch.equal(torch.get_rng_state(), rng["torch"])
+    trainer.train()
+    trainer.close()
+    assert trainer.global_step == 10
+    newest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert manifest["format"] == "sailfin-checkpoint/3" and "files" not in manifest
+    assert not (newest / "trainer.pt").exists() and not (newest / "rng-rank00000.pt").exists()
 
 
 def fake_crc32c() -> types.ModuleType:

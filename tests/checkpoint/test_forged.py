@@ -1,14 +1,15 @@
 """No code runs from a checkpoint: a forged DCP index (``shards/.metadata``), a forged
-``trainer.pt`` and a forged small entry of the shards, each with a manifest that matches
+small-state entry (the trainer's) and a forged small entry of the optimizers, each with a
+manifest that matches
 it, are refused in one line by every way a checkpoint is opened (``resume: auto`` falls
 back: tests/checkpoint/test_damaged_files.py) and no payload runs."""
 
 import pytest
 
 from sailfin.cli import main
-from tests.checkpoint.forge import forge_metadata, forge_shard_entry, forge_trainer_pt
+from tests.checkpoint.forge import forge_metadata, forge_shard_entry, forge_trainer_entry
 
-FORGE = {"metadata": forge_metadata, "trainer.pt": forge_trainer_pt,
+FORGE = {"metadata": forge_metadata, "trainer entry": forge_trainer_entry,
          "shard entry": forge_shard_entry}
 
 
@@ -54,21 +55,25 @@ def test_a_forged_checkpoint_ends_in_one_line_and_runs_nothing(forged, tmp_path,
     assert str(step) in err and "unpickling" in err, err
 
 
-def test_export_of_a_forged_index_ends_in_one_line_and_runs_nothing(run, tmp_path, capfd):
+@pytest.mark.parametrize("kind", ["metadata", "trainer entry"])
+def test_export_of_a_forgery_ends_in_one_line_and_runs_nothing(run, tmp_path, capfd, kind):
     import shutil
 
     base, _ = run
     step = tmp_path / "copied" / "step-00000002"  # OUT below lies outside it
     shutil.copytree(base / "out" / "checkpoints" / "step-00000002", step)
-    forge_metadata(step, tmp_path / "marker")
+    FORGE[kind](step, tmp_path / "marker")
     capfd.readouterr()
     assert main(["export", str(step), str(tmp_path / "exported")]) != 0
     err = capfd.readouterr().err
-    assert len(err.splitlines()) == 1 and "shards/.metadata is not DCP's metadata" in err, err
+    said = ("shards/.metadata is not DCP's metadata" if kind == "metadata" else
+            "shards/__0_0.distcp (entry 'trainer') holds a value that only arbitrary "
+            "unpickling could rebuild (it needs io.open)")
+    assert len(err.splitlines()) == 1 and said in err, err
     assert not (tmp_path / "marker").exists() and not (tmp_path / "exported").exists()
 
 
-@pytest.mark.parametrize("file", ["trainer.pt", "manifest.json", "rng-rank00000.pt"])
+@pytest.mark.parametrize("file", ["shards/__0_0.distcp", "manifest.json", "shards/.metadata"])
 @pytest.mark.parametrize("kind", ["socket", "link loop"])
 def test_a_special_file_under_init_from_is_one_line(run, tmp_path, capfd, file, kind):
     """A Unix socket or a loop of symbolic links in place of a checkpoint file: one line

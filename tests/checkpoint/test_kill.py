@@ -134,7 +134,8 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint(tmp_path, async_sav
            "SAILFIN_TEST_SAVE_MARKER": str(markers)}
     proc = start(config, log, env)
     try:
-        # The save of step 6 wrote its shards and trainer.pt and now sleeps: kill it there.
+        # The save of step 6 wrote its shards (small state included) and now sleeps before
+        # its manifest: kill it there.
         assert wait_for(lambda: (markers / "saving-6").exists(), proc, timeout=120), \
             log.read_text()
         kill(proc)
@@ -142,7 +143,8 @@ def test_kill_9_during_a_save_leaves_the_previous_checkpoint(tmp_path, async_sav
         kill(proc)
     root = out / "checkpoints"
     staged = root / ".tmp-step-00000006"
-    assert (staged / "trainer.pt").exists() and (staged / "shards" / ".metadata").exists()
+    assert (staged / "shards" / "__0_0.distcp").exists() and \
+        (staged / "shards" / ".metadata").exists()
     assert not (staged / "manifest.json").exists()
     assert (root / "latest").read_text().strip() == "step-00000005"  # the epoch end
     ckpt = DirectoryCheckpointer(str(root), CheckpointArguments(), DistEnv())

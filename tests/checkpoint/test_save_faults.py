@@ -2,8 +2,9 @@
 
 A child process saves with a storage that ends the process (``os._exit``, as
 abrupt as SIGKILL: no cleanup, no ``finally``) before its K-th rename, write,
-directory creation or removal; K runs over every operation of the save. The
-next start must find the newest checkpoint that was complete when it died.
+directory creation or removal, or DCP's writing of the shard files (small state
+included) or of their index; K runs over every operation of the save. The next
+start must find the newest checkpoint that was complete when it died.
 """
 
 import errno
@@ -27,7 +28,7 @@ OPS = ("makedirs", "write_bytes", "rename_dir", "remove", "remove_tree")
 
 class StopAt(LocalStorage):
     """LocalStorage that ends the process before its ``stop_at``-th operation (0: never)
-    and counts the operations in ``calls``. File writes count at open and before close."""
+    and counts the operations in ``calls``."""
 
     def __init__(self, stop_at: int = 0) -> None:
         self.stop_at, self.calls = stop_at, 0
@@ -37,28 +38,36 @@ class StopAt(LocalStorage):
         if self.calls == self.stop_at:
             os._exit(9)
 
-    def open_write(self, path):
-        self._tick()
-        inner = super().open_write(path)
-        tick = self._tick
-
-        class _Ctx:
-            def __enter__(self):
-                return inner.__enter__()
-
-            def __exit__(self, *exc):
-                if exc[0] is None:
-                    tick()  # the data is written, not yet fsynced and closed
-                return inner.__exit__(*exc)
-
-        return _Ctx()
-
 
 for _op in OPS:
     def _counted(self, *a, _name=_op, **kw):
         self._tick()
         return getattr(LocalStorage, _name)(self, *a, **kw)
     setattr(StopAt, _op, _counted)
+
+
+class Ticking(DirectoryCheckpointer):
+    """Its DCP writes count as operations of its storage too: before the shard files are
+    written, once they are (not yet indexed), and before the index ``.metadata``."""
+
+    def shard_writer(self, path):
+        writer = super().shard_writer(path)
+        tick = getattr(self.storage, "_tick", None)
+        if tick is None:
+            return writer
+        write_data, finish = writer.write_data, writer.finish
+
+        def ticked_write(plan, planner):
+            tick()
+            done = write_data(plan, planner)
+            tick()
+            return done
+
+        def ticked_finish(metadata, results):
+            tick()
+            return finish(metadata, results)
+        writer.write_data, writer.finish = ticked_write, ticked_finish
+        return writer
 
 
 def snapshot(step: int, value: float) -> SaveRequest:
@@ -70,9 +79,9 @@ def snapshot(step: int, value: float) -> SaveRequest:
 
 
 def checkpointer(root, storage=None) -> DirectoryCheckpointer:
-    ckpt = DirectoryCheckpointer(str(root), CheckpointArguments(keep_last=1), DistEnv())
+    ckpt = Ticking(str(root), CheckpointArguments(keep_last=1), DistEnv())
     if storage is not None:
-        ckpt.storage = storage
+        ckpt.storage = ckpt.shards.storage = storage
     return ckpt
 
 
@@ -152,33 +161,15 @@ def test_latest_catches_up_with_a_checkpoint_committed_after_it(tmp_path):
 
 
 class NoSpace(LocalStorage):
-    """A disk that fills up while trainer.pt of step ``full_at`` is written."""
+    """A disk that fills up while the manifest of step ``full_at`` is written (the
+    shards, written first, fit): the commit fails."""
 
     full_at = 4
 
-    def open_write(self, path):
-        if f"step-{self.full_at:08d}" in path and path.endswith("trainer.pt"):
-            ctx = super().open_write(path)
-
-            class _Full:
-                def __enter__(self):
-                    fh = ctx.__enter__()
-
-                    class _Writer:
-                        def write(self, data):
-                            fh.write(bytes(memoryview(data)[:10]))
-                            raise OSError(errno.ENOSPC, "No space left on device")
-
-                        def flush(self):
-                            pass
-
-                    return _Writer()
-
-                def __exit__(self, *exc):
-                    return ctx.__exit__(*exc)
-
-            return _Full()
-        return super().open_write(path)
+    def write_bytes(self, path, data):
+        if f"step-{self.full_at:08d}" in path and path.endswith("manifest.json"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write_bytes(path, data)
 
 
 def test_a_full_disk_fails_in_one_line_and_keeps_the_previous_checkpoint(tmp_path,

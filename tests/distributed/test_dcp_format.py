@@ -1,6 +1,7 @@
 """One checkpoint format on 2 processes: the newest checkpoint of a ddp and of an fsdp run
 is a DCP directory that torch alone (no sailfin imported) turns into the final weights,
-each tensor once (ddp's replicated state is written by one rank, not by both)."""
+each tensor once (ddp's replicated state is written by one rank, not by both), with
+sailfin's small state beside them: the trainer's once, each rank's random streams."""
 
 from __future__ import annotations
 
@@ -27,8 +28,16 @@ def test_the_newest_checkpoint_converts_with_torch_alone(tmp_path, backend):
     run = tmp_path / "ddp" / "run"
     newest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     manifest = json.loads((newest / "manifest.json").read_text())
-    assert manifest["world_size"] == 2 and "model.pt" not in manifest["files"]
+    assert manifest["world_size"] == 2 and "files" not in manifest  # all in the shards
+    # The trainer's state once, from rank 0; each rank's random streams in its own file.
+    assert {k: e["file"] for k, e in manifest["sharded"]["entries"].items()} == {
+        "trainer": "__0_0.distcp", "rng/rank00000": "__0_0.distcp",
+        "rng/rank00001": "__1_0.distcp"}
     state = convert_with_torch_alone(newest / "shards", tmp_path / "converted.pt")
+    assert sorted(state) == ["module", "optimizers", "rng/rank00000", "rng/rank00001",
+                             "trainer"]
+    assert state["trainer"]["counters"]["global_step"] == manifest["step"]
+    assert not torch.equal(state["rng/rank00000"]["torch"], state["rng/rank00001"]["torch"])
     final = load_file(str(run / "final" / "model.safetensors"))
     assert sorted(state["module"]) == sorted(final)
     for name, value in final.items():
@@ -49,11 +58,13 @@ def test_the_newest_checkpoint_converts_with_torch_alone(tmp_path, backend):
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
-def test_a_forged_index_is_refused_by_every_rank_under_init_from(tmp_path, backend):
-    """A forged ``.metadata`` (the manifest matching it) under 2-process init_from: each
-    rank checks the index's checksum, then reads it with the allow-list: both refuse it,
-    and no rank runs the payload."""
-    from tests.checkpoint.forge import forge_metadata
+@pytest.mark.parametrize("forged", ["index", "trainer entry"])
+def test_a_forgery_is_refused_by_every_rank_under_init_from(tmp_path, backend, forged):
+    """A forged ``.metadata`` or trainer entry (the manifest matching it) under 2-process
+    init_from: each rank checks the index's checksum, then reads it with the allow-list,
+    and reads the trainer's entry with ``weights_only``: both refuse it, and no rank runs
+    the payload."""
+    from tests.checkpoint.forge import forge_metadata, forge_trainer_entry
     from tests.distributed.harness import errors, run_ranks
     from tests.distributed.workers import train
 
@@ -61,7 +72,7 @@ def test_a_forged_index_is_refused_by_every_rank_under_init_from(tmp_path, backe
     run = tmp_path / "ddp" / "run"
     newest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     marker = tmp_path / "marker"
-    forge_metadata(newest, marker)
+    (forge_metadata if forged == "index" else forge_trainer_entry)(newest, marker)
     out = tmp_path / "again"
     out.mkdir()
     codes = run_ranks(train, 2, out, data=DATA, recipe=RECIPE, kind="wide",
@@ -70,5 +81,7 @@ def test_a_forged_index_is_refused_by_every_rank_under_init_from(tmp_path, backe
     assert codes != [0, 0] and sorted(said) == [0, 1], said
     for text in said.values():
         first = text.splitlines()[0]
-        assert first.startswith("CheckpointCorrupt: ") and ".metadata is not DCP's" in first
+        said = (".metadata is not DCP's" if forged == "index" else
+                "(entry 'trainer') holds a value that only arbitrary unpickling")
+        assert first.startswith("CheckpointCorrupt: ") and said in first, first
     assert not marker.exists()

@@ -151,7 +151,7 @@ def test_a_worker_killed_during_a_save_resumes_from_the_previous_checkpoint(tmp_
     try:
         wait_until(lambda: (markers / "saving-9").exists(), [proc], 180, [log],
                    "the save of step 9")
-        os.kill(pid_of(records, 0, "0-w2"), signal.SIGKILL)  # rank 0 writes model.pt
+        os.kill(pid_of(records, 0, "0-w2"), signal.SIGKILL)  # rank 0, before its commit
         assert wait([proc], 300, [log]) == [0], tail([log])
     finally:
         stop(proc)

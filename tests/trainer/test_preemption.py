@@ -107,7 +107,7 @@ def test_ranks_signalled_at_different_steps_save_the_same_step(tmp_path):
     root = tmp_path / "run" / "checkpoints"
     assert (root / "latest").read_text().strip() == "step-00000004"
     manifest = json.loads((root / "step-00000004" / "manifest.json").read_text())
-    assert set(manifest["files"]) >= {"rng-rank00000.pt", "rng-rank00001.pt"}
+    assert set(manifest["sharded"]["entries"]) >= {"rng/rank00000", "rng/rank00001"}
 
 
 CONFIG = """

@@ -17,7 +17,7 @@ import torch
 from ...checkpoint.checkpointer import DirectoryCheckpointer
 from ...utils.voice import say
 from ...checkpoint.errors import CheckpointCorrupt, CheckpointError
-from ...checkpoint.sharded import load_sharded
+from ...checkpoint.dcp_io import load_sharded
 from ...backends.weights_file import SafetensorsSource, StateDictSource, load_into
 from .frozen_base import mismatch
 from .state import frozen_names
@@ -50,7 +50,8 @@ def load_initial_weights(trainer: "RunView", path: str, announce: bool = True
             said = str(exc).replace("trainer.resume:", "trainer.init_from:")
             error = (CheckpointCorrupt(said, exc.file) if isinstance(exc, CheckpointCorrupt)
                      else CheckpointError(said))
-        # Each rank checked its share of the files: none unpickles a thing until all agree.
+        # Each rank checked its share of the files (and read its small entries, each after
+        # its own CRC-32, weights_only): none reads the model until all agree.
         if not all_ranks(trainer, error is None):
             raise error or CheckpointError(f"trainer.init_from: another rank found {path} "
                                            "damaged; its message names the file")

@@ -17,7 +17,7 @@ from ...checkpoint.errors import CheckpointCorrupt, CheckpointError
 from ...checkpoint.manifest import MANIFEST
 from ...logging.metrics_log import last_logged_step, trim_metrics_log
 from ...checkpoint.rng import derive_rng, restore_rng
-from ...checkpoint.sharded import load_sharded
+from ...checkpoint.dcp_io import load_sharded, rng_key
 from ...utils.voice import say
 from ..core.view import epoch_position
 from .config_diff import check_config
@@ -198,12 +198,12 @@ def _check_data_position(trainer: "RunView", manifest: dict, where: str) -> None
                 f"{what}, or from a checkpoint taken at an epoch end")
 
 
-# trainer.pt's entries (see .state.trainer_state) and the type each must have.
+# The trainer's entries (see .state.trainer_state) and the type each must have.
 _TRAINER_KEYS: dict[str, tuple[type, ...]] = {
     "module_state": (object,), "optimizers": (list,), "schedulers": (list,),
     "backend": (dict,), "counters": (dict,), "last_val_metrics": (object,),
     "callbacks": (dict,)}
-# counters in trainer.pt -> the manifest's name for the same count
+# the trainer's counters -> the manifest's name for the same count
 _COUNTERS = {"global_step": "step", "epoch": "epoch", "step_in_epoch": "step_in_epoch",
              "samples_seen": "samples_seen"}
 
@@ -211,55 +211,65 @@ _COUNTERS = {"global_step": "step", "epoch": "epoch", "step_in_epoch": "step_in_
 def check_loaded(loaded: Loaded, rank: int) -> None:
     """Raise :class:`CheckpointCorrupt` when ``loaded`` (read by ``rank``) is not what a save
     writes."""
-    def damaged(file: str, what: str) -> CheckpointCorrupt:
-        shown = f"{loaded.location}/{file}"
-        return CheckpointCorrupt(f"checkpoint file {shown} {what}: it is damaged or was "
-                                 "rewritten after the save", shown)
+    ref = loaded.sharded
+    old_files = {"trainer": "trainer.pt", "model": "model.pt", rng_key(rank):
+                 f"rng-rank{rank:05d}.pt"}
+
+    def place(key: str) -> tuple[str, str]:
+        """What to call the entry ``key`` and the file to name: a small entry of the
+        shards, or (an earlier release's checkpoint) a file of its own."""
+        if ref is not None and ref.entries:
+            return f"checkpoint entry {ref.where(key)}", ref.file_of(key)
+        shown = f"{loaded.location}/{old_files[key]}"
+        return f"checkpoint file {shown}", shown
+
+    def damaged(key: str, what: str) -> CheckpointCorrupt:
+        named, file = place(key)
+        return CheckpointCorrupt(f"{named} {what}: it is damaged or was rewritten after the "
+                                 "save", file)
 
     trainer = loaded.shared.get("trainer")
     if not isinstance(trainer, dict):
-        raise damaged("trainer.pt", "is missing from the manifest" if trainer is None else
+        raise damaged("trainer", "is missing from the manifest" if trainer is None else
                       f"holds a {type(trainer).__name__}, not the trainer's state (a dict)")
-    in_shards = set(loaded.sharded.keys) if loaded.sharded is not None else set()
+    in_shards = set(ref.keys) if ref is not None else set()
     for key, types in _TRAINER_KEYS.items():
         if key in in_shards and key not in trainer:
             continue  # in the shards, checked by their checksums
         if key not in trainer:
-            raise damaged("trainer.pt", f"lacks {key!r}")
+            raise damaged("trainer", f"lacks {key!r}")
         if not isinstance(trainer[key], types):
-            raise damaged("trainer.pt", f"holds {key!r} as a {type(trainer[key]).__name__}")
+            raise damaged("trainer", f"holds {key!r} as a {type(trainer[key]).__name__}")
     counters = trainer["counters"]
     for key, manifest_key in _COUNTERS.items():
         value = counters.get(key)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise damaged("trainer.pt", f"has counter {key} = {value!r}, not a count")
+            raise damaged("trainer", f"has counter {key} = {value!r}, not a count")
         if value != loaded.manifest[manifest_key]:
             shown = f"{loaded.location}/{MANIFEST}"
             raise CheckpointCorrupt(
                 f"checkpoint manifest {shown} says {manifest_key} "
-                f"{loaded.manifest[manifest_key]}, but trainer.pt holds {value}: the manifest "
-                "was altered after the save", shown)
-    if loaded.sharded is None:  # else the model is in the shards
-        _check_model(loaded.shared.get("model"), damaged)
+                f"{loaded.manifest[manifest_key]}, but {place('trainer')[0]} holds {value}: "
+                "the manifest was altered after the save", shown)
+    if ref is None:  # else the model is in the shards
+        _check_model(loaded.shared.get("model"), lambda what: damaged("model", what))
     rng = loaded.rank_state
     if rng is not None and not (isinstance(rng, dict)
                                 and isinstance(rng.get("python"), (tuple, list))
                                 and isinstance(rng.get("numpy"), dict)
                                 and isinstance(rng.get("torch"), torch.Tensor)
                                 and rng["torch"].dtype == torch.uint8):
-        raise damaged(f"rng-rank{rank:05d}.pt", "does not hold random-stream state")
+        raise damaged(rng_key(rank), "does not hold random-stream state")
 
 
 def _check_model(model: Any, damaged: Any) -> None:
     if model is None:
-        raise damaged("model.pt", "is missing from the manifest")
+        raise damaged("is missing from the manifest")
     if not isinstance(model, dict):
-        raise damaged("model.pt", f"holds a {type(model).__name__}, not a state dict "
+        raise damaged(f"holds a {type(model).__name__}, not a state dict "
                       "(parameter name -> tensor)")
     for name, value in model.items():
         if not isinstance(name, str):
-            raise damaged("model.pt", f"has a key of type {type(name).__name__}")
+            raise damaged(f"has a key of type {type(name).__name__}")
         if not isinstance(value, torch.Tensor) and not name.endswith("_extra_state"):
-            raise damaged("model.pt", f"holds {name!r} as a {type(value).__name__}, "
-                          "not a tensor")
-
+            raise damaged(f"holds {name!r} as a {type(value).__name__}, not a tensor")

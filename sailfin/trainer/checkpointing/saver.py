@@ -16,7 +16,7 @@ from ...checkpoint.errors import causes, no_space
 from .config_diff import recipe_spec
 from ...checkpoint.rng import rng_state
 from ...checkpoint.serialize import check_plain
-from ...checkpoint.sharded import split_sharded
+from ...checkpoint.dcp_io import split_sharded
 from ...checkpoint.staging import optimizer_storages
 from ...config.checkpoint import CheckpointArguments
 from ...config.errors import suggest
