@@ -16,6 +16,10 @@ import torch
 from sailfin.checkpoint.manifest import seal
 
 
+# What a refusal names: pickle records ``open`` under its module (io, or _io on 3.13).
+NEEDS = f"{open.__module__}.open"
+
+
 class Payload:
     """Unpickled, it opens ``marker`` for writing: the file appears."""
 

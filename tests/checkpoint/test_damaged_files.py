@@ -21,7 +21,7 @@ from sailfin import Trainer
 from sailfin.checkpoint import CheckpointCorrupt
 from sailfin.checkpoint.manifest import MAX_DEPTH as MANIFEST_MAX_DEPTH
 from sailfin.checkpoint.manifest import seal
-from tests.checkpoint.forge import (forge_metadata, forge_shard_entry, forge_trainer_entry,
+from tests.checkpoint.forge import (NEEDS, forge_metadata, forge_shard_entry, forge_trainer_entry,
                                    refile, rewrite_shards)
 from tests.checkpoint.helpers import Crash, CrashAt
 from tests.recipes import IdData, LinearRecipe, args
@@ -219,11 +219,11 @@ def marker_of(step):
 
 FORGERIES = {
     "shards/.metadata forged": lambda s: (forge_metadata(s, marker_of(s)),
-                                          "names io.open, which DCP's metadata never holds"),
+                                          f"names {NEEDS}, which DCP's metadata never holds"),
     "the trainer's entry forged": lambda s: (forge_trainer_entry(s, marker_of(s)),
-                                             "(it needs io.open)"),
+                                             f"(it needs {NEEDS})"),
     "a shard's small entry forged": lambda s: (forge_shard_entry(s, marker_of(s)),
-                                               "(it needs io.open)"),
+                                               f"(it needs {NEEDS})"),
 }
 
 DAMAGES = {

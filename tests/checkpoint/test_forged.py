@@ -7,7 +7,7 @@ back: tests/checkpoint/test_damaged_files.py) and no payload runs."""
 import pytest
 
 from sailfin.cli import main
-from tests.checkpoint.forge import forge_metadata, forge_shard_entry, forge_trainer_entry
+from tests.checkpoint.forge import NEEDS, forge_metadata, forge_shard_entry, forge_trainer_entry
 
 FORGE = {"metadata": forge_metadata, "trainer entry": forge_trainer_entry,
          "shard entry": forge_shard_entry}
@@ -68,7 +68,7 @@ def test_export_of_a_forgery_ends_in_one_line_and_runs_nothing(run, tmp_path, ca
     err = capfd.readouterr().err
     said = ("shards/.metadata is not DCP's metadata" if kind == "metadata" else
             "shards/__0_0.distcp (entry 'trainer') holds a value that only arbitrary "
-            "unpickling could rebuild (it needs io.open)")
+            f"unpickling could rebuild (it needs {NEEDS})")
     assert len(err.splitlines()) == 1 and said in err, err
     assert not (tmp_path / "marker").exists() and not (tmp_path / "exported").exists()
 
