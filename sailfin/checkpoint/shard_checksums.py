@@ -1,8 +1,10 @@
 """Checksums of a sharded checkpoint's files: computed by the rank that wrote each file,
 listed in the manifest, checked before a resume uses the checkpoint.
 
-Each rank checksums the files it just wrote (read back from the page cache) and the
-figures travel to rank 0 with DCP's own write results. On load the files are split
+Each rank checksums the files it writes (counted as the bytes pass, where the writer
+was given a table for it: :func:`sailfin.compat.torch.streams_flushable_after_close`;
+else read back from the page cache) and the figures travel to rank 0 with DCP's own
+write results. On load the files are split
 among the ranks; a damaged one raises :class:`CheckpointCorrupt` naming it, and
 ``resume: auto`` falls back to the next older checkpoint.
 
@@ -57,8 +59,12 @@ class _ChecksumMixin:
     sailfin_checksums: dict[str, tuple[int, int]] = {}
     sailfin_entries: dict[str, tuple[int, int, str]] = {}
     refusal: str = ""  # set: this rank refuses to write (the save fails on every rank)
+    sailfin_written: Optional[dict] = None  # (size, CRC-32) by file name, counted as written
 
     def _checksum(self, relative: str) -> tuple[int, int]:
+        known = self.sailfin_written.pop(relative, None) if self.sailfin_written else None
+        if known is not None:  # counted while DCP wrote it: no second read
+            return known
         with self.fs.create_stream(self.fs.concat_path(self.path, relative), "rb") as stream:
             return checksum_stream(stream)
 

@@ -11,6 +11,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import pkgutil
 from typing import Any, Callable, Iterator, Optional
@@ -243,9 +244,12 @@ def cpu_stager(pinned: bool) -> Any:
                                         use_async_staging=False, use_non_blocking_copy=False))
 
 
-def streams_flushable_after_close(writer: Any) -> Any:
+def streams_flushable_after_close(writer: Any, checksums: Optional[dict] = None) -> Any:
     """``writer`` (a DCP ``FileSystemWriter`` or ``FsspecWriter``), whose file streams
     take a ``flush()`` after ``close()`` as done (nothing left to write), and returns it.
+    ``checksums``: filled with the (size, CRC-32) of each file the writer writes, by name,
+    from the bytes as they pass (DCP writes each file front to back), so that nobody
+    reads the files back to checksum them.
 
     Why: DCP wraps each file it writes in a ``NoCloseWriter`` (a local class of
     ``_StorageWriterTransforms.transform_save_stream``) whose ``close()`` flushes the file
@@ -257,15 +261,15 @@ def streams_flushable_after_close(writer: Any) -> Any:
     in ``__init__``; an instance attribute, so :func:`missing` cannot look it up).
     Public alternative: none; upstream, ``NoCloseWriter.close`` could skip a closed file.
     """
-    writer.fs = _FlushAfterCloseFileSystem(writer.fs)
+    writer.fs = _FlushAfterCloseFileSystem(writer.fs, checksums)
     return writer
 
 
 class _FlushAfterCloseFileSystem:
     """A DCP file system whose written streams take a flush after close (see above)."""
 
-    def __init__(self, fs: Any) -> None:
-        self._fs = fs
+    def __init__(self, fs: Any, checksums: Optional[dict] = None) -> None:
+        self._fs, self._checksums = fs, checksums
 
     def __getattr__(self, name: str) -> Any:  # rename, mkdir, exists...: the file system's
         if name.startswith("_"):  # (a copy being unpickled has no _fs yet)
@@ -275,15 +279,40 @@ class _FlushAfterCloseFileSystem:
     @contextlib.contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
         with self._fs.create_stream(path, mode) as stream:
-            yield stream if "r" in mode else _FlushAfterClose(stream)
+            if "r" in mode:
+                yield stream
+                return
+            written = _FlushAfterClose(stream, self._checksums is not None)
+            yield written
+        if self._checksums is not None and written._whole:
+            self._checksums[os.path.basename(str(path))] = (written._size, written._crc)
 
 
 class _FlushAfterClose:
-    """A written file whose ``flush()`` once closed does nothing; all else is the file's."""
+    """A written file whose ``flush()`` once closed does nothing; all else is the file's.
+    ``count``: its size and CRC-32, from the bytes as they pass (a seek: not known)."""
 
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, count: bool = False) -> None:
         self._stream = stream
-        self.write = stream.write  # the hot path: no lookup through __getattr__
+        self._size = self._crc = 0
+        self._whole = count
+        if not count:
+            self.write = stream.write  # the hot path: no lookup through __getattr__
+
+    def write(self, data: Any) -> int:
+        from ..utils.crc import crc32
+
+        view = memoryview(data).cast("B")
+        written = self._stream.write(view)
+        if written != len(view):  # a raw stream's short write: DCP's own loop goes on
+            self._whole = False
+        self._size += len(view)
+        self._crc = crc32(view, self._crc)
+        return written
+
+    def seek(self, *args: Any) -> int:
+        self._whole = False
+        return self._stream.seek(*args)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):

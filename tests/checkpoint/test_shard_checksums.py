@@ -132,3 +132,28 @@ def test_every_rank_checks_the_index_it_unpickles(tmp_path):
     for rank in (0, 1):
         with pytest.raises(CheckpointCorrupt, match=r"\.metadata does not match"):
             verify(storage, str(tmp_path), files, rank=rank, world_size=2)
+
+
+def test_shard_files_are_checksummed_as_written_not_read_back(tmp_path, monkeypatch):
+    """Each rank counts its shard files' CRC-32 while DCP writes them: only the index
+    (written by DCP's own pickle, then renamed) is read back; the figures are the files'."""
+    from sailfin import Trainer
+    from sailfin.checkpoint import shard_checksums
+    from tests.recipes import IdData, LinearRecipe, args
+
+    read_back = []
+
+    def counting(stream, *rest):
+        read_back.append(getattr(stream, "name", "?"))
+        return checksum_stream(stream, *rest)
+
+    monkeypatch.setattr(shard_checksums, "checksum_stream", counting)
+    Trainer(LinearRecipe(IdData(40, 0)), args(tmp_path, train_batch_size=10,
+                                              checkpoint={"every_n_steps": 2})).train()
+    assert read_back and all(str(name).endswith(".metadata") for name in read_back), read_back
+    for step in sorted((tmp_path / "checkpoints").glob("step-*")):
+        files = json.loads((step / "manifest.json").read_text())["sharded"]["files"]
+        for name, entry in files.items():
+            with open(step / "shards" / name, "rb") as fh:
+                size, crc = checksum_stream(fh)
+            assert entry == {"size": size, ALGORITHM: f"{crc:08x}"}
