@@ -71,6 +71,13 @@ def latest_step(out):
         return -1
 
 
+def newest_complete(out):
+    """The newest step whose checkpoint directory is in place with its manifest."""
+    steps = [int(p.parent.name.split("-")[1])
+             for p in (out / "checkpoints").glob("step-*/manifest.json")]
+    return max(steps, default=-1)
+
+
 def wait_for(predicate, proc, timeout=120.0):
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -103,7 +110,9 @@ def test_kill_9_at_random_steps_then_resume_is_bit_identical(tmp_path):
             if kills == 3:
                 assert proc.wait(timeout=300) == 0, log.read_text()
                 break
-            before = latest_step(out)
+            # The newest complete checkpoint: a kill between a save's commit and its move of
+            # `latest` leaves `latest` behind it, and this start's recovery moves it there.
+            before = max(latest_step(out), newest_complete(out))
             # Past a new checkpoint, then a random moment: mid-step, mid-save, anywhere.
             if wait_for(lambda: latest_step(out) > before, proc):
                 time.sleep(rng.uniform(0.0, 0.4))
