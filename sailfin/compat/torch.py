@@ -18,6 +18,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from ..utils.crc import crc32
+
 PRIVATE = (
     "torch.amp.GradScaler._found_inf_per_device",
     "torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter",
@@ -300,8 +302,6 @@ class _FlushAfterClose:
             self.write = stream.write  # the hot path: no lookup through __getattr__
 
     def write(self, data: Any) -> int:
-        from ..utils.crc import crc32
-
         view = memoryview(data).cast("B")
         written = self._stream.write(view)
         if written != len(view):  # a raw stream's short write: DCP's own loop goes on

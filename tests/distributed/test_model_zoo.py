@@ -18,6 +18,7 @@ against all-reduce).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -81,22 +82,32 @@ class Record(Callback):
 
     def __init__(self) -> None:
         self.weights: dict[int, dict[str, torch.Tensor]] = {}
+        self.snapshots: list = []  # with memory snapshots: (count, this rank's share in bytes)
 
     def on_step_end(self, trainer) -> None:
+        from sailfin.trainer.checkpointing.memory_snapshots import snapshots_of
+
+        snapshots = snapshots_of(trainer)
+        if snapshots is not None and trainer.global_step == STEPS:
+            snapshots.store.wait()
+            own = snapshots.store.own_dir()
+            share = max(os.path.getsize(os.path.join(own, f)) for f in os.listdir(own)
+                        if f.endswith(".bin"))
+            self.snapshots = [len(snapshots.stall_seconds), share]
         if trainer.global_step in (1, STEPS):
             state = trainer.backend.final_state_dict(trainer.module)
             self.weights[trainer.global_step] = {k: v.detach().clone().cpu()
                                                  for k, v in state.items()}
 
 
-def train(config_path: str, backend: str, out, dist_args=None) -> dict:
-    overrides = ["--trainer.backend", backend, "--trainer.output_dir", str(out)]
+def train(config_path: str, backend: str, out, dist_args=None, extra=(), record=None) -> dict:
+    overrides = ["--trainer.backend", backend, "--trainer.output_dir", str(out), *extra]
     cfg = load_config(config_path, overrides)
     trainer_args = cfg.trainer
     if dist_args is not None:
         trainer_args = dataclasses.replace(trainer_args, distributed=dist_args)
     module = cfg.build(_module_builder(trainer_args))
-    record = Record()
+    record = record or Record()
     with Trainer(module, trainer_args, callbacks=[record]) as trainer:
         trainer.train()
     return record.weights
@@ -109,6 +120,19 @@ def zoo_rank(rank, world, dist_args, out, config_path, second_port):
                         dataclasses.replace(dist_args, master_port=port))
         if rank == 0:
             torch.save(weights, out / f"{backend}.pt")
+
+
+def observed_rank(rank, world, dist_args, out, config_path, second_port):
+    """ddp without, then with, a memory snapshot every step (each rank copying its share of
+    the node's one copy), in the same two processes."""
+    for name, port in (("off", dist_args.master_port), ("on", second_port)):
+        extra = (["--trainer.checkpoint.memory.every_n_steps", "1",
+                  "--trainer.checkpoint.memory.dir", str(out / "shm")] if name == "on" else [])
+        record = Record()
+        weights = train(config_path, "ddp", out / name,
+                        dataclasses.replace(dist_args, master_port=port), extra, record)
+        torch.save({"weights": weights, "snapshots": record.snapshots},
+                   out / f"{name}-rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +180,27 @@ def test_every_backend_starts_from_the_same_weights_and_fsdp_trains_as_ddp(
     for key, value in runs["ddp"][STEPS].items():
         torch.testing.assert_close(runs["fsdp"][STEPS][key], value, rtol=1e-4, atol=1e-5,
                                    msg=lambda m, key=key: f"{name} {key}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt", "gpt2"])
+def test_memory_snapshots_every_step_leave_ddp_bit_identical(tmp_path, data_dir, name):
+    """Observing never changes a run, on models sailfin did not write: 2-process ddp with
+    a memory snapshot every step, both ranks copying a share, against the same run
+    without, bit for bit."""
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({**spec(name, data_dir), "trainer": TRAINER}))
+    assert run_ranks(observed_rank, 2, tmp_path, timeout=300, config_path=str(config),
+                     second_port=free_port()) == [0, 0], errors(tmp_path)
+    off, on = (torch.load(tmp_path / f"{arm}-rank0.pt", weights_only=True)
+               for arm in ("off", "on"))
+    for rank in (0, 1):  # every step snapshotted; each rank's set holds a share
+        count, share = torch.load(tmp_path / f"on-rank{rank}.pt",
+                                  weights_only=True)["snapshots"]
+        # (Record's step end runs before that step's snapshot: STEPS - 1 taken by then.)
+        assert count >= STEPS - 1 and share > 0, (rank, count, share)
+    moved = [k for k, v in off["weights"][STEPS].items()
+             if not torch.equal(v, off["weights"][1][k])]
+    assert moved, "training changed nothing: the comparison below would prove nothing"
+    for key, value in off["weights"][STEPS].items():
+        assert torch.equal(on["weights"][STEPS][key], value), (name, key)
