@@ -11,7 +11,7 @@ of the per-round ratios. ``--device cuda``: GPT-2 small (124 M parameters, AdamW
 GPU, sp only; it also prints how long each step waited for the snapshot's copy.
 
     python benchmarks/memory_snapshots.py [--rounds 5] [--steps 60] [--threads 1]
-        [--against 562e3ce] [--device cuda]
+        [--against 562e3ce] [--device cuda] [--backends sp ddp]
     (benchmarks/checkpoint.py runs it too, unless --no-memory)
 """
 
@@ -125,7 +125,9 @@ def run(spec: dict, dist=None) -> dict:
             self.marks.append(time.perf_counter())
 
     world, steps, device = (2 if dist else 1), spec["steps"], spec["device"]
-    shm = os.path.join(spec["out"], "shm") if spec["memory"] else None
+    # In the node's shared memory, as a run keeps them by default (not on a disk, whose
+    # write-back of every snapshot would be a cost that no real run pays).
+    shm = spec["shm"] if spec["memory"] else None
     args = TrainerArguments(
         epochs=1, train_batch_size=(8 if device == "cuda" else BATCH) * world,
         micro_batch_size=8 if device == "cuda" else BATCH, output_dir=spec["out"],
@@ -218,17 +220,23 @@ def checkout(rev: str | None):
 
 
 def measure(rounds: int, steps: int, threads: int, load, every: int = 1,
-            against: str | None = None, device: str = "cpu") -> None:
+            against: str | None = None, device: str = "cpu",
+            only: tuple[str, ...] = ("sp", "ddp")) -> None:
     here = os.path.dirname(HERE)
     results, copies = {}, []
-    with tempfile.TemporaryDirectory() as tmp, checkout(against) as previous:
-        backends = [("sp", False)] + ([("2-process ddp", True)] if device == "cpu" else [])
+    shared = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory() as tmp, checkout(against) as previous, \
+            tempfile.TemporaryDirectory(dir=shared, prefix="sailfin-bench-") as shm:
+        backends = ([("sp", False)] if "sp" in only else []) + (
+            [("2-process ddp", True)] if device == "cpu" and "ddp" in only else [])
         for name, ddp in backends:
             def arm(memory: bool, root: str, tag: str):
                 def go(i: int) -> dict:
                     spec = {"memory": memory, "ddp": ddp, "steps": steps, "threads": threads,
-                            "every": every, "device": device, "copy": not memory and not ddp
-                            and root == here, "out": os.path.join(tmp, f"{name}-{tag}-{i}")}
+                            "every": every, "device": device, "copy": not memory and root == here
+                            and (not ddp or "sp" not in only),
+                            "out": os.path.join(tmp, f"{name}-{tag}-{i}"),
+                            "shm": os.path.join(shm, f"{name}-{tag}-{i}")}
                     return launch(spec, root)
                 return go
 
@@ -274,6 +282,8 @@ def main() -> None:
     parser.add_argument("--against", metavar="REV", default=None,
                         help="also run git revision REV's sailfin (e.g. 562e3ce)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--backends", nargs="+", choices=["sp", "ddp"], default=["sp", "ddp"],
+                        help="which backends to run (ddp: 2 processes; cpu only)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     add_load_options(parser)
     opts = parser.parse_args()
@@ -282,7 +292,8 @@ def main() -> None:
         return
     torch.set_num_threads(opts.threads)
     load = start(opts, "memory_snapshots.py")
-    measure(opts.rounds, opts.steps, opts.threads, load, opts.every, opts.against, opts.device)
+    measure(opts.rounds, opts.steps, opts.threads, load, opts.every, opts.against, opts.device,
+            tuple(opts.backends))
 
 
 if __name__ == "__main__":

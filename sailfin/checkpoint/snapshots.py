@@ -139,8 +139,8 @@ class SnapshotStore:
 
     def settle(self) -> Optional[bool]:
         """Before the optimizer step: wait for the copy :meth:`take` left running, then
-        have the set committed in the background. None when there was none; False when a
-        source changed meanwhile (the snapshot is dropped: not the state of one step)."""
+        commit the set. None when there was none; False when a source changed meanwhile
+        (the snapshot is dropped: not the state of one step)."""
         if self._pending is None:
             return None
         step, where, facts, blob, copy, layout, finite, error = self._pending
@@ -153,15 +153,30 @@ class SnapshotStore:
             except Exception as exc:  # noqa: BLE001 - every rank raises at the agreement
                 error, unchanged = exc, False
         self.committed.clear()
-        self._finishing = self._worker.submit(self._finish, step, where, facts, blob, copy,
-                                              layout, error, unchanged, finite)
+        job = (step, where, facts, blob, copy, layout, error, unchanged, finite)
+        if (copy is not None and copy.events) or (finite is not None and finite.is_cuda):
+            # A GPU's copy or loss flag: waited for on the snapshot thread, not here.
+            self._finishing = self._worker.submit(self._finish, *job)
+            return unchanged
+        # The copy is done: commit here (a few small writes), not on the snapshot thread,
+        # whose Python would hold the interpreter lock while the optimizer step wants it.
+        status = self._commit(*job)
+        if self.peers.group is None and self.replica_dst is None:
+            self._finishing = Future()
+            self._finishing.set_result(self._share(status, where, step))
+        else:  # collectives: on the snapshot thread's group
+            self._finishing = self._worker.submit(self._share, status, where, step)
         return unchanged
 
-    def _finish(self, step: int, where: Location, facts: Any, blob: Any, copy: Optional[Copy],
+    def _finish(self, step: int, where: Location, *job: Any) -> tuple[int, int]:
+        """The snapshot thread: commit the set, then :meth:`_share`."""
+        return self._share(self._commit(step, where, *job), where, step)
+
+    def _commit(self, step: int, where: Location, facts: Any, blob: Any, copy: Optional[Copy],
                 layout: Layout, error: Optional[BaseException], commit: bool,
-                finite: Optional[torch.Tensor] = None) -> tuple[int, int]:
-        """The snapshot thread: commit the set (unless dropped), send the replica, then
-        agree with every rank on the newest step all of them hold."""
+                finite: Optional[torch.Tensor] = None) -> int:
+        """Write the set's state and commit its header, unless the snapshot is dropped (a
+        source changed, a non-finite loss spoiled the weights); the status to agree on."""
         status = _READY
         try:
             if error is not None:
@@ -182,6 +197,11 @@ class SnapshotStore:
             status, self._error = (_FULL if is_full(exc) else _FAILED), exc
         finally:
             self.committed.set()
+        return status
+
+    def _share(self, status: int, where: Location, step: int) -> tuple[int, int]:
+        """Send the replica, then agree with every rank on the newest step all of them
+        hold (a failure anywhere wins)."""
         if self.replica_dst is not None:
             try:
                 mine = where if self._steps.get(where) == step else None
