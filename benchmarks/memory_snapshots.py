@@ -7,11 +7,15 @@ Each round runs every arm once, in alternating order, each run in a process of i
 (so that ``--against REV`` can run a previous release's sailfin, from a ``git worktree``
 of REV in a temporary directory, in the same rounds). A run's step time is its steady
 state: from the end of its first step to the end of its last. The figure is the median
-of the per-round ratios. ``--device cuda``: GPT-2 small (124 M parameters, AdamW) on one
+of the per-round ratios. Snapshots go to a directory in /dev/shm, as a run keeps them.
+Two processes of the same arm can differ by more than a snapshot costs (on a small
+shared machine up to 20 %): ``--blocks B`` also runs, each round, this release with
+snapshots on and off in alternate blocks of B steps inside one run, and compares the
+median step of each. ``--device cuda``: GPT-2 small (124 M parameters, AdamW) on one
 GPU, sp only; it also prints how long each step waited for the snapshot's copy.
 
     python benchmarks/memory_snapshots.py [--rounds 5] [--steps 60] [--threads 1]
-        [--against 562e3ce] [--device cuda] [--backends sp ddp]
+        [--against 562e3ce] [--device cuda] [--backends sp ddp] [--blocks 10]
     (benchmarks/checkpoint.py runs it too, unless --no-memory)
 """
 
@@ -136,8 +140,20 @@ def run(spec: dict, dist=None) -> dict:
         distributed=dist or DistArguments(), device=device,
         checkpoint={"at_epoch_end": False, "memory": {"every_n_steps": spec["every"],
                                                       "dir": shm} if shm else {}})
+    class Blocks(Callback):
+        """Snapshots on in alternate blocks of ``blocks`` steps (same run: same process,
+        same memory placement), by the snapshot callback's interval."""
+
+        def on_step_end(self, trainer) -> None:
+            on = (trainer.global_step // spec["blocks"]) % 2 == 0
+            for c in trainer.callbacks:
+                if hasattr(c, "stall_seconds") and hasattr(c, "every"):
+                    c.every = 1 if on else 10 ** 9
+
     clock = Clock()
-    trainer = Trainer(recipe(device, steps * args.train_batch_size), args, callbacks=[clock])
+    extra = [Blocks()] if spec.get("blocks") else []
+    trainer = Trainer(recipe(device, steps * args.train_batch_size), args,
+                      callbacks=[*extra, clock])
     trainer.setup()
     store = getattr(trainer.checkpointer, "store", None)
     if store is not None and hasattr(store, "start_writer"):  # the previous release's
@@ -149,8 +165,15 @@ def run(spec: dict, dist=None) -> dict:
     copy = plain_copy_seconds(trainer.state_dict()) if spec.get("copy") else None
     trainer.close()
     marks = clock.marks
-    return {"step": (marks[-1] - marks[1]) / (steps - 1), "waits": len(waits),
-            "waited": sum(waits), "copy": copy}
+    result = {"step": (marks[-1] - marks[1]) / (steps - 1), "waits": len(waits),
+              "waited": sum(waits), "copy": copy}
+    if spec.get("blocks"):  # step k+1 follows step k's snapshot when k's block is on
+        b, times = spec["blocks"], {True: [], False: []}
+        for k, (t0, t1) in enumerate(zip(marks[1:], marks[2:]), start=1):
+            if k >= 2 * b:  # the first on and off blocks warm up
+                times[(k // b) % 2 == 0].append(t1 - t0)
+        result.update(on=statistics.median(times[True]), off=statistics.median(times[False]))
+    return result
 
 
 def _rank(rank: int, port: int, spec: dict, queue) -> None:
@@ -221,7 +244,7 @@ def checkout(rev: str | None):
 
 def measure(rounds: int, steps: int, threads: int, load, every: int = 1,
             against: str | None = None, device: str = "cpu",
-            only: tuple[str, ...] = ("sp", "ddp")) -> None:
+            only: tuple[str, ...] = ("sp", "ddp"), blocks: int = 0) -> None:
     here = os.path.dirname(HERE)
     results, copies = {}, []
     shared = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -236,7 +259,8 @@ def measure(rounds: int, steps: int, threads: int, load, every: int = 1,
                             "every": every, "device": device, "copy": not memory and root == here
                             and (not ddp or "sp" not in only),
                             "out": os.path.join(tmp, f"{name}-{tag}-{i}"),
-                            "shm": os.path.join(shm, f"{name}-{tag}-{i}")}
+                            "shm": os.path.join(shm, f"{name}-{tag}-{i}"),
+                            "blocks": blocks if tag == "blocks" else 0}
                     return launch(spec, root)
                 return go
 
@@ -244,6 +268,8 @@ def measure(rounds: int, steps: int, threads: int, load, every: int = 1,
             if previous is not None:
                 arms.update({"previous with": arm(True, previous, "prev-with"),
                              "previous without": arm(False, previous, "prev-without")})
+            if blocks:  # inside one run: on and off in alternate blocks of steps
+                arms["blocks"] = arm(True, here, "blocks")
             results[name] = interleave(rounds, arms)
             copies += [r["without"]["copy"] for r in results[name] if r["without"]["copy"]]
     copy = statistics.median(copies)
@@ -269,6 +295,14 @@ def measure(rounds: int, steps: int, threads: int, load, every: int = 1,
                   f"median {waits} ({waited * 1e3 / steps:.2f} ms a step)")
             if name == "sp" and not prefix:
                 sp_ratios = ratio
+        if "blocks" in rounds_[0]:
+            inside = [r["blocks"]["on"] / r["blocks"]["off"] for r in rounds_]
+            added = statistics.median((r["blocks"]["on"] - r["blocks"]["off"]) * every
+                                      for r in rounds_)
+            print(f"  {name:>13}, this release, inside one run (snapshots on and off in "
+                  f"alternate blocks of {blocks} steps, median step of each): on / off "
+                  f"{spread(inside)}; each snapshot adds {added * 1e3:+.2f} ms "
+                  f"({added / copy:.2f} x one plain copy)")
     summary("memory_snapshots.py", f"sp step time with / without a snapshot every {every} "
             "step(s)", sp_ratios, load, threads)
 
@@ -284,6 +318,10 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--backends", nargs="+", choices=["sp", "ddp"], default=["sp", "ddp"],
                         help="which backends to run (ddp: 2 processes; cpu only)")
+    parser.add_argument("--blocks", type=int, default=0, metavar="B",
+                        help="also, each round, one run of this release with snapshots on "
+                        "and off in alternate blocks of B steps (the same process on both "
+                        "sides: free of the step time's spread between processes)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     add_load_options(parser)
     opts = parser.parse_args()
@@ -293,7 +331,7 @@ def main() -> None:
     torch.set_num_threads(opts.threads)
     load = start(opts, "memory_snapshots.py")
     measure(opts.rounds, opts.steps, opts.threads, load, opts.every, opts.against, opts.device,
-            tuple(opts.backends))
+            tuple(opts.backends), opts.blocks)
 
 
 if __name__ == "__main__":
