@@ -9,7 +9,7 @@ of REV in a temporary directory, in the same rounds). A run's step time is its s
 state: from the end of its first step to the end of its last. The figure is the median
 of the per-round ratios. Snapshots go to a directory in /dev/shm, as a run keeps them.
 Two processes of the same arm can differ by more than a snapshot costs (on a small
-shared machine up to 20 %): ``--blocks B`` also runs, each round, this release with
+shared machine up to 20 %): ``--blocks B`` also runs, each round, each release with
 snapshots on and off in alternate blocks of B steps inside one run, and compares the
 median step of each. ``--device cuda``: GPT-2 small (124 M parameters, AdamW) on one
 GPU, sp only; it also prints how long each step waited for the snapshot's copy.
@@ -146,9 +146,13 @@ def run(spec: dict, dist=None) -> dict:
 
         def on_step_end(self, trainer) -> None:
             on = (trainer.global_step // spec["blocks"]) % 2 == 0
-            for c in trainer.callbacks:
-                if hasattr(c, "stall_seconds") and hasattr(c, "every"):
-                    c.every = 1 if on else 10 ** 9
+            found = [c for c in trainer.callbacks
+                     if hasattr(c, "stall_seconds") and isinstance(getattr(c, "every", None), int)]
+            if not found:
+                raise RuntimeError("--blocks: this sailfin's snapshot callback has no "
+                                   "interval (every) to turn snapshots on and off by")
+            for c in found:
+                c.every = 1 if on else 10 ** 9
 
     clock = Clock()
     extra = [Blocks()] if spec.get("blocks") else []
@@ -260,7 +264,7 @@ def measure(rounds: int, steps: int, threads: int, load, every: int = 1,
                             and (not ddp or "sp" not in only),
                             "out": os.path.join(tmp, f"{name}-{tag}-{i}"),
                             "shm": os.path.join(shm, f"{name}-{tag}-{i}"),
-                            "blocks": blocks if tag == "blocks" else 0}
+                            "blocks": blocks if tag.endswith("blocks") else 0}
                     return launch(spec, root)
                 return go
 
@@ -270,6 +274,8 @@ def measure(rounds: int, steps: int, threads: int, load, every: int = 1,
                              "previous without": arm(False, previous, "prev-without")})
             if blocks:  # inside one run: on and off in alternate blocks of steps
                 arms["blocks"] = arm(True, here, "blocks")
+                if previous is not None:
+                    arms["previous blocks"] = arm(True, previous, "prev-blocks")
             results[name] = interleave(rounds, arms)
             copies += [r["without"]["copy"] for r in results[name] if r["without"]["copy"]]
     copy = statistics.median(copies)
@@ -295,11 +301,14 @@ def measure(rounds: int, steps: int, threads: int, load, every: int = 1,
                   f"median {waits} ({waited * 1e3 / steps:.2f} ms a step)")
             if name == "sp" and not prefix:
                 sp_ratios = ratio
-        if "blocks" in rounds_[0]:
-            inside = [r["blocks"]["on"] / r["blocks"]["off"] for r in rounds_]
-            added = statistics.median((r["blocks"]["on"] - r["blocks"]["off"]) * every
+        for prefix, label in (("", "this release"), ("previous ", f"previous ({against})")):
+            arm_ = f"{prefix}blocks"
+            if arm_ not in rounds_[0]:
+                continue
+            inside = [r[arm_]["on"] / r[arm_]["off"] for r in rounds_]
+            added = statistics.median((r[arm_]["on"] - r[arm_]["off"]) * every
                                       for r in rounds_)
-            print(f"  {name:>13}, this release, inside one run (snapshots on and off in "
+            print(f"  {name:>13}, {label}, inside one run (snapshots on and off in "
                   f"alternate blocks of {blocks} steps, median step of each): on / off "
                   f"{spread(inside)}; each snapshot adds {added * 1e3:+.2f} ms "
                   f"({added / copy:.2f} x one plain copy)")
@@ -319,7 +328,7 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", choices=["sp", "ddp"], default=["sp", "ddp"],
                         help="which backends to run (ddp: 2 processes; cpu only)")
     parser.add_argument("--blocks", type=int, default=0, metavar="B",
-                        help="also, each round, one run of this release with snapshots on "
+                        help="also, each round, one run of each release with snapshots on "
                         "and off in alternate blocks of B steps (the same process on both "
                         "sides: free of the step time's spread between processes)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
