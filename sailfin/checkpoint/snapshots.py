@@ -193,7 +193,7 @@ class SnapshotStore:
                 facts["crc32"] = header_crc(facts)
                 write_json(where.path("json"), facts)  # the commit
                 self._steps[where] = self.newest = step
-        except BaseException as exc:  # noqa: BLE001 - said at the agreement, on every rank
+        except Exception as exc:  # noqa: BLE001 - said at the agreement, on every rank
             status, self._error = (_FULL if is_full(exc) else _FAILED), exc
         finally:
             self.committed.set()

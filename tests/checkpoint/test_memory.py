@@ -360,3 +360,22 @@ def test_weights_a_non_finite_loss_spoiled_are_never_committed(tmp_path):
     assert held and max(held.values()) == 5, held  # step 6 on: the spoiled weights
     snapshots_of(trainer).store.close()
     snapshot_dirs.clean(str(tmp_path / "run"))
+
+
+def test_an_interrupt_during_the_commit_stops_the_run_at_once(tmp_path, monkeypatch):
+    """The training thread commits a set copied on the CPU itself: a Ctrl-C (or
+    SystemExit) that lands in the commit stops the run there, not as a "snapshot
+    failed" error one step later; the set is not committed."""
+    import sailfin.checkpoint.snapshots as snapshots
+
+    store = SnapshotStore(str(tmp_path / "shm"), rank=0, world_size=1)
+
+    def interrupted(path, obj):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(snapshots, "write_json", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.take(1, facts(1), {"model": {"w": torch.ones(4)}, "trainer": {}}, {})
+    assert store.committed.is_set() and store.inventory() == {}
+    monkeypatch.undo()
+    store.close()
