@@ -141,8 +141,8 @@ def run(spec: dict, dist=None) -> dict:
         checkpoint={"at_epoch_end": False, "memory": {"every_n_steps": spec["every"],
                                                       "dir": shm} if shm else {}})
     class Blocks(Callback):
-        """Snapshots on in alternate blocks of ``blocks`` steps (same run: same process,
-        same memory placement), by the snapshot callback's interval."""
+        """Snapshots on (every step) in alternate blocks of ``blocks`` steps (same run:
+        same process, same memory placement), by the snapshot callback's interval."""
 
         def on_step_end(self, trainer) -> None:
             on = (trainer.global_step // spec["blocks"]) % 2 == 0
@@ -337,6 +337,8 @@ def main() -> None:
     if opts.child:
         print(json.dumps(child(json.loads(opts.child))))
         return
+    if opts.blocks and opts.every != 1:  # the median step of a block is a snapshot's step
+        parser.error("--blocks compares steps with and without a snapshot: use it with --every 1")
     torch.set_num_threads(opts.threads)
     load = start(opts, "memory_snapshots.py")
     measure(opts.rounds, opts.steps, opts.threads, load, opts.every, opts.against, opts.device,
