@@ -76,8 +76,29 @@ def sample_crc(data: torch.Tensor, full: int) -> int:
 
 
 def header_crc(header: dict[str, Any]) -> int:
+    """The CRC-32 a header read back must carry: of its JSON, keys sorted, without it."""
     return crc32(json.dumps({k: v for k, v in header.items() if k != "crc32"},
                             sort_keys=True).encode("utf-8"))
+
+
+class Encoded(str):
+    """A header value given as its JSON text already (keys sorted): the run's config,
+    the same at every snapshot, is encoded once."""
+
+
+def header_bytes(header: dict[str, Any]) -> bytes:
+    """``header`` as its file holds it: one encoding, keys sorted, then ``crc32``, the
+    CRC-32 of that text (what :func:`header_crc` finds again from the parsed header)."""
+    given = {k: v for k, v in header.items() if isinstance(v, Encoded)}
+    body = json.dumps({k: "\0" if k in given else v for k, v in header.items()
+                       if k != "crc32"}, sort_keys=True)
+    for key, text in given.items():  # a raw '"key": "' is never inside a JSON string
+        hole = f'{json.dumps(key)}: "\\u0000"'
+        if body.count(hole) != 1:  # a value that spells the hole too: encode it all
+            return header_bytes({k: json.loads(v) if k in given else v
+                                 for k, v in header.items()})
+        body = body.replace(hole, f"{json.dumps(key)}: {text}")
+    return f'{body[:-1]}{", " if len(body) > 2 else ""}"crc32": {crc32(body.encode())}}}'.encode()
 
 
 def _read_regular(path: str, limit: Optional[int] = None) -> bytes:
@@ -203,11 +224,11 @@ class Copy:
     GPU. :meth:`before_step` comes before the next optimizer step."""
 
     def __init__(self, worker: Worker, pairs: list, tensors: list,
-                 streams: dict) -> None:
+                 streams: dict, cuda: bool = True) -> None:
         # The tensors themselves (a byte view of a storage has a version counter of its own).
         self.versions = [(tensor, version(tensor)) for tensor in tensors]
-        gpu = [(d, s) for d, s in pairs if s.device.type == "cuda"]
-        cpu = [(d, s) for d, s in pairs if s.device.type != "cuda"]
+        gpu = [(d, s) for d, s in pairs if s.is_cuda] if cuda else []  # cuda: any on a GPU
+        cpu = [(d, s) for d, s in pairs if not s.is_cuda] if cuda else pairs
         self.events = []
         for device in {s.device for _, s in gpu}:
             stream = streams.get(device) or streams.setdefault(device, torch.cuda.Stream(device))

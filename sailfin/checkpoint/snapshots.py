@@ -29,11 +29,12 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..utils.crc import crc32
+from ..utils.files import replace_file
 from ..utils.voice import say
 from .errors import CheckpointCorrupt, CheckpointError
-from .snapshot_dirs import Peers, exchange, names, remove_file, write_json
+from .snapshot_dirs import Peers, exchange, names, remove_file
 from .snapshot_layout import Layout, Planner, dump_state
-from .snapshot_sets import (SETS, Buffer, Copy, Location, Worker, header_crc, is_full,
+from .snapshot_sets import (SETS, Buffer, Copy, Location, Worker, header_bytes, is_full,
                             read_bin, read_header, read_set, sample_crc)
 
 _RANK_DIR = re.compile(r"^(?:replica-)?rank(\d+)$")
@@ -126,7 +127,7 @@ class SnapshotStore:
             "rank": self.rank, "run": self.run, "replicated": replicated, "parts": parts,
             "part": layout.part, "layout": layout.ident}}
         copy = (Copy(self._worker, pairs[layout.now:],
-                     [t for _, t in layout.sources[layout.now:]], self._streams)
+                     [t for _, t in layout.sources[layout.now:]], self._streams, layout.cuda)
                 if layout.now < len(pairs) else None)
         self._pending = (step, where, facts, blob, copy, layout, finite, None)
         if copy is None:
@@ -190,8 +191,7 @@ class SnapshotStore:
                 data = self._buffers[where.path("bin")].data[:total]
                 facts["memory_snapshot"].update(state=[len(blob), crc32(blob)],
                                                 tensors=[total, full, sample_crc(data, full)])
-                facts["crc32"] = header_crc(facts)
-                write_json(where.path("json"), facts)  # the commit
+                replace_file(where.path("json"), header_bytes(facts), durable=False)  # commit
                 self._steps[where] = self.newest = step
         except Exception as exc:  # noqa: BLE001 - said at the agreement, on every rank
             status, self._error = (_FULL if is_full(exc) else _FAILED), exc

@@ -306,6 +306,29 @@ def test_what_a_load_checks_and_how_each_damage_is_named(tmp_path):
     store.close()
 
 
+def test_a_header_is_written_in_one_encoding_that_its_check_reads_back(tmp_path):
+    """The header's file is one JSON encoding, keys sorted, with a CRC-32 of that text
+    last; a value given as its JSON already (the run's config) goes in as it is, and a
+    value elsewhere that spells its place does not take it."""
+    from sailfin.checkpoint.snapshot_sets import Encoded, header_bytes
+
+    config = {"seed": 3, "optim": {"lr": 0.1, "betas": [0.9, 0.99]}, "name": "x\u00e9\""}
+    spelled = {"config": "\0", "note": '"config": "\0"'}
+    for extra in ({}, {"recipe": spelled}):
+        header = {"step": 7, "world_size": 2, "config": Encoded(json.dumps(config,
+                                                                          sort_keys=True)),
+                  **extra}
+        where = Location(str(tmp_path), "a")
+        open(where.path("json"), "wb").write(header_bytes(header))
+        back = read_header(where)  # its CRC-32 checked
+        assert back == {**header, "config": config, "crc32": back["crc32"]}
+        text = open(where.path("json")).read()
+        assert text.endswith(f'"crc32": {back["crc32"]}}}') and text.count("crc32") == 1
+    with pytest.raises(CheckpointCorrupt, match="does not match its CRC-32"):
+        open(where.path("json"), "w").write(text.replace('"seed": 3', '"seed": 4'))
+        read_header(where)
+
+
 def test_a_forged_small_state_runs_no_code(tmp_path):
     """A .pt that names a callable, with a header whose CRC-32s match it, is refused by
     the unpickler (it rebuilds plain values only): a one-line CheckpointCorrupt, nothing
@@ -370,10 +393,10 @@ def test_an_interrupt_during_the_commit_stops_the_run_at_once(tmp_path, monkeypa
 
     store = SnapshotStore(str(tmp_path / "shm"), rank=0, world_size=1)
 
-    def interrupted(path, obj):
+    def interrupted(path, data, durable=True):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(snapshots, "write_json", interrupted)
+    monkeypatch.setattr(snapshots, "replace_file", interrupted)
     with pytest.raises(KeyboardInterrupt):
         store.take(1, facts(1), {"model": {"w": torch.ones(4)}, "trainer": {}}, {})
     assert store.committed.is_set() and store.inventory() == {}

@@ -11,6 +11,7 @@ agree on the step to continue from (:meth:`MemorySnapshots.recover`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -23,7 +24,7 @@ from ...checkpoint import CheckpointError, Checkpointer, Loaded, snapshot_dirs
 from ...checkpoint.rng import rng_state
 from ...checkpoint.snapshot_dirs import exchange
 from ...checkpoint.snapshot_layout import global_shards, is_tensor, local_shards, map_tree
-from ...checkpoint.snapshot_sets import Location
+from ...checkpoint.snapshot_sets import Encoded, Location
 from ...checkpoint.snapshots import SnapshotStore
 from ...config.trainer import TrainerArguments
 from ...logging.destination import check_directory
@@ -63,7 +64,7 @@ class MemorySnapshots(Callback):
         self.snapshot_bytes = 0  # one rank's whole snapshot state, as counted before step 1
         self.overlap = True  # copy the stepped state during the next forward and backward
         self.mesh: Any = None  # fsdp: the model's device mesh, to rebuild shards on
-        self._config: Optional[dict] = None  # trainer.args, shared by every snapshot
+        self._config: Optional[Encoded] = None  # trainer.args as JSON, for every snapshot
         self._agreed: dict[int, tuple[Any, str]] = {}  # step -> (set, what resuming says)
 
     # -- resume ------------------------------------------------------------------
@@ -176,8 +177,9 @@ class MemorySnapshots(Callback):
         trainer.writers.flush()  # metrics.jsonl holds every event up to the snapshot
         state = trainer.state_dict()
         if self._config is None:  # as the manifests hold it; the run's does not change
-            self._config = dataclasses.asdict(trainer.args)
-        facts = manifest_facts(trainer, self.saver, state, self._config)
+            self._config = Encoded(json.dumps(dataclasses.asdict(trainer.args),
+                                              sort_keys=True))
+        facts = {**manifest_facts(trainer, self.saver, state, {}), "config": self._config}
         # fsdp: this rank's rows, as plain tensors (no model mesh: nothing is sharded)
         local = local_shards(state) if self.mesh is not None else state
         shared = {"model": local.pop("module"), "trainer": local}
