@@ -11,8 +11,11 @@ of the per-round ratios. Snapshots go to a directory in /dev/shm, as a run keeps
 Two processes of the same arm can differ by more than a snapshot costs (on a small
 shared machine up to 20 %): ``--blocks B`` also runs, each round, each release with
 snapshots on and off in alternate blocks of B steps inside one run, and compares the
-median step of each. ``--device cuda``: GPT-2 small (124 M parameters, AdamW) on one
-GPU, sp only; it also prints how long each step waited for the snapshot's copy.
+median step of each. It also prints the training thread's own time per snapshot (what
+the snapshot callback records as holding training: its bookkeeping, the copy's set-up
+and any wait for the copy), free of that spread. ``--device cuda``: GPT-2 small (124 M
+parameters, AdamW) on one GPU, sp only; it also prints how long each step waited for
+the snapshot's copy.
 
     python benchmarks/memory_snapshots.py [--rounds 5] [--steps 60] [--threads 1]
         [--against 562e3ce] [--device cuda] [--backends sp ddp] [--blocks 10]
@@ -169,8 +172,10 @@ def run(spec: dict, dist=None) -> dict:
     copy = plain_copy_seconds(trainer.state_dict()) if spec.get("copy") else None
     trainer.close()
     marks = clock.marks
+    held = snapshots[0].stall_seconds[1:] if snapshots else []  # the first sets up
     result = {"step": (marks[-1] - marks[1]) / (steps - 1), "waits": len(waits),
-              "waited": sum(waits), "copy": copy}
+              "waited": sum(waits), "copy": copy,
+              "held": statistics.median(held) if held else None}
     if spec.get("blocks"):  # step k+1 follows step k's snapshot when k's block is on
         b, times = spec["blocks"], {True: [], False: []}
         for k, (t0, t1) in enumerate(zip(marks[1:], marks[2:]), start=1):
@@ -295,9 +300,12 @@ def measure(rounds: int, steps: int, threads: int, load, every: int = 1,
                                       * every for r in rounds_)
             waits = statistics.median(r[f"{prefix}with"]["waits"] for r in rounds_)
             waited = statistics.median(r[f"{prefix}with"]["waited"] for r in rounds_)
+            held = statistics.median(r[f"{prefix}with"]["held"] for r in rounds_)
             print(f"  {name:>13}, {label}: step time with / without {spread(ratio)}; each "
                   f"snapshot adds {added * 1e3:+.2f} ms ({added / copy:.2f} x one plain "
-                  f"copy); steps that waited for the copy or write per run of {steps}: "
+                  f"copy); the training thread's own time per snapshot (its "
+                  f"bookkeeping, and any wait for the copy; median) {held * 1e3:.2f} ms; "
+                  f"steps that waited for the copy or write per run of {steps}: "
                   f"median {waits} ({waited * 1e3 / steps:.2f} ms a step)")
             if name == "sp" and not prefix:
                 sp_ratios = ratio
