@@ -21,7 +21,6 @@ second pass over the memory the copy wrote.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import pickle
@@ -54,10 +53,6 @@ class Location(NamedTuple):
 
     def __str__(self) -> str:
         return self.path("json")
-
-
-def is_full(error: Optional[BaseException]) -> bool:
-    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:

@@ -31,10 +31,10 @@ import torch
 from ..utils.crc import crc32
 from ..utils.files import replace_file
 from ..utils.voice import say
-from .errors import CheckpointCorrupt, CheckpointError
+from .errors import CheckpointCorrupt, CheckpointError, no_space
 from .snapshot_dirs import Peers, exchange, names, remove_file
 from .snapshot_layout import Layout, Planner, dump_state
-from .snapshot_sets import (SETS, Buffer, Copy, Location, Worker, header_bytes, is_full,
+from .snapshot_sets import (SETS, Buffer, Copy, Location, Worker, header_bytes,
                             read_bin, read_header, read_set, sample_crc)
 
 _RANK_DIR = re.compile(r"^(?:replica-)?rank(\d+)$")
@@ -114,7 +114,7 @@ class SnapshotStore:
                 os.makedirs(where.directory, exist_ok=True)
             buffer.hold(layout.total, layout.cuda)
         except OSError as exc:
-            if not is_full(exc):
+            if not no_space(exc):
                 raise
             self._pending = (step, where, None, None, None, layout, None, exc)
             self.settle()  # the agreement stops snapshots on every rank
@@ -194,7 +194,7 @@ class SnapshotStore:
                 replace_file(where.path("json"), header_bytes(facts), durable=False)  # commit
                 self._steps[where] = self.newest = step
         except Exception as exc:  # noqa: BLE001 - said at the agreement, on every rank
-            status, self._error = (_FULL if is_full(exc) else _FAILED), exc
+            status, self._error = (_FULL if no_space(exc) else _FAILED), exc
         finally:
             self.committed.set()
         return status

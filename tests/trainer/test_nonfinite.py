@@ -112,3 +112,26 @@ def test_guard_modes_and_bad_policy():
 def test_finite_run_is_untouched(tmp_path):
     summary = Trainer(LinearRecipe(IdData(40, 0)), args(tmp_path)).train()
     assert summary["nonfinite_steps"] == 0
+
+
+def test_the_flag_a_snapshot_holds_reads_each_loss_once_and_stays_false(monkeypatch):
+    """A deferred guard's ``all_finite`` (asked at every memory snapshot) reads only the
+    losses since it was last asked: a snapshot every step costs the same at step 500 as
+    at step 1. A non-finite loss keeps the flag false until ``check`` reads it; the flag
+    a snapshot already holds does not change."""
+    guard = NonFiniteGuard("stop", torch.device("cpu"), defer=True)
+    stacked = []
+    real_stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda ts, *a, **k: stacked.append(len(ts))
+                        or real_stack(ts, *a, **k))
+    flags = []
+    for step in range(1, 201):
+        guard.observe(torch.tensor(float("nan") if step == 50 else 1.0), step, 0, step - 1)
+        flags.append(guard.all_finite())
+    assert stacked == [1] * 200
+    assert [bool(f) for f in flags] == [True] * 49 + [False] * 151
+    monkeypatch.undo()
+    with pytest.raises(NonFiniteLossError, match="global_step=50 "):
+        guard.check()
+    guard.observe(torch.tensor(1.0), 201, 0, 200)
+    assert bool(guard.all_finite()) and guard.all_finite() is guard.all_finite()

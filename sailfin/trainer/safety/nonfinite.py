@@ -61,6 +61,8 @@ class NonFiniteGuard:
             raise ValueError("on_nonfinite=skip must read each loss before the optimizer step")
         self.deferred = defer
         self._pending: list[torch.Tensor] = []
+        self._finite: Optional[torch.Tensor] = None  # all_finite of pending[:_read]
+        self._read = 0
         self._first: tuple[int, int, int] = (0, 0, 0)  # global step, epoch, step of pending[0]
         self.observe = (self._observe_deferred if defer else
                         self._observe_now if world_size > 1 else self._observe_local)
@@ -92,7 +94,12 @@ class NonFiniteGuard:
         losses stay for :meth:`check`, which names the step."""
         if self.policy != "stop" or not self._pending:
             return None
-        return torch.stack([t.float().reshape(()) for t in self._pending]).isfinite().all()
+        new = self._pending[self._read:]  # each loss once: a snapshot every step stays O(1)
+        if new:
+            flag = torch.stack([t.float().reshape(()) for t in new]).isfinite().all()
+            self._finite = flag if self._finite is None else self._finite & flag
+            self._read = len(self._pending)
+        return self._finite
 
     # -- at sync points ----------------------------------------------------------------
     def check(self) -> None:
@@ -100,7 +107,7 @@ class NonFiniteGuard:
         if not self._pending:
             return
         losses = torch.stack([t.float().reshape(()) for t in self._pending])
-        self._pending = []
+        self._pending, self._finite, self._read = [], None, 0
         if self._world_size > 1:
             losses = self._reduce(losses)  # NaN or inf anywhere stays non-finite in the mean
         values = losses.tolist()
