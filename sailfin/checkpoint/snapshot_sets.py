@@ -12,6 +12,7 @@ A set is three files in a rank's directory (:mod:`.snapshot_dirs`)::
              class but OrderedDict, set, torch.Size and dtypes
     a.json   the header: step, run, the manifest's facts, the sizes and CRC-32s below and
              its own CRC-32; renamed into place once the set holds its step
+    a.next   the header staged (by the thread that copied the set) until that rename
 
 What is checked on resume: the header's CRC-32; the ``.pt`` whole (size, CRC-32); the
 ``.bin``'s size, and a CRC-32 of the tensors copied at the step's end whole and of 4 KiB

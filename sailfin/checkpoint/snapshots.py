@@ -23,13 +23,12 @@ import os
 import re
 import shutil
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any, Callable, Optional
 
 import torch
 
 from ..utils.crc import crc32
-from ..utils.files import replace_file
 from ..utils.voice import say
 from .errors import CheckpointCorrupt, CheckpointError, no_space
 from .snapshot_dirs import Peers, exchange, names, remove_file
@@ -116,7 +115,7 @@ class SnapshotStore:
         except OSError as exc:
             if not no_space(exc):
                 raise
-            self._pending = (step, where, None, None, None, layout, None, exc)
+            self._pending = (step, where, None, None, None, layout, None, exc, None)
             self.settle()  # the agreement stops snapshots on every rank
             return False
         pairs = buffer.pairs(layout)
@@ -129,7 +128,11 @@ class SnapshotStore:
         copy = (Copy(self._worker, pairs[layout.now:],
                      [t for _, t in layout.sources[layout.now:]], self._streams, layout.cuda)
                 if layout.now < len(pairs) else None)
-        self._pending = (step, where, facts, blob, copy, layout, finite, None)
+        # A copy on the CPU: its thread then writes the set and stages its header beside
+        # training; the optimizer step's wait only renames it (after checking the sources).
+        prepared = (self._worker.submit(self._write, where, facts, blob, layout)
+                    if copy is not None and not copy.events else None)
+        self._pending = (step, where, facts, blob, copy, layout, finite, None, prepared)
         if copy is None:
             self.settle()
         return True
@@ -144,7 +147,7 @@ class SnapshotStore:
         (the snapshot is dropped: not the state of one step)."""
         if self._pending is None:
             return None
-        step, where, facts, blob, copy, layout, finite, error = self._pending
+        step, where, facts, blob, copy, layout, finite, error, prepared = self._pending
         self._pending = None
         unchanged, self.busy = error is None, False
         if copy is not None:
@@ -159,9 +162,9 @@ class SnapshotStore:
             # A GPU's copy or loss flag: waited for on the snapshot thread, not here.
             self._finishing = self._worker.submit(self._finish, *job)
             return unchanged
-        # The copy is done: commit here (a few small writes), not on the snapshot thread,
-        # whose Python would hold the interpreter lock while the optimizer step wants it.
-        status = self._commit(*job)
+        # The copy is done: commit here (a rename), not on the snapshot thread, whose Python
+        # would hold the interpreter lock while the optimizer step wants it.
+        status = self._commit(*job, prepared)
         if self.peers.group is None and self.replica_dst is None:
             self._finishing = Future()
             self._finishing.set_result(self._share(status, where, step))
@@ -175,9 +178,10 @@ class SnapshotStore:
 
     def _commit(self, step: int, where: Location, facts: Any, blob: Any, copy: Optional[Copy],
                 layout: Layout, error: Optional[BaseException], commit: bool,
-                finite: Optional[torch.Tensor] = None) -> int:
-        """Write the set's state and commit its header, unless the snapshot is dropped (a
-        source changed, a non-finite loss spoiled the weights); the status to agree on."""
+                finite: Optional[torch.Tensor] = None, prepared: Optional[Future] = None) -> int:
+        """Commit the set's header (written by :meth:`_write`, here or ``prepared`` on the
+        snapshot thread), unless the snapshot is dropped (a source changed, a non-finite
+        loss spoiled the weights); the status to agree on."""
         status = _READY
         try:
             if error is not None:
@@ -185,19 +189,33 @@ class SnapshotStore:
             if commit and (finite is None or bool(finite)):
                 if copy is not None:
                     copy.done()  # a GPU's copy: its events
-                with open(where.path("pt"), "wb") as fh:
-                    fh.write(blob)
-                total, full = layout.total, layout.full
-                data = self._buffers[where.path("bin")].data[:total]
-                facts["memory_snapshot"].update(state=[len(blob), crc32(blob)],
-                                                tensors=[total, full, sample_crc(data, full)])
-                replace_file(where.path("json"), header_bytes(facts), durable=False)  # commit
+                staged = (prepared.result() if prepared is not None
+                          else self._write(where, facts, blob, layout))
+                os.replace(staged, where.path("json"))  # the commit
                 self._steps[where] = self.newest = step
+                return status
         except Exception as exc:  # noqa: BLE001 - said at the agreement, on every rank
             status, self._error = (_FULL if no_space(exc) else _FAILED), exc
         finally:
             self.committed.set()
+        if prepared is not None:
+            wait([prepared])
+        remove_file(where.path("next"))  # dropped or failed: no staged header stays
         return status
+
+    def _write(self, where: Location, facts: dict[str, Any], blob: bytes,
+               layout: Layout) -> str:
+        """Write the set's small state and its header, staged beside the header's name
+        (the sizes and CRC-32s of what the set holds now); the staged header's path."""
+        with open(where.path("pt"), "wb") as fh:
+            fh.write(blob)
+        total, full = layout.total, layout.full
+        data = self._buffers[where.path("bin")].data[:total]
+        facts["memory_snapshot"].update(state=[len(blob), crc32(blob)],
+                                        tensors=[total, full, sample_crc(data, full)])
+        with open(where.path("next"), "wb") as fh:
+            fh.write(header_bytes(facts))
+        return where.path("next")
 
     def _share(self, status: int, where: Location, step: int) -> tuple[int, int]:
         """Send the replica, then agree with every rank on the newest step all of them

@@ -393,10 +393,10 @@ def test_an_interrupt_during_the_commit_stops_the_run_at_once(tmp_path, monkeypa
 
     store = SnapshotStore(str(tmp_path / "shm"), rank=0, world_size=1)
 
-    def interrupted(path, data, durable=True):
+    def interrupted(self, *args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(snapshots, "replace_file", interrupted)
+    monkeypatch.setattr(snapshots.SnapshotStore, "_write", interrupted)
     with pytest.raises(KeyboardInterrupt):
         store.take(1, facts(1), {"model": {"w": torch.ones(4)}, "trainer": {}}, {})
     assert store.committed.is_set() and store.inventory() == {}

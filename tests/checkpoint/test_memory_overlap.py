@@ -57,6 +57,49 @@ def test_the_named_storages_are_copied_in_a_thread_and_a_change_drops_the_snapsh
     assert not os.path.exists(store.own_dir())
 
 
+def test_the_copy_thread_stages_the_header_and_the_step_only_renames_it(tmp_path,
+                                                                          monkeypatch):
+    """After a copy on the CPU the snapshot thread writes the set's small state and
+    stages its header (``a.next``) while training goes on; before the optimizer step
+    the training thread checks the sources and renames the staged header into place,
+    writing nothing itself. A dropped snapshot leaves no staged header."""
+    store = SnapshotStore(str(tmp_path / "shm"), rank=0, world_size=1)
+    weight = torch.arange(1000.0)
+    state = {"model": {"w": weight}, "trainer": {}}
+    later = lambda: frozenset({key(weight)})  # noqa: E731
+    assert store.take(1, facts(1), state, {}, later=later)
+    where = store._pending[1]
+    store._pending[-1].result()  # the snapshot thread is done with the set
+    staged = open(where.path("next"), "rb").read()
+    assert not os.path.exists(where.path("json"))  # not committed before the check
+    main, writes = threading.current_thread(), []
+    real_open = open
+
+    def watched(path, mode="r", *args, **kwargs):
+        if "w" in mode and threading.current_thread() is main:
+            writes.append(path)
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", watched)
+    assert store.settle() is True
+    monkeypatch.undo()
+    assert writes == []  # the training thread only renamed
+    assert open(where.path("json"), "rb").read() == staged
+    assert not os.path.exists(where.path("next"))
+    assert torch.equal(held(store, 1)["model"]["w"], weight)
+    store.take(2, facts(2), state, {}, later=later)
+    dropped = store._pending[1]
+    with torch.no_grad():
+        weight.add_(1)  # the optimizer step came early: the snapshot is dropped
+    assert store.settle() is False
+    store.wait()
+    assert not os.path.exists(dropped.path("next")) and not os.path.exists(
+        dropped.path("json"))
+    assert sorted(store.inventory()[0]) == [1]
+    store.remove_mine()
+    store.close()
+
+
 def test_each_set_is_mapped_once_and_holds_the_current_values(tmp_path):
     """From the third snapshot on nothing is allocated or mapped (each set's pages are
     reused); each snapshot holds its own step's values, and a tensor given a new storage
