@@ -153,7 +153,7 @@ class SnapshotStore:
         if copy is not None:
             try:
                 unchanged = copy.before_step()
-                self.busy = copy.busy
+                self.busy = copy.busy or (prepared is not None and not prepared.done())
             except Exception as exc:  # noqa: BLE001 - every rank raises at the agreement
                 error, unchanged = exc, False
         self.committed.clear()
