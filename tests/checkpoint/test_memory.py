@@ -49,8 +49,9 @@ def facts(step, world_size=1):
 
 def trainer_args(tmp_path, shm, **kw):
     memory = {"every_n_steps": 1, "dir": str(shm), **kw.pop("memory", {})}
+    checkpoint = {"at_epoch_end": False, "memory": memory, **kw.pop("checkpoint", {})}
     return make_args(tmp_path, epochs=3, train_batch_size=10, micro_batch_size=5,
-                     checkpoint={"at_epoch_end": False, "memory": memory}, **kw)
+                     checkpoint=checkpoint, **kw)
 
 
 def recipe():
@@ -158,6 +159,31 @@ def test_a_damaged_lost_or_half_written_snapshot_is_fallen_back_from(tmp_path, c
     model = recipe()
     Trainer(model, trainer_args(tmp_path / "run", shm)).train()
     assert "resuming from memory, step 5" in capfd.readouterr().err
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_resume_from_disk_with_no_snapshot_held_says_so_and_loses_one_step(tmp_path, capfd):
+    """The node's memory lost after step 7: the run resumes from disk step 4 and says why;
+    killed again right after step 5, before its first snapshot since was committed, it
+    resumes from step 4 once more (one step lost) and says so again."""
+    ref = reference(tmp_path)
+    shm, run = tmp_path / "shm", tmp_path / "run"
+    disk = {"every_n_steps": 4}
+    with pytest.raises(Crash):
+        Trainer(recipe(), trainer_args(run, shm, checkpoint=disk), callbacks=[CrashAt(7)]).train()
+    for header in (shm / "rank00000").glob("*.json"):
+        header.unlink()
+    with pytest.raises(Crash):
+        Trainer(recipe(), trainer_args(run, shm, checkpoint=disk), callbacks=[CrashAt(5)]).train()
+    assert not steps_held(shm / "rank00000")
+    model = recipe()
+    Trainer(model, trainer_args(run, shm, checkpoint=disk)).train()
+    said = capfd.readouterr().err
+    assert said.count("memory snapshots: none is held (the run stopped before its first one "
+                      "since it last started, or its node's memory was lost); resuming from "
+                      "disk step 4") == 2, said
+    assert said.count("resuming from " + str(run / "checkpoints" / "step-00000004")) == 2, said
     for a, b in zip(model.parameters(), ref.parameters()):
         assert torch.equal(a, b)
 

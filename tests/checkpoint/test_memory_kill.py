@@ -2,6 +2,7 @@
 last or the last-but-one step and ends bit-identical to an uninterrupted run."""
 
 import json
+import os
 import random
 import re
 import time
@@ -34,7 +35,7 @@ def test_kill_9_with_memory_snapshots_loses_at_most_one_step(tmp_path):
     assert not ref_shm.exists()  # removed at the normal end
     config, shm = memory_config(tmp_path, "run")
     out, log = tmp_path / "run", tmp_path / "run.log"
-    seed = int(time.time())
+    seed = int(os.environ.get("SAILFIN_TEST_SEED") or time.time())  # a failure's seed reruns it
     rng = random.Random(seed)
     kills, proc, at_kill = 0, None, []
     try:
@@ -66,7 +67,8 @@ def test_kill_9_with_memory_snapshots_loses_at_most_one_step(tmp_path):
     # kill just after a disk checkpoint's step, before its snapshot is written, finds that
     # checkpoint newer (the run says so).
     from_memory = text.count("resuming from memory")
-    from_newer_disk = text.count("is older than the disk checkpoint of step")
+    from_newer_disk = (text.count("is older than the disk checkpoint of step")
+                       + text.count("memory snapshots: none is held"))
     assert from_memory + from_newer_disk == 3, text
     for step, logged in zip(resumed, at_kill):
         assert logged - 1 <= step <= logged, (resumed, at_kill, seed)  # last or last-but-one

@@ -76,7 +76,7 @@ def same_bits(got: dict, want: dict) -> None:
 def test_workers_killed_at_random_steps_lose_at_most_one_step(tmp_path, ddp_reference):
     cfg = memory_config(tmp_path, "kill")
     records, log = tmp_path / "kill" / "records", tmp_path / "kill.log"
-    seed = int(time.time())
+    seed = int(os.environ.get("SAILFIN_TEST_SEED") or time.time())  # a failure's seed reruns it
     rng = random.Random(seed)
     proc = torchrun(single_node(2, cfg, restarts=2), log)
     at_kill = []
@@ -100,10 +100,13 @@ def test_workers_killed_at_random_steps_lose_at_most_one_step(tmp_path, ddp_refe
     resumed = [int(s) for s in re.findall(r"\(torchrun\): resuming from \S+: step (\d+)", text)]
     assert len(resumed) == 2, (seed, tail([log]))
     # From memory, or from a disk checkpoint newer than every complete snapshot (a kill
-    # right after a disk checkpoint's step, before that step's snapshot was complete).
+    # right after a disk checkpoint's step, before that step's snapshot was complete, or
+    # one step after a resume from disk, before the first snapshot since was).
     from_memory = len(re.findall(r"resuming from memory, step (\d+)", text))
-    from_newer_disk = len(re.findall(r"is older than the disk checkpoint of step", text))
-    assert from_memory + from_newer_disk == 2, (seed, tail([log]))
+    from_newer_disk = len(re.findall(r"is older than the disk checkpoint of step|memory "
+                                     r"snapshots: none is held", text))
+    said = [line for line in text.splitlines() if "sailfin:" in line and "[progress]" not in line]
+    assert from_memory + from_newer_disk == 2, (seed, "\n".join(said))
     for step, finished in zip(resumed, at_kill):
         assert finished - 1 <= step <= finished + 1, (resumed, at_kill, seed)  # last or the one before
     weights_ref, one = ddp_reference

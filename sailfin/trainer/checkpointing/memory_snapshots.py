@@ -105,6 +105,10 @@ class MemorySnapshots(Callback):
         held = {r: set().union(*(report.get(r, []) for report in reports)) for r in range(world)}
         newest = max((s for steps in held.values() for s in steps), default=None)
         if newest is None:
+            if rank == 0 and disk is not None:
+                say(f"memory snapshots: none is held (the run stopped before its first one "
+                    f"since it last started, or its node's memory was lost); resuming from "
+                    f"disk step {disk}")
             return {}
         common = set.intersection(*held.values())
         if not common:
