@@ -62,14 +62,14 @@ def test_kill_9_with_memory_snapshots_loses_at_most_one_step(tmp_path):
     # write before it is logged, so the snapshot of the step before the last one logged is
     # complete however loaded the machine is.
     resumed = [int(s) for s in re.findall(r"sailfin: resuming from \S+: step (\d+)", text)]
-    assert len(resumed) == 3, text
+    assert len(resumed) == 3, (seed, text)
     # Each from memory, or from a disk checkpoint newer than every complete snapshot: a
     # kill just after a disk checkpoint's step, before its snapshot is written, finds that
     # checkpoint newer (the run says so).
     from_memory = text.count("resuming from memory")
     from_newer_disk = (text.count("is older than the disk checkpoint of step")
                        + text.count("memory snapshots: none is held"))
-    assert from_memory + from_newer_disk == 3, text
+    assert from_memory + from_newer_disk == 3, (seed, text)
     for step, logged in zip(resumed, at_kill):
         assert logged - 1 <= step <= logged, (resumed, at_kill, seed)  # last or last-but-one
     assert_same_run(out, tmp_path / "ref")
