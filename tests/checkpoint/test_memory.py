@@ -180,9 +180,9 @@ def test_a_resume_from_disk_with_no_snapshot_held_says_so_and_loses_one_step(tmp
     model = recipe()
     Trainer(model, trainer_args(run, shm, checkpoint=disk)).train()
     said = capfd.readouterr().err
-    assert said.count("memory snapshots: none is held (the run stopped before its first one "
-                      "since it last started, or its node's memory was lost); resuming from "
-                      "disk step 4") == 2, said
+    assert said.count("memory snapshots: none is held (removed at the run's last normal end, "
+                      "lost with its node's memory, or the run stopped before its first one "
+                      "since it last started); resuming from disk step 4") == 2, said
     assert said.count("resuming from " + str(run / "checkpoints" / "step-00000004")) == 2, said
     for a, b in zip(model.parameters(), ref.parameters()):
         assert torch.equal(a, b)

@@ -106,9 +106,9 @@ class MemorySnapshots(Callback):
         newest = max((s for steps in held.values() for s in steps), default=None)
         if newest is None:
             if rank == 0 and disk is not None:
-                say(f"memory snapshots: none is held (the run stopped before its first one "
-                    f"since it last started, or its node's memory was lost); resuming from "
-                    f"disk step {disk}")
+                say(f"memory snapshots: none is held (removed at the run's last normal end, "
+                    f"lost with its node's memory, or the run stopped before its first one "
+                    f"since it last started); resuming from disk step {disk}")
             return {}
         common = set.intersection(*held.values())
         if not common:
